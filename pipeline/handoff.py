@@ -1,0 +1,129 @@
+"""Typed messages between the processing step and the stages.
+
+Ingress (processing) -> Thinker:   ThinkerRequest (token ids + media tensors + sampling)
+Thinker -> caller, every step:     ThinkerDelta (new ids, text, spoken-span hidden states)
+Thinker -> Talker -> Code2Wav:     SpokenChunk, CodeChunk (later stages)
+
+Tensors here are CPU tensors (or numpy arrays when crossing Ray); the engines move them
+to their device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Thinker sampling. temperature 0 means greedy (the vLLM stage-0 default)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    repetition_penalty: float = 1.0
+    max_tokens: int = 512
+    stop_ids: tuple[int, ...] = (151704, 151645)
+    ignore_eos: bool = False  # fixed-length benchmark mode: run exactly max_tokens
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class ImageInput:
+    """One image (or video frame) after slicing: every slice is one vision sequence.
+
+    pixel_values: list of (3, patch, patch * L_i) float tensors, NaViT patch strips
+    tgt_sizes:    (num_slices, 2) int tensor, patch grid (h, w) of each slice
+    content_hash: hash of the source bytes + slicing options, for the encoder cache
+    """
+
+    pixel_values: list[torch.Tensor]
+    tgt_sizes: torch.Tensor
+    content_hash: str
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.pixel_values)
+
+
+@dataclass
+class AudioInput:
+    """One audio clip as log-mel features.
+
+    features:     (num_mel_bins, frames) float tensor, 100 frames/s, last frame dropped
+    content_hash: hash of the samples, for the encoder cache
+    """
+
+    features: torch.Tensor
+    content_hash: str
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.features.shape[-1])
+
+
+@dataclass
+class ThinkerRequest:
+    """A fully processed prompt.
+
+    input_ids has one `<unk>` per multimodal embedding; `image_bounds` / `audio_bounds`
+    are (start, end) index pairs into input_ids, one per image slice / audio clip
+    segment, in prompt order, each spanning exactly the slots its embeddings fill.
+    `images[i]` yields `images[i].num_slices` consecutive image bounds.
+    `audio_segments` maps each audio bound to (clip index, first token, num tokens)
+    within that clip's pooled embeddings.
+    """
+
+    request_id: str
+    input_ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)
+    image_bounds: list[tuple[int, int]] = field(default_factory=list)
+    audios: list[AudioInput] = field(default_factory=list)
+    audio_bounds: list[tuple[int, int]] = field(default_factory=list)
+    audio_segments: list[tuple[int, int, int]] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_hidden: bool = False  # emit hidden states of the spoken span for the Talker
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class ThinkerDelta:
+    """What one engine step produced for one request.
+
+    token_ids:     new token ids (usually one)
+    text:          decoded text delta (may be empty while a UTF-8 char is incomplete)
+    spoken_ids:    ids of the spoken span (after <|tts_bos|>) fed at this step
+    spoken_hidden: (len(spoken_ids), hidden) final-norm hidden states at the positions
+                   where those ids were the *input* token (what the Talker conditions on)
+    finished:      True on the last delta; finish_reason is then "stop" | "length" | "abort"
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    spoken_ids: list[int] = field(default_factory=list)
+    spoken_hidden: torch.Tensor | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
