@@ -1,0 +1,285 @@
+"""Thinker engine: multimodal requests in, per-step text deltas and spoken-span hidden
+states out.
+
+Each `step()`:
+  1) admits new requests: their images and audio are encoded together, batched across
+     all requests admitted in this step, with a content-hash LRU in front of the encoders;
+     the `<unk>` slots of each prompt get those rows (`mm_positions`, `mm_embeds`);
+  2) runs one continuous-batching step of the LLM engine (prefill chunks + decodes);
+  3) turns new ids into text deltas (no half UTF-8 characters) and pairs each spoken-span
+     token with the hidden state computed when it was the input token (what the Talker
+     conditions on: spec section 2.2).
+
+Synchronous and single-threaded: the deployment drives it in a loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.checkpoint import ModelSource
+from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.handoff import ThinkerDelta, ThinkerRequest
+from pipeline.thinker.model import ThinkerModel
+from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
+from pipeline.utils import resolve_device, resolve_dtype
+
+
+@dataclass(frozen=True)
+class ThinkerEngineConfig:
+    llm: EngineConfig = field(default_factory=EngineConfig)
+    vision_attn_backend: str = "sdpa"  # eager | sdpa | flash
+    compile_mm_encoder: bool = False  # regional torch.compile of each SigLIP layer
+    encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
+    vision_batch_size: int = 16  # slices per vision forward
+    max_admit_per_step: int = 8  # requests whose media are encoded in one step
+    dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
+
+    def __post_init__(self) -> None:
+        if self.vision_attn_backend not in ("eager", "sdpa", "flash"):
+            raise ValueError(f"vision_attn_backend must be eager|sdpa|flash, got {self.vision_attn_backend!r}")
+        if self.encoder_cache_size < 0 or self.vision_batch_size < 1 or self.max_admit_per_step < 1:
+            raise ValueError("encoder_cache_size >= 0, vision_batch_size >= 1, max_admit_per_step >= 1")
+
+
+class EncoderCache:
+    """Bounded LRU of encoder outputs keyed by media content hash."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        if self.capacity == 0:
+            return None
+        t = self._items.get(key)
+        if t is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return t
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        if self.capacity == 0:
+            return
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass
+class _Stream:
+    """Per-request decode state."""
+
+    request: ThinkerRequest
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    span_start: int | None = None  # index into output_ids where the spoken span begins
+    span_end: int | None = None  # index of the token that ended it
+    num_hidden: int = 0  # output tokens whose hidden rows have been seen
+
+
+@dataclass(frozen=True)
+class ThinkerStats:
+    num_waiting_encode: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    encoder_cache_hits: int
+    encoder_cache_misses: int
+    encoder_cache_items: int
+
+
+class ThinkerEngine:
+    def __init__(self, model: ThinkerModel, tokenizer: TextTokenizer, config: ThinkerEngineConfig,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.llm = LLMEngine(model.llm, config.llm, self.device, dtype)
+        self.cache = EncoderCache(config.encoder_cache_size)
+        self.tokens = model.cfg.tokens
+        self._pending: list[ThinkerRequest] = []
+        self._streams: dict[str, _Stream] = {}
+        self._aborted: list[ThinkerDelta] = []
+
+    @classmethod
+    def from_source(cls, source: ModelSource, config: ThinkerEngineConfig | None = None,
+                    device: str = "auto") -> "ThinkerEngine":
+        config = config or ThinkerEngineConfig()
+        dev = resolve_device(device)
+        dtype = resolve_dtype(config.dtype, dev)
+        model = ThinkerModel.load(source, dev, dtype, config.vision_attn_backend, config.compile_mm_encoder)
+        if source.path is None:
+            raise ValueError("a tokenizer needs a checkpoint directory")
+        return cls(model, TextTokenizer.from_dir(source.path), config, dev, dtype)
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, req: ThinkerRequest) -> None:
+        rid = req.request_id
+        if rid in self._streams or any(p.request_id == rid for p in self._pending):
+            raise ValueError(f"duplicate request id {rid!r}")
+        if not req.input_ids:
+            raise ValueError("empty prompt")
+        limit = self.model.cfg.llm.max_position_embeddings
+        if req.num_prompt_tokens + req.sampling.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
+                f"exceeds the context of {limit} tokens"
+            )
+        self._check_bounds(req)
+        self._pending.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request wherever it is; its blocks are freed at once."""
+        for i, p in enumerate(self._pending):
+            if p.request_id == request_id:
+                del self._pending[i]
+                self._aborted.append(ThinkerDelta(request_id, [], finished=True, finish_reason="abort"))
+                return True
+        if request_id in self._streams:
+            del self._streams[request_id]
+            if not self.llm.abort(request_id):
+                self._aborted.append(ThinkerDelta(request_id, [], finished=True, finish_reason="abort"))
+            return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or bool(self._aborted) or self.llm.has_unfinished()
+
+    # -- stepping ----------------------------------------------------------------------
+    def step(self) -> list[ThinkerDelta]:
+        deltas, self._aborted = self._aborted, []
+        if self._pending:
+            admit = self._pending[: self.config.max_admit_per_step]
+            self._pending = self._pending[len(admit):]
+            self._admit(admit)
+        for out in self.llm.step():
+            st = self._streams.get(out.request_id)
+            if st is None:  # aborted by us: the LLM engine's own abort notice
+                if out.finish_reason == "abort":
+                    deltas.append(ThinkerDelta(out.request_id, [], finished=True, finish_reason="abort"))
+                continue
+            deltas.append(self._delta(st, out.token_ids, out.hidden, out.finished, out.finish_reason))
+            if out.finished:
+                del self._streams[out.request_id]
+        return deltas
+
+    def _admit(self, reqs: list[ThinkerRequest]) -> None:
+        # 1) encode what the cache does not hold, all admitted requests in one batch each
+        have: dict[str, torch.Tensor] = {}
+        images, audios = {}, {}
+        for r in reqs:
+            for key, item, todo in [(im.content_hash, im, images) for im in r.images] + \
+                                   [(a.content_hash, a, audios) for a in r.audios]:
+                if key in have or key in todo:
+                    continue
+                hit = self.cache.get(key)
+                if hit is None:
+                    todo[key] = item
+                else:
+                    have[key] = hit
+        if images:
+            have.update(zip(images, self.model.encode_images(list(images.values()), self.config.vision_batch_size)))
+        if audios:
+            have.update(zip(audios, self.model.encode_audios(list(audios.values()))))
+        for key in list(images) + list(audios):
+            self.cache.put(key, have[key])
+
+        # 2) splice rows into each prompt and hand it to the LLM engine
+        for r in reqs:
+            positions, embeds = [], []
+            slice_rows = [have[im.content_hash] for im in r.images]
+            q = self.model.cfg.query_num
+            per_slice = [x[i * q:(i + 1) * q] for x, im in zip(slice_rows, r.images) for i in range(im.num_slices)]
+            for (start, end), x in zip(r.image_bounds, per_slice):
+                positions.append(torch.arange(start, end))
+                embeds.append(x)
+            clip_rows = [have[a.content_hash] for a in r.audios]
+            for (start, end), (clip, first, n) in zip(r.audio_bounds, r.audio_segments):
+                positions.append(torch.arange(start, end))
+                embeds.append(clip_rows[clip][first:first + n])
+            mm_pos = torch.cat(positions) if positions else None
+            mm_emb = torch.cat(embeds).to(self.dtype) if embeds else None
+            if mm_emb is not None and mm_emb.shape[0] != mm_pos.numel():
+                raise ValueError(f"request {r.request_id}: {mm_pos.numel()} media slots, {mm_emb.shape[0]} embeddings")
+            self.llm.add_request(r.request_id, r.input_ids, r.sampling, mm_pos, mm_emb, r.return_hidden)
+            st = _Stream(r, IncrementalDetokenizer(self.tokenizer))
+            if r.input_ids[-1] == self.tokens.tts_bos:
+                st.span_start = 0
+            self._streams[r.request_id] = st
+
+    def _delta(self, st: _Stream, new_ids: list[int], hidden: torch.Tensor | None,
+               finished: bool, reason: str | None) -> ThinkerDelta:
+        tk = self.tokens
+        for t in new_ids:
+            i = len(st.output_ids)
+            st.output_ids.append(t)
+            if st.span_start is None and t == tk.tts_bos:
+                st.span_start = i + 1
+            elif st.span_start is not None and st.span_end is None and i >= st.span_start \
+                    and t in (tk.tts_eos, tk.im_end):
+                st.span_end = i
+        spoken_ids: list[int] = []
+        spoken_rows: list[torch.Tensor] = []
+        if hidden is not None:
+            for j in range(hidden.shape[0]):
+                i = st.num_hidden + j  # output index whose input-step hidden this is
+                in_span = (st.span_start is not None and i >= st.span_start
+                           and (st.span_end is None or i < st.span_end))
+                if in_span:
+                    spoken_ids.append(st.output_ids[i])
+                    spoken_rows.append(hidden[j])
+            st.num_hidden += hidden.shape[0]
+        visible = [t for t in new_ids if t not in (tk.tts_eos, tk.im_end, tk.endoftext)]
+        text = st.detok.push(visible) if visible else ""
+        if finished:
+            text += st.detok.flush()
+        return ThinkerDelta(
+            request_id=st.request.request_id,
+            token_ids=list(new_ids),
+            text=text,
+            spoken_ids=spoken_ids,
+            spoken_hidden=torch.stack(spoken_rows).float() if spoken_rows else None,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=st.request.num_prompt_tokens,
+            num_output_tokens=len(st.output_ids),
+        )
+
+    def _check_bounds(self, req: ThinkerRequest) -> None:
+        n_slices = sum(im.num_slices for im in req.images)
+        if len(req.image_bounds) != n_slices:
+            raise ValueError(f"{len(req.image_bounds)} image bounds for {n_slices} slices")
+        if len(req.audio_bounds) != len(req.audio_segments):
+            raise ValueError("audio_bounds and audio_segments differ in length")
+        q = self.model.cfg.query_num
+        for s, e in req.image_bounds:
+            if e - s != q:
+                raise ValueError(f"image slot [{s}, {e}) holds {e - s} tokens, expected {q}")
+        for (s, e), (clip, _, n) in zip(req.audio_bounds, req.audio_segments):
+            if e - s != n or not 0 <= clip < len(req.audios):
+                raise ValueError(f"audio slot [{s}, {e}) does not match segment of clip {clip} ({n} tokens)")
+
+    def stats(self) -> ThinkerStats:
+        s = self.llm.stats()
+        return ThinkerStats(
+            num_waiting_encode=len(self._pending), num_running=s.num_running, num_waiting=s.num_waiting,
+            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+            num_preemptions=s.num_preemptions, encoder_cache_hits=self.cache.hits,
+            encoder_cache_misses=self.cache.misses, encoder_cache_items=len(self.cache),
+        )

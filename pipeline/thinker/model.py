@@ -1,0 +1,113 @@
+"""The Thinker: SigLIP + resampler (images), Whisper + projection (audio), Qwen3 (text).
+
+    image slices --vpm--> (S, L, 1152) --resampler--> (S, 64, H)   one row per <unk> slot
+    audio mel    --apm--> (T', 1024) --projection--> (T', H) --avgpool 5--> (n, H)
+    prompt ids   --embed--> (P, H), <unk> rows replaced by the media rows above
+                 --Qwen3 (paged KV, continuous batching: pipeline/engine)--> next token
+
+`ThinkerModel` only holds the modules and encodes media; the engine
+(`pipeline/thinker/engine.py`) splices, schedules and samples.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.checkpoint import (
+    ModelSource,
+    audio_projection_schema,
+    audio_schema,
+    llm_schema,
+    load_into,
+    load_part,
+    optional_patterns,
+    resampler_schema,
+    vision_schema,
+)
+from pipeline.config import ThinkerConfig
+from pipeline.utils import default_dtype
+from pipeline.handoff import AudioInput, ImageInput
+from pipeline.thinker.audio import AudioEncoder
+from pipeline.thinker.llm import Qwen3LM
+from pipeline.thinker.resampler import Resampler
+from pipeline.thinker.vision import VisionEncoder, compile_vision_layers, pack_strips
+
+
+class ThinkerModel(nn.Module):
+    def __init__(self, cfg: ThinkerConfig, vision_attn_backend: str = "sdpa"):
+        super().__init__()
+        self.cfg = cfg
+        self.vpm = VisionEncoder(cfg.vision, vision_attn_backend)
+        self.resampler = Resampler.from_config(cfg)
+        self.audio = AudioEncoder.from_config(cfg)  # children: apm, audio_projection_layer
+        self.llm = Qwen3LM(cfg.llm)
+
+    @classmethod
+    def load(cls, source: ModelSource, device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.float32, vision_attn_backend: str = "sdpa",
+             compile_mm_encoder: bool = False) -> "ThinkerModel":
+        """Build on the target device, then load every part strictly."""
+        cfg = source.config.thinker
+        with torch.device(device), default_dtype(dtype):
+            model = cls(cfg, vision_attn_backend)
+        t, opt = source.tensors, optional_patterns(cfg)
+
+        def part(prefix: str, schema: dict) -> dict[str, torch.Tensor]:
+            return load_part(t, prefix, schema, device, dtype, opt)
+
+        audio_state = {"apm." + k: v for k, v in part("apm.", audio_schema(cfg)).items()}
+        audio_state.update({"audio_projection_layer." + k: v for k, v in
+                            part("audio_projection_layer.", audio_projection_schema(cfg)).items()})
+        for name, module, state in (
+            ("vpm", model.vpm, part("vpm.", vision_schema(cfg))),
+            ("resampler", model.resampler, part("resampler.", resampler_schema(cfg))),
+            ("apm", model.audio, audio_state),
+            ("llm", model.llm, part("llm.", llm_schema(cfg))),
+        ):
+            load_into(module, state, name)
+            del state
+        model.eval()
+        if compile_mm_encoder:
+            compile_vision_layers(model.vpm)
+        return model
+
+    # -- media --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode_images(self, images: list[ImageInput], batch_size: int = 16) -> list[torch.Tensor]:
+        """Every slice of every image, batched `batch_size` slices per vision forward.
+        Returns per image (num_slices * query_num, H)."""
+        strips = [s for im in images for s in im.pixel_values]
+        sizes = torch.cat([im.tgt_sizes.reshape(-1, 2) for im in images]) if images else None
+        if not strips:
+            return []
+        device, dtype = self.llm.lm_head.weight.device, self.llm.lm_head.weight.dtype
+        # Sort by length so each batch pads little; restore order afterwards.
+        lens = (sizes[:, 0] * sizes[:, 1]).tolist()
+        order = sorted(range(len(strips)), key=lambda i: lens[i])
+        rows: list[torch.Tensor | None] = [None] * len(strips)
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            pix, tgt, mask = pack_strips([strips[i] for i in idx], sizes[idx])
+            feats = self.vpm(pix.to(device, dtype, non_blocking=True), tgt, mask)
+            out = self.resampler(feats, tgt)  # (b, Q, H)
+            for j, i in enumerate(idx):
+                rows[i] = out[j]
+        result, k = [], 0
+        for im in images:
+            result.append(torch.cat(rows[k : k + im.num_slices], dim=0))
+            k += im.num_slices
+        return result
+
+    @torch.inference_mode()
+    def encode_audios(self, audios: list[AudioInput]) -> list[torch.Tensor]:
+        """All clips in one batched encoder call -> per clip (num_tokens, H)."""
+        if not audios:
+            return []
+        device, dtype = self.llm.lm_head.weight.device, self.llm.lm_head.weight.dtype
+        lengths = [a.num_frames for a in audios]
+        mel = self.cfg.audio.num_mel_bins
+        batch = torch.zeros(len(audios), mel, max(lengths), dtype=dtype)
+        for i, a in enumerate(audios):
+            batch[i, :, : a.num_frames] = a.features
+        return self.audio(batch.to(device, non_blocking=True), lengths)

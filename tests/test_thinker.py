@@ -1,0 +1,183 @@
+"""The Thinker end to end on the embedded default checkpoint: media -> encoders -> splice
+-> paged continuous batching -> text deltas + spoken-span hidden states.
+
+Fast paths checked against the plain path here: encoder cache hit == miss; requests
+admitted together (batched encoders, batched decode) == each alone; the engine's
+per-step hidden states == one dense forward over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from PIL import Image
+
+from pipeline.engine.engine import EngineConfig
+from pipeline.handoff import SamplingParams
+from pipeline.processing.processor import Processor
+from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+
+
+def _png(w: int, h: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _wav(seconds: float, freq: float) -> bytes:
+    t = np.arange(int(16000 * seconds)) / 16000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), 16000, format="WAV")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def engine_factory(tiny_source):
+    def make(**kw) -> ThinkerEngine:
+        cfg = ThinkerEngineConfig(llm=EngineConfig(kv_cache_bytes=32 * 2**20, **kw.pop("llm", {})), **kw)
+        return ThinkerEngine.from_source(tiny_source, cfg, device="cpu")
+
+    return make
+
+
+def _request(engine, rid, image_seed=0, audio_freq=440.0, max_tokens=8, speech=True, text="What is it?"):
+    proc = Processor(engine.model.cfg, engine.tokenizer)
+    msgs = [{"role": "user", "content": [
+        {"type": "image", "data": _png(500, 700, image_seed)},
+        {"type": "audio", "data": _wav(2.0, audio_freq)},
+        {"type": "text", "text": text}]}]
+    return proc.build(msgs, speech_output=speech, request_id=rid,
+                      sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _run(engine, reqs):
+    for r in reqs:
+        engine.add_request(r)
+    out = {r.request_id: {"ids": [], "text": "", "spoken": [], "hidden": [], "reason": None} for r in reqs}
+    while engine.has_unfinished():
+        for d in engine.step():
+            o = out[d.request_id]
+            o["ids"] += d.token_ids
+            o["text"] += d.text
+            o["spoken"] += d.spoken_ids
+            if d.spoken_hidden is not None:
+                o["hidden"].append(d.spoken_hidden)
+            if d.finished:
+                o["reason"] = d.finish_reason
+    for o in out.values():
+        o["hidden"] = torch.cat(o["hidden"]) if o["hidden"] else torch.zeros(0)
+    return out
+
+
+def test_multimodal_request_streams_text_and_spoken_hidden(engine_factory):
+    eng = engine_factory()
+    req = _request(eng, "a", max_tokens=10)
+    assert len(req.image_bounds) > 1 and req.audio_bounds  # sliced image + audio
+    out = _run(eng, [req])["a"]
+    assert len(out["ids"]) == 10 and out["reason"] == "length"
+    assert out["text"] == eng.tokenizer.decode(out["ids"], skip_special_tokens=True)
+    # The prompt ends with <|tts_bos|>: every output token but the last one (never fed
+    # back on a length stop) comes with its hidden state.
+    assert out["spoken"] == out["ids"][:-1]
+    assert out["hidden"].shape == (9, eng.model.cfg.llm.hidden_size)
+    assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
+
+
+def test_spoken_hidden_equals_dense_forward(engine_factory):
+    """Pairing rule of spec 2.2: the row for token t_i is the final-norm hidden at the
+    position where t_i was the input. Checked against one dense causal forward."""
+    eng = engine_factory()
+    req = _request(eng, "d", max_tokens=6)
+    out = _run(eng, [req])["d"]
+    model = eng.model
+    ids = torch.tensor(req.input_ids + out["ids"])
+    with torch.inference_mode():
+        emb = model.llm.embed(ids)
+        img = torch.cat(model.encode_images(req.images))
+        aud = model.encode_audios(req.audios)
+        rows = iter(img.split(model.cfg.query_num))
+        for s, e in req.image_bounds:
+            emb[s:e] = next(rows)
+        for (s, e), (clip, first, n) in zip(req.audio_bounds, req.audio_segments):
+            emb[s:e] = aud[clip][first:first + n]
+        dense = model.llm(emb, torch.arange(len(ids)))  # no forward context: one causal seq
+        greedy = model.llm.compute_logits(dense[len(req.input_ids) - 1:-1]).argmax(-1)
+    p = len(req.input_ids)
+    torch.testing.assert_close(out["hidden"], dense[p:p + len(out["spoken"])], atol=1e-4, rtol=1e-4)
+    assert greedy.tolist() == out["ids"]
+
+
+def test_encoder_cache_hit_equals_miss(engine_factory):
+    eng = engine_factory(encoder_cache_size=8)
+    first = _run(eng, [_request(eng, "x")])["x"]
+    assert (eng.cache.hits, eng.cache.misses) == (0, 2)
+    second = _run(eng, [_request(eng, "y")])["y"]
+    assert (eng.cache.hits, eng.cache.misses) == (2, 2)
+    assert first["ids"] == second["ids"]
+    torch.testing.assert_close(first["hidden"], second["hidden"], atol=0, rtol=0)
+    off = engine_factory(encoder_cache_size=0)
+    third = _run(off, [_request(off, "z")])["z"]
+    assert off.cache.hits == 0 and third["ids"] == first["ids"]
+
+
+def test_batched_requests_equal_each_alone(engine_factory):
+    eng = engine_factory()
+    reqs = [_request(eng, f"r{i}", image_seed=i, audio_freq=300.0 + 100 * i, max_tokens=5 + i)
+            for i in range(3)]
+    together = _run(eng, reqs)
+    for i, r in enumerate(reqs):
+        alone_eng = engine_factory()
+        alone = _run(alone_eng, [_request(alone_eng, r.request_id, image_seed=i,
+                                          audio_freq=300.0 + 100 * i, max_tokens=5 + i)])
+        a, b = together[r.request_id], alone[r.request_id]
+        assert a["ids"] == b["ids"], r.request_id
+        torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-4, rtol=1e-4)
+
+
+def test_text_only_prompt_without_speech_has_no_spoken_span(engine_factory):
+    eng = engine_factory()
+    proc = Processor(eng.model.cfg, eng.tokenizer)
+    req = proc.build([{"role": "user", "content": "hello"}], speech_output=False, request_id="t",
+                     sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    assert req.input_ids[-1] != eng.tokens.tts_bos
+    out = _run(eng, [req])["t"]
+    assert len(out["ids"]) == 4 and out["spoken"] == []
+
+
+def test_abort_frees_everything(engine_factory):
+    eng = engine_factory()
+    total = eng.stats().num_total_blocks
+    eng.add_request(_request(eng, "p", max_tokens=50))
+    eng.add_request(_request(eng, "q", max_tokens=50))
+    eng.step()
+    eng.step()
+    assert eng.stats().num_free_blocks < total
+    assert eng.abort("p") and eng.abort("q") and not eng.abort("nope")
+    assert eng.stats().num_free_blocks == total
+    finals = [d for d in eng.step() if d.finished]
+    assert sorted(d.request_id for d in finals) == ["p", "q"]
+    assert all(d.finish_reason == "abort" for d in finals)
+    assert not eng.has_unfinished()
+    # Aborting a request that is still waiting for its encoders.
+    eng.add_request(_request(eng, "w"))
+    assert eng.abort("w")
+    assert [d.finish_reason for d in eng.step()] == ["abort"]
+
+
+def test_bad_requests_are_refused(engine_factory):
+    eng = engine_factory()
+    req = _request(eng, "b")
+    with pytest.raises(ValueError, match="context"):
+        eng.add_request(type(req)(**{**req.__dict__, "sampling": SamplingParams(max_tokens=10**6)}))
+    s, e = req.image_bounds[0]
+    bad = type(req)(**{**req.__dict__, "image_bounds": [(s, e - 1)] + req.image_bounds[1:]})
+    with pytest.raises(ValueError, match="image slot"):
+        eng.add_request(bad)
+    eng.add_request(req)
+    with pytest.raises(ValueError, match="duplicate"):
+        eng.add_request(req)
