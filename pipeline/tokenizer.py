@@ -49,15 +49,34 @@ class TextTokenizer:
             raise FileNotFoundError(
                 f"{path}: no tokenizer found (need tokenizer.json, or vocab.json + merges.txt)"
             )
-        tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        # Added tokens: added_tokens.json, plus tokenizer_config.json's added_tokens_decoder
+        # (the only place the released files list `<unk>`, id 128244, inside the BPE range).
+        added: dict[str, int] = {}
+        if (path / "added_tokens.json").is_file():
+            added.update(json.loads((path / "added_tokens.json").read_text()))
+        if (path / "tokenizer_config.json").is_file():
+            decoder = json.loads((path / "tokenizer_config.json").read_text()).get("added_tokens_decoder", {})
+            added.update({v["content"]: int(k) for k, v in decoder.items()})
+        # Put each added token into the BPE vocabulary at its id (replacing whatever held
+        # that id), so the tokenizers library keeps the id instead of appending it.
+        vocab_map: dict[str, int] = json.loads(vocab.read_text())
+        taken = {i: t for t, i in vocab_map.items()}
+        for text, i in added.items():
+            if i in taken and taken[i] != text:
+                del vocab_map[taken[i]]
+            vocab_map[text] = i
+        lines = [ln for ln in merges.read_text(encoding="utf-8").splitlines() if ln and not ln.startswith("#version")]
+        merge_pairs = [tuple(ln.split(" ")) for ln in lines]
+        tok = Tokenizer(models.BPE(vocab=vocab_map, merges=merge_pairs))
         tok.pre_tokenizer = qwen2_pre_tokenizer()
         tok.decoder = decoders.ByteLevel()
-        added = path / "added_tokens.json"
-        if added.is_file():
-            from tokenizers import AddedToken
+        from tokenizers import AddedToken
 
-            items = sorted(json.loads(added.read_text()).items(), key=lambda kv: kv[1])
-            tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _ in items])
+        items = sorted(added.items(), key=lambda kv: kv[1])
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _ in items])
+        wrong = {t: i for t, i in added.items() if tok.token_to_id(t) != i}
+        if wrong:
+            raise ValueError(f"{path}: added tokens did not get their ids: {dict(list(wrong.items())[:5])}")
         return cls(tok)
 
     def encode(self, text: str) -> list[int]:

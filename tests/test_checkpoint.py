@@ -104,8 +104,15 @@ def test_tokenizer_from_vocab_and_merges(tmp_path):
     lines = [" ".join(m) if isinstance(m, list) else m for m in merges]
     (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(lines) + "\n")
     (tmp_path / "tokenizer.json").unlink()
+    # As released: vocab.json lacks the added tokens; <unk> is only in added_tokens_decoder.
+    vocab = {t: i for t, i in spec["model"]["vocab"].items() if i < 151643 and t != "<unk>"}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {"128244": {"content": "<unk>", "special": True}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = TextTokenizer.from_dir(tmp_path)
     assert tok.encode("<|im_end|>the fox")[0] == 151645
+    assert SpecialTokens.from_vocab(tok.vocab) == SpecialTokens()
 
 
 def _tiny_cfg():
