@@ -1,0 +1,324 @@
+"""Audio decoding and MiniCPM-o log-mel features for the Whisper encoder.
+
+Stages:
+1. decode bytes -> float32 samples: soundfile (WAV/FLAC/OGG/MP3/...), PyAV for other
+   containers (M4A/AAC, Opus in WebM, MP4 audio tracks...)
+2. mono (mean over channels, as librosa does) and resample to 16 kHz with PyAV's
+   `AudioResampler` (FFmpeg libswresample, windowed-sinc polyphase filter; phase-aligned,
+   output length ceil(n * 16000 / sr))
+3. log-mel, per 30 s window (the reference splits longer clips at 480000 samples and runs the
+   feature extractor on each piece): Whisper STFT (n_fft 400, hop 160, periodic Hann,
+   centered, reflect pad), |X|^2, last STFT frame dropped, 80 slaney mel filters,
+   log10(max(x, 1e-10)), *dynamic floor* max(x, max_over_window - 8), then (x + 4) / 4.
+   The window is trimmed to ceil(n / 160) frames (the reference pads to 30 s with zeros and
+   trims by the attention mask; padding with n_fft zeros gives the same frames, see
+   `_window_log_mel`). Windows are concatenated: features (80, ceil(n / 160)).
+
+Token counts: 100 frames/s -> conv stride 2 -> 50/s -> avg-pool 5 -> 10 LLM tokens/s,
+`audio_num_tokens(n) = ((ceil(n/160) - 1) // 2 + 1 - 5) // 5 + 1`. Because each window is
+3000 frames (even, a multiple of 10), running the encoder per `WINDOW_FRAMES` window and
+concatenating gives exactly that count for any length.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import math
+
+import av
+import numpy as np
+import soundfile as sf
+import torch
+
+from pipeline.handoff import AudioInput
+from pipeline.processing.errors import (
+    CorruptMediaError,
+    EmptyMediaError,
+    MediaTooLargeError,
+    UnsupportedMediaError,
+)
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+N_MELS = 80
+DYNAMIC_RANGE_DB = 8.0  # log10 units, as the reference names it
+WINDOW_SAMPLES = 30 * SAMPLE_RATE  # reference splits clips longer than 30 s here
+WINDOW_FRAMES = WINDOW_SAMPLES // HOP_LENGTH  # 3000 mel frames = one encoder pass
+MIN_SAMPLES = 1600  # clips shorter than 0.1 s are zero-padded to this (>= 1 token)
+
+# Leading bytes of containers we recognize: such bytes failing to decode are corrupt,
+# anything else is an unsupported format.
+_AUDIO_MAGIC = (
+    b"RIFF",
+    b"fLaC",
+    b"OggS",
+    b"ID3",
+    b"\xff\xfb",
+    b"\xff\xf3",
+    b"\xff\xf2",
+    b"FORM",
+    b"\x1aE\xdf\xa3",
+    b"caff",
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Decoding
+
+
+def _looks_like_media(data: bytes) -> bool:
+    return data.startswith(_AUDIO_MAGIC) or data[4:8] == b"ftyp"
+
+
+def _decode_soundfile(data: bytes, max_seconds: float) -> tuple[np.ndarray, int] | None:
+    """(frames, channels) float32 and the rate, or None when libsndfile cannot open it."""
+    try:
+        f = sf.SoundFile(io.BytesIO(data))
+    except (sf.LibsndfileError, RuntimeError, TypeError):
+        return None  # not a libsndfile format: let PyAV try
+    with f:
+        # Check the header's length before decoding anything.
+        if f.frames > 0 and f.frames / f.samplerate > max_seconds:
+            raise MediaTooLargeError(
+                f"audio is {f.frames / f.samplerate:.1f} s long, over the limit of "
+                f"{max_seconds:g} s"
+            )
+        try:
+            return f.read(dtype="float32", always_2d=True), f.samplerate
+        except (sf.LibsndfileError, RuntimeError) as e:
+            raise CorruptMediaError(f"{f.format} audio could not be decoded: {e}") from e
+
+
+def decode_av_audio(container: av.container.InputContainer, max_seconds: float) -> np.ndarray:
+    """Decode the first audio stream of an open PyAV container -> mono float32 at 16 kHz.
+
+    Downmix by channel mean first (librosa's mono), then resample mono -> 16 kHz.
+    """
+    stream = container.streams.audio[0]
+    resampler: _Resampler | None = None
+    out: list[np.ndarray] = []
+    n_out = 0
+    limit = int(max_seconds * SAMPLE_RATE) + SAMPLE_RATE  # decode-time guard, checked below
+    for frame in container.decode(stream):
+        x = _to_float(frame.to_ndarray(), frame.format.name, frame.layout.nb_channels)
+        mono = x.mean(axis=0, keepdims=True)  # (1, n)
+        if resampler is None:
+            resampler = _Resampler(frame.sample_rate)
+        y = resampler.push(mono[0])
+        out.append(y)
+        n_out += len(y)
+        if n_out > limit:
+            raise MediaTooLargeError(f"audio is longer than the limit of {max_seconds:g} s")
+    if resampler is not None:
+        out.append(resampler.flush())
+    return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+def _to_float(x: np.ndarray, fmt: str, channels: int) -> np.ndarray:
+    """PyAV frame array -> (channels, n) float32 in [-1, 1]."""
+    planar = fmt.endswith("p")
+    if not planar:
+        x = x.reshape(-1, channels).T
+    if fmt.startswith("s16"):
+        x = x.astype(np.float32) / 32768.0
+    elif fmt.startswith("s32"):
+        x = x.astype(np.float32) / 2147483648.0
+    elif fmt.startswith("u8"):
+        x = (x.astype(np.float32) - 128.0) / 128.0
+    else:  # flt, dbl
+        x = x.astype(np.float32)
+    return x
+
+
+class _Resampler:
+    """Streaming mono resampler to 16 kHz on PyAV / libswresample (identity at 16 kHz)."""
+
+    def __init__(self, rate: int):
+        self.rate = rate
+        self._swr = None
+        if rate != SAMPLE_RATE:
+            self._swr = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+
+    def _run(self, frame: av.AudioFrame | None) -> np.ndarray:
+        outs = [f.to_ndarray().reshape(-1) for f in self._swr.resample(frame)]
+        return np.concatenate(outs).astype(np.float32) if outs else np.zeros(0, np.float32)
+
+    def push(self, x: np.ndarray) -> np.ndarray:
+        if self._swr is None:
+            return x.astype(np.float32)
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(x, dtype=np.float32)[None, :], format="flt", layout="mono"
+        )
+        frame.sample_rate = self.rate
+        return self._run(frame)
+
+    def flush(self) -> np.ndarray:
+        return np.zeros(0, np.float32) if self._swr is None else self._run(None)
+
+
+def resample_mono(x: np.ndarray, rate: int) -> np.ndarray:
+    """(n,) float32 at `rate` -> (ceil(n * 16000 / rate),) float32 at 16 kHz."""
+    r = _Resampler(rate)
+    return np.concatenate([r.push(x), r.flush()])
+
+
+def decode_audio(data: bytes, *, max_seconds: float) -> np.ndarray:
+    """Audio file bytes -> (n,) mono float32 samples at 16 kHz.
+
+    Raises EmptyMediaError (no samples), MediaTooLargeError (longer than max_seconds),
+    CorruptMediaError (a known container that fails to decode), UnsupportedMediaError.
+    """
+    if not data:
+        raise EmptyMediaError("audio part is empty (0 bytes)")
+    decoded = _decode_soundfile(data, max_seconds)
+    if decoded is not None:
+        x, rate = decoded
+        samples = resample_mono(x.mean(axis=1), rate)
+    else:
+        samples = _decode_with_av(data, max_seconds)
+    if samples.size == 0:
+        raise EmptyMediaError("audio decodes to 0 samples")
+    if samples.size > max_seconds * SAMPLE_RATE:
+        raise MediaTooLargeError(
+            f"audio is {samples.size / SAMPLE_RATE:.1f} s long, over the limit of {max_seconds:g} s"
+        )
+    if not np.isfinite(samples).all():
+        raise CorruptMediaError("audio contains NaN or infinite samples")
+    return samples
+
+
+def _decode_with_av(data: bytes, max_seconds: float) -> np.ndarray:
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except av.FFmpegError as e:
+        if _looks_like_media(data):
+            raise CorruptMediaError(f"audio container could not be opened: {e}") from e
+        raise UnsupportedMediaError(
+            "audio bytes are not a supported format (WAV, FLAC, OGG, MP3, or a container "
+            "FFmpeg decodes, e.g. M4A/WebM)"
+        ) from e
+    with container:
+        if not container.streams.audio:
+            raise UnsupportedMediaError(f"container {container.format.name} has no audio stream")
+        try:
+            return decode_av_audio(container, max_seconds)
+        except av.FFmpegError as e:
+            raise CorruptMediaError(f"audio stream could not be decoded: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------
+# Log-mel features
+
+
+def _hz_to_mel(f: np.ndarray) -> np.ndarray:
+    """Slaney mel scale: linear below 1 kHz, logarithmic above."""
+    f = np.asarray(f, dtype=np.float64)
+    f_sp, min_log_hz = 200.0 / 3, 1000.0
+    min_log_mel, logstep = min_log_hz / f_sp, math.log(6.4) / 27.0
+    return np.where(
+        f >= min_log_hz, min_log_mel + np.log(np.maximum(f, 1e-10) / min_log_hz) / logstep, f / f_sp
+    )
+
+
+def _mel_to_hz(m: np.ndarray) -> np.ndarray:
+    m = np.asarray(m, dtype=np.float64)
+    f_sp, min_log_hz = 200.0 / 3, 1000.0
+    min_log_mel, logstep = min_log_hz / f_sp, math.log(6.4) / 27.0
+    return np.where(m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), m * f_sp)
+
+
+@functools.lru_cache(maxsize=4)
+def mel_filters(n_mels: int = N_MELS, n_fft: int = N_FFT, sr: int = SAMPLE_RATE) -> np.ndarray:
+    """(n_fft // 2 + 1, n_mels) float64 triangular filters, slaney scale and slaney area
+    normalization, 0 Hz .. sr / 2 (WhisperFeatureExtractor's bank)."""
+    fft_freqs = np.linspace(0, sr / 2, n_fft // 2 + 1)
+    mel_pts = np.linspace(_hz_to_mel(0.0), _hz_to_mel(sr / 2), n_mels + 2)
+    hz_pts = _mel_to_hz(mel_pts)  # (n_mels + 2,)
+    diff = np.diff(hz_pts)
+    slopes = hz_pts[None, :] - fft_freqs[:, None]  # (bins, n_mels + 2)
+    down = -slopes[:, :-2] / diff[:-1]
+    up = slopes[:, 2:] / diff[1:]
+    fb = np.maximum(0.0, np.minimum(down, up))  # (bins, n_mels)
+    return fb * (2.0 / (hz_pts[2:] - hz_pts[:-2]))[None, :]
+
+
+def _window_log_mel(x: np.ndarray) -> torch.Tensor:
+    """One <= 30 s window (n samples) -> (80, ceil(n / 160)) features.
+
+    The reference zero-pads the window to 480000 samples before the centered STFT. Frames
+    0..ceil(n/160)-1 only reach n + 200 samples to the right, and the floor's max only sees
+    frames that touch the signal (all-zero frames sit at the -10 clamp), so padding with
+    n_fft zeros (or up to 480000, whichever is shorter) yields the same numbers.
+    """
+    n = x.shape[0]
+    pad = min(N_FFT, WINDOW_SAMPLES - n)
+    wave = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    if pad > 0:
+        wave = torch.nn.functional.pad(wave, (0, pad))
+    window = torch.hann_window(N_FFT)
+    stft = torch.stft(wave, N_FFT, HOP_LENGTH, window=window, return_complex=True)
+    power = (stft[..., :-1].abs() ** 2).contiguous()  # (201, frames): last frame dropped
+    fb = torch.from_numpy(mel_filters()).to(torch.float32)  # (201, 80)
+    log_spec = torch.clamp(fb.T @ power, min=1e-10).log10()  # (80, frames)
+    log_spec = torch.maximum(log_spec, log_spec.max() - DYNAMIC_RANGE_DB)
+    log_spec = (log_spec + 4.0) / 4.0
+    return log_spec[:, : math.ceil(n / HOP_LENGTH)].contiguous()
+
+
+def log_mel(samples: np.ndarray) -> torch.Tensor:
+    """(n,) float32 16 kHz samples -> (80, ceil(n / 160)) float32 features, any length."""
+    if samples.ndim != 1 or samples.size == 0:
+        raise ValueError(f"expected a non-empty 1-D waveform, got shape {samples.shape}")
+    windows = [samples[i : i + WINDOW_SAMPLES] for i in range(0, samples.size, WINDOW_SAMPLES)]
+    return torch.cat([_window_log_mel(w) for w in windows], dim=1)
+
+
+# ---------------------------------------------------------------------------------------
+# Token counts and AudioInput
+
+
+def audio_num_tokens(num_samples: int, pool_step: int = 5) -> int:
+    """LLM tokens of a clip of num_samples 16 kHz samples (spec 1.5)."""
+    frames = math.ceil(num_samples / HOP_LENGTH)
+    after_cnn = (frames - 1) // 2 + 1
+    return (after_cnn - pool_step) // pool_step + 1
+
+
+def clip_num_tokens(clip: AudioInput, pool_step: int = 5) -> int:
+    """LLM tokens of a processed clip, from its mel frame count (= audio_num_tokens(n))."""
+    after_cnn = (clip.num_frames - 1) // 2 + 1
+    return (after_cnn - pool_step) // pool_step + 1
+
+
+def chunk_token_counts(
+    num_tokens: int, chunk_seconds: float = 1.0, pool_step: int = 5
+) -> list[int]:
+    """Split a clip's tokens into per-chunk groups (reference `get_audio_placeholder` with
+    chunk_input=True): each chunk holds the tokens of `chunk_seconds` (10 for 1 s), the last
+    one the rest."""
+    frames = int(chunk_seconds * 100)
+    per_chunk = ((frames - 1) // 2 + 1 - pool_step) // pool_step + 1
+    counts = []
+    done = 0
+    while done < num_tokens:
+        counts.append(min(per_chunk, num_tokens - done))
+        done += counts[-1]
+    return counts
+
+
+def audio_content_hash(samples: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(samples, dtype=np.float32).tobytes()).hexdigest()
+
+
+def process_audio(samples: np.ndarray) -> AudioInput:
+    """16 kHz mono samples -> AudioInput; clips shorter than 0.1 s are zero-padded to 0.1 s
+    (the reference's video path does the same) so every clip yields >= 1 token."""
+    if samples.size == 0:
+        raise EmptyMediaError("audio clip has 0 samples")
+    if samples.size < MIN_SAMPLES:
+        samples = np.concatenate([samples, np.zeros(MIN_SAMPLES - samples.size, np.float32)])
+    samples = samples.astype(np.float32, copy=False)
+    return AudioInput(log_mel(samples), audio_content_hash(samples))

@@ -1,0 +1,52 @@
+"""Typed input errors of the processing step.
+
+Every error is a `ValueError` (bad client input, never a server fault) whose message says
+what was wrong, which limit applies and the offending value. `http_status` is what the
+ingress should answer: 400 for malformed input, 413 for input over a size limit.
+"""
+
+from __future__ import annotations
+
+
+class MediaError(ValueError):
+    """Base class: a request the processing step refuses."""
+
+    http_status: int = 400
+
+
+class InvalidMessageError(MediaError):
+    """A message or content part has the wrong shape (unknown role, unknown part type...)."""
+
+
+class CorruptMediaError(MediaError):
+    """The bytes look like a known format but cannot be decoded."""
+
+
+class UnsupportedMediaError(MediaError):
+    """The bytes are not in a format (or codec) this server decodes."""
+
+
+class EmptyMediaError(MediaError):
+    """The media decodes to nothing (zero audio samples, zero video frames)."""
+
+
+class NoVideoStreamError(MediaError):
+    """A video part whose container holds no video stream."""
+
+
+class MediaTooLargeError(MediaError):
+    """Bytes, pixels or seconds over a configured limit."""
+
+    http_status = 413
+
+
+class TooManyFramesError(MediaError):
+    """More images + video frames in one request than the limit allows."""
+
+    http_status = 413
+
+
+class PromptTooLongError(MediaError):
+    """The processed prompt (text + multimodal slots) exceeds `max_prompt_tokens`."""
+
+    http_status = 413

@@ -1,0 +1,229 @@
+"""Image decoding and MiniCPM-V (LLaVA-UHD) slicing for the NaViT vision encoder.
+
+Stages, as in the reference `MiniCPMVImageProcessor` (OpenBMB demo `processing_minicpmo.py`):
+1. decode bytes with Pillow -> RGB image (W, H); limits: format, pixel count
+2. `get_sliced_grid`: pick a (cols, rows) grid, or None when the image is <= 448^2 in area
+3. source image: resized to ~448^2 area, sides multiples of 14 (BICUBIC); upscaled when unsliced
+4. refined image: resized so each grid cell is ~448^2, then cut into cols x rows slices
+5. each slice: /255, normalize (x - 0.5) / 0.5, then `to_patch_strip` -> (3, 14, 14 * L)
+   with tgt_size (h, w) = slice size in patches, L = h * w
+
+Every slice becomes `query_num` (64) LLM tokens after the resampler. The token layout lives in
+`template.py`; this module only reports the grid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from pipeline.config import SliceConfig
+from pipeline.handoff import ImageInput
+from pipeline.processing.errors import (
+    CorruptMediaError,
+    EmptyMediaError,
+    MediaTooLargeError,
+    UnsupportedMediaError,
+)
+
+# Formats a client may send; anything else Pillow happens to read is refused.
+SUPPORTED_IMAGE_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
+
+
+@dataclass
+class ProcessedImage:
+    """One image after slicing.
+
+    image:  the ImageInput handed to the Thinker (source slice first, then grid slices row-major)
+    grid:   (cols, rows) of the grid slices, None when only the source slice exists
+    size:   (W, H) of the decoded image
+    """
+
+    image: ImageInput
+    grid: tuple[int, int] | None
+    size: tuple[int, int]
+
+
+# ---------------------------------------------------------------------------------------
+# Decoding
+
+
+def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
+    """Decode image bytes into an RGB PIL image; the first frame of animated formats."""
+    if not data:
+        raise EmptyMediaError("image part is empty (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns (not raises) for large images; our own limit below decides.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError as e:
+        raise UnsupportedMediaError(
+            f"image bytes are not a supported format (supported: "
+            f"{', '.join(sorted(SUPPORTED_IMAGE_FORMATS))})"
+        ) from e
+    except Image.DecompressionBombError as e:
+        raise MediaTooLargeError(f"image is too large: {e}") from e
+    if img.format not in SUPPORTED_IMAGE_FORMATS:
+        raise UnsupportedMediaError(
+            f"image format {img.format} is not supported (supported: "
+            f"{', '.join(sorted(SUPPORTED_IMAGE_FORMATS))})"
+        )
+    w, h = img.size
+    # Check the header size before decoding pixels: a decompression bomb never gets loaded.
+    if w * h > max_pixels:
+        raise MediaTooLargeError(
+            f"image has {w}x{h} = {w * h} pixels, over the limit of {max_pixels} pixels"
+        )
+    if w == 0 or h == 0:
+        raise EmptyMediaError(f"image has zero size ({w}x{h})")
+    try:
+        img.load()
+        return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as e:
+        raise CorruptMediaError(f"{img.format} image could not be decoded: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------
+# Grid choice and resize rules (same rounding as the reference)
+
+
+def ensure_divide(length: float, patch_size: int) -> int:
+    """Round to the nearest multiple of patch_size, at least one patch."""
+    return max(round(length / patch_size) * patch_size, patch_size)
+
+
+def find_best_resize(
+    size: tuple[float, float], scale_resolution: int, patch_size: int, allow_upscale: bool = False
+) -> tuple[int, int]:
+    """(W, H) with area ~scale_resolution^2 (only shrinking unless allow_upscale), keeping the
+    aspect ratio, sides rounded to multiples of patch_size. `int()` truncation as in the
+    reference: height first, then width from the truncated height."""
+    width, height = size
+    if width * height > scale_resolution * scale_resolution or allow_upscale:
+        r = width / height
+        height = int(scale_resolution / math.sqrt(r))
+        width = int(height * r)
+    return ensure_divide(width, patch_size), ensure_divide(height, patch_size)
+
+
+def get_refine_size(
+    size: tuple[int, int], grid: tuple[int, int], scale_resolution: int, patch_size: int
+) -> tuple[int, int]:
+    """Size of the image the grid slices are cut from: each cell resized to ~448^2."""
+    width, height = size
+    cols, rows = grid
+    cell_w = ensure_divide(width, cols) / cols
+    cell_h = ensure_divide(height, rows) / rows
+    best_w, best_h = find_best_resize((cell_w, cell_h), scale_resolution, patch_size, True)
+    return best_w * cols, best_h * rows
+
+
+def get_sliced_grid(
+    size: tuple[int, int], max_slice_nums: int, scale_resolution: int
+) -> tuple[int, int] | None:
+    """(cols, rows) grid for an image of size (W, H), or None for no slicing.
+
+    multiple = min(ceil(W*H / 448^2), max_slice_nums); candidates are the factorizations of
+    multiple-1, multiple, multiple+1 (skipping 1 and > max); the one whose log aspect ratio
+    is closest to the image's wins (first one on ties, in enumeration order).
+    """
+    width, height = size
+    log_ratio = math.log(width / height)
+    ratio = width * height / (scale_resolution * scale_resolution)
+    multiple = min(math.ceil(ratio), max_slice_nums)
+    if multiple <= 1:
+        return None
+    candidates = []
+    for n in (multiple - 1, multiple, multiple + 1):
+        if n == 1 or n > max_slice_nums:
+            continue
+        candidates += [(m, n // m) for m in range(1, n + 1) if n % m == 0]
+    best, best_err = (1, 1), float("inf")
+    for cols, rows in candidates:
+        err = abs(log_ratio - math.log(cols / rows))
+        if err < best_err:
+            best, best_err = (cols, rows), err
+    return best
+
+
+def slice_image(
+    img: Image.Image, cfg: SliceConfig, max_slice_nums: int | None = None
+) -> tuple[list[Image.Image], tuple[int, int] | None]:
+    """[source, grid slices row-major...] and the grid; see the module docstring."""
+    max_slices = cfg.max_slice_nums if max_slice_nums is None else max_slice_nums
+    if max_slices < 1:
+        raise ValueError(f"max_slice_nums must be >= 1, got {max_slices}")
+    res, patch = cfg.scale_resolution, cfg.patch_size
+    grid = get_sliced_grid(img.size, max_slices, res)
+    if grid is None:
+        size = find_best_resize(img.size, res, patch, allow_upscale=True)
+        return [img.resize(size, resample=Image.Resampling.BICUBIC)], None
+    source = img.resize(find_best_resize(img.size, res, patch), resample=Image.Resampling.BICUBIC)
+    refined = img.resize(get_refine_size(img.size, grid, res, patch), Image.Resampling.BICUBIC)
+    cols, rows = grid
+    cell_w, cell_h = refined.width // cols, refined.height // rows
+    slices = [source]
+    for r in range(rows):
+        for c in range(cols):
+            box = (c * cell_w, r * cell_h, (c + 1) * cell_w, (r + 1) * cell_h)
+            slices.append(refined.crop(box))
+    return slices, grid
+
+
+# ---------------------------------------------------------------------------------------
+# Pixels -> NaViT patch strips
+
+
+def to_patch_strip(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(3, H, W) -> (3, p, p * L): patches in row-major order laid side by side.
+
+    strip[c, i, l * p + j] = pixels[c, ph * p + i, pw * p + j] with l = ph * (W / p) + pw,
+    the layout of the reference `reshape_by_patch` (unfold + permute).
+    """
+    c, height, width = pixels.shape
+    h, w = height // patch_size, width // patch_size
+    x = pixels.reshape(c, h, patch_size, w, patch_size)  # (c, ph, i, pw, j)
+    x = x.permute(0, 2, 1, 3, 4)  # (c, i, ph, pw, j)
+    return x.reshape(c, patch_size, h * w * patch_size).contiguous()
+
+
+def normalize_slice(img: Image.Image) -> torch.Tensor:
+    """RGB PIL -> (3, H, W) float32 in [-1, 1]: x / 255, then (x - 0.5) / 0.5."""
+    x = np.asarray(img, dtype=np.float32) / 255.0  # (H, W, 3)
+    x = (x - 0.5) / 0.5
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
+
+
+def image_content_hash(data: bytes, cfg: SliceConfig, max_slice_nums: int, extra: str = "") -> str:
+    """sha256 of the source bytes + every option that changes the pixels."""
+    h = hashlib.sha256(data)
+    h.update(f"|slices={max_slice_nums}|res={cfg.scale_resolution}|patch={cfg.patch_size}".encode())
+    h.update(extra.encode())
+    return h.hexdigest()
+
+
+def process_image(
+    img: Image.Image,
+    cfg: SliceConfig,
+    content_hash: str,
+    max_slice_nums: int | None = None,
+) -> ProcessedImage:
+    """Slice an RGB image and build its patch strips; max_slice_nums=1 disables slicing
+    (the single-source-image path used for video frames)."""
+    slices, grid = slice_image(img, cfg, max_slice_nums)
+    p = cfg.patch_size
+    strips, sizes = [], []
+    for s in slices:
+        pixels = normalize_slice(s)  # (3, H, W)
+        strips.append(to_patch_strip(pixels, p))  # (3, p, p * L)
+        sizes.append((pixels.shape[1] // p, pixels.shape[2] // p))
+    tgt_sizes = torch.tensor(sizes, dtype=torch.int32)  # (num_slices, 2)
+    return ProcessedImage(ImageInput(strips, tgt_sizes, content_hash), grid, img.size)

@@ -1,0 +1,242 @@
+"""ChatML prompt builder: messages with decoded media -> token ids + multimodal bounds.
+
+Layout (MiniCPM-o 4.5 `tokenizer_config.json` chat template, spec 1.7):
+    <|im_start|>{role}\n{content}<|im_end|>\n            per message
+    <|im_start|>assistant\n                               generation prompt
+      + <think>\n\n</think>\n\n                           when thinking is disabled (default)
+      + <|tts_bos|>                                       when speech output is requested
+Content parts are joined with "\n" (the reference `chat()`), or with "" inside an omni
+(video) block, as the reference does with omni_mode.
+
+Placeholders (reference `get_slice_image_placeholder` / `get_audio_placeholder`):
+    image: [<image_id>k</image_id>] <image> <unk>*64 </image>
+           then per grid row: (<slice> <unk>*64 </slice>) * cols, rows joined by "\n"
+    audio: <|audio_start|> <unk>*N <|audio_end|>, one group per clip, or one per 1 s chunk
+           (N <= 10) when chunked
+
+Ids are built piecewise: text runs go through `tokenizer.encode` (adjacent text is merged
+first, so the split points are exactly the special tokens, as when the reference tokenizes
+the whole string), special tokens and <unk> runs are inserted as ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline.config import SpecialTokens
+from pipeline.handoff import AudioInput, ImageInput
+from pipeline.processing.audio import chunk_token_counts
+from pipeline.processing.errors import InvalidMessageError
+from pipeline.processing.image import ProcessedImage
+
+ROLES = ("system", "user", "assistant")
+
+
+# ---------------------------------------------------------------------------------------
+# Decoded content parts
+
+
+@dataclass
+class TextPart:
+    text: str
+
+
+@dataclass
+class ImagePart:
+    """An image (all its slices) or a video frame (use_image_id False, one slice)."""
+
+    image: ProcessedImage
+    use_image_id: bool = True
+
+
+@dataclass
+class AudioPart:
+    """Tokens [first_token, first_token + num_tokens) of `clip`'s pooled embeddings.
+
+    Several parts may share one clip (omni packing with a merged audio track); the builder
+    stores each clip once.
+    """
+
+    clip: AudioInput
+    num_tokens: int
+    first_token: int = 0
+    chunked: bool = False  # one <|audio_start|>..<|audio_end|> group per 1 s chunk
+
+
+@dataclass
+class OmniPart:
+    """Interleaved frame / audio parts of one video, joined without separators."""
+
+    parts: list[ImagePart | AudioPart]
+
+
+Part = TextPart | ImagePart | AudioPart | OmniPart
+
+
+@dataclass
+class Message:
+    role: str
+    content: str | list[Part]
+
+
+@dataclass
+class Prompt:
+    """The fields of a ThinkerRequest that the prompt determines (see handoff.py)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    images: list[ImageInput] = field(default_factory=list)
+    image_bounds: list[tuple[int, int]] = field(default_factory=list)
+    audios: list[AudioInput] = field(default_factory=list)
+    audio_bounds: list[tuple[int, int]] = field(default_factory=list)
+    audio_segments: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------
+# Builder
+
+
+class PromptBuilder:
+    """Appends text, special tokens and placeholders, recording bounds as it goes."""
+
+    def __init__(self, tokens: SpecialTokens, encode: Callable[[str], list[int]], query_num: int):
+        self.tokens = tokens
+        self.encode = encode
+        self.query_num = query_num
+        self.out = Prompt()
+        self._text: list[str] = []
+        self._clip_index: dict[int, int] = {}  # id(AudioInput) -> index in out.audios
+        self._image_id = 0
+
+    def text(self, s: str) -> None:
+        if s:
+            self._text.append(s)
+
+    def special(self, token_id: int) -> None:
+        self._flush()
+        self.out.input_ids.append(token_id)
+
+    def _flush(self) -> None:
+        if self._text:
+            self.out.input_ids.extend(self.encode("".join(self._text)))
+            self._text = []
+
+    def _unk_run(self, n: int) -> tuple[int, int]:
+        """n <unk> slots; returns (index of the first, index after the last)."""
+        self._flush()
+        start = len(self.out.input_ids)
+        self.out.input_ids.extend([self.tokens.unk] * n)
+        return start, start + n
+
+    def image(self, part: ImagePart) -> None:
+        t = self.tokens
+        if part.use_image_id:
+            self.special(t.image_id)
+            self.text(str(self._image_id))
+            self.special(t.image_id_end)
+            self._image_id += 1
+        self.special(t.image)
+        self.out.image_bounds.append(self._unk_run(self.query_num))
+        self.special(t.image_end)
+        if part.image.grid is not None:
+            cols, rows = part.image.grid
+            for r in range(rows):
+                if r > 0:
+                    self.text("\n")
+                for _ in range(cols):
+                    self.special(t.slice)
+                    self.out.image_bounds.append(self._unk_run(self.query_num))
+                    self.special(t.slice_end)
+        self.out.images.append(part.image.image)
+
+    def audio(self, part: AudioPart) -> None:
+        key = id(part.clip)
+        if key not in self._clip_index:
+            self._clip_index[key] = len(self.out.audios)
+            self.out.audios.append(part.clip)
+        clip = self._clip_index[key]
+        counts = chunk_token_counts(part.num_tokens) if part.chunked else [part.num_tokens]
+        first = part.first_token
+        for n in counts:
+            self.special(self.tokens.audio_start)
+            self.out.audio_bounds.append(self._unk_run(n))
+            self.out.audio_segments.append((clip, first, n))
+            first += n
+            self.special(self.tokens.audio_end)
+
+    def parts(self, parts: list[Part], sep: str) -> None:
+        for i, p in enumerate(parts):
+            if i > 0:
+                self.text(sep)
+            if isinstance(p, TextPart):
+                self.text(p.text)
+            elif isinstance(p, ImagePart):
+                self.image(p)
+            elif isinstance(p, AudioPart):
+                self.audio(p)
+            elif isinstance(p, OmniPart):
+                self.parts(p.parts, "")
+            else:
+                raise InvalidMessageError(f"unknown content part type {type(p).__name__}")
+
+    def finish(self) -> Prompt:
+        self._flush()
+        return self.out
+
+
+def _split_reasoning(content: str) -> tuple[str, str]:
+    """(reasoning, answer) of an assistant message, as the chat template splits it."""
+    if "</think>" not in content:
+        return "", content
+    head, answer = content.rsplit("</think>", 1)
+    reasoning = head.rstrip("\n").split("<think>")[-1].lstrip("\n")
+    return reasoning, answer.lstrip("\n")
+
+
+def build_prompt(
+    messages: list[Message],
+    tokens: SpecialTokens,
+    encode: Callable[[str], list[int]],
+    *,
+    query_num: int = 64,
+    enable_thinking: bool = False,
+    use_tts_template: bool = False,
+    add_generation_prompt: bool = True,
+) -> Prompt:
+    """Render messages (system / user / assistant) to ids and bounds; see module docstring."""
+    if not messages:
+        raise InvalidMessageError("messages is empty")
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+    b = PromptBuilder(tokens, encode, query_num)
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise InvalidMessageError(f"message {i}: role {m.role!r} is not one of {ROLES}")
+        b.special(tokens.im_start)
+        b.text(f"{m.role}\n")
+        if isinstance(m.content, str):
+            content = m.content
+            if m.role == "assistant":
+                # History turns lose their reasoning; a turn after the last user message keeps
+                # an (empty or real) think block, as the chat template renders it.
+                reasoning, content = _split_reasoning(content)
+                if i > last_user and (i == len(messages) - 1 or reasoning):
+                    b.special(tokens.think)
+                    b.text("\n" + reasoning.strip("\n") + "\n")
+                    b.special(tokens.think_end)
+                    b.text("\n\n")
+            b.text(content)
+        else:
+            b.parts(m.content, "" if any(isinstance(p, OmniPart) for p in m.content) else "\n")
+        b.special(tokens.im_end)
+        b.text("\n")
+    if add_generation_prompt:
+        b.special(tokens.im_start)
+        b.text("assistant\n")
+        if not enable_thinking:
+            b.special(tokens.think)
+            b.text("\n\n")
+            b.special(tokens.think_end)
+            b.text("\n\n")
+        if use_tts_template:
+            b.special(tokens.tts_bos)
+    return b.finish()

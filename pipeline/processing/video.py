@@ -1,0 +1,256 @@
+"""Video decoding (PyAV) into 1 fps frames + 1 s audio segments, MiniCPM-o omni style.
+
+Follows OpenBMB `minicpmo.utils.get_video_frame_audio_segments` (stack_frames=1), the recipe
+the Daily-Omni "minicpm-interleave" bench mode ports:
+1. n frames at avg_fps -> duration = n / avg_fps, num_seconds = max(1, ceil(duration))
+2. timestamps t_i = 0, 1, ..., num_seconds - 1; frame index min(int(t_i * avg_fps), n - 1)
+   (the frame shown at t_i). If duration > max_frames, timestamps are the 0.1 s grid
+   uniformly subsampled (linspace, int) down to max_frames frames.
+3. audio track -> 16 kHz mono; segment i = samples [int(t_i * sr), int(t_{i+1} * sr)),
+   the last one up to the video duration, zero-padded to >= 1600 samples (0.1 s).
+   No audio stream -> vision only (segments None), as the reference degrades.
+
+Each frame is later processed as ONE unsliced image (max_slice_nums 1, 64 tokens, no
+<image_id>), see `template.py` and `Processor`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+
+import av
+import numpy as np
+from PIL import Image
+
+from pipeline.config import SliceConfig
+from pipeline.processing.audio import (
+    SAMPLE_RATE,
+    audio_num_tokens,
+    clip_num_tokens,
+    decode_av_audio,
+    process_audio,
+)
+from pipeline.processing.errors import (
+    CorruptMediaError,
+    EmptyMediaError,
+    MediaTooLargeError,
+    NoVideoStreamError,
+    UnsupportedMediaError,
+)
+from pipeline.processing.image import process_image
+from pipeline.processing.template import AudioPart, ImagePart, OmniPart
+
+MIN_SEGMENT_SAMPLES = 1600
+
+
+@dataclass
+class DecodedVideo:
+    """frames[i] is the frame at timestamps[i] seconds; audio_segments[i] (16 kHz mono
+    float32) is the audio from timestamps[i] to the next timestamp (None: no audio track)."""
+
+    frames: list[Image.Image]
+    timestamps: list[float]
+    duration: float
+    audio_segments: list[np.ndarray] | None
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frames)
+
+
+def uniform_indices(n: int, k: int) -> list[int]:
+    """k of range(n) evenly spread (np.linspace(0, n - 1, k) truncated), all when n <= k."""
+    if n <= k:
+        return list(range(n))
+    return [int(i) for i in np.linspace(0, n - 1, k)]
+
+
+def sample_timestamps(
+    num_video_frames: int, avg_fps: float, max_frames: int
+) -> tuple[list[float], list[int], float]:
+    """(timestamps, frame indices, duration) for a clip of num_video_frames at avg_fps."""
+    duration = num_video_frames / avg_fps
+    num_seconds = max(1, math.ceil(duration))
+    if duration > max_frames:
+        grid = [round(i * 0.1, 1) for i in range(int(duration / 0.1))]
+        pick = uniform_indices(len(grid), max_frames)
+        timestamps = [grid[i] for i in pick]
+    else:
+        timestamps = [float(i) for i in range(num_seconds)]
+    indices = [min(int(t * avg_fps), num_video_frames - 1) for t in timestamps]
+    return timestamps, indices, duration
+
+
+def segment_audio(
+    samples: np.ndarray, timestamps: list[float], duration: float
+) -> list[np.ndarray]:
+    """Cut 16 kHz samples at the frame timestamps (see the module docstring)."""
+    segments = []
+    for i, start in enumerate(timestamps):
+        end = timestamps[i + 1] if i + 1 < len(timestamps) else duration
+        seg = samples[int(start * SAMPLE_RATE) : int(end * SAMPLE_RATE)]
+        if i == len(timestamps) - 1 and seg.size < MIN_SEGMENT_SAMPLES:
+            seg = np.concatenate([seg, np.zeros(MIN_SEGMENT_SAMPLES - seg.size, np.float32)])
+        if seg.size == 0:  # audio track shorter than the video
+            seg = np.zeros(MIN_SEGMENT_SAMPLES, np.float32)
+        segments.append(seg.astype(np.float32, copy=False))
+    return segments
+
+
+def _open(data: bytes) -> av.container.InputContainer:
+    try:
+        return av.open(io.BytesIO(data), mode="r")
+    except av.FFmpegError as e:
+        if data[4:8] == b"ftyp" or data.startswith((b"\x1aE\xdf\xa3", b"RIFF")):
+            raise CorruptMediaError(f"video container could not be opened: {e}") from e
+        raise UnsupportedMediaError(
+            "video bytes are not a container FFmpeg can read (e.g. MP4, MOV, MKV, WebM, AVI)"
+        ) from e
+
+
+def _probe(
+    stream: av.video.stream.VideoStream, container: av.container.InputContainer
+) -> tuple[int, float]:
+    """(frame count, average fps) from metadata; duration * fps when the count is missing."""
+    fps = float(stream.average_rate) if stream.average_rate else 0.0
+    if fps <= 0:
+        fps = float(stream.guessed_rate) if stream.guessed_rate else 0.0
+    n = int(stream.frames or 0)
+    if n <= 0:
+        seconds = None
+        if stream.duration is not None and stream.time_base is not None:
+            seconds = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            seconds = container.duration / av.time_base
+        if seconds and fps:
+            n = math.floor(seconds * fps)
+    return n, fps
+
+
+def decode_video(
+    data: bytes,
+    *,
+    max_frames: int = 64,
+    max_seconds: float = 600.0,
+    max_pixels: int = 4096 * 4096,
+    with_audio: bool = True,
+) -> DecodedVideo:
+    """Video bytes -> DecodedVideo: at most max_frames frames, 1 fps for short clips.
+
+    Raises NoVideoStreamError, MediaTooLargeError (longer than max_seconds, or frames over
+    max_pixels), CorruptMediaError / UnsupportedMediaError, EmptyMediaError (no frames).
+    """
+    if not data:
+        raise EmptyMediaError("video part is empty (0 bytes)")
+    with _open(data) as container:
+        if not container.streams.video:
+            raise NoVideoStreamError(f"container {container.format.name} has no video stream")
+        stream = container.streams.video[0]
+        n, fps = _probe(stream, container)
+        if n <= 0 or fps <= 0:
+            raise CorruptMediaError("video stream has no frame count / frame rate metadata")
+        if n / fps > max_seconds:
+            raise MediaTooLargeError(
+                f"video is {n / fps:.1f} s long, over the limit of {max_seconds:g} s"
+            )
+        if stream.width * stream.height > max_pixels:
+            raise MediaTooLargeError(
+                f"video frames are {stream.width}x{stream.height}, over the limit of "
+                f"{max_pixels} pixels"
+            )
+        timestamps, indices, duration = sample_timestamps(n, fps, max_frames)
+        frames = _decode_frames(container, stream, indices)
+    if not frames:
+        raise EmptyMediaError("video stream decodes to 0 frames")
+
+    segments = None
+    if with_audio:
+        with _open(data) as container:
+            if container.streams.audio:
+                try:
+                    samples = decode_av_audio(container, max_seconds)
+                except av.FFmpegError as e:
+                    raise CorruptMediaError(f"video's audio track could not be decoded: {e}") from e
+                segments = segment_audio(samples, timestamps, duration)
+    return DecodedVideo(frames, timestamps, duration, segments)
+
+
+def _decode_frames(
+    container: av.container.InputContainer, stream: av.video.stream.VideoStream, indices: list[int]
+) -> list[Image.Image]:
+    """Decode in order, keeping the wanted frame indices (repeats allowed); when the stream
+    has fewer frames than its metadata claims, later picks reuse the last decoded frame."""
+    wanted = set(indices)
+    last_needed = max(indices)
+    stream.thread_type = "AUTO"
+    got: dict[int, Image.Image] = {}
+    last_frame = None  # (index, av frame) of the newest decoded frame
+    try:
+        for i, frame in enumerate(container.decode(stream)):
+            last_frame = (i, frame)
+            if i in wanted:
+                got[i] = frame.to_image().convert("RGB")
+            if i >= last_needed:
+                break
+    except av.FFmpegError as e:
+        if not got:
+            raise CorruptMediaError(f"video stream could not be decoded: {e}") from e
+    if last_frame is None:
+        return []
+    tail = None  # picks past the real end reuse the last decoded frame
+    out = []
+    for idx in indices:
+        if idx not in got and tail is None:
+            tail = last_frame[1].to_image().convert("RGB")
+        out.append(got.get(idx, tail))
+    return out
+
+
+def _frame_hash(video_hash: str, t: float, cfg: SliceConfig) -> str:
+    """Encoder-cache key of one frame: the video bytes' hash + timestamp + pixel options."""
+    key = f"{video_hash}|frame@{t}|slices=1|res={cfg.scale_resolution}|patch={cfg.patch_size}"
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def pack_omni(
+    video: DecodedVideo, cfg: SliceConfig, video_hash: str, *, merge_audio: bool = False
+) -> OmniPart:
+    """Interleave frame i and audio segment i (Daily-Omni "minicpm-interleave" / reference omni
+    chat): [frame_0, audio_0, frame_1, audio_1, ...], joined without separators.
+
+    Frames: one unsliced image each (max_slice_nums 1, 64 tokens, no <image_id>), as the
+    reference omni path and the bench's mm_processor_kwargs do.
+    Audio: by default each segment is its own clip (what vLLM-Omni does with one audio_url per
+    second: own log-mel floor, own encoder pass). merge_audio=True makes the whole track one
+    clip (reference `chat(merge_audio_from_same_content=True)`: one feature pass, block-causal
+    encoder context across seconds) and maps segment i to its token range of that clip.
+    """
+    frames = [
+        ImagePart(process_image(f, cfg, _frame_hash(video_hash, t, cfg), 1), use_image_id=False)
+        for f, t in zip(video.frames, video.timestamps)
+    ]
+    if video.audio_segments is None:
+        return OmniPart(list(frames))
+    audio: list[AudioPart] = []
+    if merge_audio:
+        clip = process_audio(np.concatenate(video.audio_segments))
+        total = clip_num_tokens(clip)
+        done, samples = 0, 0
+        for seg in video.audio_segments:
+            samples += seg.size
+            upto = min(audio_num_tokens(samples), total)
+            audio.append(AudioPart(clip, upto - done, first_token=done))
+            done = upto
+    else:
+        for seg in video.audio_segments:
+            clip = process_audio(seg)
+            audio.append(AudioPart(clip, clip_num_tokens(clip)))
+    parts: list[ImagePart | AudioPart] = []
+    for f, a in zip(frames, audio):
+        parts.append(f)
+        if a.num_tokens > 0:
+            parts.append(a)
+    return OmniPart(parts)

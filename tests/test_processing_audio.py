@@ -1,0 +1,177 @@
+"""Audio: decoding, resampling, log-mel parity with WhisperFeatureExtractor, token counts."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import av
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from transformers import WhisperFeatureExtractor
+from transformers.audio_utils import spectrogram, window_function
+
+from pipeline.processing.audio import (
+    WINDOW_SAMPLES,
+    audio_num_tokens,
+    chunk_token_counts,
+    clip_num_tokens,
+    decode_audio,
+    log_mel,
+    mel_filters,
+    process_audio,
+)
+from pipeline.processing.errors import (
+    CorruptMediaError,
+    EmptyMediaError,
+    MediaTooLargeError,
+    UnsupportedMediaError,
+)
+
+FE = WhisperFeatureExtractor(feature_size=80)  # 16 kHz, n_fft 400, hop 160, 30 s
+
+
+def _signal(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(n) / 16000
+    x = 0.3 * np.sin(2 * np.pi * 440 * t) * np.linspace(0.05, 1, n) + 0.01 * rng.standard_normal(n)
+    return x.astype(np.float32)
+
+
+def _reference(x: np.ndarray) -> torch.Tensor:
+    """The reference flow (`audio_feature_extract`): split at 30 s, each piece through the
+    Whisper extractor padded to 30 s, trimmed by its attention mask, concatenated. At
+    dynamic_range_db 8 the reference's dynamic floor is Whisper's own max - 8."""
+    outs = []
+    for i in range(0, len(x), WINDOW_SAMPLES):
+        r = FE(
+            x[i : i + WINDOW_SAMPLES],
+            sampling_rate=16000,
+            padding="max_length",
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        outs.append(r["input_features"][0, :, : int(r["attention_mask"].sum())])
+    return torch.cat(outs, dim=1)
+
+
+def test_mel_filters_match_whisper():
+    diff = np.abs(mel_filters() - FE.mel_filters)
+    assert diff.max() < 1e-12, f"max {diff.max()}"
+
+
+@pytest.mark.parametrize("seconds", [0.1, 1.0, 2.37, 29.99, 30.0, 41.5])
+def test_log_mel_matches_reference(seconds):
+    x = _signal(int(seconds * 16000) + 3)
+    got, ref = log_mel(x), _reference(x)
+    assert got.shape == ref.shape == (80, math.ceil(len(x) / 160))
+    diff = (got - ref).abs()
+    assert diff.max() < 1e-5, f"max {diff.max()} mean {diff.mean()}"
+
+
+def test_dynamic_floor_numpy_restatement():
+    """A plain numpy re-statement of `MiniCPMAAudioProcessor._np_extract_fbank_features`."""
+    x = _signal(16000 * 3)
+    x[:16000] *= 1e-4  # a quiet first second: the floor must clip it
+    padded = np.concatenate([x, np.zeros(WINDOW_SAMPLES - len(x), np.float32)])
+    spec = spectrogram(
+        padded,
+        window_function(400, "hann"),
+        frame_length=400,
+        hop_length=160,
+        power=2.0,
+        mel_filters=FE.mel_filters,
+        log_mel="log10",
+    )[:, :-1]
+    spec = np.maximum(spec, spec.max() - 8.0)
+    ref = ((spec + 4.0) / 4.0)[:, : math.ceil(len(x) / 160)]
+    got = log_mel(x).numpy()
+    diff = np.abs(got - ref)
+    assert diff.max() < 1e-4, f"max {diff.max()} mean {diff.mean()}"
+    assert np.isclose(got.min(), got.max() - 2.0, atol=1e-5)  # floor = max - 8 -> /4 = 2
+
+
+@pytest.mark.parametrize("seconds", [0.1, 0.5, 1.0, 1.013, 7.3, 30.0, 31.0, 65.55])
+def test_token_count_formula_vs_feature_lengths(seconds):
+    n = round(seconds * 16000)
+    clip = process_audio(_signal(n))
+    frames = clip.num_frames
+    assert frames == math.ceil(n / 160)
+    # what the encoder produces: per 3000-frame window, conv stride 2 then pool 5
+    tokens = 0
+    for start in range(0, frames, 3000):
+        f = min(3000, frames - start)
+        tokens += ((f - 1) // 2 + 1 - 5) // 5 + 1
+    assert tokens == audio_num_tokens(n) == clip_num_tokens(clip)
+    if seconds == 1.0:
+        assert tokens == 10
+    if seconds == 65.55:
+        assert tokens == 655
+
+
+def test_chunk_counts():
+    assert chunk_token_counts(10) == [10]
+    assert chunk_token_counts(73) == [10] * 7 + [3]
+    assert sum(chunk_token_counts(655)) == 655
+
+
+def test_short_clip_padded_to_one_token():
+    clip = process_audio(np.ones(200, np.float32) * 0.1)
+    assert clip.num_frames == 10 and clip_num_tokens(clip) == 1
+    with pytest.raises(EmptyMediaError):
+        process_audio(np.zeros(0, np.float32))
+
+
+def _sf_bytes(x: np.ndarray, sr: int, fmt: str, subtype: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, x, sr, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "fmt,subtype", [("WAV", "PCM_16"), ("FLAC", None), ("OGG", "VORBIS"), ("MP3", None)]
+)
+def test_decode_formats(fmt, subtype):
+    sr = 22050
+    t = np.arange(sr) / sr
+    x = (0.4 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
+    y = decode_audio(_sf_bytes(np.stack([x, x], 1), sr, fmt, subtype), max_seconds=10)
+    assert y.dtype == np.float32 and y.ndim == 1
+    assert abs(len(y) - 16000) <= 1200, len(y)  # lossy codecs add priming / padding
+    if fmt in ("WAV", "FLAC"):
+        ref = 0.4 * np.sin(2 * np.pi * 300 * np.arange(len(y)) / 16000)
+        err = np.abs(y[200:-200] - ref[200:-200])
+        assert err.max() < 2e-3, f"resampled sine: max {err.max()} mean {err.mean()}"
+
+
+def test_decode_with_pyav_fallback():
+    """An AAC-in-M4A clip: libsndfile cannot read it, PyAV does."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        s = c.add_stream("aac", rate=44100, layout="mono")
+        x = (0.3 * np.sin(2 * np.pi * 500 * np.arange(44100) / 44100)).astype(np.float32)
+        for i in range(0, len(x), 1024):
+            f = av.AudioFrame.from_ndarray(x[None, i : i + 1024], format="flt", layout="mono")
+            f.sample_rate = 44100
+            for p in s.encode(f):
+                c.mux(p)
+        for p in s.encode(None):
+            c.mux(p)
+    y = decode_audio(buf.getvalue(), max_seconds=10)
+    assert abs(len(y) - 16000) < 1600 and 0.15 < np.abs(y).max() < 0.5
+
+
+def test_decode_errors():
+    wav = _sf_bytes(np.zeros(16000 * 3, np.float32), 16000, "WAV")
+    with pytest.raises(MediaTooLargeError, match=r"3.0 s long, over the limit of 2 s"):
+        decode_audio(wav, max_seconds=2)
+    with pytest.raises(UnsupportedMediaError, match="not a supported format"):
+        decode_audio(b"definitely not audio" * 10, max_seconds=10)
+    with pytest.raises(CorruptMediaError):
+        decode_audio(b"RIFF\x00\x00\x00\x00WAVEjunkjunkjunk" * 4, max_seconds=10)
+    with pytest.raises(EmptyMediaError):
+        decode_audio(_sf_bytes(np.zeros(0, np.float32), 16000, "WAV"), max_seconds=10)
+    with pytest.raises(EmptyMediaError):
+        decode_audio(b"", max_seconds=10)

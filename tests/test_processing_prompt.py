@@ -1,0 +1,248 @@
+"""Prompt building (template + Processor): ids vs a whole-string rendering, bounds, errors."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+from test_processing_video import make_mp4  # tests/ is on sys.path (rootdir-less prepend)
+
+from pipeline.config import SpecialTokens, ThinkerConfig
+from pipeline.handoff import SamplingParams
+from pipeline.processing import (
+    InvalidMessageError,
+    MediaBytes,
+    MediaLimits,
+    MediaTooLargeError,
+    Processor,
+    PromptTooLongError,
+    TooManyFramesError,
+)
+from pipeline.processing.errors import CorruptMediaError, EmptyMediaError
+
+TOK = SpecialTokens()
+TEXT_OF = SpecialTokens.text_of()
+ID_OF = {TEXT_OF[k]: getattr(TOK, k) for k in TEXT_OF}
+
+
+class ByteTokenizer:
+    """Fake byte-level tokenizer: one id per UTF-8 byte (ids 0..255)."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def tokenize_whole(s: str) -> list[int]:
+    """How the reference tokenizes a rendered prompt string: special tokens split first."""
+    pattern = "(" + "|".join(re.escape(t) for t in sorted(ID_OF, key=len, reverse=True)) + ")"
+    ids: list[int] = []
+    for piece in re.split(pattern, s):
+        ids += [ID_OF[piece]] if piece in ID_OF else list(piece.encode("utf-8"))
+    return ids
+
+
+GEN = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+UNK64 = "<unk>" * 64
+
+
+def _png(w, h) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(w).integers(0, 256, (h, w, 3), np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _wav(seconds: float) -> bytes:
+    buf = io.BytesIO()
+    x = 0.2 * np.sin(2 * np.pi * 330 * np.arange(int(seconds * 16000)) / 16000)
+    sf.write(buf, x.astype(np.float32), 16000, format="WAV")
+    return buf.getvalue()
+
+
+def proc(**limits) -> Processor:
+    return Processor(ThinkerConfig(), ByteTokenizer(), MediaLimits(**limits))
+
+
+def _check_bounds(req):
+    for s, e in req.image_bounds:
+        assert req.input_ids[s - 1] in (TOK.image, TOK.slice)
+        assert req.input_ids[e] in (TOK.image_end, TOK.slice_end)
+        assert e - s == 64 and set(req.input_ids[s:e]) == {TOK.unk}
+    for (s, e), (clip, first, n) in zip(req.audio_bounds, req.audio_segments, strict=True):
+        assert req.input_ids[s - 1] == TOK.audio_start and req.input_ids[e] == TOK.audio_end
+        assert e - s == n and set(req.input_ids[s:e]) == {TOK.unk}
+        assert 0 <= clip < len(req.audios)
+    n_unk = sum(1 for t in req.input_ids if t == TOK.unk)
+    assert n_unk == 64 * len(req.image_bounds) + sum(n for _, _, n in req.audio_segments)
+    assert len(req.image_bounds) == sum(im.num_slices for im in req.images)
+
+
+def test_text_only():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    req = proc().build(msgs, request_id="r1", sampling=SamplingParams(max_tokens=7))
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n" + GEN
+    )
+    assert req.input_ids == tokenize_whole(expected)
+    assert req.request_id == "r1" and req.sampling.max_tokens == 7
+    assert not req.return_hidden and req.images == [] and req.audios == []
+
+
+def test_speech_output_and_thinking():
+    req = proc().build([{"role": "user", "content": "Hi"}], speech_output=True)
+    assert req.input_ids[-1] == TOK.tts_bos and req.return_hidden
+    assert req.input_ids == tokenize_whole("<|im_start|>user\nHi<|im_end|>\n" + GEN + "<|tts_bos|>")
+    req = proc().build([{"role": "user", "content": "Hi"}], enable_thinking=True)
+    assert req.input_ids == tokenize_whole(
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_history_assistant_drops_reasoning():
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nB"},
+        {"role": "user", "content": "c"},
+    ]
+    req = proc().build(msgs)
+    expected = (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nB<|im_end|>\n"
+        "<|im_start|>user\nc<|im_end|>\n" + GEN
+    )
+    assert req.input_ids == tokenize_whole(expected)
+
+
+def test_sliced_image_layout():
+    data = _png(1344, 896)  # 3x2 grid
+    msgs = [{"role": "user", "content": [MediaBytes("image", data), "What is this?"]}]
+    req = proc().build(msgs)
+    row = ("<slice>" + UNK64 + "</slice>") * 3
+    expected = (
+        "<|im_start|>user\n<image_id>0</image_id><image>"
+        + UNK64
+        + "</image>"
+        + row
+        + "\n"
+        + row
+        + "\nWhat is this?<|im_end|>\n"
+        + GEN
+    )
+    assert req.input_ids == tokenize_whole(expected)
+    assert len(req.images) == 1 and req.images[0].num_slices == 7
+    assert req.images[0].tgt_sizes.tolist() == [[26, 39]] + [[32, 32]] * 6
+    _check_bounds(req)
+
+
+def test_two_images_ids_and_hash():
+    data = _png(300, 200)
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "data": data},
+                {"type": "image", "data": data, "max_slice_nums": 1},
+                {"type": "text", "text": "compare"},
+            ],
+        }
+    ]
+    req = proc().build(msgs)
+    text = (
+        "<|im_start|>user\n"
+        + "\n".join(f"<image_id>{k}</image_id><image>{UNK64}</image>" for k in range(2))
+        + "\ncompare"
+    )
+    assert req.input_ids == tokenize_whole(text + "<|im_end|>\n" + GEN)
+    h0, h1 = (im.content_hash for im in req.images)
+    assert h0 != h1 and len(h0) == 64  # same bytes, different slicing option
+    assert proc().build(msgs).images[0].content_hash == h0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_audio_layout(chunked):
+    msgs = [{"role": "user", "content": [MediaBytes("audio", _wav(2.5)), "Transcribe."]}]
+    p = Processor(ThinkerConfig(), ByteTokenizer(), chunked_audio=chunked)
+    req = p.build(msgs)
+    groups = [10, 10, 5] if chunked else [25]
+    ph = "".join("<|audio_start|>" + "<unk>" * n + "<|audio_end|>" for n in groups)
+    assert req.input_ids == tokenize_whole(f"<|im_start|>user\n{ph}\nTranscribe.<|im_end|>\n" + GEN)
+    assert len(req.audios) == 1 and req.audios[0].num_frames == 250
+    assert req.audio_segments == [(0, sum(groups[:i]), n) for i, n in enumerate(groups)]
+    _check_bounds(req)
+
+
+def test_video_omni_packing_order():
+    msgs = [{"role": "user", "content": [MediaBytes("video", make_mp4(2.5)), "Q?"]}]
+    req = proc().build(msgs, speech_output=True)
+    # frame i then audio i, no separators inside the omni block nor before the text
+    sec = lambda n: "<image>" + UNK64 + "</image><|audio_start|>" + "<unk>" * n + "<|audio_end|>"
+    expected = (
+        "<|im_start|>user\n" + sec(10) + sec(10) + sec(5) + "Q?<|im_end|>\n" + GEN + "<|tts_bos|>"
+    )
+    assert req.input_ids == tokenize_whole(expected)
+    assert len(req.images) == 3 and all(im.num_slices == 1 for im in req.images)
+    assert len(req.audios) == 3 and req.audio_segments == [(0, 0, 10), (1, 0, 10), (2, 0, 5)]
+    # bounds alternate in prompt order: image 0 < audio 0 < image 1 < audio 1 ...
+    order = sorted(
+        [(s, "i") for s, _ in req.image_bounds] + [(s, "a") for s, _ in req.audio_bounds]
+    )
+    assert "".join(k for _, k in order) == "iaiaia"
+    _check_bounds(req)
+
+
+def test_video_merged_audio_segments():
+    p = Processor(ThinkerConfig(), ByteTokenizer(), merge_video_audio=True)
+    req = p.build([{"role": "user", "content": [MediaBytes("video", make_mp4(2.5))]}])
+    assert len(req.audios) == 1
+    assert req.audio_segments == [(0, 0, 10), (0, 10, 10), (0, 20, 5)]
+    _check_bounds(req)
+
+
+def test_errors_have_messages():
+    with pytest.raises(PromptTooLongError, match=r"over the limit of 10 tokens") as e:
+        proc(max_prompt_tokens=10).build([{"role": "user", "content": "a long enough prompt"}])
+    assert e.value.http_status == 413
+    img = _png(64, 64)
+    with pytest.raises(TooManyFramesError, match=r"3 images \+ video frames, over the limit of 2"):
+        proc(max_images=2).build([{"role": "user", "content": [MediaBytes("image", img)] * 3}])
+    with pytest.raises(TooManyFramesError):
+        proc(max_images=2).build(
+            [{"role": "user", "content": [MediaBytes("video", make_mp4(3.0))]}]
+        )
+    with pytest.raises(
+        MediaTooLargeError, match=r"image is \d+ bytes, over the limit of 100 bytes"
+    ):
+        proc(max_media_bytes=100).build([{"role": "user", "content": [MediaBytes("image", img)]}])
+    with pytest.raises(MediaTooLargeError, match="over the limit of 1 s"):
+        proc(max_audio_seconds=1).build(
+            [{"role": "user", "content": [MediaBytes("audio", _wav(2))]}]
+        )
+    with pytest.raises(CorruptMediaError):
+        proc().build([{"role": "user", "content": [MediaBytes("image", img[:100])]}])
+    with pytest.raises(EmptyMediaError):
+        proc().build([{"role": "user", "content": [MediaBytes("audio", b"")]}])
+    with pytest.raises(InvalidMessageError, match="role 'tool'"):
+        proc().build([{"role": "tool", "content": "x"}])
+    with pytest.raises(InvalidMessageError, match="type 'image_url'"):
+        proc().build([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    with pytest.raises(InvalidMessageError):
+        MediaBytes("pdf", b"x")
+    with pytest.raises(InvalidMessageError, match="max_slice_nums"):
+        proc().build([{"role": "user", "content": [MediaBytes("image", img, max_slice_nums=20)]}])
+    for err in (PromptTooLongError, TooManyFramesError, CorruptMediaError):
+        assert issubclass(err, ValueError)
+
+
+def test_interleaved_image_audio_parts_daily_omni_options():
+    """The bench's minicpm-interleave mode: image_url / audio_url pairs with
+    mm_processor_kwargs max_slice_nums=1, use_image_id=False."""
+    frame, sec = _png(1344, 896), _wav(1.0)
+    content = [MediaBytes("image", frame), MediaBytes("audio", sec)] * 2 + ["Q"]
+    req = proc().build([{"role": "user", "content": content}], max_slice_nums=1, use_image_id=False)
+    pair = "<image>" + UNK64 + "</image>\n<|audio_start|>" + "<unk>" * 10 + "<|audio_end|>"
+    expected = "<|im_start|>user\n" + pair + "\n" + pair + "\nQ<|im_end|>\n" + GEN
+    assert req.input_ids == tokenize_whole(expected)
+    assert [im.num_slices for im in req.images] == [1, 1]
+    _check_bounds(req)
