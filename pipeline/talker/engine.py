@@ -1,0 +1,435 @@
+"""TalkerEngine: many Talker streams decoded together, one code per stream per step.
+
+Per stream (one slot = one KV-cache row + one sampler-state row):
+  open(stream_id, mode, seed)   reserve a slot; a torch.Generator seeded per request
+  feed_text(ids, hidden, text_finished)
+                                condition rows c_i (Talker dtype) are built at once
+  step()                        1. one batched decode over the slots that are decoding
+                                   (CUDA graph per (rows, read_len) bucket, or eager)
+                                2. start every unit whose text is ready: prefill its prompt
+                                   (eager, one stream at a time) and draw its first code
+                                3. release 25-code chunks once 25 + 3 lookahead codes exist;
+                                   the last chunk flushes the rest (finished=True)
+  close(stream_id)              free the slot (also cancels a running stream)
+
+A "unit" is what the reference decodes from one prompt:
+  full_span   the whole spoken span: prompt [c_1..c_n, text_eos, audio_bos] once the text is
+              finished; EOS masked for the first `min_new_tokens` draws; at most
+              `max_new_tokens` draws, and, like `MiniCPMTTS.generate` (which returns
+              `new_tokens[:, :t]`), a code drawn at the cap is dropped.
+  streaming   one 10-token text chunk (`TTSStreamingGenerator.generate_with_buffer`,
+              attention_type sliding_recompute): chunk k's prompt is
+              [c_chunk, (text_eos if it is the last), audio_bos]; for k >= 1 the KV is
+              rebuilt from scratch over [prev prompt, emb_code(prev chunk's codes), prompt]
+              with positions from 0 (the reference resets `text_start_pos` to 0 before every
+              recompute). A chunk ends on EOS (not emitted) or after 500 draws; the stream
+              ends with its last chunk. No EOS mask. A chunk starts as soon as 10 text rows
+              are waiting; the last chunk takes the rest (0..10) once the text is finished,
+              so feeders should pass text_finished together with the last ids.
+The repetition penalty sees the stream's last 16 codes across chunks; a stream's first
+draw is temperature-only.
+
+Not thread-safe: one caller drives open/feed_text/step/close.
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+
+from pipeline.config import TalkerConfig
+from pipeline.talker.graphs import DecodeGraphs, bucket_up, power_of_two_buckets
+from pipeline.talker.model import TalkerKVCache, TalkerModel
+from pipeline.talker.sampling import CodeSampler, SamplerState, TalkerSamplingParams
+
+TalkerMode = Literal["full_span", "streaming"]
+MODES: tuple[str, ...] = ("full_span", "streaming")
+
+
+@dataclass(frozen=True)
+class TalkerEngineConfig:
+    """Engine knobs. Zero / empty values mean "derive"; `resolved()` fills them in."""
+
+    max_streams: int = 8  # slots (upper bound; kv_cache_bytes may lower it)
+    mode: TalkerMode = "streaming"  # default for open()
+    cuda_graphs: bool = True  # capture the decode step (CUDA only; eager on CPU)
+    graph_batch_sizes: tuple[int, ...] = ()  # row buckets; () = 1, 2, 4, ... max_streams
+    graph_kv_lengths: tuple[int, ...] = ()  # read_len buckets; () = 256, 512, ... max_seq_len
+    max_seq_len: int = 0  # KV positions per slot; 0 = max_position_embeddings
+    kv_cache_bytes: int = 0  # KV memory budget; 0 = max_streams slots regardless
+    chunk_codes: int = 25  # codes per released chunk (1 s of audio)
+    lookahead_codes: int = 3  # a chunk is released once this many later codes exist
+    streaming_chunk_max_codes: int = 500  # draws per text chunk (generate_with_buffer)
+    sampling: TalkerSamplingParams | None = None  # None = TalkerConfig's values
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
+        if self.chunk_codes < 1 or self.lookahead_codes < 0:
+            raise ValueError("chunk_codes must be >= 1 and lookahead_codes >= 0")
+        if self.streaming_chunk_max_codes < 1:
+            raise ValueError("streaming_chunk_max_codes must be >= 1")
+
+    def resolved(self, cfg: TalkerConfig, dtype: torch.dtype) -> TalkerEngineConfig:
+        max_len = self.max_seq_len or cfg.max_position_embeddings
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_len} > max_position_embeddings")
+        streams = self.max_streams
+        if self.kv_cache_bytes:
+            per_slot = TalkerKVCache.bytes_per_slot(cfg, max_len, dtype)
+            streams = min(streams, self.kv_cache_bytes // per_slot)
+            if streams < 1:
+                raise ValueError(
+                    f"kv_cache_bytes {self.kv_cache_bytes} < one slot ({per_slot} bytes at "
+                    f"max_seq_len {max_len}); lower max_seq_len or raise the budget"
+                )
+        batch_sizes = tuple(sorted({b for b in self.graph_batch_sizes if b < streams}))
+        batch_sizes = (
+            (batch_sizes + (streams,))
+            if self.graph_batch_sizes
+            else (power_of_two_buckets(1, streams))
+        )
+        kv_lengths = tuple(sorted({k for k in self.graph_kv_lengths if k < max_len}))
+        kv_lengths = (
+            (kv_lengths + (max_len,))
+            if self.graph_kv_lengths
+            else (power_of_two_buckets(min(256, max_len), max_len))
+        )
+        return replace(
+            self,
+            max_streams=streams,
+            max_seq_len=max_len,
+            graph_batch_sizes=batch_sizes,
+            graph_kv_lengths=kv_lengths,
+            sampling=self.sampling or TalkerSamplingParams.from_config(cfg),
+        )
+
+
+@dataclass(frozen=True)
+class CodeChunk:
+    """Codes released for one stream.
+
+    codes:     new codes, in order (25, or the rest on the last chunk; may be empty then)
+    lookahead: the codes that follow (3, already known; they open the next chunk too)
+    finished:  last chunk of the stream
+    index:     0, 1, 2, ... per stream
+    """
+
+    stream_id: str
+    codes: tuple[int, ...]
+    finished: bool
+    lookahead: tuple[int, ...] = ()
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class TalkerStats:
+    """Counters since the engine was built, plus the current occupancy."""
+
+    open_streams: int
+    decoding_streams: int
+    free_slots: int
+    steps: int  # batched decode steps
+    graph_replays: int  # of which replayed a CUDA graph
+    prefills: int  # units started (one prefill each)
+    codes: int  # codes kept (EOS excluded)
+
+
+@dataclass
+class _Stream:
+    stream_id: str
+    slot: int
+    mode: TalkerMode
+    generator: torch.Generator
+    pending: torch.Tensor  # (n, E) condition rows not yet used by a unit
+    text_finished: bool = False
+    decoding: bool = False
+    finished: bool = False
+    started_units: int = 0
+    unit_final: bool = False  # the unit being decoded is the stream's last
+    unit_prompt: torch.Tensor | None = None  # streaming: this chunk's [c, (eos), bos]
+    unit_codes: list[int] = field(default_factory=list)
+    unit_draws: int = 0
+    prev_prompt: torch.Tensor | None = None  # streaming: previous chunk, for the recompute
+    prev_codes: list[int] = field(default_factory=list)
+    position: int = 0  # cache position of the next decode input (mirrors the device buffer)
+    codes: list[int] = field(default_factory=list)  # every kept code (EOS excluded)
+    released: int = 0
+    chunks_sent: int = 0
+    done_sent: bool = False
+
+
+class TalkerEngine:
+    """Batched Talker decode over slots. See the module docstring for the step."""
+
+    def __init__(self, model: TalkerModel, config: TalkerEngineConfig | None = None) -> None:
+        self.model = model.eval()
+        self.cfg: TalkerConfig = model.cfg
+        weight = model.emb_code[0].weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.config = (config or TalkerEngineConfig()).resolved(self.cfg, self.dtype)
+        slots, max_len = self.config.max_streams, self.config.max_seq_len
+        self.cache = TalkerKVCache(self.cfg, slots, max_len, self.dtype, self.device)
+        params = self.config.sampling
+        assert params is not None
+        self.eos = self.cfg.eos_code
+        self.sampler = CodeSampler(params, self.cfg.num_audio_tokens, self.eos, self.device)
+        self.state = SamplerState.empty(
+            slots, params.repetition_window, self.cfg.num_audio_tokens, self.device
+        )
+        # Static decode buffers: row r = slot r.
+        self._in_codes = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self._active = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        self._out_codes = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self._one_active = torch.ones(1, dtype=torch.bool, device=self.device)
+        self._streams: dict[str, _Stream] = {}
+        self._free: list[int] = list(range(slots))  # a heap: lowest slot first keeps R small
+        self._steps = self._prefills = self._codes = 0
+        self.graphs: DecodeGraphs | None = None
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                self._decode_rows, self.config.graph_batch_sizes, self.config.graph_kv_lengths
+            )
+            with torch.no_grad():
+                self.graphs.capture()
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def has_work(self) -> bool:
+        """True while a step() would decode, start a unit or release a chunk."""
+        return any(
+            s.decoding or (not s.finished and self._ready(s) is not None) or self._releasable(s)
+            for s in self._streams.values()
+        )
+
+    def stats(self) -> TalkerStats:
+        return TalkerStats(
+            open_streams=len(self._streams),
+            decoding_streams=sum(s.decoding for s in self._streams.values()),
+            free_slots=len(self._free),
+            steps=self._steps,
+            graph_replays=self.graphs.replays if self.graphs is not None else 0,
+            prefills=self._prefills,
+            codes=self._codes,
+        )
+
+    def stream_codes(self, stream_id: str) -> list[int]:
+        """Every code the stream kept so far (released or not), EOS excluded."""
+        return list(self._streams[stream_id].codes)
+
+    def open(self, stream_id: str, mode: TalkerMode | None = None, seed: int | None = None) -> None:
+        if stream_id in self._streams:
+            raise ValueError(f"stream {stream_id!r} is already open")
+        mode = mode or self.config.mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "streaming" and self.cfg.attention_type != "sliding_recompute":
+            raise ValueError(
+                f"streaming mode implements attention_type 'sliding_recompute' only, the "
+                f"checkpoint says {self.cfg.attention_type!r}; use mode 'full_span'"
+            )
+        if not self._free:
+            raise RuntimeError(f"no free Talker slot ({self.config.max_streams} in use)")
+        slot = heapq.heappop(self._free)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        pending = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self._streams[stream_id] = _Stream(stream_id, slot, mode, generator, pending)
+        min_new = self.cfg.min_new_tokens if mode == "full_span" else 0
+        self.state.reset_row(slot, min_new)
+        self._active[slot] = False
+
+    @torch.no_grad()
+    def feed_text(
+        self,
+        stream_id: str,
+        ids: torch.Tensor | list[int],
+        hidden: torch.Tensor,
+        text_finished: bool = False,
+    ) -> None:
+        """ids (n,) Thinker ids of the spoken span; hidden (n, llm_dim) their hidden states."""
+        s = self._streams[stream_id]
+        if s.text_finished:
+            raise ValueError(f"stream {stream_id!r}: text already finished")
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
+        if hidden.shape != (ids.numel(), self.cfg.llm_dim):
+            raise ValueError(
+                f"hidden must be ({ids.numel()}, {self.cfg.llm_dim}), got {tuple(hidden.shape)}"
+            )
+        total = s.pending.shape[0] + ids.numel()
+        if s.mode == "full_span" and total + 2 >= self.config.max_seq_len:
+            # the prompt (span + text_eos + audio_bos) and at least one code must fit
+            raise ValueError(
+                f"stream {stream_id!r}: spoken span of {total} rows does not fit "
+                f"max_seq_len {self.config.max_seq_len}"
+            )
+        if ids.numel():
+            rows = self.model.build_condition(ids, hidden.to(self.device))
+            s.pending = torch.cat([s.pending, rows], dim=0)
+        s.text_finished = text_finished
+
+    @torch.no_grad()
+    def step(self) -> list[CodeChunk]:
+        decoding = [s for s in self._streams.values() if s.decoding]
+        if decoding:
+            self._decode(decoding)
+        for s in list(self._streams.values()):
+            if not s.decoding and not s.finished:
+                unit = self._ready(s)
+                if unit is not None:
+                    self._start(s, *unit)
+        out: list[CodeChunk] = []
+        for s in self._streams.values():
+            out.extend(self._release(s))
+        return out
+
+    def close(self, stream_id: str) -> None:
+        s = self._streams.pop(stream_id, None)
+        if s is not None and not s.finished:
+            self._free_slot(s)
+
+    # -- units ---------------------------------------------------------------------------
+
+    def _ready(self, s: _Stream) -> tuple[int, bool] | None:
+        """(pending rows the next unit takes, is_last_unit) if its text is there, else None."""
+        n = s.pending.shape[0]
+        if s.mode == "full_span":
+            return (n, True) if s.text_finished and not s.started_units else None
+        size = self.cfg.streaming_text_chunk
+        if n > size or (n == size and not s.text_finished):
+            return size, False
+        return (n, True) if s.text_finished else None
+
+    def _start(self, s: _Stream, take: int, final: bool) -> None:
+        """Prefill the next unit's prompt into the slot and draw its first code."""
+        text_rows, s.pending = s.pending[:take], s.pending[take:]
+        if s.mode == "full_span":
+            prompt = self.model.offline_prompt(text_rows)
+        else:
+            s.unit_prompt = self.model.streaming_prompt(text_rows, final)
+            prompt = s.unit_prompt
+            if s.prev_prompt is not None:  # sliding_recompute: rebuild from the previous chunk
+                parts = [s.prev_prompt]
+                if s.prev_codes:
+                    prev = torch.tensor(s.prev_codes, dtype=torch.long, device=self.device)
+                    parts.append(self.model.embed_codes(prev))
+                prompt = torch.cat([*parts, s.unit_prompt], dim=0)
+        length = prompt.shape[0]
+        if length >= self.config.max_seq_len:
+            raise RuntimeError(
+                f"stream {s.stream_id!r}: prompt of {length} does not fit max_seq_len "
+                f"{self.config.max_seq_len}"
+            )
+        s.started_units += 1
+        self._prefills += 1
+        s.unit_final = final
+        s.unit_codes = []
+        s.unit_draws = 0
+        s.decoding = True
+        s.position = length
+        logits = self.model.prefill(self.cache, s.slot, prompt)  # (V,)
+        self.state.noise[s.slot].exponential_(generator=s.generator)
+        rows = self.state.rows(s.slot, s.slot + 1)
+        code = self.sampler(logits[None], rows, self._one_active)  # (1,)
+        self._in_codes[s.slot : s.slot + 1].copy_(code)
+        self._positions[s.slot] = length
+        self._active[s.slot] = True
+        self._accept(s, int(code.item()))
+
+    def _decode(self, decoding: list[_Stream]) -> None:
+        rows = bucket_up(max(s.slot for s in decoding) + 1, self.config.graph_batch_sizes)
+        read_len = bucket_up(max(s.position for s in decoding) + 1, self.config.graph_kv_lengths)
+        for s in decoding:
+            self.state.noise[s.slot].exponential_(generator=s.generator)
+        self._steps += 1
+        if self.graphs is not None:
+            self.graphs.replay(rows, read_len)
+        else:
+            self._decode_rows(rows, read_len)
+        codes = self._out_codes[:rows].tolist()
+        for s in decoding:
+            s.position += 1
+            self._accept(s, codes[s.slot])
+
+    def _decode_rows(self, rows: int, read_len: int) -> None:
+        """One step over slots [0, rows) on static buffers (captured as a CUDA graph)."""
+        codes_in = self._in_codes[:rows]
+        active = self._active[:rows]
+        logits = self.model.decode(self.cache, codes_in, self._positions[:rows], active, read_len)
+        codes = self.sampler(logits, self.state.rows(0, rows), active)
+        self._out_codes[:rows].copy_(codes)
+        self._in_codes[:rows].copy_(torch.where(active, codes, codes_in))
+        self._positions[:rows].add_(active.long())
+
+    def _accept(self, s: _Stream, code: int) -> None:
+        """Book one drawn code; end the unit on EOS or a cap."""
+        s.unit_draws += 1
+        if code == self.eos:
+            self._end_unit(s)
+            return
+        if s.mode == "full_span" and s.unit_draws >= self.cfg.max_new_tokens:
+            self._end_unit(s)  # the reference drops the code drawn at the cap
+            return
+        s.codes.append(code)
+        s.unit_codes.append(code)
+        self._codes += 1
+        capped = s.mode == "streaming" and s.unit_draws >= self.config.streaming_chunk_max_codes
+        if capped or s.position >= self.config.max_seq_len:
+            self._end_unit(s)
+
+    def _end_unit(self, s: _Stream) -> None:
+        s.decoding = False
+        self._active[s.slot] = False
+        if s.mode == "streaming":
+            s.prev_prompt, s.prev_codes = s.unit_prompt, s.unit_codes
+            s.unit_prompt, s.unit_codes = None, []
+        if s.unit_final:
+            s.finished = True
+            self._free_slot(s)
+
+    def _free_slot(self, s: _Stream) -> None:
+        self._active[s.slot] = False
+        heapq.heappush(self._free, s.slot)
+
+    # -- chunk release -------------------------------------------------------------------
+
+    def _releasable(self, s: _Stream) -> bool:
+        need = self.config.chunk_codes + self.config.lookahead_codes
+        return len(s.codes) - s.released >= need or (s.finished and not s.done_sent)
+
+    def _release(self, s: _Stream) -> list[CodeChunk]:
+        size, ahead = self.config.chunk_codes, self.config.lookahead_codes
+        out = []
+        while len(s.codes) - s.released >= size + ahead:
+            start = s.released
+            out.append(
+                CodeChunk(
+                    s.stream_id,
+                    tuple(s.codes[start : start + size]),
+                    False,
+                    tuple(s.codes[start + size : start + size + ahead]),
+                    s.chunks_sent,
+                )
+            )
+            s.released += size
+            s.chunks_sent += 1
+        if s.finished and not s.done_sent:
+            out.append(
+                CodeChunk(s.stream_id, tuple(s.codes[s.released :]), True, (), s.chunks_sent)
+            )
+            s.released = len(s.codes)
+            s.chunks_sent += 1
+            s.done_sent = True
+        return out

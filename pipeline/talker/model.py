@@ -1,0 +1,400 @@
+"""Talker (`tts`, MiniCPMTTS): a Llama over speech codes, conditioned on the Thinker.
+
+Stages:
+  1. condition   c_i = emb_text(t_i) + L2normalize(projector_semantic(h_i))        (n, E)
+                 t_i: Thinker ids of the spoken span; h_i (n, llm_dim): Thinker final-norm
+                 hidden states where t_i was the input token
+  2. prompt      full_span:  [c_1..c_n, emb_text(text_eos), emb_text(audio_bos)]    (n+2, E)
+                 streaming:  [c_chunk, (emb_text(text_eos) if text ended), emb_text(audio_bos)]
+  3. backbone    Llama (RMSNorm, RoPE, MHA, SwiGLU) over inputs_embeds, with a static
+                 per-slot KV cache; prefill a prompt, then one emb_code(prev_code) per step
+  4. head        logits = head_code(hidden), a weight-normed Linear(E -> 6562)    (., 6562)
+                 6561 speech codes + EOS (= num_audio_tokens - 1)
+
+Full size: E=768, 20 layers, 12 heads x 64, intermediate 3072, rope theta 1e4.
+state_dict keys are the checkpoint's `tts.*` keys with `tts.` stripped. `model.embed_tokens`
+and `projector_spk` are loaded but unused (inputs are always embeddings; no speaker slot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.config import TalkerConfig
+
+# ---------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalize in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_tables(
+    head_dim: int, theta: float, num_positions: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (num_positions, head_dim) float32, Llama "default" RoPE."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # (D/2,)
+    positions = torch.arange(num_positions, device=device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
+    angles = torch.cat([freqs, freqs], dim=-1)  # (P, D)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, L, H, D); cos/sin (B, L, D) float32, cast to x's dtype like transformers."""
+    cos = cos[:, :, None, :].to(x.dtype)
+    sin = sin[:, :, None, :].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class TalkerKVCache:
+    """Static KV cache, one row of `max_len + 1` positions per slot (stream).
+
+    k, v: (layers, slots, max_len + 1, kv_heads, head_dim) in the model dtype.
+    Position `max_len` is a scratch column: decode rows of idle slots write there, so a
+    batched step over slots [0, R) never touches the cache of a slot that is not decoding.
+    """
+
+    def __init__(
+        self, cfg: TalkerConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_len {max_len} exceeds max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        shape = (cfg.num_hidden_layers, slots, max_len + 1, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots = slots
+        self.max_len = max_len
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len + 1, device)
+        self.rope_cos = cos  # (max_len + 1, D) float32
+        self.rope_sin = sin
+        # Built once, sliced per step: key positions for masks, row ids for cache writes.
+        self.position_ids = torch.arange(max_len + 1, device=device)
+        self.row_ids = torch.arange(slots, device=device)[:, None]  # (slots, 1)
+
+    @property
+    def scratch_pos(self) -> int:
+        return self.max_len
+
+    @staticmethod
+    def bytes_per_slot(cfg: TalkerConfig, max_len: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_pos = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+        return per_pos * (max_len + 1)
+
+
+@dataclass
+class AttentionBatch:
+    """What every layer's attention needs for one forward, built once per forward.
+
+    rows:      cache rows [rows.start, rows.stop) of the B sequences
+    row_ids:   (B, 1) 0..B-1, the row index of each sequence within those rows
+    write_pos: (B, L) cache positions of the L new tokens
+    read_len:  keys [0, read_len) are attended
+    mask:      (B, 1, L, read_len) bool, or None: causal attention over the L new tokens
+               only (a prefill from an empty cache)
+    """
+
+    rows: slice
+    row_ids: torch.Tensor
+    write_pos: torch.Tensor
+    read_len: int
+    mask: torch.Tensor | None
+
+
+class Attention(nn.Module):
+    """Llama self-attention (no bias) reading and writing a `TalkerKVCache` row range."""
+
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        e, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(e, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(e, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(e, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, e, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """x (B, L, E); cos/sin (B, L, D); k_rows/v_rows (B, T, Hkv, D): this layer's cache
+        rows of the B sequences. The new keys/values are written before attending."""
+        b, l, _ = x.shape
+        q = self.q_proj(x).view(b, l, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, l, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, l, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_rows[batch.row_ids, batch.write_pos] = k
+        v_rows[batch.row_ids, batch.write_pos] = v
+        if batch.mask is None:
+            keys, values, causal = k, v, True  # (B, L, Hkv, D)
+        else:
+            keys, values, causal = k_rows[:, : batch.read_len], v_rows[:, : batch.read_len], False
+        q = q.transpose(1, 2)  # (B, H, L, D)
+        keys = keys.transpose(1, 2)  # (B, Hkv, S, D)
+        values = values.transpose(1, 2)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            keys = keys.repeat_interleave(rep, dim=1)
+            values = values.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=batch.mask, is_causal=causal
+        )
+        out = out.transpose(1, 2).reshape(b, l, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_rows, v_rows, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """transformers `LlamaModel` layout (keys `embed_tokens`, `layers.N.*`, `norm`)."""
+
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        # Allocated in the checkpoint but never used: the Talker always feeds embeddings.
+        self.embed_tokens = nn.Embedding(cfg.backbone_vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: TalkerKVCache,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """x (B, L, E), positions (B, L) RoPE positions. Returns final-norm hidden (B, L, E)."""
+        cos = cache.rope_cos[positions]  # (B, L, D)
+        sin = cache.rope_sin[positions]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i, batch.rows], cache.v[i, batch.rows], batch)
+        return self.norm(x)
+
+
+class _WeightNormParams(nn.Module):
+    """Holds weight_norm's (g, v) under the names the parametrizations API saves."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.original0 = nn.Parameter(torch.ones(out_features, 1))  # g
+        self.original1 = nn.Parameter(torch.empty(out_features, in_features))  # v
+
+
+class WeightNormLinear(nn.Module):
+    """`weight_norm(Linear(in, out, bias=False), dim=0)` with the weight materialized once.
+
+    Keys: `parametrizations.weight.original0` (out, 1) and `.original1` (out, in). The
+    inference weight `torch._weight_norm(v, g, 0)` is recomputed after every
+    `load_state_dict` and by `materialize()`; it is not part of the state_dict.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.parametrizations = nn.ModuleDict(
+            {"weight": _WeightNormParams(out_features, in_features)}
+        )
+        nn.init.kaiming_uniform_(self.parametrizations["weight"].original1, a=5**0.5)
+        with torch.no_grad():
+            v = self.parametrizations["weight"].original1
+            self.parametrizations["weight"].original0.copy_(v.norm(dim=1, keepdim=True))
+        self.register_buffer("_weight", torch.empty(out_features, in_features), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.materialize())
+        self.materialize()
+
+    @torch.no_grad()
+    def materialize(self) -> None:
+        p = self.parametrizations["weight"]
+        w = torch._weight_norm(p.original1.float(), p.original0.float(), 0)
+        self._weight = w.to(device=p.original1.device, dtype=p.original1.dtype)
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() convert g and v; rebuild the weight from them.
+        out = super()._apply(fn, recurse)
+        self.materialize()
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._weight)
+
+
+class SemanticProjector(nn.Module):
+    """projector_type "mlp": Linear(llm_dim, E) -> ReLU -> Linear(E, E)."""
+
+    def __init__(self, llm_dim: int, hidden: int) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(llm_dim, hidden)
+        self.linear2 = nn.Linear(hidden, hidden)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear2(F.relu(self.linear1(h)))
+
+
+# ---------------------------------------------------------------------------------------
+# The Talker
+
+
+class TalkerModel(nn.Module):
+    """MiniCPMTTS with a static KV cache. See the module docstring for the stages."""
+
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        if cfg.num_vq != 1:
+            raise ValueError(f"only num_vq == 1 is supported, got {cfg.num_vq}")
+        if cfg.projector_type != "mlp":
+            raise ValueError(f"only projector_type 'mlp' is supported, got {cfg.projector_type!r}")
+        if cfg.condition_type != "hidden_text_merge":
+            raise ValueError(f"only condition_type 'hidden_text_merge', got {cfg.condition_type!r}")
+        if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+            raise ValueError("head_dim * num_attention_heads must equal hidden_size (LlamaConfig)")
+        self.cfg = cfg
+        e = cfg.hidden_size
+        self.emb_text = nn.Embedding(cfg.num_text_tokens, e)
+        self.emb_code = nn.ModuleList([nn.Embedding(cfg.num_audio_tokens, e)])
+        self.head_code = nn.ModuleList([WeightNormLinear(e, cfg.num_audio_tokens)])
+        self.model = Backbone(cfg)
+        self.projector_semantic = SemanticProjector(cfg.llm_dim, e)
+        self.projector_spk = SemanticProjector(cfg.llm_dim, e)  # unused at inference
+
+    # -- conditioning --------------------------------------------------------------------
+
+    def build_condition(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """ids (n,) Thinker ids, hidden (n, llm_dim) -> condition rows (n, E)."""
+        proj = self.projector_semantic(hidden.to(self.emb_text.weight.dtype))
+        if self.cfg.normalize_projected_hidden:
+            proj = F.normalize(proj, p=2, dim=-1)
+        return self.emb_text(ids) + proj
+
+    def _text_rows(self, token_id: int) -> torch.Tensor:
+        ids = torch.tensor([token_id], dtype=torch.long, device=self.emb_text.weight.device)
+        return self.emb_text(ids)  # (1, E)
+
+    def offline_prompt(self, condition: torch.Tensor) -> torch.Tensor:
+        """full_span prompt: (n, E) -> (n + 2, E) with text_eos and audio_bos appended."""
+        tail = [
+            self._text_rows(self.cfg.text_eos_token_id),
+            self._text_rows(self.cfg.audio_bos_token_id),
+        ]
+        return torch.cat([condition, *tail], dim=0)
+
+    def streaming_prompt(self, condition: torch.Tensor, text_finished: bool) -> torch.Tensor:
+        """One text chunk's condition: [c_chunk, (text_eos if finished), audio_bos]."""
+        parts = [condition]
+        if text_finished:
+            parts.append(self._text_rows(self.cfg.text_eos_token_id))
+        parts.append(self._text_rows(self.cfg.audio_bos_token_id))
+        return torch.cat(parts, dim=0)
+
+    def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.emb_code[0](codes)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., E) -> (..., V) float32 logits (computed in the model dtype, like the reference)."""
+        return self.head_code[0](hidden).float()
+
+    # -- running the backbone ------------------------------------------------------------
+
+    def prefill(
+        self, cache: TalkerKVCache, slot: int, embeds: torch.Tensor, start: int = 0
+    ) -> torch.Tensor:
+        """Run `embeds` (L, E) at positions [start, start + L) of `slot`'s cache row, after
+        the `start` cached positions. Returns the last position's logits (V,) float32."""
+        length = embeds.shape[0]
+        if start + length > cache.max_len:
+            raise ValueError(f"prompt of {length} at {start} does not fit max_len {cache.max_len}")
+        positions = cache.position_ids[start : start + length][None, :]  # (1, L)
+        mask = None
+        if start > 0:  # continue after cached positions: mask keys beyond each query
+            keys = cache.position_ids[: start + length]
+            mask = (keys[None, :] <= positions[0, :, None])[None, None]  # (1, 1, L, start+L)
+        batch = AttentionBatch(
+            slice(slot, slot + 1), cache.row_ids[:1], positions, start + length, mask
+        )
+        hidden = self.model(embeds[None], positions, cache, batch)
+        return self.head(hidden[0, -1])
+
+    def decode(
+        self,
+        cache: TalkerKVCache,
+        codes: torch.Tensor,
+        positions: torch.Tensor,
+        active: torch.Tensor,
+        read_len: int,
+    ) -> torch.Tensor:
+        """One step for cache rows [0, R): feed codes (R,) at positions (R,).
+
+        Rows with active False are idle slots: they write to the scratch column, read only
+        key 0, and their logits are meaningless. read_len must exceed every active
+        position. Returns logits (R, V) float32.
+        """
+        r = codes.shape[0]
+        x = self.embed_codes(codes)[:, None, :]  # (R, 1, E)
+        pos = torch.where(active, positions, 0)
+        write_pos = torch.where(active, positions, cache.scratch_pos)
+        keys = cache.position_ids[:read_len]
+        mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (R, 1, 1, read_len)
+        batch = AttentionBatch(slice(0, r), cache.row_ids[:r], write_pos[:, None], read_len, mask)
+        hidden = self.model(x, pos[:, None], cache, batch)
+        return self.head(hidden[:, 0])

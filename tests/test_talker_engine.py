@@ -1,0 +1,422 @@
+"""TalkerEngine (CPU, fp32, tiny sizes) vs plain restatements of the reference loops.
+
+The restatements run transformers' LlamaModel over the whole sequence at every step (no
+KV cache), follow `MiniCPMTTS.generate` (full_span) and
+`TTSStreamingGenerator.generate_with_buffer` (streaming, sliding_recompute) literally,
+including their position bookkeeping, and draw with the same per-stream noise stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaModel
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from pipeline.config import TalkerConfig, talker_config_from_hf
+from pipeline.presets import tiny_hf_config
+from pipeline.talker.engine import CodeChunk, TalkerEngine, TalkerEngineConfig
+from pipeline.talker.model import TalkerModel
+from pipeline.talker.sampling import TalkerSamplingParams
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_cfg(**kw) -> TalkerConfig:
+    return replace(talker_config_from_hf(tiny_hf_config()), **kw)
+
+
+def make_talker(
+    cfg: TalkerConfig, eos_bias: float, seed: int = 0, device: str = "cpu"
+) -> TalkerModel:
+    """Random tiny Talker whose EOS logit gets `eos_bias` (random weights almost never
+    pick EOS out of 6562 codes; +2 gives chunks of ~10 codes)."""
+    torch.manual_seed(seed)
+    talker = TalkerModel(cfg).eval().to(device)
+    bias = torch.zeros(cfg.num_audio_tokens, device=device)
+    bias[cfg.eos_code] = eos_bias
+    talker.head = lambda h: TalkerModel.head(talker, h) + bias  # instance override
+    return talker
+
+
+def ref_penalty(history: torch.Tensor, scores: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CustomRepetitionPenaltyLogitsProcessorRepeat(penalty, V, 16), restated."""
+    if history.size(1) > 16:
+        history = history[:, -16:]
+    alpha = torch.pow(penalty, F.one_hot(history, scores.size(1)).sum(1))
+    return torch.where(scores < 0, scores * alpha, scores / alpha)
+
+
+class Reference:
+    """Plain restatement of the reference Talker loops (no KV cache)."""
+
+    def __init__(self, talker: TalkerModel, params: TalkerSamplingParams) -> None:
+        cfg = talker.cfg
+        self.talker, self.cfg, self.params = talker, cfg, params
+        self.hf = LlamaModel(
+            LlamaConfig(
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size,
+                num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_key_value_heads,
+                num_hidden_layers=cfg.num_hidden_layers,
+                max_position_embeddings=cfg.max_position_embeddings,
+                rope_theta=cfg.rope_theta,
+                rms_norm_eps=cfg.rms_norm_eps,
+                vocab_size=cfg.backbone_vocab_size,
+                attn_implementation="eager",
+            )
+        ).eval()
+        sd = {k[6:]: v for k, v in talker.state_dict().items() if k.startswith("model.")}
+        self.hf.load_state_dict(sd, strict=True)
+
+    def condition(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        t = self.talker
+        h = t.projector_semantic(hidden)
+        return t.emb_text(ids) + F.normalize(h, p=2, dim=-1)
+
+    def text_row(self, token_id: int) -> torch.Tensor:
+        return self.talker.emb_text.weight[token_id][None]
+
+    def codes_embeds(self, codes: list[int]) -> torch.Tensor:
+        return self.talker.emb_code[0].weight[torch.tensor(codes, dtype=torch.long)]
+
+    def last_logits(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.hf(inputs_embeds=embeds[None], position_ids=positions[None]).last_hidden_state
+        return self.talker.head(hidden[0, -1])
+
+    def draw(self, logits, history, t, min_new, generator) -> int:
+        p = self.params
+        x = logits[None].clone() / torch.tensor([[p.temperature]])
+        if history:
+            ids = torch.tensor([history])
+            x = ref_penalty(ids, x, p.repetition_penalty)
+            x = TopPLogitsWarper(p.top_p, min_tokens_to_keep=3)(ids, x)
+            x = TopKLogitsWarper(p.top_k, min_tokens_to_keep=3)(ids, x)
+        if t < min_new:
+            x[:, self.cfg.eos_code] = -torch.inf
+        noise = torch.empty(self.cfg.num_audio_tokens).exponential_(generator=generator)
+        return int((torch.softmax(x[0], dim=-1) / noise.clamp_min(1e-30)).argmax())
+
+    @torch.no_grad()
+    def full_span(self, condition: torch.Tensor, seed: int) -> list[int]:
+        """`MiniCPMTTS.generate`: prompt, then t = 0..max_new_token-1; returns new_tokens[:t]."""
+        cfg = self.cfg
+        prompt = torch.cat(
+            [condition, self.text_row(cfg.text_eos_token_id), self.text_row(cfg.audio_bos_token_id)]
+        )
+        g = torch.Generator().manual_seed(seed)
+        length = prompt.shape[0]
+        new_tokens: list[int] = []
+        for t in range(cfg.max_new_tokens):
+            # the KV cache holds positions 0..L-1 (prefill) then L+t-1 for each fed code
+            positions = torch.arange(length + t)
+            embeds = torch.cat([prompt, self.codes_embeds(new_tokens)]) if t else prompt
+            history = new_tokens if t else []
+            code = self.draw(self.last_logits(embeds, positions), history, t, cfg.min_new_tokens, g)
+            new_tokens.append(code)
+            if code == cfg.eos_code:
+                break
+        return new_tokens[:t]
+
+    @torch.no_grad()
+    def streaming(
+        self, chunks: list[tuple[torch.Tensor, bool]], seed: int, cap: int
+    ) -> list[list[int]]:
+        """`generate_with_buffer` per text chunk (sliding_recompute). Returns codes per chunk."""
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(seed)
+        text_start_pos, idx = 0, -1
+        all_generated: list[int] = []
+        chunk_info: list[dict] = []
+        per_chunk = []
+        for cond, text_finished in chunks:
+            idx += 1
+            parts = [cond]
+            if text_finished:
+                parts.append(self.text_row(cfg.text_eos_token_id))
+            parts.append(self.text_row(cfg.audio_bos_token_id))
+            condition = torch.cat(parts)
+            info = {"condition": condition, "audio_tokens": []}
+            if idx >= 1:
+                prev = chunk_info[-1]
+                rec = [prev["condition"]]
+                if prev["audio_tokens"]:
+                    rec.append(self.codes_embeds(prev["audio_tokens"]))
+                current = torch.cat([*rec, condition])
+                text_start_pos = 0
+            else:
+                current = condition
+            prefill_len = current.shape[0]
+            chunk_tokens: list[int] = []
+            for t in range(cap):
+                positions = torch.arange(text_start_pos, text_start_pos + prefill_len + t)
+                embeds = torch.cat([current, self.codes_embeds(chunk_tokens)]) if t else current
+                first = len(all_generated) == 0 and t == 0
+                history = [] if first else all_generated
+                code = self.draw(self.last_logits(embeds, positions), history, t, 0, g)
+                if code == cfg.eos_code:
+                    break
+                all_generated.append(code)
+                chunk_tokens.append(code)
+                info["audio_tokens"].append(code)
+            chunk_info.append(info)
+            text_start_pos += prefill_len + len(chunk_tokens)
+            per_chunk.append(chunk_tokens)
+        return per_chunk
+
+
+def spoken(n: int, cfg: TalkerConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 151000, (n,), generator=g)
+    return ids, torch.randn(n, cfg.llm_dim, generator=g) * 3
+
+
+def run(
+    engine: TalkerEngine, stream_ids: list[str], max_steps: int = 2000
+) -> dict[str, list[CodeChunk]]:
+    out: dict[str, list[CodeChunk]] = {s: [] for s in stream_ids}
+    for _ in range(max_steps):
+        for chunk in engine.step():
+            out[chunk.stream_id].append(chunk)
+        if all(c and c[-1].finished for c in out.values()):
+            return out
+    raise AssertionError("streams did not finish")
+
+
+def all_codes(chunks: list[CodeChunk]) -> list[int]:
+    return [c for chunk in chunks for c in chunk.codes]
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def test_full_span_matches_reference_generate():
+    cfg = tiny_cfg()
+    talker = make_talker(cfg, eos_bias=2.0)
+    ref = Reference(talker, TalkerSamplingParams.from_config(cfg))
+    ids, hidden = spoken(23, cfg, seed=5)
+    engine = TalkerEngine(talker, TalkerEngineConfig(max_streams=2, mode="full_span"))
+    engine.open("a", seed=11)
+    engine.feed_text("a", ids[:9], hidden[:9])
+    assert engine.step() == []  # full_span waits for the whole span
+    engine.feed_text("a", ids[9:], hidden[9:], text_finished=True)
+    got = all_codes(run(engine, ["a"])["a"])
+    with torch.no_grad():
+        expected = ref.full_span(ref.condition(ids, hidden), seed=11)
+    assert got == expected
+    assert len(got) >= cfg.min_new_tokens
+
+
+@pytest.mark.parametrize(
+    "eos_bias,expected_len", [(100.0, 50), (-1e4, 59)], ids=["eos-always", "eos-never"]
+)
+def test_full_span_eos_mask_and_max_length(eos_bias, expected_len):
+    cfg = tiny_cfg(max_new_tokens=60)  # min_new_tokens stays 50
+    engine = TalkerEngine(make_talker(cfg, eos_bias), TalkerEngineConfig(max_streams=1))
+    engine.open("a", mode="full_span", seed=0)
+    ids, hidden = spoken(5, cfg, seed=0)
+    engine.feed_text("a", ids, hidden, text_finished=True)
+    codes = all_codes(run(engine, ["a"])["a"])
+    # EOS is masked for draws 0..49, so an always-EOS model stops at exactly 50 codes; a
+    # never-EOS one makes 60 draws and, like the reference, drops the one at the cap.
+    assert len(codes) == expected_len
+    assert cfg.eos_code not in codes
+
+
+def test_chunks_of_25_released_with_3_lookahead():
+    cfg = tiny_cfg(max_new_tokens=60)
+    engine = TalkerEngine(make_talker(cfg, -1e4), TalkerEngineConfig(max_streams=2))
+    engine.open("a", mode="full_span", seed=3)
+    ids, hidden = spoken(4, cfg, seed=1)
+    engine.feed_text("a", ids, hidden, text_finished=True)
+    released_at = []  # (number of codes when released, chunk)
+    for _ in range(100):
+        for chunk in engine.step():
+            released_at.append((len(engine._streams["a"].codes), chunk))
+        if released_at and released_at[-1][1].finished:
+            break
+    codes = engine._streams["a"].codes
+    assert len(codes) == 59
+    assert [n for n, _ in released_at] == [28, 53, 59]
+    first, second, last = (c for _, c in released_at)
+    assert first.codes == tuple(codes[:25]) and first.lookahead == tuple(codes[25:28])
+    assert second.codes == tuple(codes[25:50]) and second.lookahead == tuple(codes[50:53])
+    assert last.codes == tuple(codes[50:]) and last.finished and last.lookahead == ()
+    assert [c.index for _, c in released_at] == [0, 1, 2]
+    assert not first.finished and not second.finished
+
+
+def test_streaming_matches_reference_generate_with_buffer():
+    cfg = tiny_cfg()
+    cap = 30
+    talker = make_talker(cfg, eos_bias=2.0)
+    ref = Reference(talker, TalkerSamplingParams.from_config(cfg))
+    engine = TalkerEngine(talker, TalkerEngineConfig(max_streams=4, streaming_chunk_max_codes=cap))
+    ids, hidden = spoken(27, cfg, seed=7)
+
+    # Stream A: 7 rows (too few to start), then the other 20 with the end of text:
+    # chunks [0:10], [10:20] and the last [20:27] (+ text_eos).
+    engine.open("A", mode="streaming", seed=21)
+    engine.feed_text("A", ids[:7], hidden[:7])
+    assert engine.step() == [] and engine._streams["A"].started_units == 0
+    engine.feed_text("A", ids[7:], hidden[7:], text_finished=True)
+    # Stream B: 20 rows; the end of text arrives after both chunks started, so the last
+    # chunk is empty: [text_eos, audio_bos] only.
+    engine.open("B", mode="streaming", seed=22)
+    engine.feed_text("B", ids[:20], hidden[:20])
+    chunks: dict[str, list[CodeChunk]] = {"A": [], "B": []}
+    for _ in range(500):
+        for c in engine.step():
+            chunks[c.stream_id].append(c)
+        b = engine._streams["B"]
+        if b.started_units == 2 and not b.text_finished:
+            engine.feed_text("B", ids[:0], hidden[:0], text_finished=True)
+        if all(v and v[-1].finished for v in chunks.values()):
+            break
+    with torch.no_grad():
+        cond = ref.condition(ids, hidden)
+        expected_a = ref.streaming(
+            [(cond[:10], False), (cond[10:20], False), (cond[20:], True)], 21, cap
+        )
+        expected_b = ref.streaming(
+            [(cond[:10], False), (cond[10:20], False), (cond[20:], True)], 22, cap
+        )
+    assert all_codes(chunks["A"]) == [c for part in expected_a for c in part]
+    assert all_codes(chunks["B"]) == [c for part in expected_b for c in part]
+    # The test exercises both ways a chunk ends: EOS (short chunks) and the draw cap.
+    lengths = [len(p) for p in expected_a + expected_b]
+    assert any(n < cap for n in lengths) and any(n == cap for n in lengths), lengths
+
+
+def test_streaming_eos_at_every_chunk_start_flushes_empty_final_chunk():
+    cfg = tiny_cfg()
+    engine = TalkerEngine(make_talker(cfg, 100.0), TalkerEngineConfig(max_streams=1))
+    engine.open("s", mode="streaming", seed=0)
+    ids, hidden = spoken(25, cfg, seed=2)
+    engine.feed_text("s", ids, hidden, text_finished=True)
+    chunks = run(engine, ["s"])["s"]
+    assert chunks == [CodeChunk("s", (), True, (), 0)]
+    assert engine._streams["s"].started_units == 3  # 10 + 10 + 5 rows, no minimum in streaming
+
+
+def test_batched_decode_equals_one_stream_at_a_time():
+    cfg = tiny_cfg(max_new_tokens=45, min_new_tokens=5)
+    talker = make_talker(cfg, eos_bias=2.0)
+    plan = [
+        ("s1", "streaming", 101, 31),
+        ("f1", "full_span", 102, 12),
+        ("s2", "streaming", 103, 18),
+    ]
+    data = {sid: spoken(n, cfg, seed=seed) for sid, _, seed, n in plan}
+    econf = TalkerEngineConfig(max_streams=4, streaming_chunk_max_codes=20)
+
+    alone = {}
+    for sid, mode, seed, n in plan:
+        engine = TalkerEngine(talker, econf)
+        engine.open(sid, mode=mode, seed=seed)
+        engine.feed_text(sid, *data[sid], text_finished=True)
+        alone[sid] = run(engine, [sid])[sid]
+
+    # Together: staggered starts, and text arriving in pieces while others decode.
+    engine = TalkerEngine(talker, econf)
+    together: dict[str, list[CodeChunk]] = {sid: [] for sid, *_ in plan}
+    for sid, mode, seed, _ in plan:
+        engine.open(sid, mode=mode, seed=seed)
+    for step in range(2000):
+        for sid, _, _, n in plan:
+            ids, hidden = data[sid]
+            cuts = [0, 6, min(15, n), n]
+            piece = {0: 0, 3: 1, 9: 2}.get(step - (5 if sid == "s2" else 0))
+            if piece is not None:
+                lo, hi = cuts[piece], cuts[piece + 1]
+                engine.feed_text(sid, ids[lo:hi], hidden[lo:hi], text_finished=piece == 2)
+        for c in engine.step():
+            together[c.stream_id].append(c)
+        if all(v and v[-1].finished for v in together.values()):
+            break
+    stats = engine.stats()
+    assert stats.prefills == sum(e.started_units for e in engine._streams.values())
+    assert stats.codes == sum(len(all_codes(c)) for c in together.values())
+    assert stats.free_slots == 4 and stats.decoding_streams == 0 and stats.graph_replays == 0
+    for sid, chunks in together.items():
+        assert [c.codes for c in chunks] == [c.codes for c in alone[sid]], sid
+        assert chunks == alone[sid], sid
+
+
+def test_slots_open_close_and_errors():
+    cfg = tiny_cfg(max_new_tokens=30, min_new_tokens=0)
+    engine = TalkerEngine(make_talker(cfg, 0.0), TalkerEngineConfig(max_streams=2, max_seq_len=64))
+    assert engine.step() == [] and not engine.has_work
+    engine.open("a", seed=1)
+    engine.open("b", mode="full_span", seed=2)
+    with pytest.raises(RuntimeError, match="no free Talker slot"):
+        engine.open("c")
+    with pytest.raises(ValueError, match="already open"):
+        engine.open("a")
+    ids, hidden = spoken(70, cfg, seed=0)
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.feed_text("b", ids, hidden, text_finished=True)
+    engine.close("b")  # cancel: slot 1 comes back
+    engine.open("c", mode="full_span", seed=3)
+    assert engine._streams["c"].slot == 1
+    engine.feed_text("a", ids[:10], hidden[:10])
+    engine.step()
+    assert engine._streams["a"].decoding
+    engine.close("a")  # cancel mid-decode
+    assert engine.num_free_slots == 1 and not engine._active.any()
+    engine.feed_text("c", ids[:3], hidden[:3], text_finished=True)
+    chunks = run(engine, ["c"])["c"]
+    assert chunks[-1].finished and engine.num_free_slots == 2  # finished streams free the slot
+    with pytest.raises(ValueError, match="already finished"):
+        engine.feed_text("c", ids[:1], hidden[:1])
+    engine.close("c")
+    engine.close("c")  # idempotent
+
+
+def test_engine_config_resolution():
+    cfg = TalkerConfig()
+    conf = TalkerEngineConfig(max_streams=12).resolved(cfg, torch.bfloat16)
+    assert conf.graph_batch_sizes == (1, 2, 4, 8, 12)
+    assert conf.graph_kv_lengths == (256, 512, 1024, 2048, 4096)
+    assert conf.sampling == TalkerSamplingParams()
+    per_slot = 2 * 20 * 12 * 64 * 2 * 1025
+    budget = TalkerEngineConfig(max_streams=64, max_seq_len=1024, kv_cache_bytes=5 * per_slot + 7)
+    conf = budget.resolved(cfg, torch.bfloat16)
+    assert conf.max_streams == 5 and conf.graph_kv_lengths == (256, 512, 1024)
+    custom = TalkerEngineConfig(max_streams=6, graph_batch_sizes=(1, 3, 9), graph_kv_lengths=(128,))
+    conf = custom.resolved(cfg, torch.bfloat16)
+    assert conf.graph_batch_sizes == (1, 3, 6) and conf.graph_kv_lengths == (128, 4096)
+    with pytest.raises(ValueError):
+        TalkerEngineConfig(mode="duplex")
+    with pytest.raises(ValueError):
+        TalkerEngineConfig(max_seq_len=100, kv_cache_bytes=10).resolved(cfg, torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_decode_matches_eager():
+    cfg = tiny_cfg(max_new_tokens=80, min_new_tokens=10)
+    talker = make_talker(cfg, eos_bias=2.0, device="cuda")
+    results = []
+    for graphs in (False, True):
+        engine = TalkerEngine(
+            talker, TalkerEngineConfig(max_streams=4, cuda_graphs=graphs, max_seq_len=512)
+        )
+        assert (engine.graphs is not None) == graphs
+        for i, mode in enumerate(["streaming", "full_span", "streaming"]):
+            engine.open(f"s{i}", mode=mode, seed=i)
+            ids, hidden = spoken(24 + 7 * i, cfg, seed=i)
+            engine.feed_text(f"s{i}", ids, hidden, text_finished=True)
+        results.append(run(engine, ["s0", "s1", "s2"]))
+        if graphs:
+            assert engine.stats().graph_replays == engine.stats().steps > 0
+    assert results[0] == results[1]

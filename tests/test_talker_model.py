@@ -1,0 +1,229 @@
+"""Talker model parity (CPU, fp32, tiny sizes): backbone + KV cache vs transformers
+LlamaModel, checkpoint key layout, weight-norm head, condition and prompt building."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaModel
+
+from pipeline.config import TalkerConfig, talker_config_from_hf
+from pipeline.presets import tiny_hf_config
+from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel, WeightNormLinear
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matmuls on a shared 2-core box are far faster single-threaded.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_cfg(**kw) -> TalkerConfig:
+    return replace(talker_config_from_hf(tiny_hf_config()), **kw)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    diff = (actual.float() - expected.float()).abs()
+    assert diff.max().item() <= tol, (
+        f"{what}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e}"
+    )
+
+
+def hf_llama(cfg: TalkerConfig) -> LlamaModel:
+    hf_cfg = LlamaConfig(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        num_hidden_layers=cfg.num_hidden_layers,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        vocab_size=cfg.backbone_vocab_size,
+        attn_implementation="eager",
+    )
+    return LlamaModel(hf_cfg).eval()
+
+
+def talker_and_hf(cfg: TalkerConfig, seed: int = 0) -> tuple[TalkerModel, LlamaModel]:
+    torch.manual_seed(seed)
+    talker = TalkerModel(cfg).eval()
+    with torch.no_grad():  # larger-than-default norms so the parity is not trivially small
+        for name, p in talker.model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    hf = hf_llama(cfg)
+    backbone = {
+        k[len("model.") :]: v for k, v in talker.state_dict().items() if k.startswith("model.")
+    }
+    hf.load_state_dict(backbone, strict=True)
+    return talker, hf
+
+
+CONFIGS = [
+    pytest.param({"rope_theta": 500.0}, id="mha-theta500"),
+    pytest.param(
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}, id="gqa-4q-2kv"
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides", CONFIGS)
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # transformers 5.x rename
+@torch.no_grad()
+def test_prefill_and_decode_match_transformers_llama(overrides):
+    cfg = tiny_cfg(**overrides)
+    talker, hf = talker_and_hf(cfg)
+    cache = TalkerKVCache(cfg, slots=3, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
+    slot, length = 1, 11
+    prompt = torch.randn(length, cfg.hidden_size)
+
+    # Full prompt: hidden states at every position and the last position's logits.
+    positions = torch.arange(length)[None]
+    batch = AttentionBatch(slice(slot, slot + 1), cache.row_ids[:1], positions, length, None)
+    ours = talker.model(prompt[None], positions, cache, batch)
+    ref = hf(inputs_embeds=prompt[None], position_ids=positions, use_cache=False).last_hidden_state
+    assert_close(ours, ref, 2e-5, "prompt hidden states")
+    cache.k.zero_(), cache.v.zero_()
+    logits = talker.prefill(cache, slot, prompt)
+    assert_close(logits, talker.head(ref[0, -1]), 2e-5, "prefill logits")
+
+    # Incremental steps: ours decodes rows [0, 3) with only `slot` active.
+    other_rows = cache.k[:, [0, 2], :64].clone()
+    past = DynamicCache(config=hf.config)
+    hf(inputs_embeds=prompt[None], position_ids=positions, past_key_values=past, use_cache=True)
+    codes = torch.tensor([5, 17, 6561, 3, 3000])
+    active = torch.tensor([False, True, False])
+    for t, code in enumerate(codes.tolist()):
+        pos = length + t
+        batch_codes = torch.tensor([7, code, 9])
+        batch_pos = torch.tensor([0, pos, 40])
+        got = talker.decode(cache, batch_codes, batch_pos, active, read_len=32)
+        emb = talker.embed_codes(torch.tensor([[code]]))
+        out = hf(
+            inputs_embeds=emb,
+            position_ids=torch.tensor([[pos]]),
+            past_key_values=past,
+            use_cache=True,
+        ).last_hidden_state
+        assert_close(got[1], talker.head(out[0, -1]), 3e-5, f"decode step {t} logits")
+    assert torch.equal(cache.k[:, [0, 2], :64], other_rows), "idle slots' cache rows were written"
+
+
+@torch.no_grad()
+def test_prefill_continuation_matches_one_shot():
+    cfg = tiny_cfg()
+    talker, hf = talker_and_hf(cfg, seed=1)
+    cache = TalkerKVCache(cfg, slots=1, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
+    prompt = torch.randn(15, cfg.hidden_size)
+    talker.prefill(cache, 0, prompt[:9])
+    got = talker.prefill(cache, 0, prompt[9:], start=9)
+    ref = hf(inputs_embeds=prompt[None], position_ids=torch.arange(15)[None]).last_hidden_state
+    assert_close(got, talker.head(ref[0, -1]), 2e-5, "continued prefill logits")
+
+
+class _RefProjector(nn.Module):
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(i, o)
+        self.relu = nn.ReLU()
+        self.linear2 = nn.Linear(o, o)
+
+
+class _RefTTS(nn.Module):
+    """The reference MiniCPMTTS module tree (as built in the demo's __init__), for key layout."""
+
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.emb_text = nn.Embedding(cfg.num_text_tokens, cfg.hidden_size)
+        self.model = hf_llama(cfg)
+        self.projector_spk = _RefProjector(cfg.llm_dim, cfg.hidden_size)
+        self.projector_semantic = _RefProjector(cfg.llm_dim, cfg.hidden_size)
+        self.emb_code = nn.ModuleList([nn.Embedding(cfg.num_audio_tokens, cfg.hidden_size)])
+        head = nn.Linear(cfg.hidden_size, cfg.num_audio_tokens, bias=False)
+        self.head_code = nn.ModuleList([nn.utils.parametrizations.weight_norm(head, dim=0)])
+
+
+@torch.no_grad()
+def test_state_dict_keys_match_the_checkpoint_layout():
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    ref = _RefTTS(cfg)
+    ours = TalkerModel(cfg)
+    ref_sd, our_sd = ref.state_dict(), ours.state_dict()
+    assert sorted(our_sd) == sorted(ref_sd)
+    for k, v in ref_sd.items():
+        assert our_sd[k].shape == v.shape, k
+    assert our_sd["head_code.0.parametrizations.weight.original0"].shape == (
+        cfg.num_audio_tokens,
+        1,
+    )
+    assert our_sd["model.embed_tokens.weight"].shape == (cfg.backbone_vocab_size, cfg.hidden_size)
+    ours.load_state_dict(ref_sd, strict=True)
+    h = torch.randn(3, cfg.hidden_size)
+    # Loading re-materializes the head weight from the new (g, v).
+    assert_close(ours.head(h), ref.head_code[0](h), 1e-6, "head after load_state_dict")
+
+
+@torch.no_grad()
+def test_weight_norm_head_matches_parametrizations_api():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 40, bias=False)
+    ref = nn.utils.parametrizations.weight_norm(lin, dim=0)
+    with torch.no_grad():
+        ref.parametrizations.weight.original0.mul_(torch.rand(40, 1) * 3)  # g != ||v||
+    ours = WeightNormLinear(16, 40)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(5, 16)
+    assert_close(ours(x), ref(x), 0.0, "weight-norm head output")
+    assert_close(ours._weight, ref.weight, 0.0, "materialized weight")
+    ours.to(torch.float64)  # .to() rebuilds the weight from the converted (g, v)
+    assert ours._weight.dtype == torch.float64
+    assert_close(ours._weight, ref.weight, 1e-6, "weight after .to(float64)")
+
+
+@torch.no_grad()
+def test_condition_and_prompts_match_plain_restatement():
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    talker = TalkerModel(cfg).eval()
+    ids = torch.tensor([151643, 5, 100, 151704, 7])
+    hidden = torch.randn(5, cfg.llm_dim) * 4
+    got = talker.build_condition(ids, hidden)
+    proj = talker.projector_semantic
+    h = F.relu(hidden @ proj.linear1.weight.T + proj.linear1.bias) @ proj.linear2.weight.T
+    h = h + proj.linear2.bias
+    h = h / h.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    expected = talker.emb_text.weight[ids] + h
+    assert_close(got, expected, 1e-5, "condition rows")
+
+    eos_row = talker.emb_text.weight[cfg.text_eos_token_id]
+    bos_row = talker.emb_text.weight[cfg.audio_bos_token_id]
+    offline = talker.offline_prompt(got)
+    assert offline.shape == (7, cfg.hidden_size)
+    assert torch.equal(offline[:5], got) and torch.equal(offline[5], eos_row)
+    assert torch.equal(offline[6], bos_row)
+    chunk = talker.streaming_prompt(got[:3], text_finished=False)
+    assert chunk.shape[0] == 4 and torch.equal(chunk[3], bos_row)
+    last = talker.streaming_prompt(got[3:], text_finished=True)
+    assert last.shape[0] == 4 and torch.equal(last[2], eos_row) and torch.equal(last[3], bos_row)
+    empty = talker.streaming_prompt(got[:0], text_finished=True)
+    assert empty.shape[0] == 2
+
+    no_norm = TalkerModel(replace(cfg, normalize_projected_hidden=False)).eval()
+    no_norm.load_state_dict(talker.state_dict())
+    unnormed = talker.emb_text.weight[ids] + proj(hidden)
+    assert_close(no_norm.build_condition(ids, hidden), unnormed, 1e-5, "condition without L2 norm")
+
+
+def test_kv_cache_budget_arithmetic():
+    cfg = TalkerConfig()
+    per_slot = TalkerKVCache.bytes_per_slot(cfg, 4096, torch.bfloat16)
+    assert per_slot == 2 * 20 * 12 * 64 * 2 * 4097  # k+v, layers, heads, head_dim, bf16
