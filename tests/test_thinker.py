@@ -181,3 +181,11 @@ def test_bad_requests_are_refused(engine_factory):
     eng.add_request(req)
     with pytest.raises(ValueError, match="duplicate"):
         eng.add_request(req)
+
+
+def test_fused_projections_equal_separate(engine_factory):
+    fused, plain = engine_factory(fuse_projections=True), engine_factory(fuse_projections=False)
+    a = _run(fused, [_request(fused, "f")])["f"]
+    b = _run(plain, [_request(plain, "f")])["f"]
+    assert a["ids"] == b["ids"]
+    torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-5, rtol=1e-5)

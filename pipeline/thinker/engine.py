@@ -33,6 +33,8 @@ class ThinkerEngineConfig:
     llm: EngineConfig = field(default_factory=EngineConfig)
     vision_attn_backend: str = "sdpa"  # eager | sdpa | flash
     compile_mm_encoder: bool = False  # regional torch.compile of each SigLIP layer
+    fuse_projections: bool = True  # one q|k|v and one gate|up matmul per layer (same math)
+    compile_llm_ops: bool = True  # torch.compile the LLM's norm/RoPE/SwiGLU helpers (CUDA only)
     encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
     vision_batch_size: int = 16  # slices per vision forward
     max_admit_per_step: int = 8  # requests whose media are encoded in one step
@@ -124,6 +126,11 @@ class ThinkerEngine:
         dev = resolve_device(device)
         dtype = resolve_dtype(config.dtype, dev)
         model = ThinkerModel.load(source, dev, dtype, config.vision_attn_backend, config.compile_mm_encoder)
+        # After the weights are final: fusing makes the Linear weights views of fused tensors.
+        if config.fuse_projections:
+            model.llm.fuse_projections()
+        if config.compile_llm_ops and dev.type == "cuda":
+            model.llm.compile_ops()
         if source.path is None:
             raise ValueError("a tokenizer needs a checkpoint directory")
         return cls(model, TextTokenizer.from_dir(source.path), config, dev, dtype)
