@@ -519,6 +519,7 @@ class ModelSource:
 
     config: ModelConfig
     tensors: TensorSource
+    tokenizer_dir: Path  # the checkpoint's own; random presets borrow the tiny default's
 
     @classmethod
     def open(cls, model: str | Path | None) -> "ModelSource":
@@ -526,7 +527,7 @@ class ModelSource:
         weights (made on the device when loaded); else a checkpoint directory."""
         if model in (None, "", "tiny"):
             ckpt = Checkpoint(default_checkpoint())
-            return cls(ckpt.config, ckpt)
+            return cls(ckpt.config, ckpt, ckpt.path)
         if model == "random-full":
             from .config import code2wav_config_from_yaml
             from .presets import full_hf_config
@@ -534,9 +535,9 @@ class ModelSource:
             hf = full_hf_config()
             cfg = ModelConfig(thinker_config_from_hf(hf), talker_config_from_hf(hf),
                               code2wav_config_from_yaml(""), hf)
-            return cls(cfg, RandomWeights(full_schema(cfg), DEFAULT_SEED))
+            return cls(cfg, RandomWeights(full_schema(cfg), DEFAULT_SEED), default_checkpoint())
         ckpt = Checkpoint(model)
-        return cls(ckpt.config, ckpt)
+        return cls(ckpt.config, ckpt, ckpt.path)
 
     @property
     def path(self) -> Path | None:

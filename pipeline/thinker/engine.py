@@ -131,9 +131,7 @@ class ThinkerEngine:
             model.llm.fuse_projections()
         if config.compile_llm_ops and dev.type == "cuda":
             model.llm.compile_ops()
-        if source.path is None:
-            raise ValueError("a tokenizer needs a checkpoint directory")
-        return cls(model, TextTokenizer.from_dir(source.path), config, dev, dtype)
+        return cls(model, TextTokenizer.from_dir(source.tokenizer_dir), config, dev, dtype)
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, req: ThinkerRequest) -> None:
