@@ -433,10 +433,16 @@ def code2wav_config_from_yaml(text: str) -> Code2WavConfig:
     dit_kw = _pick(est, DiTConfig, {"dim": "hidden_size", "hidden_channels": "hidden_size"})
     if "hidden_size" in dit_kw and "num_heads" in dit_kw and "head_dim" not in dit_kw:
         dit_kw["head_dim"] = dit_kw["hidden_size"] // dit_kw["num_heads"]
+    # Step-Audio2's CausalConditionalCFM takes `inference_cfg_rate` directly; CosyVoice2's
+    # ConditionalCFM nests it under `cfm_params`.
+    if "inference_cfg_rate" in decoder:
+        kw["inference_cfg_rate"] = float(decoder["inference_cfg_rate"])
     if "inference_cfg_rate" in cfm_params:
         kw["inference_cfg_rate"] = float(cfm_params["inference_cfg_rate"])
     if "t_scheduler" in cfm_params:
         kw["t_scheduler"] = str(cfm_params["t_scheduler"])
+    if "pre_lookahead_len" in enc:  # the streaming lookahead is the encoder's
+        kw["pre_lookahead"] = int(enc["pre_lookahead_len"])
     if "pre_lookahead_len" in flow:
         kw["pre_lookahead"] = int(flow["pre_lookahead_len"])
     hift_d = tree.get("hift") if isinstance(tree.get("hift"), dict) else {}

@@ -1,0 +1,259 @@
+"""DiT estimator of the Code2Wav flow-matching decoder (Step-Audio2 / CosyVoice2 "DiT-v5").
+
+Predicts the CFM velocity v(x_t, t | mu, spk, cond) for 80-bin mel frames.
+
+Stages (per call, B = 2 x streams because of CFG):
+  1. input   : concat[x (B,80,T), mu (B,80,T), spk (B,80)->(B,80,T), cond (B,80,T)] -> (B,320,T)
+               -> in_proj -> (B,T,D)
+  2. time    : t_emb (B,D) from `time_embedding(t)` (t*1000 -> 256-d [cos, sin] -> MLP); callers
+               precompute it once per Euler step (graph-safe, no per-step allocation of tables)
+  3. blocks  : depth x DiTBlock, adaLN-Zero with 9 modulations, order attn -> conv -> mlp
+               (norm1 / norm3 / norm2), attention bidirectional with QK-LayerNorm and no position
+               encoding; the conv branch is CausalConv1d -> LN -> Mish -> CausalConv1d
+  4. final   : adaLN(shift, scale) -> LN -> Linear(D -> 80) -> (B,80,T)
+
+Streaming (`forward_chunk`): each block attends to [chunk || cache] (the cache is stored
+newest-first: new keys are concatenated *before* the old ones), no mask; the causal convs carry
+their last 2 input frames. Caches:
+  cnn_cache (depth, B, 2D, 2)   = per block [conv1 input tail (D) || conv2 input tail (D)]
+  att_cache (depth, B, H, L, 2*dh) = per block K || V along the last dim
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.config import DiTConfig
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+class TimestepEmbedder(nn.Module):
+    """t (N,) in [0,1] -> (N, D): sinusoid of t*1000 laid out [cos, sin], then the MLP."""
+
+    def __init__(self, hidden_size: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(
+            nn.Linear(freq_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
+        )
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(0, half) / half).to(t)
+        args = (t * 1000)[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d with (k-1) frames of left context: zeros offline, the cached tail when streaming."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__(channels, channels, kernel_size)
+        self.context = kernel_size - 1
+
+    def forward(
+        self, x: torch.Tensor, cache: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: (B, C, T); cache: (B, C, k-1)
+        if cache is None:
+            cache = x.new_zeros(x.shape[0], x.shape[1], self.context)
+        x = torch.cat([cache, x], dim=2)
+        return super().forward(x), x[..., -self.context :]
+
+
+class ConvBranch(nn.Module):
+    """CausalConv1d -> LayerNorm -> Mish -> CausalConv1d over (B, T, D).
+
+    The checkpoint stores it as `block.{1,3,6}` (the reference's Sequential had transposes at the
+    other indices), hence the ModuleDict with those names."""
+
+    def __init__(self, channels: int, kernel_size: int = 3):
+        super().__init__()
+        self.channels = channels
+        self.block = nn.ModuleDict(
+            {
+                "1": CausalConv1d(channels, kernel_size),
+                "3": nn.LayerNorm(channels),
+                "6": CausalConv1d(channels, kernel_size),
+            }
+        )
+
+    def forward(
+        self, x: torch.Tensor, cache: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: (B, T, D); cache: (B, 2D, 2) = [conv1 tail || conv2 tail]
+        c1, c2 = (
+            (None, None) if cache is None else cache.split((self.channels, self.channels), dim=1)
+        )
+        h, new1 = self.block["1"](x.transpose(1, 2), c1)
+        h = F.mish(self.block["3"](h.transpose(1, 2)))
+        h, new2 = self.block["6"](h.transpose(1, 2), c2)
+        return h.transpose(1, 2), torch.cat([new1, new2], dim=1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        inner = num_heads * head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.q_norm = nn.LayerNorm(head_dim)
+        self.k_norm = nn.LayerNorm(head_dim)
+        self.proj = nn.Linear(inner, dim)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.reshape(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, dh)
+
+    def forward(
+        self, x: torch.Tensor, cache: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: (B, T, D); cache: (B, H, L, 2dh) newest-first; mask: (B, 1, 1|T, T+L) bool or None
+        b, t, _ = x.shape
+        q = self.q_norm(self._heads(self.to_q(x)))
+        k = self.k_norm(self._heads(self.to_k(x)))
+        v = self._heads(self.to_v(x))
+        if cache is not None:
+            k_cache, v_cache = cache.chunk(2, dim=3)
+            k = torch.cat([k, k_cache], dim=2)  # new frames first: the reference's cache order
+            v = torch.cat([v, v_cache], dim=2)
+        new_cache = torch.cat([k, v], dim=3)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, dh)
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1)), new_cache
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(d, cfg.num_heads, cfg.head_dim)
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.mlp = MLP(d, int(d * cfg.mlp_ratio))
+        self.norm3 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.conv = ConvBranch(d, 3)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 9 * d))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        c: torch.Tensor,
+        cnn_cache: torch.Tensor | None = None,
+        att_cache: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x: (B, T, D); c: (B, 1, D)
+        (
+            shift_msa,
+            scale_msa,
+            gate_msa,
+            shift_mlp,
+            scale_mlp,
+            gate_mlp,
+            shift_conv,
+            scale_conv,
+            gate_conv,
+        ) = self.adaLN_modulation(c).chunk(9, dim=-1)
+        h, new_att = self.attn(_modulate(self.norm1(x), shift_msa, scale_msa), att_cache, mask)
+        x = x + gate_msa * h
+        h, new_cnn = self.conv(_modulate(self.norm3(x), shift_conv, scale_conv), cnn_cache)
+        x = x + gate_conv * h
+        x = x + gate_mlp * self.mlp(_modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x, new_cnn, new_att
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, hidden: int, out_channels: int):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden, out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(_modulate(self.norm_final(x), shift, scale))
+
+
+class DiT(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.out_channels = cfg.out_channels
+        self.t_embedder = TimestepEmbedder(cfg.hidden_size)
+        self.in_proj = nn.Linear(cfg.in_channels, cfg.hidden_size)
+        self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.depth)])
+        self.final_layer = FinalLayer(cfg.hidden_size, cfg.out_channels)
+
+    def time_embedding(self, t: torch.Tensor) -> torch.Tensor:
+        """t (N,) -> (N, D). Constant per Euler step, so the CFM computes it once per schedule."""
+        return self.t_embedder(t)
+
+    @staticmethod
+    def _inputs(x, mu, spks, cond) -> torch.Tensor:
+        # (B,80,T) x3 + (B,80) -> (B, T, 320)
+        spk = spks[:, :, None].expand(-1, -1, x.shape[-1])
+        return torch.cat([x, mu, spk, cond], dim=1).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mu: torch.Tensor,
+        t_emb: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Offline: full bidirectional attention. mask: (B, 1, T) valid-frame mask or None.
+        Returns v (B, 80, T)."""
+        attn_mask = None if mask is None else mask.bool()[:, None]  # (B, 1, 1, T)
+        c = t_emb[:, None]  # (B, 1, D)
+        h = self.in_proj(self._inputs(x, mu, spks, cond))
+        for block in self.blocks:
+            h, _, _ = block(h, c, mask=attn_mask)
+        return self.final_layer(h, c).transpose(1, 2)
+
+    def forward_chunk(
+        self,
+        x: torch.Tensor,
+        mu: torch.Tensor,
+        t_emb: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        cnn_cache: torch.Tensor | None = None,
+        att_cache: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Streaming: returns v (B,80,T), new cnn_cache (depth,B,2D,2), new att_cache
+        (depth,B,H,T+L,2dh) with this chunk's keys first."""
+        c = t_emb[:, None]
+        h = self.in_proj(self._inputs(x, mu, spks, cond))
+        new_cnn, new_att = [], []
+        for i, block in enumerate(self.blocks):
+            h, cc, ac = block(
+                h,
+                c,
+                None if cnn_cache is None else cnn_cache[i],
+                None if att_cache is None else att_cache[i],
+            )
+            new_cnn.append(cc)
+            new_att.append(ac)
+        return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)

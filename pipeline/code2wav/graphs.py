@@ -1,0 +1,96 @@
+"""CUDA graphs for Code2Wav: one graph family, the whole 10-step CFM of a streaming chunk.
+
+Contract (`CFMGraphRunner`, a drop-in for `CausalCFM.forward_chunk`):
+  * key = (batch, chunk frames, DiT cache frames, dtype); captured lazily on first use for the
+    batch sizes in `batch_sizes` (default 1 and 2), at most `max_graphs` kept (LRU);
+  * static inputs: mu, spks, cond (B,80,T / B,80), est cnn/att caches; static outputs: mel and
+    the new caches, cloned on return (stream states must not alias graph memory);
+  * the step table (timestep embeddings t_emb (S,D) and Euler dt (S,)) is computed once before
+    capture: it only depends on the weights and the schedule, so nothing inside the graph
+    syncs with the host or builds tables; the noise slice offset is part of the key;
+  * anything else (CPU, first chunk without cache, other batch sizes) runs eagerly and
+    increments `fallbacks`. All graphs share one memory pool.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.code2wav.flow import CausalCFM
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # mu, spks, cond, cnn_cache, att_cache
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # mel, cnn, att
+
+
+class CFMGraphRunner:
+    def __init__(self, cfm: CausalCFM, batch_sizes: tuple[int, ...] = (1, 2), max_graphs: int = 16):
+        self.cfm = cfm
+        self.batch_sizes = tuple(batch_sizes)
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.pool = None
+        self._table: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.replays = 0
+        self.captures = 0
+        self.fallbacks = 0
+
+    def time_table(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (str(device), dtype)
+        if key not in self._table:
+            with torch.inference_mode():
+                t_emb, dt = self.cfm.time_table(device, dtype)
+            self._table[key] = (t_emb.clone(), dt.clone())
+        return self._table[key]
+
+    def _eligible(self, mu, cnn_cache, att_cache) -> bool:
+        return (
+            mu.is_cuda
+            and cnn_cache is not None
+            and att_cache is not None
+            and mu.shape[0] in self.batch_sizes
+        )
+
+    @torch.inference_mode()
+    def __call__(self, mu, spks, cond, cnn_cache, att_cache, time_table=None):
+        if not self._eligible(mu, cnn_cache, att_cache):
+            self.fallbacks += 1
+            return self.cfm.forward_chunk(mu, spks, cond, cnn_cache, att_cache, time_table)
+        key = (mu.shape[0], mu.shape[2], att_cache.shape[4], mu.dtype, str(mu.device))
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self._capture(mu, spks, cond, cnn_cache, att_cache)
+            self.graphs[key] = cap
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        for dst, src in zip(cap.inputs, (mu, spks, cond, cnn_cache, att_cache)):
+            dst.copy_(src)
+        cap.graph.replay()
+        self.replays += 1
+        return tuple(o.clone() for o in cap.outputs)
+
+    def _capture(self, mu, spks, cond, cnn_cache, att_cache) -> _Captured:
+        table = self.time_table(mu.device, mu.dtype)
+        inputs = tuple(x.clone() for x in (mu, spks, cond, cnn_cache, att_cache))
+        # Warm up on a side stream (lazy inits, cuBLAS workspaces) before capturing.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.cfm.forward_chunk(*inputs, time_table=table)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.cfm.forward_chunk(*inputs, time_table=table)
+        self.captures += 1
+        return _Captured(graph, inputs, outputs)

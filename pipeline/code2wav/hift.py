@@ -1,0 +1,247 @@
+"""HiFT vocoder (CosyVoice2 `HiFTGenerator`: neural source filter + iSTFTNet), mel -> 24 kHz.
+
+Stages, mel (B, 80, T) -> speech (B, 480*T):
+  1. f0_predictor : 5 x (weight-normed Conv1d k3 + ELU) -> Linear -> |.|  -> f0 (B, T) in Hz
+  2. source       : f0 upsampled x480 (nearest) -> SineGen2 (fundamental + 8 harmonics, random
+                    initial phase, phase integrated at frame rate then linearly upsampled),
+                    voiced/unvoiced noise -> Linear(9->1) + tanh -> s (B, 1, 480T).
+                    A streaming cache overwrites the first samples of s (avoids phase jumps).
+  3. decode       : conv_pre -> 3 x [leaky_relu, ConvTranspose up (x8, x5, x3), + source branch
+                    (STFT(s) -> strided conv -> ResBlock), mean of 3 Snake ResBlocks]
+                    -> leaky_relu -> conv_post -> 18 channels = log-magnitude (9) || phase (9)
+                    -> iSTFT (n_fft 16, hop 4) -> clamp to +-0.99.
+
+Weight norm uses the parametrizations API (`...parametrizations.weight.original0/1`); old
+`weight_g` / `weight_v` keys are renamed by `normalize_hift_keys` (and torch's compat hook).
+Randomness: `torch.rand` (initial phase) then `torch.randn` (additive noise), from the global RNG
+(reference behaviour) or from one generator per batch row (so batched == one at a time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+from pipeline.config import HiFTConfig
+
+
+def _pad(kernel: int, dilation: int = 1) -> int:
+    return (kernel * dilation - dilation) // 2
+
+
+class Snake(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.alpha[None, :, None]
+        return x + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, channels: int, kernel: int, dilations: Sequence[int]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            [
+                weight_norm(
+                    nn.Conv1d(channels, channels, kernel, dilation=d, padding=_pad(kernel, d))
+                )
+                for d in dilations
+            ]
+        )
+        self.convs2 = nn.ModuleList(
+            [
+                weight_norm(nn.Conv1d(channels, channels, kernel, padding=_pad(kernel)))
+                for _ in dilations
+            ]
+        )
+        self.activations1 = nn.ModuleList([Snake(channels) for _ in dilations])
+        self.activations2 = nn.ModuleList([Snake(channels) for _ in dilations])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            x = c2(a2(c1(a1(x)))) + x
+        return x
+
+
+class F0Predictor(nn.Module):
+    """ConvRNNF0Predictor: mel (B,80,T) -> f0 (B,T)."""
+
+    def __init__(self, in_channels: int, channels: int):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers += [
+                weight_norm(nn.Conv1d(in_channels if i == 0 else channels, channels, 3, padding=1)),
+                nn.ELU(),
+            ]
+        self.condnet = nn.Sequential(*layers)  # params at 0,2,4,6,8 like the checkpoint
+        self.classifier = nn.Linear(channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.abs(self.classifier(self.condnet(x).transpose(1, 2)).squeeze(-1))
+
+
+class SourceModule(nn.Module):
+    """SourceModuleHnNSF2: f0 (B, L, 1) at the sample rate -> excitation (B, L, 1)."""
+
+    def __init__(self, cfg: HiFTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.upsample = cfg.hop_length
+        self.l_linear = nn.Linear(cfg.nb_harmonics + 1, 1)
+
+    def forward(
+        self, f0: torch.Tensor, generators: Sequence[torch.Generator] | None = None
+    ) -> torch.Tensor:
+        cfg, b, n = self.cfg, f0.shape[0], self.cfg.nb_harmonics + 1
+        harmonics = torch.arange(1, n + 1, device=f0.device, dtype=torch.float32)[None, None]
+        rad = (f0 * harmonics / cfg.sampling_rate) % 1  # (B, L, n) phase increment per sample
+        rand_ini = _draw(
+            lambda g: torch.rand(1, n, device=f0.device, generator=g),
+            lambda: torch.rand(b, n, device=f0.device),
+            generators,
+        )
+        rand_ini[:, 0] = 0  # no random phase for the fundamental
+        rad[:, 0, :] = rad[:, 0, :] + rand_ini
+        # Integrate the phase at frame rate and upsample it back (cheap, no float drift).
+        rad = F.interpolate(
+            rad.transpose(1, 2), scale_factor=1 / self.upsample, mode="linear"
+        ).transpose(1, 2)
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        phase = F.interpolate(
+            phase.transpose(1, 2) * self.upsample, scale_factor=self.upsample, mode="linear"
+        )
+        sines = torch.sin(phase.transpose(1, 2)) * cfg.nsf_alpha
+        uv = (f0 > cfg.nsf_voiced_threshold).type(torch.float32)
+        noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        gauss = _draw(
+            lambda g: torch.randn(1, *sines.shape[1:], device=f0.device, generator=g),
+            lambda: torch.randn_like(sines),
+            generators,
+        )
+        sines = sines * uv + noise_amp * gauss
+        return torch.tanh(self.l_linear(sines.to(self.l_linear.weight.dtype)))
+
+
+def _draw(per_row, batched, generators):
+    if generators is None:
+        return batched()
+    return torch.cat([per_row(g) for g in generators], dim=0)
+
+
+class HiFTGenerator(nn.Module):
+    def __init__(self, cfg: HiFTConfig):
+        super().__init__()
+        self.cfg = cfg
+        base, n_fft = cfg.base_channels, cfg.istft_n_fft
+        self.m_source = SourceModule(cfg)
+        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, base, 7, 1, padding=3))
+        self.ups = nn.ModuleList(
+            [
+                weight_norm(
+                    nn.ConvTranspose1d(
+                        base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2
+                    )
+                )
+                for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes))
+            ]
+        )
+        # Source branch i runs at the resolution of up-stage i: stride = product of later rates.
+        down_rates = [1] + list(cfg.upsample_rates[::-1][:-1])
+        cum = [math.prod(down_rates[: i + 1]) for i in range(len(down_rates))][::-1]
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (u, k, d) in enumerate(
+            zip(cum, cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes)
+        ):
+            ch = base // 2 ** (i + 1)
+            conv = (
+                nn.Conv1d(n_fft + 2, ch, 1, 1)
+                if u == 1
+                else nn.Conv1d(n_fft + 2, ch, u * 2, u, padding=u // 2)
+            )
+            self.source_downs.append(conv)
+            self.source_resblocks.append(ResBlock(ch, k, d))
+        self.resblocks = nn.ModuleList()
+        for i in range(len(self.ups)):
+            ch = base // 2 ** (i + 1)
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes):
+                self.resblocks.append(ResBlock(ch, k, d))
+        self.conv_post = weight_norm(nn.Conv1d(ch, n_fft + 2, 7, 1, padding=3))
+        self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_predictor_channels)
+        # scipy's periodic hann, computed in float64 then rounded like the reference's numpy path.
+        self.register_buffer(
+            "stft_window",
+            torch.hann_window(n_fft, periodic=True, dtype=torch.float64).float(),
+            persistent=False,
+        )
+
+    def _stft(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.cfg.istft_n_fft
+        spec = torch.view_as_real(
+            torch.stft(
+                x, n, self.cfg.istft_hop_len, n, window=self.stft_window, return_complex=True
+            )
+        )
+        return torch.cat([spec[..., 0], spec[..., 1]], dim=1)  # (B, n_fft+2, frames)
+
+    def decode(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        cfg, k = self.cfg, len(self.cfg.resblock_kernel_sizes)
+        s_stft = self._stft(s.squeeze(1))
+        x = self.conv_pre(x)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, cfg.lrelu_slope))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            xs = self.resblocks[i * k](x)
+            for j in range(1, k):
+                xs += self.resblocks[i * k + j](x)
+            x = xs / k
+        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as in the reference
+        half = cfg.istft_n_fft // 2 + 1
+        magnitude = torch.clip(torch.exp(x[:, :half]), max=1e2)
+        phase = torch.sin(x[:, half:])
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        n = cfg.istft_n_fft
+        speech = torch.istft(spec, n, cfg.istft_hop_len, n, window=self.stft_window)
+        return torch.clamp(speech, -cfg.audio_limit, cfg.audio_limit)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        mel: torch.Tensor,
+        cache_source: torch.Tensor | None = None,
+        generators: Sequence[torch.Generator] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mel (B,80,T), cache_source (B,1,S) -> speech (B, 480T), source (B, 1, 480T)."""
+        with parametrize.cached():
+            f0 = self.f0_predictor(mel)  # (B, T)
+            f0 = (
+                f0[:, None].repeat_interleave(self.cfg.hop_length, dim=2).transpose(1, 2)
+            )  # (B, 480T, 1)
+            s = self.m_source(f0, generators).transpose(1, 2)  # (B, 1, 480T)
+            if cache_source is not None and cache_source.shape[2] > 0:
+                s[:, :, : cache_source.shape[2]] = cache_source
+            return self.decode(mel, s), s
+
+
+def normalize_hift_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip a `generator.` prefix and rename old weight-norm keys to the parametrizations API."""
+    out = {}
+    for key, value in state.items():
+        key = key.removeprefix("generator.")
+        if key.endswith(".weight_g"):
+            key = key[: -len("weight_g")] + "parametrizations.weight.original0"
+        elif key.endswith(".weight_v"):
+            key = key[: -len("weight_v")] + "parametrizations.weight.original1"
+        out[key] = value
+    return out

@@ -1,0 +1,418 @@
+"""Code2Wav assets, strict loading, voices, engine fast paths and the chunk batcher (CPU, fp32)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.code2wav.assets import load_code2wav, tiny_code2wav_config, write_token2wav_assets
+from pipeline.code2wav.batching import ChunkBatcher, ReadyChunk
+from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from pipeline.code2wav.voice import (
+    VoiceCache,
+    fit_prompt_mel,
+    kaldi_fbank,
+    load_voice,
+    mel_spectrogram_24k,
+    resample,
+    whisper_log_mel,
+)
+from pipeline.config import code2wav_config_from_yaml
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    write_token2wav_assets(root / "assets" / "token2wav", tiny_code2wav_config(), seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_code2wav(ckpt, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def voice(ckpt):
+    return VoiceCache(ckpt / "assets" / "token2wav").default()
+
+
+def _codes(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# -- assets and loading -------------------------------------------------------------------
+
+
+def test_assets_round_trip(ckpt, model, voice):
+    folder = ckpt / "assets" / "token2wav"
+    assert {p.name for p in folder.iterdir()} >= {
+        "flow.yaml",
+        "flow.pt",
+        "hift.pt",
+        "default_voice.safetensors",
+    }
+    assert (ckpt / "assets" / "HT_ref_audio.wav").is_file()
+    assert code2wav_config_from_yaml((folder / "flow.yaml").read_text()) == tiny_code2wav_config()
+    flow, hift, cfg = model
+    assert cfg == tiny_code2wav_config()
+    assert voice.prompt_mel.shape == (
+        1,
+        2 * voice.prompt_tokens.shape[1],
+        80,
+    ) and voice.spk_emb.shape == (1, 192)
+    # same seed -> same weights
+    write_token2wav_assets(ckpt / "again", tiny_code2wav_config(), seed=0)
+    a = torch.load(folder / "flow.pt", weights_only=True)
+    b = torch.load(ckpt / "again" / "flow.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # decode one chunk end to end
+    eng = Code2WavEngine(flow, hift, cfg)
+    eng.open_stream("s", voice)
+    eng.push_codes("s", _codes(0, 25))
+    ((sid, pcm, last),) = eng.step()
+    assert sid == "s" and not last and pcm.shape == (24000 - 3840,) and np.isfinite(pcm).all()
+    assert np.abs(pcm).max() > 0
+
+
+def test_released_yaml_without_hift_block_reads():
+    text = (
+        "flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec\n"
+        "    input_size: 512\n    output_size: 80\n    vocab_size: 6561\n"
+        "    encoder: !new:cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2\n"
+        "        output_size: 512\n        pre_lookahead_len: 3\n"
+        "    decoder: !new:cosyvoice2.flow.flow_matching.CausalConditionalCFM\n"
+        "        inference_cfg_rate: 0.7\n"
+        "        estimator: !new:cosyvoice2.flow.decoder_dit.DiT\n"
+        "            hidden_size: 512\n            depth: 16\n"
+    )
+    cfg = code2wav_config_from_yaml(text)
+    assert cfg.dit.depth == 16 and cfg.hift.base_channels == 512 and cfg.inference_cfg_rate == 0.7
+
+
+def _copy_assets(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        if p.is_file():
+            (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_refuses_causal_vocoder(ckpt, tmp_path):
+    folder = _copy_assets(ckpt / "assets" / "token2wav", tmp_path / "t2w")
+    (folder / "config.yaml").write_text(
+        "hift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator\n"
+    )
+    with pytest.raises(NotImplementedError, match="not supported yet"):
+        load_code2wav(folder)
+
+
+def test_bad_keys_are_named(ckpt, tmp_path):
+    folder = _copy_assets(ckpt / "assets" / "token2wav", tmp_path / "t2w")
+    sd = torch.load(folder / "flow.pt", weights_only=True)
+    sd.pop("encoder.after_norm.weight")
+    sd["encoder.extra.weight"] = torch.zeros(1)
+    sd["encoder_proj.weight"] = torch.zeros(3, 3)
+    torch.save(sd, folder / "flow.pt")
+    with pytest.raises(ValueError) as e:
+        load_code2wav(folder)
+    msg = str(e.value)
+    assert "missing (1): encoder.after_norm.weight" in msg
+    assert "unexpected (1): encoder.extra.weight" in msg
+    assert "encoder_proj.weight: checkpoint (3, 3)" in msg
+
+
+def test_hift_accepts_prefixed_and_old_weight_norm_keys(ckpt, tmp_path):
+    folder = _copy_assets(ckpt / "assets" / "token2wav", tmp_path / "t2w")
+    sd = torch.load(folder / "hift.pt", weights_only=True)
+    old = {}
+    for k, v in sd.items():
+        k = k.replace("parametrizations.weight.original0", "weight_g").replace(
+            "parametrizations.weight.original1", "weight_v"
+        )
+        old["generator." + k] = v
+    torch.save(old, folder / "hift.pt")
+    _, hift, _ = load_code2wav(folder)
+    ref = load_code2wav(ckpt)[1]
+    for k, v in ref.state_dict().items():
+        assert torch.equal(hift.state_dict()[k], v), k
+
+
+# -- voices ---------------------------------------------------------------------------------
+
+
+def test_voice_front_end_pieces(ckpt):
+    wav = torch.from_numpy(np.sin(np.arange(16000) * 2 * np.pi * 200 / 16000).astype(np.float32))
+    assert whisper_log_mel(wav).shape == (128, 100)
+    fb = kaldi_fbank(wav)
+    assert fb.shape == (98, 80) and torch.isfinite(fb).all()
+    w24 = resample(wav, 16000, 24000)
+    assert w24.shape == (24000,)
+    # resampling a 200 Hz tone keeps it (band-limited interpolation)
+    want = np.sin(np.arange(24000) * 2 * np.pi * 200 / 24000)
+    assert np.abs(w24.numpy()[100:-100] - want[100:-100]).max() < 1e-2
+    mel = mel_spectrogram_24k(w24[None]).transpose(1, 2)
+    assert mel.shape == (1, 50, 80)
+    assert fit_prompt_mel(mel, 30).shape == (1, 60, 80) and torch.equal(
+        fit_prompt_mel(mel, 30)[:, -1], mel[:, -1]
+    )
+    assert fit_prompt_mel(mel, 10).shape == (1, 20, 80)
+    v = load_voice(ckpt / "assets" / "token2wav" / "default_voice.safetensors")
+    assert v.prompt_tokens.dtype == torch.int64
+
+
+def test_reference_audio_without_onnx_files_is_a_clear_error(ckpt):
+    cache = VoiceCache(ckpt / "assets" / "token2wav")
+    with pytest.raises((FileNotFoundError, RuntimeError), match="onnx"):
+        cache.from_audio(np.zeros(16000, dtype=np.float32), 16000)
+
+
+# -- engine fast paths ------------------------------------------------------------------------
+
+
+def _run(
+    engine: Code2WavEngine, feeds: dict[str, list[tuple[list[int], bool]]], voice
+) -> dict[str, np.ndarray]:
+    """Open streams, push each stream's pieces one per round, step after each round."""
+    for sid in feeds:
+        engine.open_stream(sid, voice)
+    pieces: dict[str, list[np.ndarray]] = {sid: [] for sid in feeds}
+    for rnd in range(max(len(f) for f in feeds.values())):
+        for sid, f in feeds.items():
+            if rnd < len(f):
+                engine.push_codes(sid, *f[rnd])
+        for sid, pcm, _ in engine.step():
+            pieces[sid].append(pcm)
+    for sid, pcm in engine.drain().items():
+        pieces[sid].extend(pcm)
+    return {sid: np.concatenate(p) for sid, p in pieces.items()}
+
+
+def _feeds(n_streams: int) -> dict[str, list[tuple[list[int], bool]]]:
+    return {
+        f"s{i}": [
+            (_codes(10 + i, 25), False),
+            (_codes(20 + i, 25), False),
+            (_codes(30 + i, 9), True),
+        ]
+        for i in range(n_streams)
+    }
+
+
+def test_initial_state_cache_is_exact_and_isolated(model, voice):
+    flow, hift, cfg = model
+    on = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(token2wav_initial_state_cache=True))
+    off = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(token2wav_initial_state_cache=False))
+    template = on.initial_state(voice)  # builds the template
+    snapshot = [t.clone() for t in on.templates[voice.key].flow.tensors()]
+    out_on = _run(on, _feeds(2), voice)
+    out_off = _run(off, _feeds(2), voice)
+    assert on.counters["template_builds"] == 1 and on.counters["template_hits"] == 2
+    assert off.counters["template_builds"] == 2
+    for sid in out_on:
+        np.testing.assert_array_equal(out_on[sid], out_off[sid])
+    # writes of streams (and of a state handed out) never reach the template or each other
+    for t in template.flow.tensors():
+        t.add_(1.0)
+    for a, b in zip(on.templates[voice.key].flow.tensors(), snapshot):
+        assert torch.equal(a, b)
+    s1, s2 = on.initial_state(voice), on.initial_state(voice)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(s1.flow.tensors(), s2.flow.tensors()))
+    assert len(out_on["s0"]) == 2 * (59 + 3) * 480 and not np.array_equal(
+        out_on["s0"], out_on["s1"]
+    )
+
+
+def test_batched_streams_equal_one_at_a_time(model, voice):
+    flow, hift, cfg = model
+    batched = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(max_batch_size=4))
+    single = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(max_batch_size=1))
+    out_b = _run(batched, _feeds(3), voice)
+    out_s = _run(single, _feeds(3), voice)
+    assert (
+        batched.counters["batch_size_3"] >= 2
+        and single.counters["batch_size_1"] == single.counters["batches"]
+    )
+    for sid in out_s:
+        d = np.abs(out_b[sid] - out_s[sid])
+        assert out_b[sid].shape == out_s[sid].shape and d.max() < 1e-5, (
+            f"{sid}: max {d.max():.3g} mean {d.mean():.3g}"
+        )
+
+
+def test_final_flush_and_short_streams(model, voice):
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg)
+    out = _run(eng, {"a": [(_codes(1, 2), True)], "b": [(_codes(2, 25), True)]}, voice)
+    assert len(out["a"]) == 2 * (2 + 3) * 480 and len(out["b"]) == 2 * 28 * 480
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cfm_cuda_graph_matches_eager(ckpt, voice):
+    flow, hift, cfg = load_code2wav(ckpt, "cuda", torch.float32)
+    eager = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(token2wav_cfm_cuda_graph=False))
+    graph = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(token2wav_cfm_cuda_graph=True))
+    a, b = _run(eager, _feeds(2), voice), _run(graph, _feeds(2), voice)
+    assert graph.counters["cfm_graph_replays"] > 0
+    for sid in a:
+        assert np.abs(a[sid] - b[sid]).max() < 1e-5
+
+
+# -- batcher ----------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_batcher_groups_by_key_and_keeps_order():
+    b = ChunkBatcher(wait_ms=0, max_batch=2)
+    ready = [ReadyChunk("a", 1), ReadyChunk("b", 2), ReadyChunk("c", 1), ReadyChunk("d", 1)]
+    plan = b.plan(ready)
+    assert [[r.stream_id for r in g] for g in plan] == [["a", "c"], ["d"], ["b"]]
+
+
+def test_batcher_waits_only_for_close_streams_and_at_most_wait_ms():
+    clock = FakeClock()
+    b = ChunkBatcher(wait_ms=20, max_batch=4, clock=clock)
+    lone = [ReadyChunk("a", "k")]
+    assert b.plan(lone, Counter()) != []  # nobody close: run now
+    assert b.plan(lone, Counter({"other": 1})) != []  # close stream has another shape: run now
+    assert b.plan(lone, Counter({"k": 1})) == []  # wait for the close stream
+    assert b.deadline() == pytest.approx(0.020)
+    clock.t = 0.010
+    assert b.plan(lone, Counter({"k": 1})) == []
+    clock.t = 0.0201
+    assert [r.stream_id for r in b.plan(lone, Counter({"k": 1}))[0]] == ["a"]  # bound reached
+    # the close stream arrives in time: both run together
+    clock.t = 1.0
+    assert b.plan([ReadyChunk("a", "k")], Counter({"k": 1})) == []
+    clock.t = 1.005
+    plan = b.plan([ReadyChunk("a", "k"), ReadyChunk("b", "k")], Counter())
+    assert [[r.stream_id for r in g] for g in plan] == [["a", "b"]]
+    assert b.waits == 3
+
+
+def test_engine_batch_wait_coalesces_with_injected_clock(model, voice):
+    flow, hift, cfg = model
+    clock = FakeClock()
+    eng = Code2WavEngine(
+        flow, hift, cfg, Code2WavEngineConfig(code2wav_batch_wait_ms=50), clock=clock
+    )
+    eng.open_stream("a", voice)
+    eng.open_stream("b", voice)
+    eng.push_codes("a", _codes(1, 25))
+    eng.push_codes("b", _codes(2, 23))  # 2 codes short: close
+    assert eng.step() == []  # a waits for b
+    eng.push_codes("b", _codes(3, 2))
+    out = eng.step()
+    assert [sid for sid, _, _ in out] == ["a", "b"] and eng.counters["batch_size_2"] == 1
+    eng.push_codes("a", _codes(4, 25))  # b is far from its next window: no wait
+    assert [sid for sid, _, _ in eng.step()] == ["a"]
+
+
+def _tiny_onnx_front_ends(folder: Path) -> None:
+    """Stand-ins with the real I/O contract: tokenizer (1,128,T)+len -> (1,T/4) codes,
+    CAMPPlus (1,T,80) fbank -> (1,192)."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    tok = helper.make_graph(
+        [
+            helper.make_node("Slice", ["feats", "starts", "ends", "axes", "steps"], ["sl"]),
+            helper.make_node("ReduceMean", ["sl", "ax1"], ["m"], keepdims=0),
+            helper.make_node("Abs", ["m"], ["a"]),
+            helper.make_node("Mul", ["a", "k"], ["s"]),
+            helper.make_node("Cast", ["s"], ["i"], to=TensorProto.INT64),
+            helper.make_node("Mod", ["i", "vocab"], ["tokens"]),
+        ],
+        "tok",
+        [
+            helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, None]),
+            helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1]),
+        ],
+        [helper.make_tensor_value_info("tokens", TensorProto.INT64, [1, None])],
+        [
+            numpy_helper.from_array(np.array(v, dtype=np.int64), n)
+            for n, v in (
+                ("starts", [0]),
+                ("ends", [1 << 30]),
+                ("axes", [2]),
+                ("steps", [4]),
+                ("ax1", [1]),
+                ("vocab", [6561]),
+            )
+        ]
+        + [numpy_helper.from_array(np.array([1000.0], dtype=np.float32), "k")],
+    )
+    w = np.random.RandomState(0).randn(80, 192).astype(np.float32)
+    spk = helper.make_graph(
+        [
+            helper.make_node("ReduceMean", ["fbank", "ax"], ["m"], keepdims=0),
+            helper.make_node("MatMul", ["m", "w"], ["emb"]),
+        ],
+        "campplus",
+        [helper.make_tensor_value_info("fbank", TensorProto.FLOAT, [1, None, 80])],
+        [helper.make_tensor_value_info("emb", TensorProto.FLOAT, [1, 192])],
+        [
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "ax"),
+            numpy_helper.from_array(w, "w"),
+        ],
+    )
+    for graph, name in ((tok, "speech_tokenizer_v2_25hz.onnx"), (spk, "campplus.onnx")):
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        model.ir_version = 9
+        onnx.save(model, str(folder / name))
+
+
+def test_reference_audio_voice_through_onnx_front_ends(ckpt, model, tmp_path):
+    pytest.importorskip("onnxruntime")
+    folder = _copy_assets(ckpt / "assets" / "token2wav", tmp_path / "assets" / "token2wav")
+    (folder / "default_voice.safetensors").unlink()  # force the default voice from the wav
+    (tmp_path / "assets" / "HT_ref_audio.wav").write_bytes(
+        (ckpt / "assets" / "HT_ref_audio.wav").read_bytes()
+    )
+    _tiny_onnx_front_ends(folder)
+    cache = VoiceCache(folder, capacity=1)
+    default = cache.default()
+    assert default.prompt_tokens.shape == (1, 25) and default.spk_emb.shape == (1, 192)
+    assert default.prompt_mel.shape == (1, 50, 80)
+    wav = 0.2 * np.sin(np.arange(36000) * 2 * np.pi * 180 / 24000).astype(np.float32)
+    v1 = cache.from_audio(wav, 24000)
+    assert cache.from_audio(wav, 24000) is v1  # content-hash hit
+    cache.from_audio(wav * 0.5, 24000)
+    assert cache.from_audio(wav, 24000) is not v1  # evicted (capacity 1)
+    assert v1.prompt_mel.shape[1] == 2 * v1.prompt_tokens.shape[1]
+    assert abs(v1.prompt_tokens.shape[1] - 25 * 1.5) <= 1  # 25 Hz codes of 1.5 s
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, voices=cache)
+    eng.open_stream("ref", v1)
+    eng.open_stream("default")
+    eng.push_codes("ref", _codes(5, 10), final=True)
+    eng.push_codes("default", _codes(5, 10), final=True)
+    out = eng.drain()
+    assert len(np.concatenate(out["ref"])) == len(np.concatenate(out["default"])) == 2 * 13 * 480
+
+
+def test_kaldi_fbank_matches_kaldi_native_fbank():
+    knf = pytest.importorskip("kaldi_native_fbank")
+    opts = knf.FbankOptions()
+    opts.frame_opts.dither = 0
+    opts.frame_opts.samp_freq = 16000
+    opts.mel_opts.num_bins = 80
+    fb = knf.OnlineFbank(opts)
+    wav = (np.random.RandomState(0).randn(12000) * 0.1).astype(np.float32)
+    fb.accept_waveform(16000, wav.tolist())
+    fb.input_finished()
+    ref = np.stack([fb.get_frame(i) for i in range(fb.num_frames_ready)])
+    ours = kaldi_fbank(torch.from_numpy(wav)).numpy()
+    d = np.abs(ref - ours)
+    assert ref.shape == ours.shape and d.max() < 1e-3, f"max {d.max():.3g} mean {d.mean():.3g}"
