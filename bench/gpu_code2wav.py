@@ -141,6 +141,17 @@ def main() -> int:
             f"{' (eager fallback)' if b not in runner.batch_sizes else ''} | {gr / b:.1f} |"
         )
 
+    # 3b. where a batch-1 chunk's time goes: flow (encoder + graphed CFM) vs HiFT
+    st = fresh(0)
+    tok1 = codes(350, 28)
+    with torch.inference_mode():
+        flow_ms = timed(lambda: flow.inference_chunk(tok1, spk, st.flow, False, cfm=runner), args.iters)
+        mel, _ = flow.inference_chunk(tok1, spk, st.flow, False, cfm=runner)
+        mel_in = torch.cat([st.vocoder.mel, mel.float()], dim=2)
+        hift_ms = timed(lambda: hift(mel_in, st.vocoder.source, [st.generator]), args.iters)
+    print(f"\nbatch-1 chunk breakdown: flow encoder + CFM graph {flow_ms:.1f} ms, "
+          f"HiFT ({mel_in.shape[2]} mel frames) {hift_ms:.1f} ms")
+
     # 4. new stream's first chunk: template cache on vs off
     first = codes(400, 28)
     with torch.inference_mode():
