@@ -20,23 +20,11 @@ import sys
 
 import torch
 
+from bench.cuda_timing import cuda_ms as timed
 from pipeline.code2wav.assets import random_code2wav
 from pipeline.code2wav.graphs import CFMGraphRunner
 from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, stream_step
 from pipeline.config import Code2WavConfig
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> int:

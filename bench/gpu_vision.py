@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from bench.cuda_timing import cuda_ms as time_ms
 from pipeline.config import ThinkerConfig, VisionConfig
 from pipeline.thinker.resampler import Resampler
 from pipeline.thinker.vision import (
@@ -66,19 +67,6 @@ def rel_err(
     d = (out.float() - ref.float()).abs()
     r = ref.float().abs()
     return (d.max() / r.max()).item(), (d.mean() / r.mean()).item()
-
-
-def time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> int:

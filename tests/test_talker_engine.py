@@ -23,14 +23,6 @@ from pipeline.talker.model import TalkerModel
 from pipeline.talker.sampling import TalkerSamplingParams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_cfg(**kw) -> TalkerConfig:
     return replace(talker_config_from_hf(tiny_hf_config()), **kw)
 

@@ -16,15 +16,6 @@ from pipeline.presets import tiny_hf_config
 from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel, WeightNormLinear
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core box are far faster single-threaded.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_cfg(**kw) -> TalkerConfig:
     return replace(talker_config_from_hf(tiny_hf_config()), **kw)
 

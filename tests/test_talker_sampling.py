@@ -22,14 +22,6 @@ V = 40
 EOS = V - 1
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def ref_penalty(history: torch.Tensor, scores: torch.Tensor, penalty: float) -> torch.Tensor:
     """CustomRepetitionPenaltyLogitsProcessorRepeat(penalty, V, 16), restated."""
     if history.size(1) > 16:
