@@ -32,7 +32,7 @@ from pipeline.utils import resolve_device, resolve_dtype
 class ThinkerEngineConfig:
     llm: EngineConfig = field(default_factory=EngineConfig)
     vision_attn_backend: str = "sdpa"  # eager | sdpa | flash
-    compile_mm_encoder: bool = False  # regional torch.compile of each SigLIP layer
+    compile_mm_encoder: bool = True  # regional torch.compile of each SigLIP layer (CUDA only)
     fuse_projections: bool = True  # one q|k|v and one gate|up matmul per layer (same math)
     compile_llm_ops: bool = True  # torch.compile the LLM's norm/RoPE/SwiGLU helpers (CUDA only)
     encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
@@ -125,7 +125,9 @@ class ThinkerEngine:
         config = config or ThinkerEngineConfig()
         dev = resolve_device(device)
         dtype = resolve_dtype(config.dtype, dev)
-        model = ThinkerModel.load(source, dev, dtype, config.vision_attn_backend, config.compile_mm_encoder)
+        # Compiling on the CPU only costs start-up time (minutes on 2 cores) for no gain.
+        model = ThinkerModel.load(source, dev, dtype, config.vision_attn_backend,
+                                  config.compile_mm_encoder and dev.type == "cuda")
         # After the weights are final: fusing makes the Linear weights views of fused tensors.
         if config.fuse_projections:
             model.llm.fuse_projections()
