@@ -412,3 +412,20 @@ def test_cuda_graph_decode_matches_eager():
         if graphs:
             assert engine.stats().graph_replays == engine.stats().steps > 0
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("mode", ["full_span", "streaming"])
+def test_fixed_code_count_ignores_eos(mode):
+    """Benchmark fixed-length mode: an always-EOS model still gives exactly max_codes codes,
+    released as 25 + 25 + 7 for 57, and the stream ends even with text still coming."""
+    cfg = tiny_cfg()
+    engine = TalkerEngine(make_talker(cfg, eos_bias=100.0), TalkerEngineConfig(max_streams=1))
+    engine.open("a", mode=mode, seed=0, max_codes=57)
+    ids, hidden = spoken(12, cfg, seed=2)
+    engine.feed_text("a", ids, hidden, text_finished=(mode == "full_span"))
+    chunks = run(engine, ["a"])["a"]
+    assert [len(c.codes) for c in chunks] == [25, 25, 7]
+    assert cfg.eos_code not in all_codes(chunks)
+    assert engine.num_free_slots == 1
+    with pytest.raises(ValueError, match="max_codes"):
+        engine.open("b", max_codes=0)

@@ -160,6 +160,7 @@ class _Stream:
     prev_codes: list[int] = field(default_factory=list)
     position: int = 0  # cache position of the next decode input (mirrors the device buffer)
     codes: list[int] = field(default_factory=list)  # every kept code (EOS excluded)
+    max_codes: int | None = None  # fixed-length mode: EOS ignored, exactly this many codes
     released: int = 0
     chunks_sent: int = 0
     done_sent: bool = False
@@ -229,7 +230,13 @@ class TalkerEngine:
         """Every code the stream kept so far (released or not), EOS excluded."""
         return list(self._streams[stream_id].codes)
 
-    def open(self, stream_id: str, mode: TalkerMode | None = None, seed: int | None = None) -> None:
+    def open(self, stream_id: str, mode: TalkerMode | None = None, seed: int | None = None,
+             max_codes: int | None = None) -> None:
+        """Reserve a slot. `max_codes` is the benchmark's fixed-length mode for random-weight
+        checkpoints (whose EOS is arbitrary): EOS is masked and the stream ends after exactly
+        `max_codes` codes, whatever text is still to come."""
+        if max_codes is not None and max_codes < 1:
+            raise ValueError(f"max_codes must be >= 1, got {max_codes}")
         if stream_id in self._streams:
             raise ValueError(f"stream {stream_id!r} is already open")
         mode = mode or self.config.mode
@@ -246,9 +253,10 @@ class TalkerEngine:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         pending = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
-        self._streams[stream_id] = _Stream(stream_id, slot, mode, generator, pending)
+        self._streams[stream_id] = _Stream(stream_id, slot, mode, generator, pending,
+                                           max_codes=max_codes)
         min_new = self.cfg.min_new_tokens if mode == "full_span" else 0
-        self.state.reset_row(slot, min_new)
+        self.state.reset_row(slot, max(min_new, max_codes or 0))
         self._active[slot] = False
 
     @torch.no_grad()
@@ -385,6 +393,10 @@ class TalkerEngine:
         s.codes.append(code)
         s.unit_codes.append(code)
         self._codes += 1
+        if s.max_codes is not None and len(s.codes) >= s.max_codes:
+            s.unit_final = True  # fixed-length mode: the stream is done
+            self._end_unit(s)
+            return
         capped = s.mode == "streaming" and s.unit_draws >= self.config.streaming_chunk_max_codes
         if capped or s.position >= self.config.max_seq_len:
             self._end_unit(s)
