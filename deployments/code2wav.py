@@ -1,0 +1,155 @@
+"""Code2Wav deployment: a Code2WavEngine behind an EngineLoop.
+
+Per turn: `open(rid, voice)` clones the voice's initial state; the Talker calls
+`push(rid, codes, final)` as chunks arrive; the ingress reads `stream(rid)`, which yields
+AudioPiece (float32 24 kHz PCM, in order) until `is_last`. Ready chunks of several streams
+are decoded in one engine step (batched across streams). Pieces produced before the
+ingress starts reading are kept in the stream's queue. A Talker failure arrives through
+`fail(rid, ...)` and ends the stream with a StageFailure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from deployments.config import AppConfig
+from deployments.loop import EngineLoop, StageFailure
+from deployments.metrics import StageMetrics
+from deployments.stage import AudioPiece, build_engine, device_memory, stage_init, stats_dict
+
+
+def _route(out: Any) -> tuple[str, AudioPiece]:
+    stream_id, pcm, is_last = out
+    pcm = pcm.detach().float().cpu().numpy() if hasattr(pcm, "detach") else np.asarray(pcm)
+    return stream_id, AudioPiece(pcm.reshape(-1).astype(np.float32, copy=False), bool(is_last))
+
+
+class RealCode2Wav:
+    """The real engine behind the `from_source(source, config, device)` protocol, plus the
+    voice handling the engine leaves to its caller: None = the checkpoint's default voice,
+    a waveform = reference audio through the voice front-end (cached by content)."""
+
+    @staticmethod
+    def from_source(source: Any, config: Any, device: str) -> Any:
+        import torch
+
+        from pipeline.code2wav.assets import load_code2wav, token2wav_dir
+        from pipeline.code2wav.engine import Code2WavEngine
+        from pipeline.code2wav.voice import VoiceCache
+
+        if hasattr(Code2WavEngine, "from_source"):
+            engine = Code2WavEngine.from_source(source, config, device)
+        else:
+            if source.path is None:
+                raise ValueError("Code2Wav needs a checkpoint directory (assets/token2wav)")
+            dtype = torch.float32 if device == "cpu" else torch.bfloat16
+            flow, hift, c2w_cfg = load_code2wav(source.path, device, dtype)
+            engine = Code2WavEngine(flow, hift, c2w_cfg, config)
+        voices = VoiceCache(token2wav_dir(source.path)) if source.path is not None else None
+        return _VoicedEngine(engine, voices)
+
+    @staticmethod
+    def config_class() -> Any:
+        from pipeline.code2wav.engine import Code2WavEngineConfig
+
+        return Code2WavEngineConfig
+
+
+class _VoicedEngine:
+    """Turns `open_stream(rid, waveform | None)` into the engine's VoicePrompt call."""
+
+    VOICE_RATE = 16000  # the ingress decodes ref_audio to 16 kHz mono
+
+    def __init__(self, engine: Any, voices: Any):
+        self.engine, self.voices = engine, voices
+
+    def open_stream(self, stream_id: str, voice: Any) -> None:
+        if self.voices is None:
+            raise RuntimeError("no voice assets: Code2Wav needs a checkpoint directory")
+        prompt = self.voices.default() if voice is None else self.voices.from_audio(
+            voice, self.VOICE_RATE)
+        self.engine.open_stream(stream_id, prompt)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def stats(self) -> dict[str, Any]:
+        return {"streams": len(self.engine.streams), **dict(self.engine.counters)}
+
+
+class Code2WavServer:
+    def __init__(self, app: AppConfig | dict, *, engine_cls: Any = None, source: Any = None):
+        from pipeline.checkpoint import ModelSource
+
+        cfg = AppConfig.model_validate(app)
+        source = source or ModelSource.open(cfg.model)
+        config_cls = None if engine_cls else RealCode2Wav.config_class()
+        with stage_init(cfg, "code2wav") as device:
+            self.engine = build_engine(engine_cls or RealCode2Wav, source, cfg.code2wav.engine,
+                                       device, config_cls)
+        self.metrics = StageMetrics("code2wav")
+        self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
+        self.loop = EngineLoop(self.engine, name="code2wav", route=_route,
+                               on_step=self.metrics.on_step, on_failure=self._close_all)
+        self._pushed: dict[str, int] = {}  # codes received per open stream
+
+    def _close_all(self, engine: Any, _: BaseException) -> None:
+        for rid in self.loop.open_keys:
+            engine.close_stream(rid)
+
+    async def open(self, rid: str, voice: np.ndarray | None = None) -> None:
+        self.loop.open(rid)
+        try:
+            await self.loop.call(lambda e: e.open_stream(rid, voice))
+        except BaseException:
+            self.loop.close(rid)
+            raise
+        self._pushed[rid] = 0
+
+    async def push(self, rid: str, codes: np.ndarray, final: bool) -> bool:
+        """Codes (n,) int64 of stream `rid`, in order; False if the stream is gone."""
+        if rid not in self._pushed:
+            return False
+        self._pushed[rid] += len(codes)
+        if final and self._pushed[rid] == 0:
+            # Nothing was spoken: end the stream without running the engine.
+            self.loop.deliver(rid, AudioPiece(np.zeros(0, np.float32), True))
+            return True
+        await self.loop.call(lambda e: e.push_codes(rid, codes.tolist(), final))
+        return True
+
+    async def fail(self, rid: str, stage: str, message: str) -> None:
+        self.loop.deliver(rid, StageFailure(stage, message))
+
+    async def stream(self, rid: str) -> AsyncIterator[AudioPiece | StageFailure]:
+        q = self.loop.queue(rid)
+        if q is None:
+            yield StageFailure("code2wav", f"stream {rid!r} is not open")
+            return
+        try:
+            while True:
+                item = await q.get()
+                yield item
+                if isinstance(item, StageFailure) or item.is_last:
+                    return
+        finally:
+            await self.abort(rid)
+
+    async def abort(self, rid: str) -> None:
+        if self._pushed.pop(rid, None) is None and not self.loop.is_open(rid):
+            return
+        self.loop.close(rid)
+        self.loop.post(lambda e: e.close_stream(rid))
+
+    async def stats(self) -> dict[str, Any]:
+        engine = await self.loop.call(
+            lambda e: stats_dict(e.stats()) if hasattr(e, "stats") else {})
+        return {"open": len(self.loop.open_keys), "streams": len(self._pushed),
+                "steps": self.loop.steps, "failures": self.loop.failures, "engine": engine,
+                **device_memory()}

@@ -1,0 +1,156 @@
+"""The application's settings: what `serve_config.yaml` passes as `args` to `build_app`.
+
+Three layers (ARCHITECTURE.md): the checkpoint's config.json is read by the stages
+themselves; each stage's `engine:` dict is validated against that stage's frozen engine
+config when the stage starts; this module holds the Serve concerns (GPU fractions, memory
+caps, replicas, concurrency) and the app-wide knobs, validated here with clear errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GIB = 1024**3
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StageSettings(_Settings):
+    """One model deployment (Thinker, Talker or Code2Wav)."""
+
+    num_gpus: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "Ray GPU fraction; applied only when the cluster has GPUs (fractions schedule, "
+        "they do not limit memory)"))
+    memory_fraction: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "torch.cuda.set_per_process_memory_fraction for this stage; the startup check "
+        "proves that all stages' fractions plus CUDA contexts fit the device"))
+    graph_reserve_gib: float = Field(0.0, ge=0.0, description=(
+        "memory outside the cap for CUDA graph pools / workspaces, counted by the check"))
+    kv_cache_gib: float | None = Field(None, gt=0.0, description=(
+        "KV-cache budget on GPU (Thinker); null = the engine's default"))
+    cpu_kv_cache_gib: float = Field(0.0625, gt=0.0, description=(
+        "KV-cache budget when the stage runs on CPU, so one config serves both"))
+    num_cpus: float = Field(0.0, ge=0.0)
+    max_ongoing_requests: int = Field(256, ge=1)
+    num_replicas: int = Field(1, ge=1)
+    engine: dict[str, Any] = Field(default_factory=dict, description=(
+        "fields of the stage's frozen engine config (batch limits, knobs); unknown keys "
+        "fail the stage at startup"))
+
+
+class IngressSettings(_Settings):
+    num_cpus: float = Field(0.0, ge=0.0)
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(1024, ge=1)
+
+
+class LimitSettings(_Settings):
+    """Input limits (pipeline.processing.MediaLimits) plus request-level ones."""
+
+    max_media_bytes: int = Field(64 * 1024 * 1024, ge=1)
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
+    max_images: int = Field(128, ge=1)
+    max_video_frames: int = Field(64, ge=1)
+    max_video_seconds: float = Field(600.0, gt=0)
+    max_audio_seconds: float = Field(600.0, gt=0)
+    max_prompt_tokens: int = Field(32768, ge=1)
+    max_tokens: int = Field(4096, ge=1, description="upper bound on a request's max_tokens")
+    default_max_tokens: int = Field(512, ge=1)
+    max_body_bytes: int = Field(256 * 1024 * 1024, ge=1)
+    max_ref_audio_seconds: float = Field(30.0, gt=0)
+
+
+# The single-GPU split (vLLM-Omni's 0.55 / 0.15 / 0.18 family), per stage.
+STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "thinker": {"num_gpus": 0.55, "memory_fraction": 0.5},
+    "talker": {"num_gpus": 0.15, "memory_fraction": 0.12},
+    "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.18},
+}
+
+
+class AppConfig(_Settings):
+    """Everything `build_app(args)` accepts (see serve_config.yaml for a commented copy)."""
+
+    name: str = Field("omniray", description="model name in /v1/models and responses")
+    model: str | None = Field(None, description=(
+        "checkpoint directory; null or 'tiny' = the embedded tiny default, "
+        "'random-full' = full-size random weights"))
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    active_stream_window: int = Field(4, ge=0, description="K turns in the GPU stages; 0 = no limit")
+    talker_mode: Literal["streaming", "full_span"] = Field("streaming", description=(
+        "streaming: the Talker starts on the first spoken chunk; full_span: it waits for "
+        "the whole spoken span (the offline reference behaviour)"))
+    request_timeout_s: float = Field(600.0, gt=0)
+    allowed_local_media_path: str | None = Field(None, description=(
+        "file:// media is read only under this folder; null = no local files"))
+    allowed_media_hosts: list[str] = Field(default_factory=list, description=(
+        "http(s) hosts the ingress may fetch media from; empty = no fetches"))
+    cuda_context_gib: float = Field(0.7, ge=0.0, description="per-process CUDA context estimate")
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    ingress: IngressSettings = Field(default_factory=IngressSettings)
+    thinker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["thinker"]))
+    talker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["talker"]))
+    code2wav: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["code2wav"]))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stage_defaults(cls, data: Any) -> Any:
+        """A partial stage section keeps that stage's single-GPU defaults for the keys it
+        leaves out (`thinker: {engine: ...}` must not silently drop the GPU fraction)."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for name, defaults in STAGE_DEFAULTS.items():
+                if isinstance(data.get(name), dict):
+                    data[name] = {**defaults, **data[name]}
+        return data
+
+    @model_validator(mode="after")
+    def _fractions_fit(self) -> AppConfig:
+        gpus = self.thinker.num_gpus + self.talker.num_gpus + self.code2wav.num_gpus
+        if gpus > 1.0 + 1e-9 and self.thinker.num_replicas == 1:
+            raise ValueError(f"stage num_gpus add up to {gpus:.2f} > 1 GPU")
+        caps = [s.memory_fraction or 0.0 for s in self.stages().values()]
+        if sum(caps) > 1.0:
+            raise ValueError(f"stage memory_fraction values add up to {sum(caps):.2f} > 1.0")
+        return self
+
+    def stages(self) -> dict[str, StageSettings]:
+        return {"thinker": self.thinker, "talker": self.talker, "code2wav": self.code2wav}
+
+
+class MemoryBudgetError(RuntimeError):
+    """The stages' memory caps plus CUDA contexts and graph reserves do not fit the GPU."""
+
+
+def check_memory_budget(cfg: AppConfig, total_bytes: int, *, free_bytes: int | None = None,
+                        stage: str | None = None) -> dict[str, float]:
+    """Prove that every stage's cap + one CUDA context each + graph reserves fit the device.
+
+    When `stage` and `free_bytes` are given, also check that this stage's own cap fits in
+    what is free right now (stages start in order, so the reading is honest).
+    Returns the plan in GiB; raises MemoryBudgetError with the numbers otherwise.
+    """
+    total = total_bytes / GIB
+    plan = {name: (s.memory_fraction or 0.0) * total for name, s in cfg.stages().items()}
+    contexts = cfg.cuda_context_gib * len(plan)
+    graphs = sum(s.graph_reserve_gib for s in cfg.stages().values())
+    need = sum(plan.values()) + contexts + graphs
+    detail = ", ".join(f"{k} {v:.2f}" for k, v in plan.items())
+    if need > total:
+        raise MemoryBudgetError(
+            f"GPU memory budget does not fit: caps ({detail}) + {len(plan)} CUDA contexts "
+            f"{contexts:.2f} + graph reserves {graphs:.2f} = {need:.2f} GiB > device "
+            f"{total:.2f} GiB; lower the stages' memory_fraction")
+    if stage is not None and free_bytes is not None:
+        mine = plan[stage] + cfg.stages()[stage].graph_reserve_gib
+        free = free_bytes / GIB
+        if mine > free:
+            raise MemoryBudgetError(
+                f"{stage}: needs {mine:.2f} GiB (cap {plan[stage]:.2f} + graph reserve "
+                f"{cfg.stages()[stage].graph_reserve_gib:.2f}) but only {free:.2f} GiB of "
+                f"{total:.2f} GiB is free")
+    return {**plan, "contexts": contexts, "graphs": graphs, "total": total, "need": need}

@@ -1,0 +1,225 @@
+"""EngineLoop: one worker thread drives an engine's `step()` beside Serve's event loop.
+
+Why a thread: a step is blocking PyTorch work; running it on the replica's asyncio loop
+would stall every other call. Why one loop per engine: requests that arrive while a step
+runs are added before the next one, so concurrent calls batch together (continuous
+batching) without any waiting policy here.
+
+Contract with the engine (all calls happen on the worker thread only, so engines need no
+locks): `step() -> list[output]` and a `busy(engine)` test (default `has_unfinished()`);
+everything else is sent as a command (`call` / `post`). Outputs are routed by `route(output) -> (key, item)` to the
+asyncio queue registered for that key; items for unknown keys (aborted requests) are
+dropped. If `step()` raises, every open queue receives a `StageFailure` and `on_failure`
+(e.g. abort everything) runs on the worker thread, so the next request starts clean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # wake-up period of an idle worker (only to notice `stop()`)
+EMPTY_STEP_BACKOFF_S = 0.002  # a step with no output while streams wait for input
+
+
+@dataclass
+class StageFailure:
+    """Delivered to a request's queue when the engine step that served it raised."""
+
+    stage: str
+    message: str
+
+
+@dataclass
+class StepRecord:
+    """What one step did, for metrics."""
+
+    seconds: float
+    outputs: int
+    queued_commands: int
+
+
+def engine_busy(engine: Any) -> bool:
+    """True while a step would do work: `has_work` (property or method) if the engine has
+    one, else `has_unfinished()`. Streams that only wait for input must not count."""
+    has_work = getattr(type(engine), "has_work", None)
+    if has_work is not None:
+        value = engine.has_work
+        return bool(value() if callable(value) else value)
+    return bool(engine.has_unfinished())
+
+
+def _settle(fut: Future | None, *, result: Any = None,
+            exception: BaseException | None = None) -> bool:
+    """Complete a caller's future unless it was cancelled; True if someone got it."""
+    if fut is None or not fut.set_running_or_notify_cancel():
+        return False
+    if exception is not None:
+        fut.set_exception(exception)
+    else:
+        fut.set_result(result)
+    return True
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        name: str,
+        route: Callable[[Any], tuple[str, Any]],
+        on_step: Callable[[StepRecord], None] | None = None,
+        on_failure: Callable[[Any, BaseException], None] | None = None,
+        busy: Callable[[Any], bool] | None = None,
+    ):
+        self.engine = engine
+        self.name = name
+        self._route = route
+        self._on_step = on_step
+        self._on_failure = on_failure
+        self._busy = busy or engine_busy
+        self._commands: queue.Queue[tuple[Callable, Future | None]] = queue.Queue()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+        self.failures = 0
+
+    # -- event-loop side -----------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            self._aloop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine",
+                                            daemon=True)
+            self._thread.start()
+
+    def open(self, key: str) -> asyncio.Queue:
+        """Register the queue that receives `key`'s outputs (call before adding work)."""
+        self._ensure_started()
+        if key in self._queues:
+            raise ValueError(f"{self.name}: request id {key!r} is already in flight")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[key] = q
+        return q
+
+    def close(self, key: str) -> None:
+        self._queues.pop(key, None)
+
+    def is_open(self, key: str) -> bool:
+        return key in self._queues
+
+    @property
+    def open_keys(self) -> list[str]:
+        return list(self._queues)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run `fn(engine)` on the worker thread between steps; return its result."""
+        self._ensure_started()
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    def post(self, fn: Callable[[Any], Any]) -> None:
+        """Fire-and-forget `fn(engine)` (errors are logged)."""
+        self._commands.put((fn, None))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is None or self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put((lambda e: None, None))
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def queue(self, key: str) -> asyncio.Queue | None:
+        return self._queues.get(key)
+
+    def deliver(self, key: str, item: Any) -> None:
+        """Put `item` on `key`'s queue (event-loop side; dropped if the key is closed)."""
+        q = self._queues.get(key)
+        if q is not None:
+            q.put_nowait(item)
+
+    def _deliver_all(self, item: Any) -> None:
+        for q in list(self._queues.values()):
+            q.put_nowait(item)
+
+    # -- worker thread ------------------------------------------------------------------
+
+    def _run_commands(self, block: bool, timeout: float) -> int:
+        """Run queued commands (waiting up to `timeout` for the first if `block`).
+
+        A command always runs, even if its caller stopped waiting (a cancelled `call`):
+        an add is then undone by the abort its caller posts next, in order."""
+        n = 0
+        try:
+            fn, fut = self._commands.get(block=block, timeout=timeout if block else None)
+        except queue.Empty:
+            return 0
+        while True:
+            n += 1
+            try:
+                result = fn(self.engine)
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                if not _settle(fut, exception=e):
+                    log.warning("%s: command failed: %r", self.name, e)
+            else:
+                _settle(fut, result=result)
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return n
+
+    def _run(self) -> None:
+        idle_streak = False
+        while not self._stopping:
+            try:
+                idle_streak = self._iterate(idle_streak)
+            except Exception as e:  # noqa: BLE001 - a stage fault must not kill the loop
+                self._fail(e)
+                idle_streak = False
+
+    def _iterate(self, idle_streak: bool) -> bool:
+        """Commands, then one step if there is work; returns whether the step was idle."""
+        if not self._busy(self.engine):
+            self._run_commands(block=True, timeout=IDLE_POLL_S)
+            return False
+        # Streams waiting for input: don't spin; wait briefly for a command instead.
+        n_cmds = self._run_commands(block=idle_streak, timeout=EMPTY_STEP_BACKOFF_S)
+        if not self._busy(self.engine):
+            return False
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        for out in outputs:
+            key, item = self._route(out)
+            self._aloop.call_soon_threadsafe(self.deliver, key, item)
+        if self._on_step is not None:
+            self._on_step(StepRecord(dt, len(outputs), n_cmds))
+        return not outputs
+
+    def _fail(self, e: BaseException) -> None:
+        """Every open request gets a StageFailure; `on_failure` cleans the engine."""
+        self.failures += 1
+        log.exception("%s: engine step failed", self.name)
+        failure = StageFailure(self.name, f"{type(e).__name__}: {e}")
+        self._aloop.call_soon_threadsafe(self._deliver_all, failure)
+        if self._on_failure is not None:
+            try:
+                self._on_failure(self.engine, e)
+            except Exception:
+                log.exception("%s: recovery after a failed step failed", self.name)

@@ -1,0 +1,129 @@
+"""The app's Ray metrics (Ray dashboard / Prometheus; names get Ray's `ray_` prefix).
+
+Per app (ingress):  omniray_requests_total{outcome}, omniray_ttft_seconds,
+                    omniray_first_audio_seconds, omniray_rtf, omniray_audio_seconds_total,
+                    omniray_window_active, omniray_window_waiting
+Per stage:          omniray_stage_step_seconds{stage}, omniray_stage_batch_size{stage},
+                    omniray_stage_queue_depth{stage}, omniray_stage_active_streams{stage},
+                    omniray_stage_kv_usage{stage}, omniray_stage_cache_hits_total{stage,cache},
+                    omniray_stage_graph_steps_total{stage,path="graph"|"eager"},
+                    omniray_stage_stat{stage,name} (every other numeric engine stat)
+
+Engine stats are read from `engine.stats()` at most every STATS_PERIOD_S, on the engine's
+worker thread; keys the engines may report: num_running / num_waiting, num_free_blocks /
+num_total_blocks (KV usage), *_cache_hits, graph_replays / eager_steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
+
+STATS_PERIOD_S = 1.0
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
+STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+RTF_BUCKETS = [0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 4, 8]
+
+_lock = threading.Lock()
+_metrics: dict[str, Any] = {}
+
+
+def _metric(kind: type, name: str, description: str, **kw: Any) -> Any:
+    """One instance per process and name (Ray rejects re-registering with other tags)."""
+    with _lock:
+        if name not in _metrics:
+            _metrics[name] = kind(name, description=description, **kw)
+        return _metrics[name]
+
+
+class StageMetrics:
+    def __init__(self, stage: str):
+        self.tags = {"stage": stage}
+        tk = ("stage",)
+        self.step = _metric(Histogram, "omniray_stage_step_seconds", "engine step time",
+                            boundaries=STEP_BUCKETS, tag_keys=tk)
+        self.batch = _metric(Histogram, "omniray_stage_batch_size", "outputs per engine step",
+                             boundaries=BATCH_BUCKETS, tag_keys=tk)
+        self.queue = _metric(Gauge, "omniray_stage_queue_depth",
+                             "commands waiting for the engine thread", tag_keys=tk)
+        self.active = _metric(Gauge, "omniray_stage_active_streams", "requests / streams open",
+                              tag_keys=tk)
+        self.kv = _metric(Gauge, "omniray_stage_kv_usage", "fraction of KV blocks in use",
+                          tag_keys=tk)
+        self.cache = _metric(Counter, "omniray_stage_cache_hits_total", "cache hits",
+                             tag_keys=("stage", "cache"))
+        self.graphs = _metric(Counter, "omniray_stage_graph_steps_total",
+                              "CUDA graph replays vs eager fallbacks", tag_keys=("stage", "path"))
+        self.stat = _metric(Gauge, "omniray_stage_stat", "other numeric engine stats",
+                            tag_keys=("stage", "name"))
+        self._last_stats = 0.0
+        self._counters: dict[str, float] = {}
+        self.engine_stats: Any = None  # callable returning the engine's stats dict
+
+    def on_step(self, rec: Any) -> None:
+        self.step.observe(rec.seconds, tags=self.tags)
+        if rec.outputs:
+            self.batch.observe(rec.outputs, tags=self.tags)
+        self.queue.set(rec.queued_commands, tags=self.tags)
+        now = time.monotonic()
+        if self.engine_stats is not None and now - self._last_stats > STATS_PERIOD_S:
+            self._last_stats = now
+            try:
+                self.record_stats(self.engine_stats())
+            except Exception:
+                log.debug("stats for metrics failed", exc_info=True)
+
+    def record_stats(self, stats: dict[str, Any]) -> None:
+        stage = self.tags["stage"]
+        if stats.get("num_total_blocks"):
+            used = 1 - stats.get("num_free_blocks", 0) / stats["num_total_blocks"]
+            self.kv.set(used, tags=self.tags)
+        if "num_running" in stats:
+            self.active.set(stats["num_running"] + stats.get("num_waiting", 0), tags=self.tags)
+        for key, value in stats.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if key.endswith("cache_hits"):
+                self._bump(self.cache, key, value, {"stage": stage, "cache": key[:-11]})
+            elif key in ("graph_replays", "eager_steps"):
+                path = "graph" if key == "graph_replays" else "eager"
+                self._bump(self.graphs, key, value, {"stage": stage, "path": path})
+            else:
+                self.stat.set(value, tags={"stage": stage, "name": key})
+
+    def _bump(self, counter: Any, key: str, total: float, tags: dict[str, str]) -> None:
+        """Engines report running totals; Ray counters take increments."""
+        delta = total - self._counters.get(key, 0)
+        self._counters[key] = total
+        if delta > 0:
+            counter.inc(delta, tags=tags)
+
+
+class AppMetrics:
+    def __init__(self) -> None:
+        self.requests = _metric(Counter, "omniray_requests_total", "turns by outcome",
+                                tag_keys=("outcome",))
+        self.ttft = _metric(Histogram, "omniray_ttft_seconds", "time to first text",
+                            boundaries=LATENCY_BUCKETS)
+        self.first_audio = _metric(Histogram, "omniray_first_audio_seconds",
+                                   "time to first audio piece", boundaries=LATENCY_BUCKETS)
+        self.rtf = _metric(Histogram, "omniray_rtf",
+                           "last audio time / audio seconds (queueing included)",
+                           boundaries=RTF_BUCKETS)
+        self.audio_seconds = _metric(Counter, "omniray_audio_seconds_total", "audio produced")
+        self.window_active = _metric(Gauge, "omniray_window_active", "turns in the GPU stages")
+        self.window_waiting = _metric(Gauge, "omniray_window_waiting", "turns waiting FIFO")
+
+    def outcome(self, outcome: str) -> None:
+        self.requests.inc(1, tags={"outcome": outcome})
+
+    def window(self, active: int, waiting: int) -> None:
+        self.window_active.set(active)
+        self.window_waiting.set(waiting)

@@ -1,0 +1,231 @@
+"""The public API's shapes: the OpenAI-style chat request, its errors, and the typed events
+that `Ingress.chat` yields to other Ray apps.
+
+Request (`POST /v1/chat/completions`, vLLM-Omni's omni extensions included):
+    messages     list of {role, content}; content is a string or a list of parts:
+                 text | image_url | video_url | audio_url | input_audio
+    modalities   ["text"] (default) or ["text", "audio"] / ["audio"]
+    audio        {"format": "wav" | "pcm" | "pcm16"}; the format of streamed audio pieces
+    ref_audio    a data: / file:// URI of a voice to clone (top level or in extra_body)
+    sampling     temperature, top_p, top_k, repetition_penalty, seed, max_tokens,
+                 ignore_eos (vLLM's fixed-length benchmark mode)
+
+Events (handle API, in order): TextDelta*, AudioChunk* (interleaved as produced), then
+exactly one terminal event: Done (usage) or Error (reason).
+
+This module imports neither torch nor Ray, so a client app can import it cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SAMPLE_RATE = 24000  # Code2Wav output rate
+
+
+# ---------------------------------------------------------------------------------------
+# Request
+
+
+class _Strict(BaseModel):
+    """Parts reject unknown keys' *types*, but unknown keys themselves are ignored, as
+    OpenAI-compatible servers do (clients send vendor extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class URLRef(_Strict):
+    url: str = Field(min_length=1)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: URLRef
+
+
+class VideoPart(_Strict):
+    type: Literal["video_url"]
+    video_url: URLRef
+
+
+class AudioURLPart(_Strict):
+    type: Literal["audio_url"]
+    audio_url: URLRef
+
+
+class InputAudio(_Strict):
+    data: str = Field(min_length=1)  # base64 bytes of an audio file
+    format: Literal["wav", "mp3", "flac", "ogg", "m4a", "webm", "pcm16"] = "wav"
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[
+    TextPart | ImagePart | VideoPart | AudioURLPart | InputAudioPart,
+    Field(discriminator="type"),
+]
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart]
+
+
+class AudioOptions(_Strict):
+    format: Literal["wav", "pcm", "pcm16"] = "wav"
+    voice: str | None = None  # MiniCPM-o clones `ref_audio`; named voices are not offered
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] = Field(default_factory=lambda: ["text"],
+                                                       min_length=1)
+    audio: AudioOptions = Field(default_factory=AudioOptions)
+    ref_audio: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # -1 or 0 = off (vLLM spells off as -1)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1)
+    extra_body: dict[str, Any] | None = None  # some clients nest extras here verbatim
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    @model_validator(mode="after")
+    def _lift_extra_body(self) -> ChatCompletionRequest:
+        if self.extra_body and self.ref_audio is None:
+            ref = self.extra_body.get("ref_audio")
+            if ref is not None and not isinstance(ref, str):
+                raise ValueError("ref_audio must be a URI string")
+            self.ref_audio = ref
+        return self
+
+    @property
+    def speech(self) -> bool:
+        return "audio" in self.modalities
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+
+
+class ApiError(Exception):
+    """A request the server refuses, with its HTTP status and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A pydantic error list -> one readable line and the offending field path.
+
+    For unions (content: str | list of parts) the deepest error is the useful one, and
+    the branch names pydantic puts in the path ("str", "list[...]") are dropped.
+    """
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = ".".join(str(p) for p in first.get("loc", ())
+                   if p != "body" and not (isinstance(p, str) and (p == "str" or "[" in p)))
+    msg = first.get("msg", "invalid value")
+    return (f"{loc}: {msg}" if loc else msg), (loc or None)
+
+
+# ---------------------------------------------------------------------------------------
+# Events (handle API)
+
+
+@dataclass
+class TextDelta:
+    text: str
+    kind: Literal["text"] = "text"
+
+
+@dataclass
+class AudioChunk:
+    """One Code2Wav piece: mono float32 PCM in [-1, 1] at `sample_rate`; `index` counts
+    pieces of this request from 0, so a client can check order."""
+
+    pcm: np.ndarray
+    index: int
+    sample_rate: int = SAMPLE_RATE
+    kind: Literal["audio"] = "audio"
+
+    @property
+    def seconds(self) -> float:
+        return len(self.pcm) / self.sample_rate
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens}
+
+
+@dataclass
+class Done:
+    """Terminal: the turn finished. finish_reason is "stop" | "length"."""
+
+    usage: Usage
+    finish_reason: str = "stop"
+    audio_seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, first_audio_s, rtf
+    kind: Literal["done"] = "done"
+
+
+@dataclass
+class Error:
+    """Terminal: the turn failed. status is an HTTP-like code (4xx bad input, 5xx server,
+    504 timeout, 499 cancelled); reason is a short machine-readable tag."""
+
+    status: int
+    message: str
+    reason: str = "error"
+    kind: Literal["error"] = "error"
+
+
+Event = TextDelta | AudioChunk | Done | Error

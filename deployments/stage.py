@@ -1,0 +1,192 @@
+"""What the three model deployments share: device and memory setup, engine construction,
+the in-order forwarder to the next stage, and the small messages stages stream back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from deployments.config import GIB, AppConfig, check_memory_budget
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------
+# Messages streamed back to the ingress (small; payloads never come back this way)
+
+
+@dataclass
+class TextOut:
+    """Thinker -> ingress: a text delta (possibly several engine steps coalesced)."""
+
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class AudioPiece:
+    """Code2Wav -> ingress: mono float32 PCM at 24 kHz; is_last closes the stream."""
+
+    pcm: np.ndarray
+    is_last: bool
+
+
+# ---------------------------------------------------------------------------------------
+# Device, memory, engine
+
+
+def resolve_device(cfg: AppConfig) -> str:
+    import torch
+
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was asked for but this replica sees no GPU")
+    return cfg.device
+
+
+@contextlib.contextmanager
+def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
+    """Pick the device and, on CUDA, load this stage under a per-GPU file lock: prove the
+    memory plan fits (with this stage's free-memory reading taken while no other stage is
+    loading), cap this process, then build the engine inside the `with` block."""
+    device = resolve_device(cfg)
+    if device != "cuda":
+        yield device
+        return
+    import fcntl
+
+    import torch
+
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    with open(f"/tmp/omniray-gpu{gpu}-init.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            free, total = torch.cuda.mem_get_info()
+            plan = check_memory_budget(cfg, total, free_bytes=free, stage=stage)
+            frac = cfg.stages()[stage].memory_fraction
+            if frac is not None:
+                torch.cuda.set_per_process_memory_fraction(frac)
+            log.info("%s: memory plan (GiB) %s", stage, {k: round(v, 2) for k, v in plan.items()})
+            yield device
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def device_memory() -> dict[str, float]:
+    """This process's CUDA memory in GiB (empty on CPU), for stage stats."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {"gpu_allocated_gib": torch.cuda.memory_allocated() / GIB,
+            "gpu_reserved_gib": torch.cuda.memory_reserved() / GIB,
+            "gpu_peak_gib": torch.cuda.max_memory_allocated() / GIB}
+
+
+def build_engine(engine_cls: Any, source: Any, engine_kwargs: dict[str, Any], device: str,
+                 config_cls: Any = None) -> Any:
+    """`engine_cls.from_source(source, config, device)`, the config validated from the
+    stage's `engine:` settings (unknown keys fail here, at startup, with the key named).
+    Without a config class (fakes), the settings dict is passed as is."""
+    config_cls = config_cls or getattr(engine_cls, "config_cls", None)
+    config = dict(engine_kwargs) if config_cls is None else dataclass_from_dict(
+        config_cls, engine_kwargs, engine_cls.__name__)
+    return engine_cls.from_source(source, config, device)
+
+
+def dataclass_from_dict(cls: Any, values: dict[str, Any], where: str) -> Any:
+    """A frozen config dataclass from YAML values: nested configs from nested dicts,
+    lists as tuples, unknown keys refused with the known ones listed."""
+    defaults = cls()
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown engine settings {unknown}; known: {sorted(names)}")
+    kwargs = {}
+    for k, v in values.items():
+        current = getattr(defaults, k)
+        if isinstance(v, dict) and dataclasses.is_dataclass(current):
+            v = dataclass_from_dict(type(current), v, f"{where}.{k}")
+        elif isinstance(v, list):
+            v = tuple(v)
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+def stats_dict(stats: Any) -> dict[str, Any]:
+    if stats is None:
+        return {}
+    if dataclasses.is_dataclass(stats):
+        return dataclasses.asdict(stats)
+    return dict(stats)
+
+
+# ---------------------------------------------------------------------------------------
+# In-order forwarding to the next stage
+
+
+class Forwarder:
+    """Sends one stream's chunks to the next stage in order, one call in flight at a time.
+
+    Chunks that arrive while a call is in flight are coalesced into the next call, so a
+    slow hop batches instead of queueing. `hold` keeps everything until `finish()` (the
+    Talker's full_span mode). `send(items, final)` is the hop, e.g. `talker.feed`.
+    """
+
+    def __init__(self, send: Callable[[list[Any], bool], Awaitable[Any]], *, name: str,
+                 hold: bool = False):
+        self._send = send
+        self._name = name
+        self._hold = hold
+        self._items: list[Any] = []
+        self._final = False
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        self.calls = 0
+
+    def push(self, item: Any) -> None:
+        self._items.append(item)
+        if not self._hold:
+            self._wake.set()
+
+    def finish(self) -> None:
+        self._final = True
+        self._wake.set()
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            items, self._items = self._items, []
+            final = self._final
+            if items or final:
+                try:
+                    await self._send(items, final)
+                    self.calls += 1
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.warning("%s: forwarding failed; stream dropped", self._name, exc_info=True)
+                    return
+            if final:
+                return

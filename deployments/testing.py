@@ -1,0 +1,317 @@
+"""Test support: small fake engines with the real engines' protocols, and an in-process
+stand-in for DeploymentHandle so the whole app runs without Ray (as Ray Serve LLM ships
+its MockVLLMEngine). Fakes are deterministic and cheap:
+
+- FakeThinkerEngine: one token per step per request from a fixed reply; spoken ids +
+  random hidden states when the request asks for speech.
+- FakeTalkerEngine:  3 codes per spoken id; 25-code chunks (+3 lookahead), like TalkerEngine.
+- FakeCode2WavEngine: 960 samples (40 ms at 24 kHz) per code of one continuous sine, so a
+  stream's pieces join without a seam; `fail_on_step=N` raises once at the N-th step;
+  `reject_voices` refuses reference audio as a checkpoint without the voice models does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.handoff import ThinkerDelta, ThinkerRequest
+
+REPLY = "Hello there! This reply comes from the fake thinker engine."
+
+
+class FakeThinkerEngine:
+    config_cls = None  # the `engine:` dict is passed through as keyword arguments
+
+    def __init__(self, hidden_size: int = 16, step_delay_s: float = 0.0, vocab: int = 1000):
+        self.hidden_size = hidden_size
+        self.step_delay_s = step_delay_s
+        self.words = [w + " " for w in REPLY.split()]
+        self.running: dict[str, tuple[ThinkerRequest, int]] = {}
+        self.aborted = 0
+
+    @classmethod
+    def from_source(cls, source: Any, config: dict, device: str) -> FakeThinkerEngine:
+        return cls(**config)
+
+    def add_request(self, req: ThinkerRequest) -> None:
+        self.running[req.request_id] = (req, 0)
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted += request_id in self.running
+        return self.running.pop(request_id, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[ThinkerDelta]:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        out = []
+        for rid, (req, n) in list(self.running.items()):
+            n += 1
+            limit = min(req.sampling.max_tokens, len(self.words))
+            done = n >= limit
+            kw = {}
+            if req.return_hidden:
+                g = torch.Generator().manual_seed(n)
+                kw = {"spoken_ids": [1000 + n],
+                      "spoken_hidden": torch.randn(1, self.hidden_size, generator=g)}
+            out.append(ThinkerDelta(
+                rid, [1000 + n], self.words[n - 1], finished=done,
+                finish_reason=("length" if n >= req.sampling.max_tokens else "stop") if done else None,
+                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=n, **kw))
+            if done:
+                del self.running[rid]
+            else:
+                self.running[rid] = (req, n)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return {"num_running": len(self.running), "num_waiting": 0}
+
+
+@dataclass(frozen=True)
+class FakeCodeChunk:
+    stream_id: str
+    codes: tuple[int, ...]
+    finished: bool
+    lookahead: tuple[int, ...] = ()
+    index: int = 0
+
+
+class FakeTalkerEngine:
+    config_cls = None
+    CHUNK, AHEAD = 25, 3
+
+    def __init__(self, codes_per_id: int = 3, step_delay_s: float = 0.0):
+        self.codes_per_id = codes_per_id
+        self.step_delay_s = step_delay_s
+        self.streams: dict[str, dict[str, Any]] = {}
+
+    @classmethod
+    def from_source(cls, source: Any, config: dict, device: str) -> FakeTalkerEngine:
+        return cls(**config)
+
+    def open(self, stream_id: str, mode: str | None = None, seed: int | None = None) -> None:
+        if stream_id in self.streams:
+            raise ValueError(f"stream {stream_id!r} is already open")
+        self.streams[stream_id] = {"pending": 0, "codes": [], "released": 0, "sent": 0,
+                                   "finished": False, "text_done": False, "done_sent": False}
+
+    def feed_text(self, stream_id: str, ids: Any, hidden: torch.Tensor,
+                  text_finished: bool = False) -> None:
+        s = self.streams[stream_id]
+        assert hidden.shape[0] == len(ids)
+        s["pending"] += len(ids)
+        s["text_done"] = text_finished
+
+    @property
+    def has_work(self) -> bool:
+        return any(s["pending"] or (s["text_done"] and not s["done_sent"])
+                   for s in self.streams.values())
+
+    def step(self) -> list[FakeCodeChunk]:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        out = []
+        for sid, s in self.streams.items():
+            if s["pending"]:
+                s["pending"] -= 1
+                base = len(s["codes"])
+                s["codes"].extend((base + k) % 6561 for k in range(self.codes_per_id))
+            if s["text_done"] and not s["pending"]:
+                s["finished"] = True
+            while len(s["codes"]) - s["released"] >= self.CHUNK + self.AHEAD:
+                a = s["released"]
+                out.append(FakeCodeChunk(sid, tuple(s["codes"][a:a + self.CHUNK]), False,
+                                         tuple(s["codes"][a + self.CHUNK:a + self.CHUNK + self.AHEAD]),
+                                         s["sent"]))
+                s["released"] += self.CHUNK
+                s["sent"] += 1
+            if s["finished"] and not s["done_sent"]:
+                out.append(FakeCodeChunk(sid, tuple(s["codes"][s["released"]:]), True, (), s["sent"]))
+                s["released"] = len(s["codes"])
+                s["done_sent"] = True
+        return out
+
+    def close(self, stream_id: str) -> None:
+        self.streams.pop(stream_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return {"open_streams": len(self.streams)}
+
+
+class FakeCode2WavEngine:
+    config_cls = None
+    SAMPLES_PER_CODE = 960
+    CHUNK = 25
+    FREQ_HZ = 220.0
+
+    def __init__(self, step_delay_s: float = 0.0, fail_on_step: int = 0,
+                 reject_voices: bool = False):
+        self.step_delay_s = step_delay_s
+        self.fail_on_step = fail_on_step
+        self.reject_voices = reject_voices  # like a checkpoint without the voice front-end
+        self.steps = 0
+        self.streams: dict[str, dict[str, Any]] = {}
+
+    @classmethod
+    def from_source(cls, source: Any, config: dict, device: str) -> FakeCode2WavEngine:
+        return cls(**config)
+
+    def open_stream(self, stream_id: str, voice: Any = None) -> None:
+        if stream_id in self.streams:
+            raise ValueError(f"stream {stream_id!r} is already open")
+        if voice is not None and self.reject_voices:
+            raise FileNotFoundError("missing voice front-end models")
+        self.streams[stream_id] = {"pending": 0, "final": False, "done": False, "t": 0}
+
+    def push_codes(self, stream_id: str, codes: Any, final: bool) -> None:
+        s = self.streams[stream_id]
+        s["pending"] += len(codes)
+        s["final"] = final
+
+    @property
+    def has_work(self) -> bool:
+        return any(not s["done"] and (s["pending"] >= self.CHUNK or s["final"])
+                   for s in self.streams.values())
+
+    def step(self) -> list[tuple[str, np.ndarray, bool]]:
+        self.steps += 1
+        if self.fail_on_step and self.steps == self.fail_on_step:
+            raise RuntimeError("injected Code2Wav fault")
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        out = []
+        for sid, s in self.streams.items():
+            if s["done"]:
+                continue
+            if s["pending"] >= self.CHUNK or s["final"]:
+                n = min(s["pending"], self.CHUNK)
+                last = s["final"] and s["pending"] <= self.CHUNK
+                s["pending"] -= n
+                t = s["t"] + np.arange(n * self.SAMPLES_PER_CODE)
+                s["t"] += n * self.SAMPLES_PER_CODE
+                pcm = (0.5 * np.sin(2 * math.pi * self.FREQ_HZ * t / 24000)).astype(np.float32)
+                out.append((sid, pcm, last))
+                s["done"] = last
+        return out
+
+    def close_stream(self, stream_id: str) -> None:
+        self.streams.pop(stream_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return {"streams": len(self.streams)}
+
+
+# ---------------------------------------------------------------------------------------
+# In-process handles
+
+
+class LocalHandle:
+    """Mimics DeploymentHandle over a local object: `.method.remote(...)` returns an
+    awaitable that starts at once; `.options(stream=True).method.remote(...)` an async
+    iterator with `cancel()`, which cancels the generator like Serve does."""
+
+    def __init__(self, target: Any, stream: bool = False):
+        self._target = target
+        self._stream = stream
+
+    def options(self, stream: bool = False, **_: Any) -> LocalHandle:
+        return LocalHandle(self._target, stream)
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        return _LocalMethod(getattr(self._target, name), self._stream)
+
+
+class _LocalMethod:
+    def __init__(self, fn: Any, stream: bool):
+        self._fn, self._stream = fn, stream
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stream:
+            return _LocalStream(self._fn(*args, **kwargs))
+        result = self._fn(*args, **kwargs)
+        if asyncio.iscoroutine(result):
+            return asyncio.ensure_future(result)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(result)
+        return fut
+
+
+class _LocalStream:
+    def __init__(self, agen: Any):
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._run(agen))
+
+    async def _run(self, agen: Any) -> None:
+        try:
+            async for item in agen:
+                self._q.put_nowait(("item", item))
+            self._q.put_nowait(("end", None))
+        except asyncio.CancelledError:
+            await agen.aclose()
+            self._q.put_nowait(("error", asyncio.CancelledError()))
+            raise
+        except Exception as e:  # noqa: BLE001
+            self._q.put_nowait(("error", e))
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    def __aiter__(self) -> _LocalStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        kind, value = await self._q.get()
+        if kind == "item":
+            return value
+        if kind == "end":
+            raise StopAsyncIteration
+        raise value
+
+
+class HandleCaller:
+    """A second app's deployment that talks to omniray only through its app handle (the
+    documented way other Ray apps use it); returns the event kinds of one turn."""
+
+    def __init__(self, app_name: str = "omniray"):
+        self.app_name = app_name
+
+    async def __call__(self, body: dict) -> list[str]:
+        from ray import serve
+
+        omni = serve.get_app_handle(self.app_name)
+        return [type(ev).__name__ async for ev in omni.options(stream=True).chat.remote(body)]
+
+
+@dataclass
+class LocalApp:
+    ingress: Any
+    thinker: Any
+    talker: Any
+    code2wav: Any
+
+
+def build_local_app(cfg: dict, source: Any, *, thinker_engine_cls: Any = FakeThinkerEngine,
+                    talker_engine_cls: Any = FakeTalkerEngine,
+                    code2wav_engine_cls: Any = FakeCode2WavEngine) -> LocalApp:
+    """The four servers in this process, wired with LocalHandles (call inside a loop)."""
+    from deployments.code2wav import Code2WavServer
+    from deployments.ingress import IngressServer
+    from deployments.talker import TalkerServer
+    from deployments.thinker import ThinkerServer
+
+    c2w = Code2WavServer(cfg, engine_cls=code2wav_engine_cls, source=source)
+    talker = TalkerServer(cfg, LocalHandle(c2w), engine_cls=talker_engine_cls, source=source)
+    thinker = ThinkerServer(cfg, LocalHandle(talker), engine_cls=thinker_engine_cls, source=source)
+    ingress = IngressServer(cfg, LocalHandle(thinker), LocalHandle(talker), LocalHandle(c2w),
+                            source=source)
+    return LocalApp(ingress, thinker, talker, c2w)

@@ -1,0 +1,131 @@
+"""Thinker deployment: a ThinkerEngine behind an EngineLoop.
+
+`generate(req)` streams text back to its caller (the ingress). When the request asks for
+speech, the spoken span (token ids + final-norm hidden states, numpy) goes straight to the
+Talker through `talker.feed`, in order, so the ingress never carries hidden states.
+In `full_span` mode the span is sent once, when the Thinker finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from deployments.config import GIB, AppConfig
+from deployments.loop import EngineLoop, StageFailure
+from deployments.metrics import StageMetrics
+from deployments.stage import (
+    Forwarder,
+    TextOut,
+    build_engine,
+    device_memory,
+    stage_init,
+    stats_dict,
+)
+
+
+def _real_engine() -> tuple[Any, Any]:
+    from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+
+    return ThinkerEngine, ThinkerEngineConfig
+
+
+class ThinkerServer:
+    def __init__(self, app: AppConfig | dict, talker: Any = None, *, engine_cls: Any = None,
+                 source: Any = None):
+        from pipeline.checkpoint import ModelSource
+
+        cfg = AppConfig.model_validate(app)
+        source = source or ModelSource.open(cfg.model)
+        with stage_init(cfg, "thinker") as device:
+            settings = dict(cfg.thinker.engine)
+            if engine_cls is None:
+                engine_cls, config_cls = _real_engine()
+                kv = cfg.thinker.kv_cache_gib if device == "cuda" else cfg.thinker.cpu_kv_cache_gib
+                if kv is not None:  # one config for GPU and CPU: the budget follows the device
+                    settings["llm"] = {"kv_cache_bytes": int(kv * GIB), **settings.get("llm", {})}
+            else:
+                config_cls = None
+            self.engine = build_engine(engine_cls, source, settings, device, config_cls)
+        self.metrics = StageMetrics("thinker")
+        self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
+        self.loop = EngineLoop(self.engine, name="thinker", route=lambda d: (d.request_id, d),
+                               on_step=self.metrics.on_step, on_failure=self._abort_all)
+        self.talker = talker
+        self.full_span = cfg.talker_mode == "full_span"
+        self._forwarders: dict[str, Forwarder] = {}
+
+    def _abort_all(self, engine: Any, _: BaseException) -> None:
+        for rid in self.loop.open_keys:  # worker thread: a failed step poisons every request
+            engine.abort(rid)
+
+    async def generate(self, req: Any) -> AsyncIterator[TextOut | StageFailure]:
+        rid = req.request_id
+        q = self.loop.open(rid)
+        fwd = self._forwarder(rid) if req.return_hidden and self.talker is not None else None
+        finished = False
+        try:
+            await self.loop.call(lambda e: e.add_request(req))
+            while not finished:
+                items = [await q.get()]
+                while not q.empty():  # coalesce what piled up during one hop
+                    items.append(q.get_nowait())
+                out = TextOut("")
+                for d in items:
+                    if isinstance(d, StageFailure):
+                        yield d
+                        return
+                    if fwd is not None and d.spoken_ids:
+                        fwd.push((list(d.spoken_ids), _numpy(d.spoken_hidden)))
+                    out.text += d.text
+                    out.prompt_tokens = d.num_prompt_tokens or out.prompt_tokens
+                    out.completion_tokens = d.num_output_tokens or out.completion_tokens
+                    if d.finished:
+                        out.finished, out.finish_reason, finished = True, d.finish_reason, True
+                if fwd is not None and finished:
+                    fwd.finish()
+                yield out
+        finally:
+            self.loop.close(rid)
+            if not finished:
+                self.loop.post(lambda e: e.abort(rid))
+                if fwd is not None:
+                    fwd.cancel()
+            self._forwarders.pop(rid, None)
+
+    def _forwarder(self, rid: str) -> Forwarder:
+        async def send(chunks: list[tuple[list[int], np.ndarray]], final: bool) -> None:
+            ids = [i for c, _ in chunks for i in c]
+            hidden = np.concatenate([h for _, h in chunks]) if chunks else None
+            await self.talker.feed.remote(rid, ids, hidden, final)
+
+        fwd = Forwarder(send, name=f"thinker->talker {rid}", hold=self.full_span)
+        self._forwarders[rid] = fwd
+        return fwd
+
+    async def abort(self, rid: str) -> None:
+        fwd = self._forwarders.pop(rid, None)
+        if fwd is not None:
+            fwd.cancel()
+        if self.loop.is_open(rid):
+            self.loop.close(rid)
+            await self.loop.call(lambda e: e.abort(rid))
+
+    async def stats(self) -> dict[str, Any]:
+        engine = await self.loop.call(lambda e: stats_dict(e.stats()))
+        return {"open": len(self.loop.open_keys), "forwarders": len(self._forwarders),
+                "steps": self.loop.steps, "failures": self.loop.failures, "engine": engine,
+                **device_memory()}
+
+    def check_health(self) -> None:
+        if not self.loop.alive:
+            raise RuntimeError("thinker engine loop died")
+
+
+def _numpy(h: Any) -> np.ndarray:
+    """Hidden states cross Ray as float32 numpy (read zero-copy from the object store)."""
+    if isinstance(h, np.ndarray):
+        return h.astype(np.float32, copy=False)
+    return h.detach().float().cpu().numpy()

@@ -1,0 +1,618 @@
+"""The ingress API in-process (no Ray): the four servers wired with LocalHandles over fake
+engines (deployments.testing), the real Processor, HTTP through Starlette's TestClient.
+
+Covers: the bad-input table (each gets its 4xx in the OpenAI error shape), the SSE and
+non-streamed shapes, audio formats, file:// rules, the active stream window, the engine
+loop's batching, a stage fault, and the config checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import tempfile
+import time
+import wave
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+from starlette.testclient import TestClient
+
+from deployments.config import AppConfig, MemoryBudgetError, check_memory_budget
+from deployments.loop import EngineLoop
+from deployments.schemas import AudioChunk, Done, Error, TextDelta
+from deployments.testing import FakeCode2WavEngine, FakeThinkerEngine, build_local_app
+from deployments.window import ActiveStreamWindow
+from pipeline.handoff import SamplingParams, ThinkerRequest
+
+URL = "/v1/chat/completions"
+
+
+# ---------------------------------------------------------------------------------------
+# Media helpers (also used by test_serve.py)
+
+
+def png_bytes(w: int = 64, h: int = 48, seed: int = 0) -> bytes:
+    arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def wav_bytes(seconds: float = 0.5, rate: int = 16000, freq: float = 440.0) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="WAV")
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def user(content) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def sse_events(lines) -> list:
+    """SSE `data:` payloads as objects; the final [DONE] as the string "[DONE]"."""
+    out = []
+    for line in lines:
+        if isinstance(line, bytes):
+            line = line.decode()
+        if line.startswith("data: "):
+            payload = line[6:]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def decode_wav(b64: str) -> tuple[np.ndarray, int]:
+    with wave.open(io.BytesIO(base64.b64decode(b64))) as w:
+        assert w.getnchannels() == 1 and w.getsampwidth() == 2
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+        return pcm.astype(np.float32) / 32767.0, w.getframerate()
+
+
+# ---------------------------------------------------------------------------------------
+# The table of bad requests: (name, body or raw bytes, expected status)
+
+GOOD_IMAGE = data_uri(png_bytes(), "image/png")
+GOOD_AUDIO = base64.b64encode(wav_bytes()).decode()
+
+BAD_REQUESTS = [
+    ("not_json", b"{not json", 400),
+    ("json_array", b"[1, 2]", 400),
+    ("missing_messages", {"model": "omniray"}, 400),
+    ("empty_messages", {"messages": []}, 400),
+    ("bad_role", {"messages": [{"role": "robot", "content": "hi"}]}, 400),
+    ("content_number", {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("unknown_part_type", {"messages": user([{"type": "hologram", "data": "x"}])}, 400),
+    ("image_not_base64", {"messages": user([{"type": "image_url",
+                                             "image_url": {"url": "data:image/png;base64,@@@"}}])}, 400),
+    ("image_not_an_image", {"messages": user([{"type": "image_url", "image_url": {
+        "url": data_uri(b"hello world, not a picture", "image/png")}}])}, 400),
+    ("image_http_not_allowed", {"messages": user([{"type": "image_url",
+                                                   "image_url": {"url": "http://example.com/a.png"}}])}, 400),
+    ("image_ftp_scheme", {"messages": user([{"type": "image_url",
+                                             "image_url": {"url": "ftp://host/a.png"}}])}, 400),
+    ("file_outside_allowed", {"messages": user([{"type": "image_url",
+                                                 "image_url": {"url": "file:///etc/passwd"}}])}, 400),
+    ("file_traversal", {"messages": user([{"type": "audio_url",
+                                           "audio_url": {"url": "file://{ALLOWED}/../../etc/hosts"}}])}, 400),
+    ("file_missing", {"messages": user([{"type": "image_url",
+                                         "image_url": {"url": "file://{ALLOWED}/nope.png"}}])}, 400),
+    ("input_audio_bad_base64", {"messages": user([{"type": "input_audio",
+                                                   "input_audio": {"data": "%%%", "format": "wav"}}])}, 400),
+    ("input_audio_not_audio", {"messages": user([{"type": "input_audio", "input_audio": {
+        "data": base64.b64encode(b"\x00" * 64).decode(), "format": "wav"}}])}, 400),
+    ("input_audio_bad_format", {"messages": user([{"type": "input_audio",
+                                                   "input_audio": {"data": GOOD_AUDIO, "format": "xyz"}}])}, 400),
+    ("video_garbage", {"messages": user([{"type": "video_url", "video_url": {
+        "url": data_uri(b"\x00\x01garbage-video", "video/mp4")}}])}, 400),
+    ("media_in_assistant", {"messages": [{"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": GOOD_IMAGE}}]}]}, 400),
+    ("bad_modality", {"messages": user("hi"), "modalities": ["video"]}, 400),
+    ("bad_audio_format", {"messages": user("hi"), "modalities": ["text", "audio"],
+                          "audio": {"format": "mp3"}}, 400),
+    ("temperature_negative", {"messages": user("hi"), "temperature": -1}, 400),
+    ("top_p_zero", {"messages": user("hi"), "top_p": 0}, 400),
+    ("top_p_over_one", {"messages": user("hi"), "top_p": 1.5}, 400),
+    ("max_tokens_zero", {"messages": user("hi"), "max_tokens": 0}, 400),
+    ("max_tokens_over_limit", {"messages": user("hi"), "max_tokens": 10**7}, 400),
+    ("n_two", {"messages": user("hi"), "n": 2}, 400),
+    ("stream_not_bool", {"messages": user("hi"), "stream": "maybe"}, 400),
+    ("ref_audio_bad_uri", {"messages": user("hi"), "modalities": ["text", "audio"],
+                           "ref_audio": "gopher://x"}, 400),
+    ("ref_audio_not_audio", {"messages": user("hi"), "modalities": ["text", "audio"],
+                             "ref_audio": data_uri(b"nope" * 10, "audio/wav")}, 400),
+    ("unknown_model", {"model": "gpt-9", "messages": user("hi")}, 404),
+    ("too_many_images", {"messages": user([{"type": "image_url", "image_url": {"url": GOOD_IMAGE}}] * 5)}, 413),
+]
+
+
+# What each refusal's message must say (so a case cannot pass for the wrong reason).
+EXPECT = {
+    "not_json": "not valid JSON", "json_array": "JSON object", "missing_messages": "messages",
+    "empty_messages": "at least 1", "bad_role": "role", "content_number": "content",
+    "unknown_part_type": "hologram", "image_not_base64": "base64",
+    "image_not_an_image": "image", "image_http_not_allowed": "not allowed",
+    "image_ftp_scheme": "scheme", "file_outside_allowed": "outside",
+    "file_traversal": "outside", "file_missing": "no such file",
+    "input_audio_bad_base64": "base64", "input_audio_not_audio": "audio",
+    "input_audio_bad_format": "format", "video_garbage": "video",
+    "media_in_assistant": "user messages", "bad_modality": "modalities",
+    "bad_audio_format": "audio.format", "temperature_negative": "temperature",
+    "top_p_zero": "top_p", "top_p_over_one": "top_p", "max_tokens_zero": "max_tokens",
+    "max_tokens_over_limit": "limit", "n_two": "n:", "stream_not_bool": "stream",
+    "ref_audio_bad_uri": "ref_audio", "ref_audio_not_audio": "audio",
+    "unknown_model": "does not exist", "too_many_images": "over the limit",
+}
+
+
+def prepare_body(body, allowed: str):
+    if isinstance(body, bytes):
+        return body
+    return json.dumps(body).replace("{ALLOWED}", allowed).encode()
+
+
+# ---------------------------------------------------------------------------------------
+# Fixtures
+
+
+def light_source():
+    """Config + tokenizer of the tiny preset, no weights (fake engines need none)."""
+    from pipeline.checkpoint import write_tokenizer
+    from pipeline.config import (
+        Code2WavConfig,
+        ModelConfig,
+        talker_config_from_hf,
+        thinker_config_from_hf,
+    )
+    from pipeline.presets import tiny_hf_config
+
+    hf = tiny_hf_config()
+    cfg = ModelConfig(thinker_config_from_hf(hf), talker_config_from_hf(hf), Code2WavConfig(), hf)
+    path = Path(tempfile.mkdtemp(prefix="omniray-tok-"))
+    write_tokenizer(path, cfg.thinker.llm.vocab_size)
+    return SimpleNamespace(config=cfg, path=path, tensors=None)
+
+
+@pytest.fixture(scope="module")
+def source():
+    return light_source()
+
+
+@pytest.fixture(scope="module")
+def allowed_dir():
+    d = Path(tempfile.mkdtemp(prefix="omniray-media-"))
+    (d / "cat.png").write_bytes(png_bytes(40, 30))
+    return d
+
+
+@pytest.fixture(scope="module")
+def app_cfg(allowed_dir):
+    return {"active_stream_window": 2, "allowed_local_media_path": str(allowed_dir),
+            "limits": {"max_images": 4, "max_tokens": 64},
+            "code2wav": {"engine": {"step_delay_s": 0.005}}}
+
+
+@pytest.fixture(scope="module")
+def client(app_cfg, source):
+    local = build_local_app(app_cfg, source)
+    with TestClient(local.ingress.__serve_build_asgi_app__()) as c:
+        c.local = local
+        yield c
+
+
+# ---------------------------------------------------------------------------------------
+# HTTP
+
+
+@pytest.mark.parametrize("name,body,status", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_gets_its_4xx(client, allowed_dir, name, body, status):
+    r = client.post(URL, content=prepare_body(body, str(allowed_dir)),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == status, f"{name}: {r.status_code} {r.text[:300]}"
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error", err
+    assert EXPECT[name] in err["message"], f"{name}: unexpected reason: {err['message']}"
+
+
+def test_bad_request_table_is_large_enough():
+    assert len(BAD_REQUESTS) >= 20
+
+
+def test_oversized_body_is_413(client):
+    big = b'{"messages": [{"role": "user", "content": "' + b"a" * 300 + b'"}]}'
+    cfg = client.local.ingress.cfg
+    object.__setattr__(cfg.limits, "max_body_bytes", 100)  # frozen settings: test-only poke
+    try:
+        r = client.post(URL, content=big, headers={"content-type": "application/json"})
+    finally:
+        object.__setattr__(cfg.limits, "max_body_bytes", 256 * 1024 * 1024)
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_unknown_route_and_method_are_openai_errors(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = client.get(URL)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_models_and_health(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "omniray"
+
+
+def test_stream_shape_text_then_audio_then_usage(client, allowed_dir):
+    body = {"messages": user([
+        {"type": "text", "text": "Describe both."},
+        {"type": "image_url", "image_url": {"url": f"file://{allowed_dir}/cat.png"}},
+        {"type": "input_audio", "input_audio": {"data": GOOD_AUDIO, "format": "wav"}}]),
+        "modalities": ["text", "audio"], "stream": True, "max_tokens": 32}
+    with client.stream("POST", URL, json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    modalities = [c["modality"] for c in chunks if c["choices"]]
+    assert modalities[0] == "text" and "audio" in modalities
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                   if c.get("modality") == "text" and c["choices"])
+    assert text.startswith("Hello there!")
+    pieces = []
+    for c in chunks:
+        if c.get("modality") == "audio":
+            pcm, rate = decode_wav(c["choices"][0]["delta"]["content"])
+            meta = c["choices"][0]["audio_metadata"]
+            assert rate == 24000 and meta["sample_rate_hz"] == 24000
+            assert meta["frame_count"] == len(pcm) and meta["format"] == "wav"
+            pieces.append(pcm)
+    joined = np.concatenate(pieces)
+    ref = (0.5 * np.sin(2 * np.pi * FakeCode2WavEngine.FREQ_HZ * np.arange(len(joined)) / 24000))
+    err = np.abs(joined - ref).max()
+    assert err < 1e-3, f"joined audio is not one continuous stream: max diff {err:.2e}"
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == "stop" and all(f is None for f in finish[:-1])
+
+
+def test_non_stream_with_audio(client):
+    body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32,
+            "ref_audio": data_uri(wav_bytes(0.3), "audio/wav")}
+    r = client.post(URL, json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice = out["choices"][0]
+    assert choice["message"]["content"].startswith("Hello there!")
+    pcm, rate = decode_wav(choice["message"]["audio"]["data"])
+    assert rate == 24000 and len(pcm) == choice["audio_metadata"]["frame_count"] > 0
+    assert out["usage"]["completion_tokens"] > 0
+
+
+def test_pcm_audio_format_and_audio_only(client):
+    body = {"messages": user("hi"), "modalities": ["audio"], "audio": {"format": "pcm"},
+            "stream": True, "max_tokens": 32}
+    with client.stream("POST", URL, json=body) as r:
+        events = sse_events(r.iter_lines())
+    audio = [c for c in events[:-1] if c.get("modality") == "audio"]
+    text = [c for c in events[:-1] if c.get("modality") == "text" and c["choices"]
+            and c["choices"][0]["delta"].get("content")]
+    assert audio and not text
+    raw = base64.b64decode(audio[0]["choices"][0]["delta"]["content"])
+    assert len(raw) == 2 * audio[0]["choices"][0]["audio_metadata"]["frame_count"]
+
+
+def test_text_only_non_stream_length(client):
+    r = client.post(URL, json={"messages": user("hi"), "max_tokens": 3})
+    assert r.status_code == 200
+    out = r.json()
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 3 and "audio" not in out["choices"][0]["message"]
+
+
+# ---------------------------------------------------------------------------------------
+# Handle API, window, faults (in-process)
+
+
+async def _collect(ingress, body):
+    return [ev async for ev in ingress.chat(body)]
+
+
+def test_handle_events_and_concurrent_window(app_cfg, source):
+    async def main():
+        local = build_local_app(app_cfg, source)
+        body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
+        runs = await asyncio.gather(*[_collect(local.ingress, body) for _ in range(4)])
+        stats = [await s.stats() for s in (local.thinker, local.talker, local.code2wav)]
+        return runs, local.ingress.window.stats(), stats
+
+    runs, window, stats = asyncio.run(main())
+    for evs in runs:
+        kinds = [type(e) for e in evs]
+        assert kinds[0] is TextDelta and AudioChunk in kinds and kinds[-1] is Done
+        assert sum(k in (Done, Error) for k in kinds) == 1
+        idx = [e.index for e in evs if isinstance(e, AudioChunk)]
+        assert idx == list(range(len(idx)))
+    assert window["peak_active"] == 2 and window["peak_waiting"] >= 1, window
+    assert window["active"] == 0 and window["waiting"] == 0
+    assert all(s["open"] == 0 for s in stats), stats
+
+
+def test_invalid_request_via_handle_is_one_error_event(app_cfg, source):
+    async def main():
+        local = build_local_app(app_cfg, source)
+        return await _collect(local.ingress, {"messages": []})
+
+    evs = asyncio.run(main())
+    assert len(evs) == 1 and isinstance(evs[0], Error) and evs[0].status == 400
+
+
+def test_stage_fault_becomes_error_event_and_next_request_succeeds(app_cfg, source):
+    cfg = {**app_cfg, "code2wav": {"engine": {"fail_on_step": 1}}}
+
+    async def main():
+        local = build_local_app(cfg, source)
+        body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
+        first = await _collect(local.ingress, body)
+        second = await _collect(local.ingress, body)
+        await asyncio.sleep(0.05)  # let fire-and-forget aborts land
+        stats = [await s.stats() for s in (local.thinker, local.talker, local.code2wav)]
+        return first, second, stats
+
+    first, second, stats = asyncio.run(main())
+    assert isinstance(first[-1], Error) and "injected Code2Wav fault" in first[-1].message
+    assert sum(isinstance(e, (Done, Error)) for e in first) == 1
+    assert isinstance(second[-1], Done) and any(isinstance(e, AudioChunk) for e in second)
+    assert all(s["open"] == 0 for s in stats), stats
+
+
+def test_unusable_voice_is_one_error_event_and_frees_the_stages(app_cfg, source):
+    cfg = {**app_cfg, "code2wav": {"engine": {"reject_voices": True}}}
+
+    async def main():
+        local = build_local_app(cfg, source)
+        body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 8,
+                "ref_audio": data_uri(wav_bytes(0.3), "audio/wav")}
+        evs = await _collect(local.ingress, body)
+        await asyncio.sleep(0.05)
+        stats = [await s.stats() for s in (local.thinker, local.talker, local.code2wav)]
+        return evs, stats, local.ingress.window.stats()
+
+    evs, stats, window = asyncio.run(main())
+    assert len(evs) == 1 and isinstance(evs[0], Error) and "voice front-end" in evs[0].message
+    assert all(s["open"] == 0 for s in stats) and stats[1]["engine"]["open_streams"] == 0
+    assert window["active"] == 0
+
+
+def test_timeout_is_one_504_and_frees_the_stages(app_cfg, source):
+    cfg = {**app_cfg, "request_timeout_s": 0.15, "thinker": {"engine": {"step_delay_s": 0.05}}}
+
+    async def main():
+        local = build_local_app(cfg, source)
+        body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
+        evs = await _collect(local.ingress, body)
+        await asyncio.sleep(0.2)
+        stats = [await s.stats() for s in (local.thinker, local.talker, local.code2wav)]
+        return evs, stats
+
+    evs, stats = asyncio.run(main())
+    assert isinstance(evs[-1], Error) and evs[-1].status == 504
+    assert sum(isinstance(e, (Done, Error)) for e in evs) == 1
+    assert all(s["open"] == 0 for s in stats), stats
+    assert stats[0]["engine"]["num_running"] == 0
+
+
+def test_timeout_while_waiting_for_the_window(app_cfg, source):
+    cfg = {**app_cfg, "active_stream_window": 1, "request_timeout_s": 0.3,
+           "thinker": {"engine": {"step_delay_s": 0.05}}}
+
+    async def main():
+        local = build_local_app(cfg, source)
+        body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
+        runs = await asyncio.gather(_collect(local.ingress, body), _collect(local.ingress, body))
+        return runs, local.ingress.window.stats()
+
+    runs, window = asyncio.run(main())
+    second = runs[1]
+    assert len(second) == 1 and isinstance(second[0], Error) and second[0].status == 504
+    assert window["active"] == 0 and window["waiting"] == 0 and window["peak_waiting"] == 1
+
+
+def test_cancel_mid_stream_frees_every_stage(app_cfg, source):
+    cfg = {**app_cfg, "thinker": {"engine": {"step_delay_s": 0.01}}}
+
+    async def main():
+        local = build_local_app(cfg, source)
+        body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
+        agen = local.ingress.chat(body)
+        async for ev in agen:
+            if isinstance(ev, TextDelta):
+                break
+        await agen.aclose()  # what Serve does when the HTTP client goes away
+        await asyncio.sleep(0.1)
+        return [await s.stats() for s in (local.thinker, local.talker, local.code2wav)], \
+            local.ingress.window.stats()
+
+    stats, window = asyncio.run(main())
+    thinker, talker, code2wav = stats
+    assert thinker["open"] == 0 and thinker["engine"]["num_running"] == 0, thinker
+    assert talker["open"] == 0 and talker["engine"]["open_streams"] == 0, talker
+    assert code2wav["open"] == 0 and code2wav["engine"]["streams"] == 0, code2wav
+    assert window["active"] == 0
+
+
+def test_full_span_mode_feeds_the_talker_once(app_cfg, source):
+    async def run(mode):
+        slow = {"engine": {"step_delay_s": 0.01}}  # spread the spoken span over time
+        local = build_local_app({**app_cfg, "talker_mode": mode, "thinker": slow}, source)
+        body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
+        evs = await _collect(local.ingress, body)
+        return evs, await local.talker.stats()
+
+    evs, stats = asyncio.run(run("full_span"))
+    assert isinstance(evs[-1], Done) and any(isinstance(e, AudioChunk) for e in evs)
+    assert stats["feeds"] == 1, stats
+    _, stats = asyncio.run(run("streaming"))
+    assert stats["feeds"] >= 2, stats
+
+
+# ---------------------------------------------------------------------------------------
+# Building blocks
+
+
+def test_stage_metrics_read_engine_stats():
+    from deployments.metrics import StageMetrics
+
+    m = StageMetrics("thinker")
+    m.record_stats({"num_free_blocks": 3, "num_total_blocks": 4, "num_running": 1,
+                    "num_waiting": 2, "encoder_cache_hits": 5, "graph_replays": 7,
+                    "eager_steps": 1, "note": "ignored"})
+    m.record_stats({"encoder_cache_hits": 9, "graph_replays": 7})
+    assert m._counters == {"encoder_cache_hits": 9, "graph_replays": 7, "eager_steps": 1}
+
+
+def test_window_is_fifo_and_cancel_safe():
+    async def main():
+        w = ActiveStreamWindow(1)
+        order = []
+        first = await w.acquire("a")
+
+        async def take(name):
+            slot = await w.acquire(name)
+            order.append(name)
+            return slot
+
+        tb = asyncio.ensure_future(take("b"))
+        tc = asyncio.ensure_future(take("c"))
+        td = asyncio.ensure_future(take("d"))
+        await asyncio.sleep(0)
+        assert w.waiting == 3
+        tc.cancel()
+        await asyncio.sleep(0)
+        first.release()
+        first.release()  # idempotent
+        sb = await tb
+        assert w.active == 1
+        sb.release()
+        sd = await td
+        sd.release()
+        return order, w.stats()
+
+    order, stats = asyncio.run(main())
+    assert order == ["b", "d"]
+    assert stats["peak_active"] == 1 and stats["active"] == 0 and stats["waiting"] == 0
+
+
+def test_engine_loop_batches_concurrent_requests():
+    async def main():
+        engine = FakeThinkerEngine(step_delay_s=0.01)
+        loop = EngineLoop(engine, name="t", route=lambda d: (d.request_id, d))
+        batches = []
+        orig = engine.step
+        engine.step = lambda: batches.append(len(engine.running)) or orig()
+        reqs = [ThinkerRequest(f"r{i}", [1, 2, 3], sampling=SamplingParams(max_tokens=5))
+                for i in range(4)]
+
+        async def run(req):
+            q = loop.open(req.request_id)
+            await loop.call(lambda e: e.add_request(req))
+            n = 0
+            while True:
+                d = await q.get()
+                n += 1
+                if d.finished:
+                    return n
+
+        counts = await asyncio.gather(*[run(r) for r in reqs])
+        loop.stop()
+        return counts, batches
+
+    counts, batches = asyncio.run(main())
+    assert counts == [5, 5, 5, 5]
+    assert max(batches) == 4, f"requests never shared a step: {batches}"
+
+
+def test_engine_loop_survives_cancelled_calls_and_failed_steps():
+    async def main():
+        engine = FakeThinkerEngine()
+        loop = EngineLoop(engine, name="t", route=lambda d: (d.request_id, d))
+        ran = []
+
+        def slow(e):
+            time.sleep(0.05)
+            ran.append("slow")
+
+        task = asyncio.ensure_future(loop.call(slow))
+        await asyncio.sleep(0.01)
+        task.cancel()  # the caller goes away while its command runs
+        queued = asyncio.ensure_future(loop.call(lambda e: ran.append("queued")))
+        await asyncio.sleep(0)
+        queued.cancel()  # ... or before it runs
+        assert await loop.call(lambda e: 42) == 42
+        q = loop.open("r")
+        engine.step = lambda: 1 / 0  # a broken step: the request gets a StageFailure
+        await loop.call(lambda e: e.add_request(ThinkerRequest("r", [1])))
+        failure = await asyncio.wait_for(q.get(), 5)
+        alive = loop.alive
+        loop.stop()
+        return ran, failure, alive
+
+    ran, failure, alive = asyncio.run(main())
+    assert ran == ["slow", "queued"] and alive
+    assert failure.stage == "t" and "ZeroDivisionError" in failure.message
+
+
+def test_memory_budget_check_names_the_numbers():
+    cfg = AppConfig()
+    plan = check_memory_budget(cfg, 141 * 2**30, free_bytes=140 * 2**30, stage="thinker")
+    assert plan["need"] < plan["total"]
+    with pytest.raises(MemoryBudgetError, match=r"GiB > device 8.00 GiB"):
+        check_memory_budget(cfg.model_copy(update={"cuda_context_gib": 2.0}), 8 * 2**30)
+    with pytest.raises(MemoryBudgetError, match="only 1.00 GiB"):
+        check_memory_budget(cfg, 141 * 2**30, free_bytes=2**30, stage="thinker")
+
+
+def test_shipped_serve_config_is_valid_for_the_real_engines():
+    import yaml
+
+    from deployments.stage import dataclass_from_dict
+    from pipeline.code2wav.engine import Code2WavEngineConfig
+    from pipeline.talker.engine import TalkerEngineConfig
+    from pipeline.thinker.engine import ThinkerEngineConfig
+
+    root = Path(__file__).resolve().parents[1]
+    doc = yaml.safe_load((root / "serve_config.yaml").read_text())
+    app = doc["applications"][0]
+    assert app["import_path"] == "deployments.app:build_app" and app["name"] == "omniray"
+    cfg = AppConfig.model_validate(app["args"])
+    assert cfg.model is None and cfg.device == "auto"  # runs on a CPU-only machine as is
+    for name, cls in (("thinker", ThinkerEngineConfig), ("talker", TalkerEngineConfig),
+                      ("code2wav", Code2WavEngineConfig)):
+        dataclass_from_dict(cls, cfg.stages()[name].engine, name)
+    plan = check_memory_budget(cfg, 141 * 2**30)  # fits one H200
+    assert plan["need"] < plan["total"]
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="add up"):
+        AppConfig.model_validate({"thinker": {"memory_fraction": 0.9},
+                                  "talker": {"memory_fraction": 0.2}})
+    with pytest.raises(ValueError):
+        AppConfig.model_validate({"no_such_knob": 1})
+    from deployments.stage import build_engine
+    from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
+
+    with pytest.raises(ValueError, match="unknown engine settings"):
+        build_engine(TalkerEngine, None, {"max_streamz": 2}, "cpu", TalkerEngineConfig)
