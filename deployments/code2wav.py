@@ -40,15 +40,20 @@ class RealCode2Wav:
         from pipeline.code2wav.engine import Code2WavEngine
         from pipeline.code2wav.voice import VoiceCache
 
-        if hasattr(Code2WavEngine, "from_source"):
-            engine = Code2WavEngine.from_source(source, config, device)
+        # fp32 on every device: the reference runs the flow and HiFT in fp32, and a lower
+        # precision would change the audio.
+        if source.path is None:  # random-full: full-size random flow + HiFT, default voice
+            from pipeline.code2wav.assets import random_code2wav
+
+            c2w_cfg = source.config.code2wav
+            flow, hift = random_code2wav(c2w_cfg, seed=0)
+            flow, hift = flow.to(device), hift.to(device)
+            voice_dir = source.tokenizer_dir  # the tiny default's assets: same voice format
         else:
-            if source.path is None:
-                raise ValueError("Code2Wav needs a checkpoint directory (assets/token2wav)")
-            dtype = torch.float32 if device == "cpu" else torch.bfloat16
-            flow, hift, c2w_cfg = load_code2wav(source.path, device, dtype)
-            engine = Code2WavEngine(flow, hift, c2w_cfg, config)
-        voices = VoiceCache(token2wav_dir(source.path)) if source.path is not None else None
+            flow, hift, c2w_cfg = load_code2wav(source.path, device, torch.float32)
+            voice_dir = source.path
+        engine = Code2WavEngine(flow, hift, c2w_cfg, config)
+        voices = VoiceCache(token2wav_dir(voice_dir))
         return _VoicedEngine(engine, voices)
 
     @staticmethod
@@ -67,8 +72,6 @@ class _VoicedEngine:
         self.engine, self.voices = engine, voices
 
     def open_stream(self, stream_id: str, voice: Any) -> None:
-        if self.voices is None:
-            raise RuntimeError("no voice assets: Code2Wav needs a checkpoint directory")
         prompt = self.voices.default() if voice is None else self.voices.from_audio(
             voice, self.VOICE_RATE)
         self.engine.open_stream(stream_id, prompt)

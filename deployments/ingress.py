@@ -118,7 +118,11 @@ class IngressServer:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{self.cfg.name!r}", param="model", code="model_not_found")
         lim = self.cfg.limits
+        ext = req.omniray
         max_tokens = req.token_limit or min(lim.default_max_tokens, lim.max_tokens)
+        ignore_eos = req.ignore_eos or bool(ext and ext.ignore_eos)
+        if ext and ext.fixed_text_tokens:  # exactly N text tokens
+            max_tokens, ignore_eos = ext.fixed_text_tokens, True
         if max_tokens > lim.max_tokens:
             raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of "
                                 f"{lim.max_tokens}", param="max_tokens")
@@ -126,7 +130,7 @@ class IngressServer:
             sampling = SamplingParams(
                 temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
                 repetition_penalty=req.repetition_penalty, max_tokens=max_tokens,
-                ignore_eos=req.ignore_eos, seed=req.seed)
+                ignore_eos=ignore_eos, seed=req.seed)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         messages = [self._message(i, m) for i, m in enumerate(req.messages)]
@@ -139,7 +143,8 @@ class IngressServer:
         except ValueError as e:  # e.g. a template or decoder refusing an odd input
             raise ApiError(400, f"invalid request: {e}") from None
         return PreparedTurn(rid, thinker_req, req.speech, voice, req.seed,
-                            text="text" in req.modalities)
+                            text="text" in req.modalities,
+                            speech_codes=ext.fixed_speech_codes if ext else None)
 
     def _message(self, i: int, m: Any) -> dict[str, Any]:
         if isinstance(m.content, str):

@@ -93,6 +93,18 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class OmnirayOptions(BaseModel):
+    """omniray's request extension (docs/bench.md): fixed lengths for random-weight
+    benchmarks. Unknown fields are ignored."""
+
+    return_timings: bool = False
+    ignore_eos: bool = False
+    fixed_text_tokens: int | None = Field(None, ge=1)
+    fixed_speech_codes: int | None = Field(None, ge=1)
+
+    model_config = ConfigDict(extra="ignore")
+
+
 class ChatCompletionRequest(_Strict):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
@@ -112,6 +124,7 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     extra_body: dict[str, Any] | None = None  # some clients nest extras here verbatim
+    omniray: OmnirayOptions | None = None
 
     model_config = ConfigDict(extra="ignore", strict=False)
 

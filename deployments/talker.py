@@ -75,10 +75,11 @@ class TalkerServer:
         for rid in self.loop.open_keys:
             engine.close(rid)
 
-    async def open(self, rid: str, seed: int | None = None) -> None:
+    async def open(self, rid: str, seed: int | None = None, max_codes: int | None = None) -> None:
         q = self.loop.open(rid)
+        kw = {} if max_codes is None else {"max_codes": max_codes}
         try:
-            await self.loop.call(lambda e: e.open(rid, self.mode, seed))
+            await self.loop.call(lambda e: e.open(rid, self.mode, seed, **kw))
         except BaseException:
             self.loop.close(rid)
             raise

@@ -50,6 +50,7 @@ class PreparedTurn:
     voice: np.ndarray | None = None
     seed: int | None = None
     text: bool = True  # False for modalities ["audio"]: text deltas are not sent
+    speech_codes: int | None = None  # fixed-length benchmark mode: exactly this many codes
 
 
 class TurnRunner:
@@ -77,7 +78,7 @@ class TurnRunner:
             if turn.speech:
                 try:
                     await self._bounded(asyncio.gather(
-                        self.stages.talker.open.remote(rid, turn.seed),
+                        self.stages.talker.open.remote(rid, turn.seed, turn.speech_codes),
                         self.stages.code2wav.open.remote(rid, turn.voice)), deadline)
                 except asyncio.TimeoutError:
                     raise

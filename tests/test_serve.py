@@ -256,3 +256,16 @@ def test_bad_inputs_over_http_get_4xx(serve_app):
                           headers={"content-type": "application/json"})
         assert r.status_code == status, f"{name}: {r.status_code} {r.text[:200]}"
         assert EXPECT[name] in r.json()["error"]["message"], name
+
+
+def test_fixed_length_benchmark_mode(serve_app):
+    """docs/bench.md: exactly N text tokens and M speech codes from the random tiny model;
+    the audio is (3 silence codes + M) x 960 samples at 24 kHz."""
+    body = _speech_body(max_tokens=40, omniray={"fixed_text_tokens": 5, "fixed_speech_codes": 30,
+                                                 "return_timings": True, "unknown": 1})
+    events = _stream(serve_app, body)
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 5
+    samples = sum(len(decode_wav(c["choices"][0]["delta"]["content"])[0])
+                  for c in events[:-1] if c.get("choices") and c["modality"] == "audio")
+    assert samples == (3 + 30) * 960
