@@ -77,7 +77,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=16, help="fixed text tokens per turn")
+    ap.add_argument("--speech-codes", type=int, default=57, help="fixed speech codes per turn")
+    ap.add_argument("--set", action="append", default=[],
+                    help="override an app arg, e.g. thinker.engine.compile_llm_ops=false")
     ap.add_argument("--config", default="serve_config.yaml")
     ap.add_argument("--cpu-dry-run", action="store_true", help="check this script on a CPU box")
     args = ap.parse_args()
@@ -94,8 +97,13 @@ def main() -> int:
         cfg = yaml.safe_load(f)["applications"][0]["args"]
     cfg["model"] = args.model
     cfg["active_stream_window"] = max(cfg.get("active_stream_window", 4), args.concurrency)
-    # A random model rarely says EOS: bound each Talker unit so a turn stays short.
-    cfg["talker"].setdefault("engine", {})["streaming_chunk_max_codes"] = 50
+    for item in args.set:
+        key, value = item.split("=", 1)
+        *path, leaf = key.split(".")
+        node = cfg
+        for k in path:
+            node = node.setdefault(k, {})
+        node[leaf] = yaml.safe_load(value)
 
     ray.init(include_dashboard=False, log_to_driver=False)
     if ray.cluster_resources().get("GPU", 0) < 1 and not args.cpu_dry_run:
@@ -107,9 +115,11 @@ def main() -> int:
     serve.run(build_omni_app(cfg), name="omniray", route_prefix="/")
     print(f"app RUNNING after {time.perf_counter() - t:.1f} s")
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    # Fixed lengths (docs/bench.md): a random model's EOS is arbitrary.
     body = {"messages": [{"role": "user", "content": "Tell me about the sea."}],
-            "modalities": ["text", "audio"], "max_tokens": args.max_tokens,
-            "ignore_eos": True, "stream": True}
+            "modalities": ["text", "audio"], "stream": True,
+            "omniray": {"fixed_text_tokens": args.max_tokens,
+                        "fixed_speech_codes": args.speech_codes}}
 
     _stream(url, body)  # warm-up: graphs, allocator, encoder paths
     rows = [("single", _stream(url, body))]
