@@ -18,7 +18,14 @@ import numpy as np
 from deployments.config import AppConfig
 from deployments.loop import EngineLoop, StageFailure
 from deployments.metrics import StageMetrics
-from deployments.stage import AudioPiece, build_engine, device_memory, stage_init, stats_dict
+from deployments.stage import (
+    AudioPiece,
+    Tombstones,
+    build_engine,
+    device_memory,
+    stage_init,
+    stats_dict,
+)
 
 
 def _route(out: Any) -> tuple[str, AudioPiece]:
@@ -101,18 +108,25 @@ class Code2WavServer:
         self.loop = EngineLoop(self.engine, name="code2wav", route=_route,
                                on_step=self.metrics.on_step, on_failure=self._close_all)
         self._pushed: dict[str, int] = {}  # codes received per open stream
+        self._aborted = Tombstones()
 
     def _close_all(self, engine: Any, _: BaseException) -> None:
         for rid in self.loop.open_keys:
             engine.close_stream(rid)
 
     async def open(self, rid: str, voice: np.ndarray | None = None) -> None:
+        if rid in self._aborted:
+            raise RuntimeError(f"request {rid} was aborted")
         self.loop.open(rid)
         try:
             await self.loop.call(lambda e: e.open_stream(rid, voice))
         except BaseException:
             self.loop.close(rid)
             raise
+        if rid in self._aborted:  # aborted while the engine was opening it
+            self.loop.close(rid)
+            self.loop.post(lambda e: e.close_stream(rid))
+            raise RuntimeError(f"request {rid} was aborted")
         self._pushed[rid] = 0
 
     async def push(self, rid: str, codes: np.ndarray, final: bool) -> bool:
@@ -145,6 +159,7 @@ class Code2WavServer:
             await self.abort(rid)
 
     async def abort(self, rid: str) -> None:
+        self._aborted.add(rid)
         if self._pushed.pop(rid, None) is None and not self.loop.is_open(rid):
             return
         self.loop.close(rid)

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -190,3 +191,20 @@ class Forwarder:
                     return
             if final:
                 return
+
+
+class Tombstones:
+    """Recently aborted request ids (bounded): an abort that overtakes its stream's open
+    (both are concurrent calls) must still win, or the stream would never be closed."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, rid: str) -> None:
+        self._ids[rid] = None
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._ids

@@ -17,7 +17,14 @@ import numpy as np
 from deployments.config import AppConfig
 from deployments.loop import EngineLoop, StageFailure
 from deployments.metrics import StageMetrics
-from deployments.stage import Forwarder, build_engine, device_memory, stage_init, stats_dict
+from deployments.stage import (
+    Forwarder,
+    Tombstones,
+    build_engine,
+    device_memory,
+    stage_init,
+    stats_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,7 @@ class TalkerServer:
         self.code2wav = code2wav
         self.mode = "full_span" if cfg.talker_mode == "full_span" else "streaming"
         self._pumps: dict[str, asyncio.Task] = {}
+        self._aborted = Tombstones()
         self.feeds = 0  # feed calls received (full_span: one per turn)
 
     def _close_all(self, engine: Any, _: BaseException) -> None:
@@ -76,6 +84,8 @@ class TalkerServer:
             engine.close(rid)
 
     async def open(self, rid: str, seed: int | None = None, max_codes: int | None = None) -> None:
+        if rid in self._aborted:
+            raise RuntimeError(f"request {rid} was aborted")
         q = self.loop.open(rid)
         kw = {} if max_codes is None else {"max_codes": max_codes}
         try:
@@ -83,6 +93,10 @@ class TalkerServer:
         except BaseException:
             self.loop.close(rid)
             raise
+        if rid in self._aborted:  # aborted while the engine was opening it
+            self.loop.close(rid)
+            await self.loop.call(lambda e: e.close(rid))
+            raise RuntimeError(f"request {rid} was aborted")
         self._pumps[rid] = asyncio.get_running_loop().create_task(self._pump(rid, q))
 
     async def feed(self, rid: str, ids: list[int], hidden: np.ndarray | None, final: bool) -> bool:
@@ -127,6 +141,7 @@ class TalkerServer:
             self._pumps.pop(rid, None)
 
     async def abort(self, rid: str) -> None:
+        self._aborted.add(rid)
         task = self._pumps.pop(rid, None)
         if task is not None:
             task.cancel()

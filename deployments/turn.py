@@ -15,6 +15,7 @@ sends them.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -179,7 +180,9 @@ class TurnRunner:
                 if isinstance(r, BaseException):
                     log.warning("abort of %s failed: %r", rid, r)
 
-        task = asyncio.get_running_loop().create_task(abort())
+        # A fresh context: Serve links handle calls made in a request's context to that
+        # request and cancels them with it, and this request is being cancelled right now.
+        task = asyncio.get_running_loop().create_task(abort(), context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -616,3 +616,33 @@ def test_config_is_validated():
 
     with pytest.raises(ValueError, match="unknown engine settings"):
         build_engine(TalkerEngine, None, {"max_streamz": 2}, "cpu", TalkerEngineConfig)
+
+
+def test_abort_that_overtakes_open_still_wins(app_cfg, source):
+    """Abort and open of one turn are concurrent calls: an abort that lands first, or while
+    the engine is opening the stream, must leave no stream behind in either speech stage."""
+    async def main():
+        local = build_local_app(app_cfg, source)
+        await local.talker.abort("r1")
+        await local.code2wav.abort("r1")
+        errors = []
+        for call in (local.talker.open("r1"), local.code2wav.open("r1")):
+            try:
+                await call
+            except RuntimeError as e:
+                errors.append(str(e))
+        # abort while the open is in flight
+        opening = asyncio.gather(local.talker.open("r2"), local.code2wav.open("r2"),
+                                 return_exceptions=True)
+        await asyncio.sleep(0)
+        await asyncio.gather(local.talker.abort("r2"), local.code2wav.abort("r2"))
+        results = await opening
+        stats = [await s.stats() for s in (local.talker, local.code2wav)]
+        return errors, results, stats
+
+    errors, results, stats = asyncio.run(main())
+    assert len(errors) == 2 and all("aborted" in e for e in errors)
+    assert all(isinstance(r, RuntimeError) for r in results), results
+    talker, c2w = stats
+    assert talker["open"] == 0 and talker["pumps"] == 0, talker
+    assert c2w["open"] == 0 and c2w["streams"] == 0, c2w
