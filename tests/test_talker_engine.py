@@ -13,7 +13,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaModel
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from pipeline.config import TalkerConfig, talker_config_from_hf
@@ -21,6 +20,7 @@ from pipeline.presets import tiny_hf_config
 from pipeline.talker.engine import CodeChunk, TalkerEngine, TalkerEngineConfig
 from pipeline.talker.model import TalkerModel
 from pipeline.talker.sampling import TalkerSamplingParams
+from test_talker_model import hf_llama
 
 
 def tiny_cfg(**kw) -> TalkerConfig:
@@ -54,20 +54,7 @@ class Reference:
     def __init__(self, talker: TalkerModel, params: TalkerSamplingParams) -> None:
         cfg = talker.cfg
         self.talker, self.cfg, self.params = talker, cfg, params
-        self.hf = LlamaModel(
-            LlamaConfig(
-                hidden_size=cfg.hidden_size,
-                intermediate_size=cfg.intermediate_size,
-                num_attention_heads=cfg.num_attention_heads,
-                num_key_value_heads=cfg.num_key_value_heads,
-                num_hidden_layers=cfg.num_hidden_layers,
-                max_position_embeddings=cfg.max_position_embeddings,
-                rope_theta=cfg.rope_theta,
-                rms_norm_eps=cfg.rms_norm_eps,
-                vocab_size=cfg.backbone_vocab_size,
-                attn_implementation="eager",
-            )
-        ).eval()
+        self.hf = hf_llama(cfg)
         sd = {k[6:]: v for k, v in talker.state_dict().items() if k.startswith("model.")}
         self.hf.load_state_dict(sd, strict=True)
 
