@@ -10,6 +10,7 @@ ingress starts reading are kept in the stream's queue. A Talker failure arrives 
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,10 +29,11 @@ from deployments.stage import (
 )
 
 
-def _route(out: Any) -> tuple[str, AudioPiece]:
+def _route(out: Any, step_start: float = 0.0) -> tuple[str, AudioPiece]:
     stream_id, pcm, is_last = out
     pcm = pcm.detach().float().cpu().numpy() if hasattr(pcm, "detach") else np.asarray(pcm)
-    return stream_id, AudioPiece(pcm.reshape(-1).astype(np.float32, copy=False), bool(is_last))
+    return stream_id, AudioPiece(pcm.reshape(-1).astype(np.float32, copy=False), bool(is_last),
+                                 step_start, time.time())
 
 
 class RealCode2Wav:
@@ -105,7 +107,8 @@ class Code2WavServer:
                                        device, config_cls)
         self.metrics = StageMetrics("code2wav")
         self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
-        self.loop = EngineLoop(self.engine, name="code2wav", route=_route,
+        self.loop = EngineLoop(self.engine, name="code2wav",
+                               route=lambda out: _route(out, self.loop.step_started_at),
                                on_step=self.metrics.on_step, on_failure=self._close_all)
         self._pushed: dict[str, int] = {}  # codes received per open stream
         self._aborted = Tombstones()

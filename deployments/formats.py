@@ -77,7 +77,9 @@ class ChunkWriter:
     def done(self, ev: Done) -> list[str]:
         out = [self._chunk("text", [{"index": 0, "delta": {}, "finish_reason": ev.finish_reason}])]
         if self.include_usage:
-            out.append(self._chunk("text", [], usage=ev.usage.as_dict(), metrics=ev.metrics))
+            extra = {"timings": ev.timings} if ev.timings else {}
+            out.append(self._chunk("text", [], usage=ev.usage.as_dict(), metrics=ev.metrics,
+                                   **extra))
         return out + [SSE_DONE]
 
     def error(self, ev: Error) -> list[str]:

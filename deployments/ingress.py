@@ -107,8 +107,11 @@ class IngressServer:
 
     async def prepare(self, req: ChatCompletionRequest) -> PreparedTurn:
         rid = uuid.uuid4().hex[:24]
+        arrival = time.time()
         # Decoding and feature extraction are CPU work: keep them off the event loop.
-        return await asyncio.to_thread(self._prepare, req, rid)
+        turn = await asyncio.to_thread(self._prepare, req, rid)
+        turn.arrival, turn.prepared = arrival, time.time()
+        return turn
 
     def _prepare(self, req: ChatCompletionRequest, rid: str) -> PreparedTurn:
         from pipeline.handoff import SamplingParams
@@ -144,7 +147,8 @@ class IngressServer:
             raise ApiError(400, f"invalid request: {e}") from None
         return PreparedTurn(rid, thinker_req, req.speech, voice, req.seed,
                             text="text" in req.modalities,
-                            speech_codes=ext.fixed_speech_codes if ext else None)
+                            speech_codes=ext.fixed_speech_codes if ext else None,
+                            return_timings=bool(ext and ext.return_timings))
 
     def _message(self, i: int, m: Any) -> dict[str, Any]:
         if isinstance(m.content, str):

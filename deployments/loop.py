@@ -94,6 +94,7 @@ class EngineLoop:
         self._stopping = False
         self.steps = 0
         self.failures = 0
+        self.step_started_at = 0.0
 
     # -- event-loop side -----------------------------------------------------------------
 
@@ -201,6 +202,7 @@ class EngineLoop:
         n_cmds = self._run_commands(block=idle_streak, timeout=EMPTY_STEP_BACKOFF_S)
         if not self._busy(self.engine):
             return False
+        self.step_started_at = time.time()  # wall clock, read by route() for timings
         t0 = time.perf_counter()
         outputs = self.engine.step()
         dt = time.perf_counter() - t0

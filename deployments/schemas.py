@@ -227,6 +227,7 @@ class Done:
     finish_reason: str = "stop"
     audio_seconds: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, first_audio_s, rtf
+    timings: dict[str, Any] | None = None  # per-stage spans when asked for (docs/bench.md)
     kind: Literal["done"] = "done"
 
 

@@ -34,6 +34,7 @@ class TextOut:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    timings: dict[str, float] | None = None  # the Thinker engine's wall-clock marks
 
 
 @dataclass
@@ -42,6 +43,8 @@ class AudioPiece:
 
     pcm: np.ndarray
     is_last: bool
+    t_start: float = 0.0  # wall clock of the engine step that produced it
+    t_end: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------

@@ -82,6 +82,8 @@ class ThinkerServer:
                     out.text += d.text
                     out.prompt_tokens = d.num_prompt_tokens or out.prompt_tokens
                     out.completion_tokens = d.num_output_tokens or out.completion_tokens
+                    if getattr(d, "timings", None):
+                        out.timings = {**(out.timings or {}), **d.timings}
                     if d.finished:
                         out.finished, out.finish_reason, finished = True, d.finish_reason, True
                 if fwd is not None and finished:

@@ -52,6 +52,9 @@ class PreparedTurn:
     seed: int | None = None
     text: bool = True  # False for modalities ["audio"]: text deltas are not sent
     speech_codes: int | None = None  # fixed-length benchmark mode: exactly this many codes
+    return_timings: bool = False  # per-stage spans on the Done event (docs/bench.md)
+    arrival: float = 0.0  # wall clock: request arrived at the ingress
+    prepared: float = 0.0  # wall clock: media decoded, prompt built
 
 
 class TurnRunner:
@@ -95,6 +98,8 @@ class TurnRunner:
             for src, gen in zip(("text", "audio"), gens):
                 pumps.append(asyncio.get_running_loop().create_task(self._pump(src, gen, merged)))
 
+            marks: dict[str, float] = {}
+            pieces: list[tuple[float, float]] = []
             usage, finish = Usage(), "stop"
             ttft = first_audio = last_audio = None
             audio_s, index, open_sources = 0.0, 0, len(gens)
@@ -117,6 +122,7 @@ class TurnRunner:
                         ttft = ttft if ttft is not None else time.perf_counter() - t0
                         if turn.text:
                             yield TextDelta(item.text)
+                    marks.update(getattr(item, "timings", None) or {})
                     usage = Usage(item.prompt_tokens or usage.prompt_tokens,
                                   item.completion_tokens or usage.completion_tokens)
                     if item.finished:
@@ -124,6 +130,8 @@ class TurnRunner:
                         if not turn.speech:
                             slot.release()
                 else:
+                    if getattr(item, "t_end", 0.0):
+                        pieces.append((item.t_start, item.t_end))
                     if len(item.pcm):
                         now = time.perf_counter()
                         first_audio = first_audio if first_audio is not None else now - t0
@@ -140,7 +148,8 @@ class TurnRunner:
             if first_audio is not None:
                 metrics.update(first_audio_s=first_audio, rtf=last_audio / max(audio_s, 1e-9))
             self._record(ttft, first_audio, metrics.get("rtf"), audio_s)
-            yield Done(usage, finish, audio_s, metrics)
+            timings = stage_spans(turn, marks, pieces) if turn.return_timings else None
+            yield Done(usage, finish, audio_s, metrics, timings)
         except asyncio.TimeoutError:
             outcome = "timeout"
             yield Error(504, f"turn exceeded the {self.timeout_s:g} s request timeout", "timeout")
@@ -214,3 +223,33 @@ def _cancel(gen: Any) -> None:
             cancel()
         except Exception:
             log.debug("cancel of a stage stream failed", exc_info=True)
+
+
+def stage_spans(turn: PreparedTurn, marks: dict[str, float],
+                pieces: list[tuple[float, float]]) -> dict[str, Any]:
+    """Per-stage spans of one turn in seconds since it arrived (docs/bench.md section 2.3).
+    `queue` runs until the Thinker admits the request (window, stage opens, admission);
+    Talker spans are not reported yet."""
+    t0 = turn.arrival
+    spans: list[dict[str, Any]] = []
+
+    def span(stage: str, start: float | None, end: float | None, **extra: Any) -> None:
+        if start and end and end >= start:
+            spans.append({"stage": stage, "start": round(start - t0, 6),
+                          "end": round(end - t0, 6), **extra})
+
+    req = turn.thinker_request
+    span("preprocess", t0, turn.prepared)
+    span("queue", turn.prepared, marks.get("admitted"))
+    if req.images:
+        span("vision_encoder", marks.get("admitted"), marks.get("vision_end"))
+    if req.audios:
+        span("audio_encoder", marks.get("vision_end"), marks.get("audio_end"))
+    span("prefill", marks.get("audio_end"), marks.get("first_token"))
+    span("decode", marks.get("first_token"), marks.get("last_token"))
+    for i, (start, end) in enumerate(pieces):
+        span("code2wav", start, end, chunk=i)
+    durations: dict[str, float] = {}
+    for s in spans:
+        durations[s["stage"]] = round(durations.get(s["stage"], 0.0) + s["end"] - s["start"], 6)
+    return {"clock": "seconds since the request arrived", "spans": spans, "durations": durations}

@@ -116,6 +116,8 @@ class ThinkerDelta:
     spoken_hidden: (len(spoken_ids), hidden) final-norm hidden states at the positions
                    where those ids were the *input* token (what the Talker conditions on)
     finished:      True on the last delta; finish_reason is then "stop" | "length" | "abort"
+    timings:       wall-clock marks (time.time()) on the first token's delta and the last
+                   one: admitted, vision_end, audio_end, first_token (, last_token)
     """
 
     request_id: str
@@ -127,3 +129,4 @@ class ThinkerDelta:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    timings: dict[str, float] | None = None

@@ -269,3 +269,13 @@ def test_fixed_length_benchmark_mode(serve_app):
     samples = sum(len(decode_wav(c["choices"][0]["delta"]["content"])[0])
                   for c in events[:-1] if c.get("choices") and c["modality"] == "audio")
     assert samples == (3 + 30) * 960
+    # Per-stage spans (docs/bench.md 2.3), in seconds since arrival, in pipeline order.
+    timings = events[-2]["timings"]
+    stages = [sp["stage"] for sp in timings["spans"]]
+    assert stages[:4] == ["preprocess", "queue", "prefill", "decode"], stages
+    assert stages.count("code2wav") >= 2
+    assert all(0 <= sp["start"] <= sp["end"] for sp in timings["spans"])
+    first = {sp["stage"]: sp for sp in reversed(timings["spans"])}
+    assert first["queue"]["end"] <= first["prefill"]["start"] + 1e-6
+    assert first["prefill"]["end"] <= first["decode"]["start"] + 1e-6
+    assert timings["durations"]["code2wav"] > 0

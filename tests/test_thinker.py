@@ -88,6 +88,19 @@ def test_multimodal_request_streams_text_and_spoken_hidden(engine_factory):
     assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
 
 
+def test_stage_marks_on_first_and_last_delta(engine_factory):
+    eng = engine_factory()
+    eng.add_request(_request(eng, "m", max_tokens=4))
+    marks = []
+    while eng.has_unfinished():
+        marks += [d.timings for d in eng.step() if d.timings]
+    assert len(marks) == 2  # first token, last token
+    first, last = marks
+    order = ["admitted", "vision_end", "audio_end", "first_token"]
+    assert [first[k] for k in order] == sorted(first[k] for k in order)
+    assert last["last_token"] >= last["first_token"] == first["first_token"]
+
+
 def test_spoken_hidden_equals_dense_forward(engine_factory):
     """Pairing rule of spec 2.2: the row for token t_i is the final-norm hidden at the
     position where t_i was the input. Checked against one dense causal forward."""

@@ -15,6 +15,7 @@ Synchronous and single-threaded: the deployment drives it in a loop.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -89,6 +90,7 @@ class _Stream:
     span_start: int | None = None  # index into output_ids where the spoken span begins
     span_end: int | None = None  # index of the token that ended it
     num_hidden: int = 0  # output tokens whose hidden rows have been seen
+    marks: dict[str, float] = field(default_factory=dict)  # wall-clock stage marks
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,7 @@ class ThinkerEngine:
 
     def _admit(self, reqs: list[ThinkerRequest]) -> None:
         # 1) encode what the cache does not hold, all admitted requests in one batch each
+        admitted = time.time()
         have: dict[str, torch.Tensor] = {}
         images, audios = {}, {}
         for r in reqs:
@@ -202,8 +205,10 @@ class ThinkerEngine:
                     have[key] = hit
         if images:
             have.update(zip(images, self.model.encode_images(list(images.values()), self.config.vision_batch_size)))
+        vision_end = _synced_time(self.device)
         if audios:
             have.update(zip(audios, self.model.encode_audios(list(audios.values()))))
+        audio_end = _synced_time(self.device)
         for key in list(images) + list(audios):
             self.cache.put(key, have[key])
 
@@ -225,7 +230,8 @@ class ThinkerEngine:
             if mm_emb is not None and mm_emb.shape[0] != mm_pos.numel():
                 raise ValueError(f"request {r.request_id}: {mm_pos.numel()} media slots, {mm_emb.shape[0]} embeddings")
             self.llm.add_request(r.request_id, r.input_ids, r.sampling, mm_pos, mm_emb, r.return_hidden)
-            st = _Stream(r, IncrementalDetokenizer(self.tokenizer))
+            st = _Stream(r, IncrementalDetokenizer(self.tokenizer),
+                         marks={"admitted": admitted, "vision_end": vision_end, "audio_end": audio_end})
             if r.input_ids[-1] == self.tokens.tts_bos:
                 st.span_start = 0
             self._streams[r.request_id] = st
@@ -252,6 +258,13 @@ class ThinkerEngine:
                     spoken_ids.append(st.output_ids[i])
                     spoken_rows.append(hidden[j])
             st.num_hidden += hidden.shape[0]
+        timings = None
+        if new_ids and "first_token" not in st.marks:
+            st.marks["first_token"] = time.time()
+            timings = dict(st.marks)
+        if finished:
+            st.marks["last_token"] = time.time()
+            timings = dict(st.marks)
         visible = [t for t in new_ids if t not in (tk.tts_eos, tk.im_end, tk.endoftext)]
         text = st.detok.push(visible) if visible else ""
         if finished:
@@ -266,6 +279,7 @@ class ThinkerEngine:
             finish_reason=reason,
             num_prompt_tokens=st.request.num_prompt_tokens,
             num_output_tokens=len(st.output_ids),
+            timings=timings,
         )
 
     def _check_bounds(self, req: ThinkerRequest) -> None:
@@ -290,3 +304,10 @@ class ThinkerEngine:
             num_preemptions=s.num_preemptions, encoder_cache_hits=self.cache.hits,
             encoder_cache_misses=self.cache.misses, encoder_cache_items=len(self.cache),
         )
+
+
+def _synced_time(device: torch.device) -> float:
+    """Wall time once the device's queued work is done (the encoders are asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
