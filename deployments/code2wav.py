@@ -112,6 +112,7 @@ class Code2WavServer:
                                on_step=self.metrics.on_step, on_failure=self._close_all)
         self._pushed: dict[str, int] = {}  # codes received per open stream
         self._aborted = Tombstones()
+        self._talker_spans: dict[str, list[tuple[float, float]]] = {}
 
     def _close_all(self, engine: Any, _: BaseException) -> None:
         for rid in self.loop.open_keys:
@@ -132,10 +133,14 @@ class Code2WavServer:
             raise RuntimeError(f"request {rid} was aborted")
         self._pushed[rid] = 0
 
-    async def push(self, rid: str, codes: np.ndarray, final: bool) -> bool:
-        """Codes (n,) int64 of stream `rid`, in order; False if the stream is gone."""
+    async def push(self, rid: str, codes: np.ndarray, final: bool,
+                   talker_spans: list[tuple[float, float]] | None = None) -> bool:
+        """Codes (n,) int64 of stream `rid`, in order; False if the stream is gone.
+        `talker_spans`: the Talker's (start, end) per chunk, handed on with the audio."""
         if rid not in self._pushed:
             return False
+        if talker_spans:
+            self._talker_spans.setdefault(rid, []).extend(talker_spans)
         self._pushed[rid] += len(codes)
         if final and self._pushed[rid] == 0:
             # Nothing was spoken: end the stream without running the engine.
@@ -155,6 +160,8 @@ class Code2WavServer:
         try:
             while True:
                 item = await q.get()
+                if isinstance(item, AudioPiece):
+                    item.talker_spans = self._talker_spans.pop(rid, [])
                 yield item
                 if isinstance(item, StageFailure) or item.is_last:
                     return
@@ -163,6 +170,7 @@ class Code2WavServer:
 
     async def abort(self, rid: str) -> None:
         self._aborted.add(rid)
+        self._talker_spans.pop(rid, None)
         if self._pushed.pop(rid, None) is None and not self.loop.is_open(rid):
             return
         self.loop.close(rid)

@@ -45,6 +45,7 @@ class AudioPiece:
     is_last: bool
     t_start: float = 0.0  # wall clock of the engine step that produced it
     t_end: float = 0.0
+    talker_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------

@@ -118,7 +118,9 @@ class TalkerServer:
             # Lookahead codes are not sent: Code2Wav buffers the stream's codes itself, and
             # they open the next chunk anyway.
             codes = np.array([c for ch in chunks for c in ch.codes], dtype=np.int64)
-            await self.code2wav.push.remote(rid, codes, final)
+            spans = [(ch.started_at, ch.released_at) for ch in chunks
+                     if getattr(ch, "released_at", 0.0)]
+            await self.code2wav.push.remote(rid, codes, final, spans)
 
         fwd = Forwarder(send, name=f"talker->code2wav {rid}")
         try:

@@ -100,6 +100,7 @@ class TurnRunner:
 
             marks: dict[str, float] = {}
             pieces: list[tuple[float, float]] = []
+            talker: list[tuple[float, float]] = []
             usage, finish = Usage(), "stop"
             ttft = first_audio = last_audio = None
             audio_s, index, open_sources = 0.0, 0, len(gens)
@@ -132,6 +133,7 @@ class TurnRunner:
                 else:
                     if getattr(item, "t_end", 0.0):
                         pieces.append((item.t_start, item.t_end))
+                    talker.extend(getattr(item, "talker_spans", None) or [])
                     if len(item.pcm):
                         now = time.perf_counter()
                         first_audio = first_audio if first_audio is not None else now - t0
@@ -148,7 +150,7 @@ class TurnRunner:
             if first_audio is not None:
                 metrics.update(first_audio_s=first_audio, rtf=last_audio / max(audio_s, 1e-9))
             self._record(ttft, first_audio, metrics.get("rtf"), audio_s)
-            timings = stage_spans(turn, marks, pieces) if turn.return_timings else None
+            timings = stage_spans(turn, marks, talker, pieces) if turn.return_timings else None
             yield Done(usage, finish, audio_s, metrics, timings)
         except asyncio.TimeoutError:
             outcome = "timeout"
@@ -225,11 +227,12 @@ def _cancel(gen: Any) -> None:
             log.debug("cancel of a stage stream failed", exc_info=True)
 
 
-def stage_spans(turn: PreparedTurn, marks: dict[str, float],
+def stage_spans(turn: PreparedTurn, marks: dict[str, float], talker: list[tuple[float, float]],
                 pieces: list[tuple[float, float]]) -> dict[str, Any]:
     """Per-stage spans of one turn in seconds since it arrived (docs/bench.md section 2.3).
     `queue` runs until the Thinker admits the request (window, stage opens, admission);
-    Talker spans are not reported yet."""
+    a `talker` span runs from the previous chunk's release (the first prefill for chunk 0)
+    to this chunk's release; a `code2wav` span is the engine step that made the chunk."""
     t0 = turn.arrival
     spans: list[dict[str, Any]] = []
 
@@ -247,6 +250,8 @@ def stage_spans(turn: PreparedTurn, marks: dict[str, float],
         span("audio_encoder", marks.get("vision_end"), marks.get("audio_end"))
     span("prefill", marks.get("audio_end"), marks.get("first_token"))
     span("decode", marks.get("first_token"), marks.get("last_token"))
+    for i, (start, end) in enumerate(talker):
+        span("talker", start, end, chunk=i)
     for i, (start, end) in enumerate(pieces):
         span("code2wav", start, end, chunk=i)
     durations: dict[str, float] = {}

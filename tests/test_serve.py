@@ -273,7 +273,7 @@ def test_fixed_length_benchmark_mode(serve_app):
     timings = events[-2]["timings"]
     stages = [sp["stage"] for sp in timings["spans"]]
     assert stages[:4] == ["preprocess", "queue", "prefill", "decode"], stages
-    assert stages.count("code2wav") >= 2
+    assert stages.count("code2wav") >= 2 and stages.count("talker") >= 2
     assert all(0 <= sp["start"] <= sp["end"] for sp in timings["spans"])
     first = {sp["stage"]: sp for sp in reversed(timings["spans"])}
     assert first["queue"]["end"] <= first["prefill"]["start"] + 1e-6

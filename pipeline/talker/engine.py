@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import secrets
+import time
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -119,6 +120,8 @@ class CodeChunk:
     lookahead: the codes that follow (3, already known; they open the next chunk too)
     finished:  last chunk of the stream
     index:     0, 1, 2, ... per stream
+    started_at / released_at: wall clock (time.time()) from the previous chunk's release (the
+               first unit's start for chunk 0) to this one's: the Talker's share of the chunk
     """
 
     stream_id: str
@@ -126,6 +129,8 @@ class CodeChunk:
     finished: bool
     lookahead: tuple[int, ...] = ()
     index: int = 0
+    started_at: float = field(default=0.0, compare=False)  # measurements, not content
+    released_at: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,7 @@ class _Stream:
     codes: list[int] = field(default_factory=list)  # every kept code (EOS excluded)
     max_codes: int | None = None  # fixed-length mode: EOS ignored, exactly this many codes
     released: int = 0
+    chunk_started_at: float = 0.0  # wall clock the chunk being decoded started
     chunks_sent: int = 0
     done_sent: bool = False
 
@@ -340,6 +346,8 @@ class TalkerEngine:
                 f"stream {s.stream_id!r}: prompt of {length} does not fit max_seq_len "
                 f"{self.config.max_seq_len}"
             )
+        if not s.started_units:
+            s.chunk_started_at = time.time()
         s.started_units += 1
         self._prefills += 1
         s.unit_final = final
@@ -426,6 +434,7 @@ class TalkerEngine:
         out = []
         while len(s.codes) - s.released >= size + ahead:
             start = s.released
+            now = time.time()
             out.append(
                 CodeChunk(
                     s.stream_id,
@@ -433,13 +442,17 @@ class TalkerEngine:
                     False,
                     tuple(s.codes[start + size : start + size + ahead]),
                     s.chunks_sent,
+                    s.chunk_started_at,
+                    now,
                 )
             )
+            s.chunk_started_at = now
             s.released += size
             s.chunks_sent += 1
         if s.finished and not s.done_sent:
             out.append(
-                CodeChunk(s.stream_id, tuple(s.codes[s.released :]), True, (), s.chunks_sent)
+                CodeChunk(s.stream_id, tuple(s.codes[s.released :]), True, (), s.chunks_sent,
+                          s.chunk_started_at, time.time())
             )
             s.released = len(s.codes)
             s.chunks_sent += 1
