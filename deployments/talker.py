@@ -36,11 +36,10 @@ def make_talker_engine(source: Any, config: Any, device: str) -> Any:
     from pipeline.checkpoint import load_into, load_part, talker_schema
     from pipeline.talker.engine import TalkerEngine
     from pipeline.talker.model import TalkerModel
+    from pipeline.utils import resolve_dtype
 
-    if hasattr(TalkerEngine, "from_source"):
-        return TalkerEngine.from_source(source, config, device)
     cfg = source.config.talker
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = resolve_dtype("auto", device)  # bf16 on CUDA, fp32 on CPU
     model = TalkerModel(cfg)
     load_into(model, load_part(source.tensors, "tts.", talker_schema(cfg), "cpu", torch.float32),
               "talker")

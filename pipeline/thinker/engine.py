@@ -205,10 +205,10 @@ class ThinkerEngine:
                     have[key] = hit
         if images:
             have.update(zip(images, self.model.encode_images(list(images.values()), self.config.vision_batch_size)))
-        vision_end = _synced_time(self.device)
+        vision_end = _synced_time(self.device) if images else admitted
         if audios:
             have.update(zip(audios, self.model.encode_audios(list(audios.values()))))
-        audio_end = _synced_time(self.device)
+        audio_end = _synced_time(self.device) if audios else vision_end
         for key in list(images) + list(audios):
             self.cache.put(key, have[key])
 
