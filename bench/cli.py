@@ -81,7 +81,8 @@ def add_data_args(ap: argparse.ArgumentParser) -> None:
                    help="keep only these video_duration buckets, e.g. 30s or 30s,60s")
     g.add_argument("--limit", type=int, default=None, help="use at most this many items")
     g.add_argument("--synthetic-num", type=int, default=None,
-                   help="clips to generate (default: warmups + rounds * num-prompts, at most 200)")
+                   help="clips to generate (default: warmups + rounds * num-prompts per "
+                        "concurrency, at most 400: no clip is sent twice)")
     g.add_argument("--synthetic-durations", default="30",
                    help="clip seconds, cycled over the clips (e.g. 30,60)")
     g.add_argument("--synthetic-size", default="448x448", help="WxH of generated video")
@@ -158,7 +159,8 @@ def load_specs(args: argparse.Namespace) -> list[RequestSpec]:
     if args.dataset == "synthetic":
         n = args.synthetic_num
         if n is None:
-            n = min(200, args.warmups + args.rounds * args.num_prompts)
+            per_c = args.warmups + args.rounds * args.num_prompts
+            n = min(400, per_c * len(_ints(args.concurrency)))  # no clip seen twice
         make_synthetic_daily_omni(
             args.data_dir,
             num_videos=n,

@@ -372,15 +372,17 @@ async def run_benchmark(
 
     Returns {concurrency: {"warmup": RoundResult | None, "rounds": [RoundResult, ...]}}.
     Items are taken in order: warmups first, then round 0, 1, ... so a data set with at least
-    num_warmups + num_rounds * num_prompts items never repeats a clip within one concurrency.
+    num_warmups + num_rounds * num_prompts items never repeats a clip within one concurrency, and
+    the offset runs on across concurrencies, so a set of len(concurrencies) times that size never
+    repeats a clip at all (repeats would hit the server's encoder cache).
     """
     timeout = aiohttp.ClientTimeout(total=opts.timeout_s)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     out: dict[int, dict[str, Any]] = {}
+    offset = 0
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
         for c in cfg.concurrencies:
             entry: dict[str, Any] = {"warmup": None, "rounds": []}
-            offset = 0
             if cfg.num_warmups > 0:
                 wspecs = schedule(specs, cfg.num_warmups, offset)
                 offset += cfg.num_warmups

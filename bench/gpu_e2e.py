@@ -1,0 +1,202 @@
+"""Issue 5's whole measurement in one process: the app, its baseline and the knob attribution,
+each started in-process on one Ray instance (no `serve run` per variant, no Ray restarts).
+
+    python -m bench.gpu_e2e --phases main,baseline,attribution --checkpoint random-full \\
+        --data-dir /tmp/syn --synthetic-durations 30 \\
+        --fixed-text-tokens 16 --fixed-speech-codes 57 \\
+        --concurrency 1,4 --num-prompts 20 --rounds 3 --warmups 4 \\
+        --baseline-num-prompts 10 --baseline-rounds 1 \\
+        --knob compile_mm_encoder=true --knob token2wav_cfm_cuda_graph=false \\
+        --attr-concurrency 4 --attr-num-prompts 12 --out results/h200
+
+Phases (each one app at a time; the app is deleted before the next starts, so they never share
+the GPU):
+  main         `--config` (serve_config.yaml) with `model` set: c in --concurrency, the run's
+               JSON, report and plots under <out>/main (ratios against <out>/baseline if there)
+  baseline     `--baseline-config` (bench/baseline_config.yaml) at --baseline-concurrency
+  attribution  A = `--config`, then one B per --knob (bench.attribution's override syntax),
+               each at --attr-concurrency; table under <out>/attribution
+After each app run, every stage's `stats` (memory, engine counters such as graph replays and
+fallbacks) is written next to its run.json as stats.json. Exits 1 if a request failed.
+Needs Ray Serve importable (on the GPU machine: `source .gpu/ray/device-env.sh`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from bench.attribution import CallbackLauncher, Variant, apply_overrides, format_attribution
+from bench.attribution import parse_knob, run_attribution
+from bench.cli import (
+    _ints,
+    add_client_args,
+    add_data_args,
+    bench_config,
+    client_options,
+    execute,
+    load_specs,
+    write_outputs,
+)
+from bench.report import load_run
+
+STAGES = ("Thinker", "Talker", "Code2Wav")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_args(config_path: str, model: str | None, overrides=()) -> dict[str, Any]:
+    """The app's `args` from a Serve YAML, with `model` and the overrides applied."""
+    with open(config_path) as f:
+        tree = yaml.safe_load(f)
+    tree, _ = apply_overrides(tree, overrides)
+    args = tree["applications"][0]["args"]
+    if model is not None:
+        args["model"] = model
+    return args
+
+
+class InProcessServe:
+    """One Ray instance and HTTP proxy; `app(args)` runs one omniray app until the block ends."""
+
+    def __init__(self) -> None:
+        for k, v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
+                     ("RAY_AUTH_MODE", "disabled")):
+            os.environ.setdefault(k, v)
+        import ray
+        from ray import serve
+
+        self.ray, self.serve = ray, serve
+        ray.init(include_dashboard=False, log_to_driver=False)
+        self.port = _port()
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @contextlib.contextmanager
+    def app(self, args: dict[str, Any], label: str, stats_out: Path | None = None
+            ) -> Iterator[str]:
+        from deployments.app import build_omni_app
+
+        t = time.perf_counter()
+        self.serve.run(build_omni_app(args), name="omniray", route_prefix="/")
+        print(f"[{label}] app RUNNING after {time.perf_counter() - t:.1f} s", flush=True)
+        try:
+            yield self.url
+            if stats_out is not None:
+                stats_out.mkdir(parents=True, exist_ok=True)
+                (stats_out / "stats.json").write_text(json.dumps(self.stats(), indent=1,
+                                                                 default=str))
+        finally:
+            t = time.perf_counter()
+            self.serve.delete("omniray")
+            print(f"[{label}] app deleted in {time.perf_counter() - t:.1f} s", flush=True)
+
+    def stats(self) -> dict[str, Any]:
+        out = {}
+        for name in STAGES:
+            h = self.serve.get_deployment_handle(name, app_name="omniray")
+            out[name] = h.stats.remote().result()
+        out["ingress"] = self.serve.get_app_handle("omniray").stats.remote().result()
+        return out
+
+    def close(self) -> None:
+        self.serve.shutdown()
+        self.ray.shutdown()
+
+
+def _failed(run: dict[str, Any]) -> int:
+    return sum(s["failed"] for s in run["summaries"].values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_e2e", description=__doc__.split("\n")[0])
+    ap.add_argument("--phases", default="main,baseline,attribution")
+    ap.add_argument("--config", default="serve_config.yaml")
+    ap.add_argument("--baseline-config", default="bench/baseline_config.yaml")
+    ap.add_argument("--checkpoint", default=None, help="overrides the configs' `model` (e.g. random-full)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override in --config (and its attribution A), attribution syntax")
+    ap.add_argument("--baseline-concurrency", default="1")
+    ap.add_argument("--baseline-num-prompts", type=int, default=None)
+    ap.add_argument("--baseline-rounds", type=int, default=None)
+    ap.add_argument("--knob", action="append", default=[])
+    ap.add_argument("--attr-concurrency", default="4")
+    ap.add_argument("--attr-num-prompts", type=int, default=None)
+    ap.add_argument("--attr-rounds", type=int, default=1)
+    ap.add_argument("--attr-warmups", type=int, default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--no-plots", action="store_true")
+    add_client_args(ap, with_url=False)
+    add_data_args(ap)
+    args = ap.parse_args(argv)
+    args.url = "http://127.0.0.1:0"  # replaced per app
+    phases = [p for p in args.phases.split(",") if p]
+    out = Path(args.out)
+    base_over = parse_knob(",".join(args.set)).overrides if args.set else ()
+
+    specs = load_specs(args)
+    print(f"{len(specs)} request specs from {args.data_dir}", flush=True)
+    srv = InProcessServe()
+    failed = 0
+    try:
+        if "baseline" in phases:
+            cfg = bench_config(args, _ints(args.baseline_concurrency))
+            cfg = replace(cfg, num_prompts=args.baseline_num_prompts or cfg.num_prompts,
+                          num_rounds=args.baseline_rounds or cfg.num_rounds)
+            with srv.app(app_args(args.baseline_config, args.checkpoint), "baseline",
+                         out / "baseline") as url:
+                run = execute(specs, client_options(args, url), cfg, label="baseline",
+                              config={"serve_config": args.baseline_config, **vars(args)})
+            print(write_outputs(run, out / "baseline", None, plots=not args.no_plots), flush=True)
+            failed += _failed(run)
+        if "main" in phases:
+            with srv.app(app_args(args.config, args.checkpoint, base_over), "main",
+                         out / "main") as url:
+                run = execute(specs, client_options(args, url), bench_config(args),
+                              label="omniray", config={"serve_config": args.config, **vars(args)})
+            base_path = out / "baseline" / "run.json"
+            baseline = load_run(base_path) if base_path.exists() else None
+            print(write_outputs(run, out / "main", baseline, plots=not args.no_plots,
+                                targets=True), flush=True)
+            failed += _failed(run)
+        if "attribution" in phases and args.knob:
+            cfg = bench_config(args, _ints(args.attr_concurrency))
+            cfg = replace(cfg, num_prompts=args.attr_num_prompts or cfg.num_prompts,
+                          num_rounds=args.attr_rounds,
+                          num_warmups=args.attr_warmups or cfg.num_warmups)
+            attr_out = out / "attribution"
+
+            def launch(v: Variant):
+                args_v = app_args(args.config, args.checkpoint, (*base_over, *v.overrides))
+                return srv.app(args_v, v.label, attr_out / _slug(v.label))
+
+            result = run_attribution([parse_knob(k) for k in args.knob], CallbackLauncher(launch),
+                                     specs, client_options(args), cfg, out_dir=attr_out)
+            print(format_attribution(result), flush=True)
+            failed += bool(result.errors)
+    finally:
+        srv.close()
+    print("PASS" if not failed else f"FAIL ({failed})")
+    return 1 if failed else 0
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in s)[:60]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
