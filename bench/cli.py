@@ -17,8 +17,9 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from bench.client import BenchConfig, ClientOptions, RequestSpec, run_benchmark
 from bench.datasets import (

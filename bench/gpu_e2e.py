@@ -30,14 +30,21 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
-from bench.attribution import CallbackLauncher, Variant, apply_overrides, format_attribution
-from bench.attribution import parse_knob, run_attribution
+from bench.attribution import (
+    CallbackLauncher,
+    Variant,
+    apply_overrides,
+    format_attribution,
+    parse_knob,
+    run_attribution,
+)
 from bench.cli import (
     _ints,
     add_client_args,
