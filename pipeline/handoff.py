@@ -49,7 +49,9 @@ class SamplingParams:
 class ImageInput:
     """One image (or video frame) after slicing: every slice is one vision sequence.
 
-    pixel_values: list of (3, patch, patch * L_i) float tensors, NaViT patch strips
+    pixel_values: list of (3, patch, patch * L_i) uint8 tensors, NaViT patch strips (the
+                  encoder normalizes them: processing.image.normalize_pixels); float strips
+                  are taken as already normalized
     tgt_sizes:    (num_slices, 2) int tensor, patch grid (h, w) of each slice
     content_hash: hash of the source bytes + slicing options, for the encoder cache
     """

@@ -19,6 +19,7 @@ from pipeline.processing.errors import (
 from pipeline.processing.image import (
     decode_image,
     get_sliced_grid,
+    normalize_pixels,
     process_image,
     to_patch_strip,
 )
@@ -65,7 +66,7 @@ def test_grid_and_tgt_sizes(size):
     expected_slices = 1 + (0 if grid is None else grid[0] * grid[1])
     assert out.image.num_slices == expected_slices
     for strip, (h, w) in zip(out.image.pixel_values, tgt):
-        assert strip.shape == (3, 14, 14 * h * w) and strip.dtype == torch.float32
+        assert strip.shape == (3, 14, 14 * h * w) and strip.dtype == torch.uint8
 
 
 def test_max_slice_nums_one_never_slices():
@@ -97,10 +98,16 @@ def test_pixels_normalized_and_bicubic():
     ((h, w),) = out.image.tgt_sizes.tolist()
     ref = np.asarray(img.resize((w * 14, h * 14), Image.Resampling.BICUBIC), np.float32)
     ref = torch.from_numpy(((ref / 255.0 - 0.5) / 0.5).transpose(2, 0, 1).copy())
-    got = out.image.pixel_values[0]
-    diff = (got - to_patch_strip(ref, 14)).abs()
-    assert diff.max() < 1e-6, f"max {diff.max()} mean {diff.mean()}"
+    got = normalize_pixels(out.image.pixel_values[0])
+    assert torch.equal(got, to_patch_strip(ref, 14))  # the reference's float32 ops, bit for bit
     assert got.min() >= -1 and got.max() <= 1
+
+
+def test_pixel_lut_is_the_reference_formula_for_every_byte():
+    x = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    ref = (x.astype(np.float32) / 255.0 - 0.5) / 0.5
+    got = normalize_pixels(torch.from_numpy(x))
+    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(ref))
 
 
 def test_decode_formats_and_errors():

@@ -246,3 +246,23 @@ def test_interleaved_image_audio_parts_daily_omni_options():
     assert req.input_ids == tokenize_whole(expected)
     assert [im.num_slices for im in req.images] == [1, 1]
     _check_bounds(req)
+
+
+def test_parallel_part_decoding_equals_in_order():
+    content = [MediaBytes("video", make_mp4(2.5)), MediaBytes("image", _png(300, 200)),
+               MediaBytes("audio", _wav(1.5)), "and a question"]
+    msgs = [{"role": "user", "content": content}]
+    one = Processor(ThinkerConfig(), ByteTokenizer(), decode_workers=1).build(msgs)
+    many = Processor(ThinkerConfig(), ByteTokenizer(), decode_workers=4).build(msgs)
+    assert one.input_ids == many.input_ids and one.image_bounds == many.image_bounds
+    assert one.audio_segments == many.audio_segments
+    for a, b in zip(one.images, many.images):
+        assert all(x.equal(y) for x, y in zip(a.pixel_values, b.pixel_values))
+    for a, b in zip(one.audios, many.audios):
+        assert a.features.equal(b.features)
+    # the first bad part (in message order) is the error reported, whatever finishes first
+    bad = [MediaBytes("image", _png(64, 64)), MediaBytes("audio", b""),
+           MediaBytes("video", b"not a video")]
+    with pytest.raises(EmptyMediaError):
+        Processor(ThinkerConfig(), ByteTokenizer(), decode_workers=4).build(
+            [{"role": "user", "content": bad}])

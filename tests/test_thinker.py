@@ -202,3 +202,19 @@ def test_fused_projections_equal_separate(engine_factory):
     b = _run(plain, [_request(plain, "f")])["f"]
     assert a["ids"] == b["ids"]
     torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-5, rtol=1e-5)
+
+
+def test_uint8_strips_encode_like_normalized_float_strips(engine_factory):
+    """Pixels cross processes as bytes; the encoder's on-device normalization (and the zeroed
+    padding of a mixed-length batch) must equal feeding the reference's float32 strips."""
+    from dataclasses import replace
+
+    from pipeline.processing.image import normalize_pixels
+
+    eng = engine_factory()
+    images = _request(eng, "u", image_seed=3).images + _request(eng, "v", image_seed=4).images
+    floats = [replace(im, pixel_values=[normalize_pixels(s) for s in im.pixel_values])
+              for im in images]
+    assert images[0].pixel_values[0].dtype == torch.uint8
+    got, ref = eng.model.encode_images(images, 2), eng.model.encode_images(floats, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -12,6 +12,7 @@ Stages per request:
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,6 +89,8 @@ class Processor:
                    instead of one group per clip (plain chat default).
     merge_video_audio: a video's audio track is one clip instead of one clip per second
                    (see `pack_omni`).
+    decode_workers: threads that decode one message's media parts side by side (video and
+                   audio decoding, resizing and log-mel release the GIL); 1 = in order, inline.
     """
 
     def __init__(
@@ -98,12 +101,15 @@ class Processor:
         *,
         chunked_audio: bool = False,
         merge_video_audio: bool = False,
+        decode_workers: int = 4,
     ):
         self.cfg = thinker_cfg
         self.tokenizer = tokenizer
         self.limits = limits
         self.chunked_audio = chunked_audio
         self.merge_video_audio = merge_video_audio
+        self.decode_workers = decode_workers
+        self._pool: ThreadPoolExecutor | None = None  # made on first use
 
     def build(
         self,
@@ -177,7 +183,12 @@ class Processor:
             raise InvalidMessageError(
                 f"message {i}: content must be a string or a list, got {type(content).__name__}"
             )
-        return Message(role, [self._part(i, j, p, opts) for j, p in enumerate(content)])
+        if self.decode_workers <= 1 or sum(not isinstance(p, str) for p in content) < 2:
+            return Message(role, [self._part(i, j, p, opts) for j, p in enumerate(content)])
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.decode_workers, thread_name_prefix="decode")
+        futures = [self._pool.submit(self._part, i, j, p, opts) for j, p in enumerate(content)]
+        return Message(role, [f.result() for f in futures])  # the first bad part raises
 
     def _part(self, i: int, j: int, p: Any, opts: _ImageOptions) -> Part:
         if isinstance(p, (TextPart, ImagePart, AudioPart, OmniPart)):

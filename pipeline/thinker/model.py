@@ -26,12 +26,13 @@ from pipeline.checkpoint import (
     vision_schema,
 )
 from pipeline.config import ThinkerConfig
-from pipeline.utils import default_dtype
 from pipeline.handoff import AudioInput, ImageInput
+from pipeline.processing.image import normalize_pixels
 from pipeline.thinker.audio import AudioEncoder
 from pipeline.thinker.llm import Qwen3LM
 from pipeline.thinker.resampler import Resampler
 from pipeline.thinker.vision import VisionEncoder, compile_vision_layers, pack_strips
+from pipeline.utils import default_dtype
 
 
 class ThinkerModel(nn.Module):
@@ -46,7 +47,7 @@ class ThinkerModel(nn.Module):
     @classmethod
     def load(cls, source: ModelSource, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.float32, vision_attn_backend: str = "sdpa",
-             compile_mm_encoder: bool = False) -> "ThinkerModel":
+             compile_mm_encoder: bool = False) -> ThinkerModel:
         """Build on the target device, then load every part strictly."""
         cfg = source.config.thinker
         with torch.device(device), default_dtype(dtype):
@@ -89,7 +90,11 @@ class ThinkerModel(nn.Module):
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             pix, tgt, mask = pack_strips([strips[i] for i in idx], sizes[idx])
-            feats = self.vpm(pix.to(device, dtype, non_blocking=True), tgt, mask)
+            pix = pix.to(device, non_blocking=True)
+            if pix.dtype == torch.uint8:  # normalize on the device, then zero the padding
+                keep = mask.to(device).repeat_interleave(pix.shape[2], dim=-1)[:, :, None]
+                pix = torch.where(keep, normalize_pixels(pix), 0.0)
+            feats = self.vpm(pix.to(dtype), tgt, mask)
             out = self.resampler(feats, tgt)  # (b, Q, H)
             for j, i in enumerate(idx):
                 rows[i] = out[j]
