@@ -2,7 +2,7 @@
 each started in-process on one Ray instance (no `serve run` per variant, no Ray restarts).
 
     python -m bench.gpu_e2e --phases main,baseline,attribution --checkpoint random-full \\
-        --data-dir /tmp/syn --synthetic-durations 30 \\
+        --data-dir /tmp/syn --synthetic-durations 30 --media file \\
         --fixed-text-tokens 16 --fixed-speech-codes 57 \\
         --concurrency 1,4 --num-prompts 20 --rounds 3 --warmups 4 \\
         --baseline-num-prompts 10 --baseline-rounds 1 \\
@@ -66,14 +66,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def app_args(config_path: str, model: str | None, overrides=()) -> dict[str, Any]:
-    """The app's `args` from a Serve YAML, with `model` and the overrides applied."""
+def app_args(config_path: str, model: str | None, overrides=(), media_dir: str | None = None
+             ) -> dict[str, Any]:
+    """The app's `args` from a Serve YAML, with `model` and the overrides applied; `media_dir`
+    is where file:// media may be read from (`--media file`, as vLLM-Omni's bench sends them)."""
     with open(config_path) as f:
         tree = yaml.safe_load(f)
     tree, _ = apply_overrides(tree, overrides)
     args = tree["applications"][0]["args"]
     if model is not None:
         args["model"] = model
+    if media_dir is not None:
+        args["allowed_local_media_path"] = str(Path(media_dir).resolve())
     return args
 
 
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = [p for p in args.phases.split(",") if p]
     out = Path(args.out)
     base_over = parse_knob(",".join(args.set)).overrides if args.set else ()
+    media_dir = args.data_dir if args.media == "file" else None
 
     specs = load_specs(args)
     print(f"{len(specs)} request specs from {args.data_dir}", flush=True)
@@ -164,15 +169,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = bench_config(args, _ints(args.baseline_concurrency))
             cfg = replace(cfg, num_prompts=args.baseline_num_prompts or cfg.num_prompts,
                           num_rounds=args.baseline_rounds or cfg.num_rounds)
-            with srv.app(app_args(args.baseline_config, args.checkpoint), "baseline",
-                         out / "baseline") as url:
+            app = app_args(args.baseline_config, args.checkpoint, (), media_dir)
+            with srv.app(app, "baseline", out / "baseline") as url:
                 run = execute(specs, client_options(args, url), cfg, label="baseline",
                               config={"serve_config": args.baseline_config, **vars(args)})
             print(write_outputs(run, out / "baseline", None, plots=not args.no_plots), flush=True)
             failed += _failed(run)
         if "main" in phases:
-            with srv.app(app_args(args.config, args.checkpoint, base_over), "main",
-                         out / "main") as url:
+            app = app_args(args.config, args.checkpoint, base_over, media_dir)
+            with srv.app(app, "main", out / "main") as url:
                 run = execute(specs, client_options(args, url), bench_config(args),
                               label="omniray", config={"serve_config": args.config, **vars(args)})
             base_path = out / "baseline" / "run.json"
@@ -188,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             attr_out = out / "attribution"
 
             def launch(v: Variant):
-                args_v = app_args(args.config, args.checkpoint, (*base_over, *v.overrides))
+                over = (*base_over, *v.overrides)
+                args_v = app_args(args.config, args.checkpoint, over, media_dir)
                 return srv.app(args_v, v.label, attr_out / _slug(v.label))
 
             result = run_attribution([parse_knob(k) for k in args.knob], CallbackLauncher(launch),
