@@ -292,10 +292,11 @@ def compile_dit_blocks(dit: DiT, *, dynamic: bool | None = None, backend: str = 
     block call (`_mark_dynamic_dims`), so the first trace is already symbolic in B, T and L
     and new sizes do not recompile; every other dim stays static. Not `dynamic=True`: it
     makes every dim symbolic and gives dims of equal size one symbol ("duck sizing"), so
-    coincidences at the first call pin a graph: rows 2 == the conv tail's 2 frames, rows 4
-    == 4 heads, L == T == 50 after a 25-code prompt, each one recompile later. Nor a plain
-    None without marks: each dim's first change would recompile, and past Dynamo's limit of
-    8 graphs per code object (shared by all blocks) new shapes silently run eagerly.
+    coincidences at the first call pin a graph: rows 2 == the conv tail's 2 frames, rows ==
+    heads, L == T == 50 after a 25-code prompt, each one recompile later. Nor a plain None
+    without marks: each dim's first change would recompile, and past Dynamo's limit of 8
+    graphs per code object (shared by all blocks) new shapes run eagerly with only a logged
+    warning.
 
     What remains is one graph per kind of input, not per size:
       * no cache (setup_cache, offline) / cache (streaming chunks) / offline with a mask;
