@@ -9,19 +9,29 @@ Timings (CUDA events, after warm-up), steady state (caches trimmed to prompt + 1
     graph: it falls back to eager);
   * a new stream's first chunk with the initial-state template cache on (clone) vs off
     (setup_cache + chunk).
+With --compile, after all of the above (uncompiled), the DiT blocks are compiled in place
+(`compile_dit_blocks`, the engine's token2wav_compile_estimator) and a fresh graph runner
+captures them:
+  * compiled CFM graph vs the uncompiled eager mel/caches of check 1 (same inputs), max abs
+    diff <= 1e-4 required; the first call's compile + capture time;
+  * the chunk timings again, the speedup of the graph column, the batch-1 flow time, and the
+    number of Dynamo graphs (TORCH_LOGS=recompiles shows why each recompiled).
 
-    python bench/gpu_code2wav.py [--prompt-codes 150] [--iters 20] [--dtype bfloat16]
+    python bench/gpu_code2wav.py [--prompt-codes 150] [--iters 20] [--dtype bfloat16] [--compile]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
+from torch._dynamo.utils import counters
 
 from bench.cuda_timing import cuda_ms as timed
 from pipeline.code2wav.assets import random_code2wav
+from pipeline.code2wav.dit import compile_dit_blocks
 from pipeline.code2wav.graphs import CFMGraphRunner
 from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, stream_step
 from pipeline.config import Code2WavConfig
@@ -33,6 +43,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="flow dtype"
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="then compile the DiT blocks and time again"
     )
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
@@ -71,6 +84,7 @@ def main() -> int:
 
     # 1. CFM graph vs eager on the exact chunk inputs
     runner = CFMGraphRunner(flow.decoder, (1, 2))
+    parity = {}  # batch -> inputs and the eager (uncompiled) outputs, for --compile
     with torch.inference_mode():
         for b in (1, 2):
             from pipeline.code2wav.flow import FlowCache
@@ -79,6 +93,7 @@ def main() -> int:
             tokens = torch.cat([codes(100 + i, 28) for i in range(b)])
             spk_b = spk.expand(b, -1)
             mel_e, cache_e = flow.inference_chunk(tokens, spk_b, cache, False)
+            parity[b] = (tokens, spk_b, cache, mel_e, cache_e)
             mel_g, cache_g = flow.inference_chunk(tokens, spk_b, cache, False, cfm=runner)
             mel_g2, _ = flow.inference_chunk(tokens, spk_b, cache, False, cfm=runner)  # replay path
             diffs = [
@@ -114,26 +129,41 @@ def main() -> int:
             failures.append(f"batched vs single: {d:.3g}")
 
     # 3. timings per 25-code chunk
-    print("\n| batch | eager ms/chunk | graph ms/chunk | graph ms per stream |")
-    print("|---|---|---|---|")
-    for b in (1, 2, 4):
-        sts = [fresh(i % 4) if i < 2 else states[i].clone() for i in range(b)]
-        toks = torch.cat([codes(300 + i, 28) for i in range(b)])
-        with torch.inference_mode():
-            e = timed(lambda: stream_step(flow, hift, cfg, sts, toks, False, xf), args.iters)
-            gr = timed(
-                lambda: stream_step(flow, hift, cfg, sts, toks, False, xf, cfm=runner), args.iters
+    def chunk_table(run_cfm: CFMGraphRunner) -> dict[int, tuple[float, float]]:
+        """Prints and returns {batch: (eager ms, graph ms)} per 25-code chunk."""
+        times = {}
+        print("\n| batch | eager ms/chunk | graph ms/chunk | graph ms per stream |")
+        print("|---|---|---|---|")
+        for b in (1, 2, 4):
+            sts = [fresh(i % 4) if i < 2 else states[i].clone() for i in range(b)]
+            toks = torch.cat([codes(300 + i, 28) for i in range(b)])
+            with torch.inference_mode():
+                e = timed(lambda: stream_step(flow, hift, cfg, sts, toks, False, xf), args.iters)
+                gr = timed(
+                    lambda: stream_step(flow, hift, cfg, sts, toks, False, xf, cfm=run_cfm),
+                    args.iters,
+                )
+            times[b] = (e, gr)
+            print(
+                f"| {b} | {e:.1f} | {gr:.1f}"
+                f"{' (eager fallback)' if b not in run_cfm.batch_sizes else ''} | {gr / b:.1f} |"
             )
-        print(
-            f"| {b} | {e:.1f} | {gr:.1f}"
-            f"{' (eager fallback)' if b not in runner.batch_sizes else ''} | {gr / b:.1f} |"
-        )
+        return times
+
+    times = chunk_table(runner)
 
     # 3b. where a batch-1 chunk's time goes: flow (encoder + graphed CFM) vs HiFT
     st = fresh(0)
     tok1 = codes(350, 28)
+
+    def flow_chunk_ms(run_cfm: CFMGraphRunner) -> float:
+        with torch.inference_mode():
+            return timed(
+                lambda: flow.inference_chunk(tok1, spk, st.flow, False, cfm=run_cfm), args.iters
+            )
+
+    flow_ms = flow_chunk_ms(runner)
     with torch.inference_mode():
-        flow_ms = timed(lambda: flow.inference_chunk(tok1, spk, st.flow, False, cfm=runner), args.iters)
         mel, _ = flow.inference_chunk(tok1, spk, st.flow, False, cfm=runner)
         mel_in = torch.cat([st.vocoder.mel, mel.float()], dim=2)
         hift_ms = timed(lambda: hift(mel_in, st.vocoder.source, [st.generator]), args.iters)
@@ -159,6 +189,46 @@ def main() -> int:
     print(
         f"graph captures {runner.captures}, replays {runner.replays}, fallbacks {runner.fallbacks}"
     )
+
+    # 5. the same with the DiT blocks compiled (in place: everything above ran uncompiled)
+    if args.compile:
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        print(f"\n== compiled DiT blocks (compile_dit_blocks, default mode; TF32 matmul {tf32})")
+        counters.clear()
+        compile_dit_blocks(flow.decoder.estimator)
+        runner_c = CFMGraphRunner(flow.decoder, (1, 2))
+        with torch.inference_mode():
+            for b, (tokens, spk_b, cache, mel_e, cache_e) in parity.items():
+                t0 = time.perf_counter()
+                flow.inference_chunk(tokens, spk_b, cache, False, cfm=runner_c)  # compile, capture
+                torch.cuda.synchronize()
+                first_s = time.perf_counter() - t0
+                mel_c, cache_c = flow.inference_chunk(tokens, spk_b, cache, False, cfm=runner_c)
+                diffs = [
+                    (mel_e - mel_c).abs().max().item(),
+                    (cache_e.est_att - cache_c.est_att).abs().max().item(),
+                    (cache_e.est_cnn - cache_c.est_cnn).abs().max().item(),
+                ]
+                print(
+                    f"compiled CFM graph vs eager, batch {b}: first call (compile + capture) "
+                    f"{first_s:.1f} s, max diff mel/att/cnn = "
+                    + " / ".join(f"{d:.2e}" for d in diffs)
+                )
+                if max(diffs) > 1e-4:
+                    failures.append(f"compiled graph parity batch {b}: {max(diffs):.3g}")
+        times_c = chunk_table(runner_c)
+        for b in times:
+            (e, gr), (e_c, gr_c) = times[b], times_c[b]
+            print(
+                f"batch {b}: graph {gr:.1f} -> {gr_c:.1f} ms/chunk (x{gr / gr_c:.2f}), "
+                f"eager {e:.1f} -> {e_c:.1f} ms/chunk"
+            )
+        flow_ms_c = flow_chunk_ms(runner_c)
+        print(f"batch-1 flow encoder + CFM graph: {flow_ms:.1f} -> {flow_ms_c:.1f} ms")
+        print(
+            f"dynamo graphs for the DiT blocks: {counters['stats']['unique_graphs']}; "
+            f"graph captures {runner_c.captures}, fallbacks {runner_c.fallbacks}"
+        )
 
     if failures:
         print("FAIL: " + "; ".join(failures))

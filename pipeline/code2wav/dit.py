@@ -17,6 +17,9 @@ newest-first: new keys are concatenated *before* the old ones), no mask; the cau
 their last 2 input frames. Caches:
   cnn_cache (depth, B, 2D, 2)   = per block [conv1 input tail (D) || conv2 input tail (D)]
   att_cache (depth, B, H, L, 2*dh) = per block K || V along the last dim
+
+`compile_dit_blocks(dit)` applies regional torch.compile from outside (one compiled block
+forward shared by all blocks); see its docstring for the dynamic-shape policy.
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ from pipeline.config import DiTConfig
 
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale) + shift
+
+
+def _mark_dynamic_dims(x, c, cnn=None, att=None, mask=None) -> None:
+    """The dims that vary between calls of a block, for a compiled block (compile_dit_blocks);
+    no-ops in eager: rows B, chunk frames T, cache frames L, each its own symbol."""
+    for t, dims in ((x, (0, 1)), (c, (0,)), (cnn, (0,)), (att, (0, 2)), (mask, (0, 3))):
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, dims)
 
 
 class TimestepEmbedder(nn.Module):
@@ -229,6 +240,7 @@ class DiT(nn.Module):
         c = t_emb[:, None]  # (B, 1, D)
         h = self.in_proj(self._inputs(x, mu, spks, cond))
         for block in self.blocks:
+            _mark_dynamic_dims(h, c, mask=attn_mask)
             h, _, _ = block(h, c, mask=attn_mask)
         return self.final_layer(h, c).transpose(1, 2)
 
@@ -248,12 +260,55 @@ class DiT(nn.Module):
         h = self.in_proj(self._inputs(x, mu, spks, cond))
         new_cnn, new_att = [], []
         for i, block in enumerate(self.blocks):
-            h, cc, ac = block(
-                h,
-                c,
-                None if cnn_cache is None else cnn_cache[i],
-                None if att_cache is None else att_cache[i],
-            )
+            cnn = None if cnn_cache is None else cnn_cache[i]
+            att = None if att_cache is None else att_cache[i]
+            _mark_dynamic_dims(h, c, cnn, att)
+            h, cc, ac = block(h, c, cnn, att)
             new_cnn.append(cc)
             new_att.append(ac)
         return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)
+
+
+# ---------------------------------------------------------------------------------------
+# Regional compile
+
+
+def compile_dit_blocks(dit: DiT, *, dynamic: bool | None = None, backend: str = "inductor") -> DiT:
+    """Regional torch.compile: compile each DiTBlock's forward in place.
+
+    All blocks share one code object and Dynamo treats their parameters as inputs, so one
+    compiled graph serves all `depth` blocks and compile time is that of one block. Inductor
+    fuses the elementwise work between the matmuls (adaLN modulate, gates, residual adds,
+    LayerNorms, Mish, GELU, the K/V cache cats); the matmuls stay aten (cuBLAS) calls in the
+    weights' dtype and attention stays SDPA, so only the summation order inside the fused
+    LayerNorms differs from eager (~1e-6 in fp32). Default mode on purpose: "reduce-overhead"
+    would add Inductor's own CUDA graphs inside the one `CFMGraphRunner` captures around the
+    whole CFM. The FinalLayer stays eager: ~7 kernels per DiT call against ~45 in each of
+    the `depth` blocks, not worth a compiled graph (and its compile time) of its own.
+
+    Shapes. Rows B (2 x streams), chunk frames T (50; the prompt in setup_cache; anything on
+    a final chunk) and cache frames L (grows over the first chunks, then fixed by trimming;
+    depends on the voice's prompt) vary. The DiT marks exactly those dims dynamic at every
+    block call (`_mark_dynamic_dims`), so the first trace is already symbolic in B, T and L
+    and new sizes do not recompile; every other dim stays static. Not `dynamic=True`: it
+    makes every dim symbolic and gives dims of equal size one symbol ("duck sizing"), so
+    coincidences at the first call pin a graph: rows 2 == the conv tail's 2 frames, rows ==
+    heads, L == T == 50 after a 25-code prompt, each one recompile later. Nor a plain None
+    without marks: each dim's first change would recompile, and past Dynamo's limit of 8
+    graphs per code object (shared by all blocks) new shapes run eagerly with only a logged
+    warning.
+
+    What remains is one graph per kind of input, not per size:
+      * no cache (setup_cache, offline) / cache (streaming chunks) / offline with a mask;
+      * inference / normal tensors (Dynamo guards on the dispatch keys): an eager engine's
+        single-stream first chunk passes a template clone made outside inference mode; the
+        CUDA-graph runner always passes its own inference-mode buffers.
+    So 2 graphs under `CFMGraphRunner`, 3 in an eager engine (counted in
+    tests/test_code2wav_compile.py), well under the limit. Size guards that remain come from
+    kernel choices (on CPU the conv backend guards B <= 15 rows).
+
+    Nothing in the compiled code syncs with the host, so the blocks can be captured by
+    `CFMGraphRunner`: compilation happens in its warm-up calls, before the capture."""
+    for block in dit.blocks:
+        block.compile(dynamic=dynamic, backend=backend)
+    return dit

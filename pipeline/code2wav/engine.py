@@ -11,6 +11,10 @@ Fast paths (each a knob of `Code2WavEngineConfig`, each exact, see tests/test_co
                                   10-step CFM over the prompt) once and clone it per stream
   token2wav_cfm_cuda_graph      : replay the whole 10-step CFM of a chunk as one CUDA graph
                                   (graphs.py) for batch 1 and 2; other shapes run eagerly
+  token2wav_compile_estimator   : regional torch.compile of the DiT blocks (dit.py,
+                                  compile_dit_blocks): Inductor fuses their elementwise work,
+                                  matmuls and attention unchanged; not bitwise (fused LayerNorm
+                                  sums, ~1e-6 in fp32); runs inside the CUDA graph when both are on
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
                                   a few codes short of a chunk with the same shape (batching.py)
 """
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 
 from pipeline.code2wav.batching import ChunkBatcher, ReadyChunk
+from pipeline.code2wav.dit import compile_dit_blocks
 from pipeline.code2wav.flow import Flow
 from pipeline.code2wav.graphs import CFMGraphRunner
 from pipeline.code2wav.hift import HiFTGenerator
@@ -39,6 +44,7 @@ from pipeline.config import Code2WavConfig
 class Code2WavEngineConfig:
     token2wav_initial_state_cache: bool = True
     token2wav_cfm_cuda_graph: bool = False
+    token2wav_compile_estimator: bool = False  # compiles the flow's DiT blocks in place
     code2wav_batch_wait_ms: float = 0.0
     max_batch_size: int = 4  # streams per decode batch
     cfm_graph_batch_sizes: tuple[int, ...] = (1, 2)
@@ -68,6 +74,9 @@ class Code2WavEngine:
         self.voices = voices  # default voice + reference-audio LRU (open_stream(voice=None))
         self.device = next(flow.parameters()).device
         self.crossfade = Crossfade(cfg.mel_overlap_frames * cfg.hift.hop_length, self.device)
+        if engine_cfg.token2wav_compile_estimator:
+            # in place; compiles lazily on first use (setup_cache, the graph runner's warm-up)
+            compile_dit_blocks(flow.decoder.estimator)
         self.graphs = (
             CFMGraphRunner(
                 flow.decoder, engine_cfg.cfm_graph_batch_sizes, engine_cfg.cfm_max_graphs

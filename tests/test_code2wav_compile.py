@@ -1,0 +1,152 @@
+"""Regional torch.compile of the DiT blocks (`compile_dit_blocks`, the engine's
+`token2wav_compile_estimator`) on CPU, fp32:
+
+  * the graph count: a counting backend (Dynamo's graphs run as is, no codegen: fast) over an
+    engine decoding 4 chunks of one stream, then 4 chunks of two streams batched;
+  * compiled == eager with Inductor: DiT forward_chunk without and with caches at 2 and 4
+    rows, and a whole engine's PCM. Inductor needs a C++ compiler on CPU; each graph costs
+    ~15 s to compile cold on 2 cores, so the tests are built to need few graphs (the
+    engine test finds the DiT test's graphs in Inductor's on-disk cache).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+
+from pipeline.code2wav.assets import load_code2wav, tiny_code2wav_config, write_token2wav_assets
+from pipeline.code2wav.dit import DiT, compile_dit_blocks
+from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from pipeline.code2wav.voice import VoiceCache
+from tests.test_code2wav_engine import _codes, _feeds, _run
+
+CXX = os.environ.get("CXX", "g++")
+needs_inductor = pytest.mark.skipif(
+    shutil.which(CXX) is None, reason=f"Inductor on CPU needs a C++ compiler ({CXX} not found)"
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    write_token2wav_assets(root / "assets" / "token2wav", tiny_code2wav_config(), seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def voice(ckpt):
+    return VoiceCache(ckpt / "assets" / "token2wav").default()
+
+
+def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = 1e-5) -> None:
+    d = (a - b).abs()
+    assert a.shape == b.shape and d.max() <= atol, f"{what}: max {d.max():.3g} mean {d.mean():.3g}"
+
+
+def test_graph_count_over_streaming_chunks(ckpt, voice):
+    """One stream, 4 chunks (cache grows 50 -> 250 frames, trimmed to 150), then two streams
+    batched (4 rows) for 4 chunks and a short final chunk: 3 graphs (no cache; a template
+    clone's normal tensors; inference tensors), none for the new L, T or batch."""
+    flow, hift, cfg = load_code2wav(ckpt, "cpu", torch.float32)
+    counter = CompileCounter()
+    compile_dit_blocks(flow.decoder.estimator, backend=counter)
+    eng = Code2WavEngine(flow, hift, cfg)
+    one = {"s0": [(_codes(k, 25), False) for k in range(4)]}
+    two = {f"t{i}": [(_codes(10 * i + k, 25), False) for k in range(4)] for i in range(2)}
+    two["t0"].append((_codes(50, 9), True))
+    two["t1"].append((_codes(51, 9), True))
+    _run(eng, one, voice)
+    _run(eng, two, voice)
+    assert eng.counters["batch_size_2"] == 5
+    assert counter.frame_count == 3, f"{counter.frame_count} graphs for the DiT blocks"
+
+
+@needs_inductor
+def test_compiled_dit_forward_chunk_matches_eager():
+    torch.manual_seed(0)
+    dit = DiT(tiny_code2wav_config().dit).eval()
+    g = torch.Generator().manual_seed(1)
+
+    def chunks(rows: int) -> list[tuple[torch.Tensor, ...]]:
+        # setup-like first chunk (40 frames, no cache), two full chunks, a short final one;
+        # one Euler step's t_emb expanded over the rows, as CausalCFM passes it
+        t_emb = dit.time_embedding(torch.rand(1, generator=g)).expand(rows, -1)
+        spks = torch.randn(rows, 80, generator=g)
+        return [
+            (
+                torch.randn(rows, 80, t, generator=g),
+                torch.randn(rows, 80, t, generator=g),
+                t_emb,
+                spks,
+                torch.randn(rows, 80, t, generator=g),
+            )
+            for t in (40, 50, 50, 18)
+        ]
+
+    def run(inputs: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        outs, cnn, att = [], None, None
+        for x, mu, t_emb, spks, cond in inputs:
+            v, cnn, att = dit.forward_chunk(x, mu, t_emb, spks, cond, cnn, att)
+            outs += [v, cnn, att]
+        return outs
+
+    with torch.inference_mode():
+        inputs = {rows: chunks(rows) for rows in (2, 4)}  # 1 and 2 streams (CFG-doubled)
+        ref = {rows: run(x) for rows, x in inputs.items()}
+        compile_dit_blocks(dit)
+        out = {rows: run(x) for rows, x in inputs.items()}
+    for rows, expected in ref.items():
+        assert out[rows][-1].shape[3] == 40 + 50 + 50 + 18
+        for i, (a, b) in enumerate(zip(out[rows], expected)):
+            name = ("v", "cnn", "att")[i % 3]
+            _assert_close(a, b, f"rows {rows}, chunk {i // 3}, output {name}")
+    # one graph without a cache, one with: no recompile for new L, T or rows
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+@needs_inductor
+def test_engine_compile_knob_matches_eager(ckpt, voice):
+    eager = Code2WavEngine(*load_code2wav(ckpt, "cpu", torch.float32))
+    flow, hift, cfg = load_code2wav(ckpt, "cpu", torch.float32)
+    compiled = Code2WavEngine(
+        flow, hift, cfg, Code2WavEngineConfig(token2wav_compile_estimator=True)
+    )
+    assert all(b._compiled_call_impl is not None for b in flow.decoder.estimator.blocks)
+    a, b = _run(eager, _feeds(2), voice), _run(compiled, _feeds(2), voice)
+    assert compiled.counters["batch_size_2"] == 3
+    for sid in a:
+        d = np.abs(a[sid] - b[sid])
+        assert a[sid].shape == b[sid].shape and d.max() < 1e-5, (
+            f"{sid}: max {d.max():.3g} mean {d.mean():.3g}"
+        )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_blocks_inside_cfm_cuda_graph_match_eager(ckpt, voice):
+    """Compile happens in the graph runner's warm-up, then the capture records the compiled
+    kernels: same PCM as the eager engine, and 2 graphs (no cache; the runner's buffers)."""
+    eager = Code2WavEngine(*load_code2wav(ckpt, "cuda", torch.float32))
+    both = Code2WavEngine(
+        *load_code2wav(ckpt, "cuda", torch.float32),
+        Code2WavEngineConfig(token2wav_cfm_cuda_graph=True, token2wav_compile_estimator=True),
+    )
+    a, b = _run(eager, _feeds(2), voice), _run(both, _feeds(2), voice)
+    assert both.counters["cfm_graph_replays"] > 0
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    for sid in a:
+        assert np.abs(a[sid] - b[sid]).max() < 1e-5
