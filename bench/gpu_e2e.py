@@ -41,6 +41,7 @@ from bench.attribution import (
     CallbackLauncher,
     Variant,
     apply_overrides,
+    collect,
     format_attribution,
     parse_knob,
     run_attribution,
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attr-num-prompts", type=int, default=None)
     ap.add_argument("--attr-rounds", type=int, default=1)
     ap.add_argument("--attr-warmups", type=int, default=None)
+    ap.add_argument("--attr-resume", default=None, metavar="DIR",
+                    help="an earlier attribution folder: reuse its A, skip the Bs it has "
+                         "(combine both with `python -m bench.attribution --collect`)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-plots", action="store_true")
     add_client_args(ap, with_url=False)
@@ -197,8 +201,15 @@ def main(argv: list[str] | None = None) -> int:
                 args_v = app_args(args.config, args.checkpoint, over, media_dir)
                 return srv.app(args_v, v.label, attr_out / _slug(v.label))
 
-            result = run_attribution([parse_knob(k) for k in args.knob], CallbackLauncher(launch),
-                                     specs, client_options(args), cfg, out_dir=attr_out)
+            knobs, base_run = [parse_knob(k) for k in args.knob], None
+            if args.attr_resume:
+                done = collect([args.attr_resume])
+                base_run, labels = done.base, {v.label for v, _, _ in done.variants}
+                knobs = [k for k in knobs if k.label not in labels]
+                print(f"resuming {args.attr_resume}: {len(labels)} done, {len(knobs)} to run")
+            result = run_attribution(knobs, CallbackLauncher(launch), specs,
+                                     client_options(args), cfg, out_dir=attr_out,
+                                     base_run=base_run)
             print(format_attribution(result), flush=True)
             failed += bool(result.errors)
     finally:
