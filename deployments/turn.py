@@ -68,7 +68,9 @@ class TurnRunner:
 
     async def run(self, turn: PreparedTurn) -> AsyncIterator[Event]:
         rid = turn.request_id
-        t0 = time.perf_counter()
+        now = time.perf_counter()
+        # Latencies count from the request's arrival (preprocessing included), like a client's.
+        t0 = now - max(0.0, time.time() - turn.arrival) if turn.arrival else now
         slot = None
         gens: list[Any] = []
         pumps: list[asyncio.Task] = []
