@@ -416,3 +416,35 @@ def test_kaldi_fbank_matches_kaldi_native_fbank():
     ours = kaldi_fbank(torch.from_numpy(wav)).numpy()
     d = np.abs(ref - ours)
     assert ref.shape == ours.shape and d.max() < 1e-3, f"max {d.max():.3g} mean {d.mean():.3g}"
+
+
+class _CountingCFM:
+    """Stands in for the CUDA-graph runner on CPU: runs the CFM eagerly, records chunk shapes."""
+
+    replays = captures = fallbacks = 0
+
+    def __init__(self, cfm):
+        self.cfm, self.frames = cfm, []
+
+    def __call__(self, mu, spks, cond, cnn_cache, att_cache, time_table=None):
+        self.frames.append(mu.shape[2])
+        return self.cfm.forward_chunk(mu, spks, cond, cnn_cache, att_cache, time_table)
+
+
+def test_final_chunks_of_any_length_get_a_bounded_number_of_graphs(model, voice):
+    """Every full chunk goes to the graph runner; final chunks only for the first
+    `cfm_max_final_graphs` shapes (a graph per final length would keep re-capturing)."""
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(cfm_max_final_graphs=2))
+    eng.graphs = runner = _CountingCFM(flow.decoder)
+    plain = Code2WavEngine(flow, hift, cfg)
+    tails = [5, 9, 5, 13, 9]  # final lengths: 5 and 9 get graphs, 13 runs eagerly
+    for i, n in enumerate(tails):
+        feed = {f"f{i}": [(_codes(60 + i, 25), False), (_codes(70 + i, n), True)]}
+        got, ref = _run(eng, feed, voice), _run(plain, feed, voice)
+        assert np.array_equal(got[f"f{i}"], ref[f"f{i}"])  # same computation either way
+    full = 2 * cfg.chunk_size  # mel frames of a full chunk (the lookahead is not decoded)
+    finals = [t for t in runner.frames if t != full]
+    assert len(runner.frames) - len(finals) == len(tails)  # every full chunk
+    assert sorted(set(finals)) == [2 * (5 + cfg.pre_lookahead), 2 * (9 + cfg.pre_lookahead)]
+    assert eng.counters["final_chunks_eager"] == 1

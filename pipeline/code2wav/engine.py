@@ -10,7 +10,8 @@ Fast paths (each a knob of `Code2WavEngineConfig`, each exact, see tests/test_co
   token2wav_initial_state_cache : build a voice's initial state (setup_cache: encoder + a full
                                   10-step CFM over the prompt) once and clone it per stream
   token2wav_cfm_cuda_graph      : replay the whole 10-step CFM of a chunk as one CUDA graph
-                                  (graphs.py) for batch 1 and 2; other shapes run eagerly
+                                  (graphs.py) for batch 1 and 2; other shapes run eagerly, and
+                                  so do final chunks past `cfm_max_final_graphs` shapes
   token2wav_compile_estimator   : regional torch.compile of the DiT blocks (dit.py,
                                   compile_dit_blocks): Inductor fuses their elementwise work,
                                   matmuls and attention unchanged; not bitwise (fused LayerNorm
@@ -49,6 +50,11 @@ class Code2WavEngineConfig:
     max_batch_size: int = 4  # streams per decode batch
     cfm_graph_batch_sizes: tuple[int, ...] = (1, 2)
     cfm_max_graphs: int = 16
+    # A turn's final chunk has any length (1..chunk + lookahead codes), so a graph per final
+    # shape would churn the LRU above: capturing costs ~3 eager passes and each graph holds
+    # its cache outputs (~0.6 GB at batch 1). At most this many final shapes get graphs, first
+    # come (fixed-length benchmarks: one per batch size); the others run eagerly.
+    cfm_max_final_graphs: int = 4
     near_ready_codes: int = 4  # a stream this many codes short of a window counts as "close"
     max_voice_templates: int = 8
     hift_seed: int | None = 0  # per-stream HiFT noise generators; None = global RNG (reference)
@@ -90,6 +96,7 @@ class Code2WavEngine:
         if self.graphs is not None:
             max_batch = min(max_batch, max(engine_cfg.cfm_graph_batch_sizes))
         self.batcher = ChunkBatcher(engine_cfg.code2wav_batch_wait_ms, max_batch, clock)
+        self.final_graph_shapes: set[tuple] = set()  # final-chunk shapes allowed a graph
         self.streams: OrderedDict[str, _Stream] = OrderedDict()
         self.templates: OrderedDict[str, StreamState] = OrderedDict()
         self.counters: Counter = Counter()
@@ -177,7 +184,7 @@ class Code2WavEngine:
         out = []
         for batch in self.batcher.plan(ready, near):
             ids = [r.stream_id for r in batch]
-            codes, last, _ = pending[ids[0]]
+            codes, last, key = pending[ids[0]]
             tokens = torch.tensor(
                 [pending[i][0] for i in ids], dtype=torch.long, device=self.device
             ).reshape(len(ids), -1)
@@ -190,7 +197,7 @@ class Code2WavEngine:
                 tokens,
                 last,
                 self.crossfade,
-                cfm=self.graphs,
+                cfm=self._graphs_for(len(ids), key, last),
                 time_table=None,
             )
             pcm = speech.float().cpu().numpy()
@@ -208,6 +215,18 @@ class Code2WavEngine:
             self.counters["cfm_graph_fallbacks"] = self.graphs.fallbacks
         self.counters["batch_waits"] = self.batcher.waits
         return out
+
+    def _graphs_for(self, batch: int, key: tuple, last: bool):
+        """The CFM graph runner for this batch, or None to run eagerly (bounded final shapes)."""
+        if self.graphs is None or not last:
+            return self.graphs
+        shape = (batch, *key)
+        if shape not in self.final_graph_shapes:
+            if len(self.final_graph_shapes) >= self.ecfg.cfm_max_final_graphs:
+                self.counters["final_chunks_eager"] += 1
+                return None
+            self.final_graph_shapes.add(shape)
+        return self.graphs
 
     def drain(self, max_steps: int = 10_000) -> dict[str, list[np.ndarray]]:
         """Step until no chunk is ready (tests, offline use). Returns pcm pieces per stream."""
