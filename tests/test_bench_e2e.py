@@ -220,3 +220,17 @@ def test_targets_table():
     assert not rows[(4, "request_throughput")]["met"] and rows[(4, "audio_throughput")]["met"]
     text = format_targets(run)
     assert text.count("MISS") == 2 and text.count(" ok ") + text.count(" ok\n") >= 4, text
+
+
+def test_gpu_e2e_app_args(tmp_path):
+    """The per-phase app args of bench.gpu_e2e: model, knob overrides and the media folder."""
+    from bench.gpu_e2e import app_args
+
+    over = parse_knob("token2wav_cfm_cuda_graph=false,active_stream_window=1").overrides
+    args = app_args("serve_config.yaml", "random-full", over, media_dir=str(tmp_path))
+    assert args["model"] == "random-full" and args["active_stream_window"] == 1
+    assert args["code2wav"]["engine"]["token2wav_cfm_cuda_graph"] is False
+    assert args["allowed_local_media_path"] == str(tmp_path.resolve())
+    base = app_args("bench/baseline_config.yaml", None)
+    assert base["model"] is None and base["allowed_local_media_path"] is None
+    assert base["thinker"]["engine"]["llm"]["cuda_graphs"] is False
