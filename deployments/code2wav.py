@@ -61,8 +61,9 @@ class RealCode2Wav:
         else:
             flow, hift, c2w_cfg = load_code2wav(source.path, device, torch.float32)
             voice_dir = source.path
-        engine = Code2WavEngine(flow, hift, c2w_cfg, config)
         voices = VoiceCache(token2wav_dir(voice_dir))
+        engine = Code2WavEngine(flow, hift, c2w_cfg, config, voices=voices)
+        engine.warmup()  # default voice's template; CFM graph captures before the first request
         return _VoicedEngine(engine, voices)
 
     @staticmethod

@@ -448,3 +448,17 @@ def test_final_chunks_of_any_length_get_a_bounded_number_of_graphs(model, voice)
     assert len(runner.frames) - len(finals) == len(tails)  # every full chunk
     assert sorted(set(finals)) == [2 * (5 + cfg.pre_lookahead), 2 * (9 + cfg.pre_lookahead)]
     assert eng.counters["final_chunks_eager"] == 1
+
+
+def test_warmup_runs_full_chunks_per_graph_batch_and_changes_nothing(model, voice):
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(warmup_chunks=3))
+    eng.graphs = runner = _CountingCFM(flow.decoder)
+    eng.warmup(voice)
+    assert not eng.streams and eng.counters["template_builds"] == 1
+    assert runner.frames == [2 * cfg.chunk_size] * 6  # 3 chunks at batch 1, 3 at batch 2
+    assert eng.counters["batch_size_2"] == 3 and not eng.final_graph_shapes
+    feed = _feeds(2)
+    got, ref = _run(eng, feed, voice), _run(Code2WavEngine(flow, hift, cfg), feed, voice)
+    assert all(np.array_equal(got[k], ref[k]) for k in feed)
+    assert eng.counters["template_builds"] == 1  # the streams cloned the warm-up's template

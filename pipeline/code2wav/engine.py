@@ -5,6 +5,7 @@
     for sid, pcm, is_last in engine.step():   # decode every ready chunk, coalesced by shape
         ...
     engine.close_stream("s1")
+    engine.warmup()                           # at deployment start: template + graph captures
 
 Fast paths (each a knob of `Code2WavEngineConfig`, each exact, see tests/test_code2wav*.py):
   token2wav_initial_state_cache : build a voice's initial state (setup_cache: encoder + a full
@@ -58,6 +59,9 @@ class Code2WavEngineConfig:
     near_ready_codes: int = 4  # a stream this many codes short of a window counts as "close"
     max_voice_templates: int = 8
     hift_seed: int | None = 0  # per-stream HiFT noise generators; None = global RNG (reference)
+    # `warmup(voice)` decodes this many throwaway full chunks per graph batch size, so the
+    # first requests find the CFM graphs captured (and compiled blocks built); 0 = none
+    warmup_chunks: int = 4
 
 
 @dataclass
@@ -227,6 +231,36 @@ class Code2WavEngine:
                 return None
             self.final_graph_shapes.add(shape)
         return self.graphs
+
+    def warmup(self, voice: VoicePrompt | None = None) -> None:
+        """Build `voice`'s template and, when graphs or compiled blocks are on, decode
+        `warmup_chunks` full chunks of silence per CFM graph batch size on throwaway streams
+        (the cache grows over the first chunks, then trimming fixes it: each length is a graph).
+        The streams are closed before their final chunk, so no final-shape graph slot is used.
+        Outputs of later streams do not depend on it (their state is a template clone and their
+        noise generator is seeded by stream id)."""
+        if voice is None and self.voices is None:
+            raise ValueError("warmup needs a voice (or a VoiceCache with the default voice)")
+        voice = voice or self.voices.default()
+        self.initial_state(voice)
+        compiled = self.ecfg.token2wav_compile_estimator
+        if self.ecfg.warmup_chunks <= 0 or (self.graphs is None and not compiled):
+            return
+        sizes = self.ecfg.cfm_graph_batch_sizes if self.graphs is not None else (1,)
+        silence = [self.cfg.silence_code] * self.cfg.chunk_size
+        for b in sizes:
+            ids = [f"__warmup_{b}_{i}" for i in range(b)]
+            for sid in ids:
+                self.open_stream(sid, voice)
+            try:
+                for _ in range(self.ecfg.warmup_chunks):
+                    for sid in ids:
+                        self.push_codes(sid, silence)
+                    self.drain()
+            finally:
+                for sid in ids:
+                    self.close_stream(sid)
+        self.counters["warmup_streams"] += sum(sizes)
 
     def drain(self, max_steps: int = 10_000) -> dict[str, list[np.ndarray]]:
         """Step until no chunk is ready (tests, offline use). Returns pcm pieces per stream."""
