@@ -5,7 +5,11 @@ same streams with the same seeds through an engine with CUDA graphs and one with
 that both produce the same codes (seeded sampling and greedy), and prints step times.
 Exits 1 if a parity check fails.
 
-    python bench/gpu_talker.py [--steps 200] [--warmup 20] [--prompt 40]
+    python bench/gpu_talker.py [--steps 200] [--warmup 20] [--prompt 40] [--decode-steps 4]
+
+--decode-steps K runs the graph engine with K decode steps per replay (TalkerEngineConfig.
+decode_steps); the eager engine stays at one step, and the codes are compared over the
+common prefix. Times are per engine.step() call and per code drawn.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ def build_model(cfg: TalkerConfig) -> TalkerModel:
     return model.to(torch.bfloat16).eval()
 
 
-def run(model, batch, graphs, sampling, args):
-    """Returns (codes per stream, ms per step, ms of the first step = prefill + first draw)."""
+def run(model, batch, graphs, sampling, args, decode_steps=1):
+    """Returns (codes per stream, ms per step() call, ms per code of one stream, ms of the
+    first step = prefill + first draw)."""
     cfg = model.cfg
     engine = TalkerEngine(
         model,
-        TalkerEngineConfig(max_streams=4, mode="full_span", cuda_graphs=graphs, sampling=sampling),
+        TalkerEngineConfig(max_streams=4, mode="full_span", cuda_graphs=graphs, sampling=sampling,
+                           decode_steps=decode_steps),
     )
     assert (engine.graphs is not None) == graphs
     g = torch.Generator().manual_seed(1)
@@ -53,16 +59,18 @@ def run(model, batch, graphs, sampling, args):
         engine.step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    before = len(engine.stream_codes("s0"))
     start.record()
     for _ in range(args.steps):
         engine.step()
     end.record()
     torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / args.steps
+    total_ms = start.elapsed_time(end)
     codes = [engine.stream_codes(f"s{i}") for i in range(batch)]
+    per_code = total_ms / max(1, len(codes[0]) - before)
     del engine
     torch.cuda.empty_cache()
-    return codes, ms, first_ms
+    return codes, total_ms / args.steps, per_code, first_ms
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int:
@@ -77,6 +85,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--prompt", type=int, default=40, help="spoken-span tokens per stream")
+    parser.add_argument("--decode-steps", type=int, default=1, help="graph engine's decode_steps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -94,13 +103,17 @@ def main() -> int:
     expected_codes = 1 + args.warmup + args.steps
     for label, sampling in [("sampled", None), ("greedy", TalkerSamplingParams(temperature=0.0))]:
         for batch in (1, 4):
-            eager_codes, eager_ms, eager_first = run(model, batch, False, sampling, args)
-            graph_codes, graph_ms, graph_first = run(model, batch, True, sampling, args)
+            eager_codes, eager_ms, eager_code, eager_first = run(model, batch, False, sampling,
+                                                                 args)
+            graph_codes, graph_ms, graph_code, graph_first = run(model, batch, True, sampling,
+                                                                 args, args.decode_steps)
             for i, (a, b) in enumerate(zip(eager_codes, graph_codes)):
-                bad = first_mismatch(a, b)
+                n = min(len(a), len(b))
+                bad = first_mismatch(a[:n], b[:n])
                 if (
                     bad >= 0
                     or len(a) != expected_codes
+                    or len(b) < expected_codes
                     or not all(0 <= c < cfg.eos_code for c in a)
                 ):
                     failures.append(
@@ -108,21 +121,23 @@ def main() -> int:
                         f"(expected {expected_codes}), first mismatch at {bad}"
                     )
             distinct = len({tuple(c) for c in eager_codes})
-            rows.append((label, batch, "off", eager_ms, eager_first, distinct))
-            rows.append((label, batch, "on", graph_ms, graph_first, distinct))
+            rows.append((label, batch, "off", eager_ms, eager_code, eager_first, distinct))
+            graphs = "on" if args.decode_steps == 1 else f"on x{args.decode_steps}"
+            rows.append((label, batch, graphs, graph_ms, graph_code, graph_first, distinct))
 
     print(
-        f"\n{'sampling':9} {'batch':>5} {'graphs':>6} {'ms/step':>8} {'ms/code':>8} "
+        f"\n{'sampling':9} {'batch':>5} {'graphs':>7} {'ms/call':>8} {'ms/code':>8} "
         f"{'codes/s':>8} {'1st step ms':>11} {'distinct':>8}"
     )
-    for label, batch, graphs, ms, first, distinct in rows:
+    for label, batch, graphs, ms, per_code, first, distinct in rows:
         print(
-            f"{label:9} {batch:>5} {graphs:>6} {ms:8.3f} {ms / batch:8.3f} "
-            f"{1e3 * batch / ms:8.0f} {first:11.1f} {distinct:>8}"
+            f"{label:9} {batch:>5} {graphs:>7} {ms:8.3f} {per_code / batch:8.3f} "
+            f"{1e3 * batch / per_code:8.0f} {first:11.1f} {distinct:>8}"
         )
     print(
-        f"(ms/code = ms/step / batch; {args.steps} timed steps after {args.warmup} warm-up "
-        f"steps; prompt {args.prompt} + 2 rows; 'distinct' = distinct code sequences in the batch)"
+        f"(ms/call = per engine.step(); ms/code = per code of one stream / batch; {args.steps} "
+        f"timed calls after {args.warmup} warm-up calls; prompt {args.prompt} + 2 rows; "
+        f"'distinct' = distinct code sequences in the batch; 'on xK' = K steps per replay)"
     )
     if failures:
         print("\nPARITY FAILED (CUDA graphs vs eager):")

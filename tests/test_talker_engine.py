@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from test_talker_model import hf_llama
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from pipeline.config import TalkerConfig, talker_config_from_hf
@@ -20,7 +21,6 @@ from pipeline.presets import tiny_hf_config
 from pipeline.talker.engine import CodeChunk, TalkerEngine, TalkerEngineConfig
 from pipeline.talker.model import TalkerModel
 from pipeline.talker.sampling import TalkerSamplingParams
-from test_talker_model import hf_llama
 
 
 def tiny_cfg(**kw) -> TalkerConfig:
@@ -386,19 +386,18 @@ def test_cuda_graph_decode_matches_eager():
     cfg = tiny_cfg(max_new_tokens=80, min_new_tokens=10)
     talker = make_talker(cfg, eos_bias=2.0, device="cuda")
     results = []
-    for graphs in (False, True):
-        engine = TalkerEngine(
-            talker, TalkerEngineConfig(max_streams=4, cuda_graphs=graphs, max_seq_len=512)
-        )
+    for graphs, steps in ((False, 1), (True, 1), (True, 4)):  # 4: four steps per replay
+        engine = TalkerEngine(talker, TalkerEngineConfig(
+            max_streams=4, cuda_graphs=graphs, max_seq_len=512, decode_steps=steps))
         assert (engine.graphs is not None) == graphs
         for i, mode in enumerate(["streaming", "full_span", "streaming"]):
             engine.open(f"s{i}", mode=mode, seed=i)
             ids, hidden = spoken(24 + 7 * i, cfg, seed=i)
             engine.feed_text(f"s{i}", ids, hidden, text_finished=True)
         results.append(run(engine, ["s0", "s1", "s2"]))
-        if graphs:
+        if graphs and steps == 1:
             assert engine.stats().graph_replays == engine.stats().steps > 0
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
 
 
 @pytest.mark.parametrize("mode", ["full_span", "streaming"])
@@ -416,3 +415,27 @@ def test_fixed_code_count_ignores_eos(mode):
     assert engine.num_free_slots == 1
     with pytest.raises(ValueError, match="max_codes"):
         engine.open("b", max_codes=0)
+
+
+@pytest.mark.parametrize("steps", [3, 4])
+def test_decode_groups_equal_one_step_at_a_time(steps):
+    """decode_steps > 1: several draws per decode call. Streams that draw EOS inside a group
+    stop there and rewind their generator; caps (chunk draws, fixed code count, max_new) fall
+    back to single steps, so every stream's chunks equal the one-step engine's."""
+    cfg = tiny_cfg(max_new_tokens=45, min_new_tokens=5)
+    talker = make_talker(cfg, eos_bias=2.0)  # units of ~10 codes: EOS lands inside groups
+    plan = [("s1", "streaming", 1, 31, None), ("f1", "full_span", 2, 12, None),
+            ("s2", "streaming", 3, 18, None), ("x1", "streaming", 4, 20, 30)]
+    results, engines = [], []
+    for k in (1, steps):
+        engine = TalkerEngine(talker, TalkerEngineConfig(
+            max_streams=4, streaming_chunk_max_codes=20, decode_steps=k))
+        for sid, mode, seed, n, max_codes in plan:
+            engine.open(sid, mode=mode, seed=seed, max_codes=max_codes)
+            engine.feed_text(sid, *spoken(n, cfg, seed=seed), text_finished=True)
+        results.append(run(engine, [p[0] for p in plan]))
+        engines.append(engine)
+    assert results[0] == results[1]
+    one, grouped = engines
+    assert grouped.rewinds > 0 and grouped.stats().codes == one.stats().codes
+    assert len(all_codes(results[1]["x1"])) == 30

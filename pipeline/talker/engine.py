@@ -5,7 +5,8 @@ Per stream (one slot = one KV-cache row + one sampler-state row):
   feed_text(ids, hidden, text_finished)
                                 condition rows c_i (Talker dtype) are built at once
   step()                        1. one batched decode over the slots that are decoding
-                                   (CUDA graph per (rows, read_len) bucket, or eager)
+                                   (CUDA graph per (rows, read_len) bucket, or eager); with
+                                   `decode_steps` k > 1, k steps per call (see the config)
                                 2. start every unit whose text is ready: prefill its prompt
                                    (eager, one stream at a time) and draw its first code
                                 3. release 25-code chunks once 25 + 3 lookahead codes exist;
@@ -66,6 +67,11 @@ class TalkerEngineConfig:
     lookahead_codes: int = 3  # a chunk is released once this many later codes exist
     streaming_chunk_max_codes: int = 500  # draws per text chunk (generate_with_buffer)
     sampling: TalkerSamplingParams | None = None  # None = TalkerConfig's values
+    # Decode steps per call (one graph replay, one read of the codes): a group of k steps
+    # runs when every decoding stream has k draws left before a cap; a stream that draws
+    # EOS inside a group stops on the device and its generator is rewound to the draws it
+    # used, so the codes equal one step at a time. 1 = one step per call.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,6 +82,8 @@ class TalkerEngineConfig:
             raise ValueError("chunk_codes must be >= 1 and lookahead_codes >= 0")
         if self.streaming_chunk_max_codes < 1:
             raise ValueError("streaming_chunk_max_codes must be >= 1")
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
 
     def resolved(self, cfg: TalkerConfig, dtype: torch.dtype) -> TalkerEngineConfig:
         max_len = self.max_seq_len or cfg.max_position_embeddings
@@ -196,13 +204,22 @@ class TalkerEngine:
         self._active = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self._out_codes = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._one_active = torch.ones(1, dtype=torch.bool, device=self.device)
+        k = self.config.decode_steps  # groups of k steps: per-step noise in, codes out
+        vocab = self.cfg.num_audio_tokens
+        self._noise_k = torch.ones(k, slots, vocab, dtype=torch.float32, device=self.device)
+        self._out_k = torch.zeros(k, slots, dtype=torch.long, device=self.device)
+        self._scratch = torch.empty(vocab, dtype=torch.float32, device=self.device)
+        self.rewinds = 0  # streams that ended inside a group (generator rewound)
         self._streams: dict[str, _Stream] = {}
         self._free: list[int] = list(range(slots))  # a heap: lowest slot first keeps R small
         self._steps = self._prefills = self._codes = 0
         self.graphs: DecodeGraphs | None = None
         if self.config.cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(
-                self._decode_rows, self.config.graph_batch_sizes, self.config.graph_kv_lengths
+                self._decode_steps,
+                self.config.graph_batch_sizes,
+                self.config.graph_kv_lengths,
+                sorted({1, self.config.decode_steps}),
             )
             with torch.no_grad():
                 self.graphs.capture()
@@ -364,20 +381,72 @@ class TalkerEngine:
         self._active[s.slot] = True
         self._accept(s, int(code.item()))
 
+    def _group_size(self, decoding: list[_Stream]) -> int:
+        """config.decode_steps if no decoding stream can reach a cap within that many draws,
+        else 1: only EOS may end a unit inside a group (the device stops on EOS itself)."""
+        k = self.config.decode_steps
+        if k == 1:
+            return 1
+        for s in decoding:
+            cap = (self.config.streaming_chunk_max_codes if s.mode == "streaming"
+                   else self.cfg.max_new_tokens)
+            left = min(cap - s.unit_draws, self.config.max_seq_len - s.position)
+            if s.max_codes is not None:
+                left = min(left, s.max_codes - len(s.codes))
+            if left < k:
+                return 1
+        return k
+
     def _decode(self, decoding: list[_Stream]) -> None:
+        k = self._group_size(decoding)
         rows = bucket_up(max(s.slot for s in decoding) + 1, self.config.graph_batch_sizes)
-        read_len = bucket_up(max(s.position for s in decoding) + 1, self.config.graph_kv_lengths)
+        read_len = bucket_up(max(s.position for s in decoding) + k,
+                             self.config.graph_kv_lengths)
+        noise = self.state.noise if k == 1 else self._noise_k
+        saved = {}
         for s in decoding:
-            self.state.noise[s.slot].exponential_(generator=s.generator)
-        self._steps += 1
+            if k > 1:
+                saved[s.stream_id] = s.generator.get_state()
+                for i in range(k):
+                    noise[i, s.slot].exponential_(generator=s.generator)
+            else:
+                noise[s.slot].exponential_(generator=s.generator)
+        self._steps += k
         if self.graphs is not None:
-            self.graphs.replay(rows, read_len)
+            self.graphs.replay(rows, read_len, k)
         else:
-            self._decode_rows(rows, read_len)
-        codes = self._out_codes[:rows].tolist()
+            self._decode_steps(rows, read_len, k)
+        codes = self._out_codes[:rows][None].tolist() if k == 1 else self._out_k[:, :rows].tolist()
         for s in decoding:
-            s.position += 1
-            self._accept(s, codes[s.slot])
+            for i in range(k):
+                s.position += 1
+                self._accept(s, codes[i][s.slot])
+                if not s.decoding:
+                    if i < k - 1:  # only EOS can end a unit inside a group (_group_size)
+                        assert codes[i][s.slot] == self.eos, "a cap inside a decode group"
+                        self._rewind(s, saved[s.stream_id], used=i + 1)
+                    break
+
+    def _rewind(self, s: _Stream, state: torch.Tensor, used: int) -> None:
+        """Put the stream's generator where `used` single steps would have left it."""
+        s.generator.set_state(state)
+        for _ in range(used):
+            self._scratch.exponential_(generator=s.generator)
+        self.rewinds += 1
+
+    def _decode_steps(self, rows: int, read_len: int, steps: int) -> None:
+        """`steps` decode steps over slots [0, rows) (captured as one CUDA graph). Step i
+        draws with noise row i; a row that draws EOS is inactive for the rest of the group,
+        as the host would make it after one step."""
+        if steps == 1:
+            self._decode_rows(rows, read_len)
+            return
+        active = self._active[:rows]
+        for i in range(steps):
+            self.state.noise[:rows].copy_(self._noise_k[i, :rows])
+            self._decode_rows(rows, read_len)
+            self._out_k[i, :rows].copy_(self._out_codes[:rows])
+            active.logical_and_(self._out_codes[:rows] != self.eos)
 
     def _decode_rows(self, rows: int, read_len: int) -> None:
         """One step over slots [0, rows) on static buffers (captured as a CUDA graph)."""

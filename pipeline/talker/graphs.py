@@ -1,10 +1,11 @@
-"""CUDA graphs of the Talker decode step, one per (rows, read_len) bucket.
+"""CUDA graphs of the Talker decode, one per (rows, read_len, steps) bucket.
 
 Contract with the engine:
-  - `step_fn(rows, read_len)` runs one decode step over cache rows [0, rows) reading keys
-    [0, read_len), entirely on static buffers (inputs, sampler state, outputs, KV cache);
-    it must not sync with the host, and it must leave state untouched for idle rows
-    (the engine captures while every row is idle, so warm-up runs change nothing).
+  - `step_fn(rows, read_len, steps)` runs `steps` decode steps back to back over cache rows
+    [0, rows) reading keys [0, read_len), entirely on static buffers (inputs, sampler state,
+    outputs, KV cache); it must not sync with the host, and it must leave state untouched
+    for idle rows (the engine captures while every row is idle, so warm-up runs change
+    nothing).
   - The engine picks the bucket with `bucket_up` for both the graph and the eager path,
     so turning graphs on or off never changes the shapes a step runs at (hence the codes).
 """
@@ -40,13 +41,14 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        step_fn: Callable[[int, int], None],
+        step_fn: Callable[[int, int, int], None],
         batch_sizes: Sequence[int],
         kv_lengths: Sequence[int],
+        steps: Sequence[int] = (1,),
     ) -> None:
         self.step_fn = step_fn
-        self.keys = [(r, l) for r in batch_sizes for l in kv_lengths]
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.keys = [(r, l, k) for r in batch_sizes for l in kv_lengths for k in steps]
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.replays = 0
 
     def capture(self, warmup_iters: int = 2) -> None:
@@ -55,19 +57,19 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up (allocator, cuBLAS, SDPA) off the capture
-            for rows, read_len in keys:
+            for key in keys:
                 for _ in range(warmup_iters):
-                    self.step_fn(rows, read_len)
+                    self.step_fn(*key)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
-        for rows, read_len in keys:
+        for key in keys:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.step_fn(rows, read_len)
-            self.graphs[(rows, read_len)] = graph
+                self.step_fn(*key)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def replay(self, rows: int, read_len: int) -> None:
-        self.graphs[(rows, read_len)].replay()
+    def replay(self, rows: int, read_len: int, steps: int = 1) -> None:
+        self.graphs[(rows, read_len, steps)].replay()
         self.replays += 1
