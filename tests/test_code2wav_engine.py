@@ -260,6 +260,32 @@ def test_cfm_cuda_graph_matches_eager(ckpt, voice):
     assert graph.counters["cfm_graph_replays"] > 0
     for sid in a:
         assert np.abs(a[sid] - b[sid]).max() < 1e-5
+    both = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
+        token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True))
+    c = _run(both, _feeds(2), voice)
+    assert both.counters["hift_graph_replays"] > 0
+    for sid in a:
+        assert np.abs(a[sid] - c[sid]).max() < 1e-5
+
+
+def test_hift_noise_drawn_beforehand_is_the_same_draw(model):
+    """HiFT's source noise can be drawn before the call (what its CUDA graph is fed): the same
+    numbers as drawing inside, per-row generators and global RNG alike."""
+    _, hift, _ = model
+    mel = torch.randn(2, 80, 12, generator=torch.Generator().manual_seed(0))
+    cache = torch.randn(2, 1, 960, generator=torch.Generator().manual_seed(1))
+
+    def gens():
+        return [torch.Generator().manual_seed(s) for s in (5, 6)]
+
+    inside = hift(mel, cache, gens())
+    before = hift(mel, cache, noise=hift.draw_noise(mel, gens()))
+    assert all(torch.equal(x, y) for x, y in zip(inside, before))
+    torch.manual_seed(3)
+    inside = hift(mel, cache)
+    torch.manual_seed(3)
+    before = hift(mel, cache, noise=hift.draw_noise(mel))
+    assert all(torch.equal(x, y) for x, y in zip(inside, before))
 
 
 # -- batcher ----------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ Fast paths (each a knob of `Code2WavEngineConfig`, each exact, see tests/test_co
                                   compile_dit_blocks): Inductor fuses their elementwise work,
                                   matmuls and attention unchanged; not bitwise (fused LayerNorm
                                   sums, ~1e-6 in fp32); runs inside the CUDA graph when both are on
+  token2wav_hift_cuda_graph     : replay the HiFT vocoder as a CUDA graph per (batch, mel frames,
+                                  cached source) shape; the source noise is drawn eagerly from
+                                  the streams' generators and fed in, so it is the same draw
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
                                   a few codes short of a chunk with the same shape (batching.py)
 """
@@ -35,7 +38,7 @@ import torch
 from pipeline.code2wav.batching import ChunkBatcher, ReadyChunk
 from pipeline.code2wav.dit import compile_dit_blocks
 from pipeline.code2wav.flow import Flow
-from pipeline.code2wav.graphs import CFMGraphRunner
+from pipeline.code2wav.graphs import CFMGraphRunner, HiFTGraphRunner
 from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.code2wav.stream import CodeCursor, Crossfade, StreamState, initial_state, stream_step
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
@@ -47,6 +50,7 @@ class Code2WavEngineConfig:
     token2wav_initial_state_cache: bool = True
     token2wav_cfm_cuda_graph: bool = False
     token2wav_compile_estimator: bool = False  # compiles the flow's DiT blocks in place
+    token2wav_hift_cuda_graph: bool = False  # replay HiFT as a CUDA graph (graphs.py)
     code2wav_batch_wait_ms: float = 0.0
     max_batch_size: int = 4  # streams per decode batch
     cfm_graph_batch_sizes: tuple[int, ...] = (1, 2)
@@ -92,6 +96,11 @@ class Code2WavEngine:
                 flow.decoder, engine_cfg.cfm_graph_batch_sizes, engine_cfg.cfm_max_graphs
             )
             if engine_cfg.token2wav_cfm_cuda_graph and self.device.type == "cuda"
+            else None
+        )
+        self.hift_graphs = (
+            HiFTGraphRunner(hift, engine_cfg.cfm_graph_batch_sizes, engine_cfg.cfm_max_graphs)
+            if engine_cfg.token2wav_hift_cuda_graph and self.device.type == "cuda"
             else None
         )
         # With graphs on, batches larger than the biggest captured size would run eagerly, which
@@ -188,14 +197,14 @@ class Code2WavEngine:
         out = []
         for batch in self.batcher.plan(ready, near):
             ids = [r.stream_id for r in batch]
-            codes, last, key = pending[ids[0]]
+            _, last, key = pending[ids[0]]
             tokens = torch.tensor(
                 [pending[i][0] for i in ids], dtype=torch.long, device=self.device
             ).reshape(len(ids), -1)
             states = [self.streams[i].state for i in ids]
             speech, new_states = stream_step(
                 self.flow,
-                self.hift,
+                self.hift_graphs or self.hift,
                 self.cfg,
                 states,
                 tokens,
@@ -217,6 +226,10 @@ class Code2WavEngine:
             self.counters["cfm_graph_replays"] = self.graphs.replays
             self.counters["cfm_graph_captures"] = self.graphs.captures
             self.counters["cfm_graph_fallbacks"] = self.graphs.fallbacks
+        if self.hift_graphs is not None:
+            self.counters["hift_graph_replays"] = self.hift_graphs.replays
+            self.counters["hift_graph_captures"] = self.hift_graphs.captures
+            self.counters["hift_graph_fallbacks"] = self.hift_graphs.fallbacks
         self.counters["batch_waits"] = self.batcher.waits
         return out
 
@@ -244,9 +257,10 @@ class Code2WavEngine:
         voice = voice or self.voices.default()
         self.initial_state(voice)
         compiled = self.ecfg.token2wav_compile_estimator
-        if self.ecfg.warmup_chunks <= 0 or (self.graphs is None and not compiled):
+        graphed = self.graphs is not None or self.hift_graphs is not None
+        if self.ecfg.warmup_chunks <= 0 or not (graphed or compiled):
             return
-        sizes = self.ecfg.cfm_graph_batch_sizes if self.graphs is not None else (1,)
+        sizes = self.ecfg.cfm_graph_batch_sizes if graphed else (1,)
         silence = [self.cfg.silence_code] * self.cfg.chunk_size
         for b in sizes:
             ids = [f"__warmup_{b}_{i}" for i in range(b)]

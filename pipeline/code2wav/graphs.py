@@ -1,4 +1,5 @@
-"""CUDA graphs for Code2Wav: one graph family, the whole 10-step CFM of a streaming chunk.
+"""CUDA graphs for Code2Wav: the whole 10-step CFM of a streaming chunk (`CFMGraphRunner`) and
+the HiFT vocoder (`HiFTGraphRunner`, at the end).
 
 Contract (`CFMGraphRunner`, a drop-in for `CausalCFM.forward_chunk`):
   * key = (batch, chunk frames, DiT cache frames, dtype); captured lazily on first use for the
@@ -25,8 +26,8 @@ from pipeline.code2wav.flow import CausalCFM
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]  # mu, spks, cond, cnn_cache, att_cache
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # mel, cnn, att
+    inputs: tuple[torch.Tensor, ...]  # CFM: mu, spks, cond, cnn, att; HiFT: mel, source, noise
+    outputs: tuple[torch.Tensor, ...]  # CFM: mel, cnn, att; HiFT: speech, source
 
 
 class CFMGraphRunner:
@@ -92,5 +93,66 @@ class CFMGraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.cfm.forward_chunk(*inputs, time_table=table)
+        self.captures += 1
+        return _Captured(graph, inputs, outputs)
+
+
+class HiFTGraphRunner:
+    """CUDA graphs of the HiFT vocoder, a drop-in for `hift(mel, cache_source, generators)`.
+
+    key = (batch, mel frames, cached source samples); captured lazily for the batch sizes in
+    `batch_sizes`, at most `max_graphs` kept (LRU), one shared memory pool. The source noise is
+    drawn eagerly from the streams' generators (`HiFTGenerator.draw_noise`: the same draws as
+    an eager call) and copied into the graph's inputs with the mel and the cached source, so a
+    replay computes what the eager call would. Outputs are cloned on return. Anything else
+    (CPU, other batch sizes, no cache) runs eagerly and increments `fallbacks`.
+    """
+
+    def __init__(self, hift, batch_sizes: tuple[int, ...] = (1, 2), max_graphs: int = 16):
+        self.hift = hift
+        self.batch_sizes = tuple(batch_sizes)
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.pool = None
+        self.replays = self.captures = self.fallbacks = 0
+
+    @torch.inference_mode()
+    def __call__(self, mel, cache_source=None, generators=None):
+        if not (mel.is_cuda and cache_source is not None and mel.shape[0] in self.batch_sizes):
+            self.fallbacks += 1
+            return self.hift(mel, cache_source, generators)
+        rand_ini, gauss = self.hift.draw_noise(mel, generators)
+        key = (mel.shape[0], mel.shape[2], cache_source.shape[2], str(mel.device))
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self._capture(mel, cache_source, rand_ini, gauss)
+            self.graphs[key] = cap
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        for dst, src in zip(cap.inputs, (mel, cache_source, rand_ini, gauss)):
+            dst.copy_(src)
+        cap.graph.replay()
+        self.replays += 1
+        return tuple(o.clone() for o in cap.outputs)
+
+    def _capture(self, mel, cache_source, rand_ini, gauss) -> _Captured:
+        inputs = tuple(x.clone() for x in (mel, cache_source, rand_ini, gauss))
+
+        def run():
+            return self.hift(inputs[0], inputs[1], noise=(inputs[2], inputs[3]))
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # cuFFT plans, cuDNN choices, allocator: off the capture
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = run()
         self.captures += 1
         return _Captured(graph, inputs, outputs)

@@ -14,7 +14,8 @@ Stages, mel (B, 80, T) -> speech (B, 480*T):
 Weight norm uses the parametrizations API (`...parametrizations.weight.original0/1`); old
 `weight_g` / `weight_v` keys are renamed by `normalize_hift_keys` (and torch's compat hook).
 Randomness: `torch.rand` (initial phase) then `torch.randn` (additive noise), from the global RNG
-(reference behaviour) or from one generator per batch row (so batched == one at a time).
+(reference behaviour) or from one generator per batch row (so batched == one at a time). Both
+are drawn before the source runs (`draw_noise`), so a CUDA graph can take them as inputs.
 """
 
 from __future__ import annotations
@@ -98,18 +99,42 @@ class SourceModule(nn.Module):
         self.upsample = cfg.hop_length
         self.l_linear = nn.Linear(cfg.nb_harmonics + 1, 1)
 
-    def forward(
-        self, f0: torch.Tensor, generators: Sequence[torch.Generator] | None = None
-    ) -> torch.Tensor:
-        cfg, b, n = self.cfg, f0.shape[0], self.cfg.nb_harmonics + 1
-        harmonics = torch.arange(1, n + 1, device=f0.device, dtype=torch.float32)[None, None]
-        rad = (f0 * harmonics / cfg.sampling_rate) % 1  # (B, L, n) phase increment per sample
+    def draw_noise(
+        self, batch: int, samples: int, device, generators: Sequence[torch.Generator] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The source's random inputs in the reference's order: initial phases (B, n) from
+        `torch.rand`, then additive noise (B, samples, n) from `torch.randn`."""
+        n = self.cfg.nb_harmonics + 1
         rand_ini = _draw(
-            lambda g: torch.rand(1, n, device=f0.device, generator=g),
-            lambda: torch.rand(b, n, device=f0.device),
+            lambda g: torch.rand(1, n, device=device, generator=g),
+            lambda: torch.rand(batch, n, device=device),
             generators,
         )
-        rand_ini[:, 0] = 0  # no random phase for the fundamental
+        # The global-RNG path is the reference's `randn_like(sines)`: sines is a (B, L, n) view
+        # of a (B, n, L) tensor, and normal_ fills its storage in memory order.
+        gauss = _draw(
+            lambda g: torch.randn(1, samples, n, device=device, generator=g),
+            lambda: torch.empty(batch, n, samples, device=device).transpose(1, 2).normal_(),
+            generators,
+        )
+        return rand_ini, gauss
+
+    def forward(
+        self,
+        f0: torch.Tensor,
+        generators: Sequence[torch.Generator] | None = None,
+        noise: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """f0 (B, L, 1) -> (B, L, 1). `noise` = `draw_noise(...)` drawn beforehand (a CUDA
+        graph takes it as an input); None draws it here, from `generators` or the global RNG."""
+        cfg, b, n = self.cfg, f0.shape[0], self.cfg.nb_harmonics + 1
+        if noise is None:
+            noise = self.draw_noise(b, f0.shape[1], f0.device, generators)
+        rand_ini, gauss = noise
+        harmonics = torch.arange(1, n + 1, device=f0.device, dtype=torch.float32)[None, None]
+        rad = (f0 * harmonics / cfg.sampling_rate) % 1  # (B, L, n) phase increment per sample
+        # no random phase for the fundamental
+        rand_ini = torch.cat([torch.zeros_like(rand_ini[:, :1]), rand_ini[:, 1:]], dim=1)
         rad[:, 0, :] = rad[:, 0, :] + rand_ini
         # Integrate the phase at frame rate and upsample it back (cheap, no float drift).
         rad = F.interpolate(
@@ -122,11 +147,6 @@ class SourceModule(nn.Module):
         sines = torch.sin(phase.transpose(1, 2)) * cfg.nsf_alpha
         uv = (f0 > cfg.nsf_voiced_threshold).type(torch.float32)
         noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
-        gauss = _draw(
-            lambda g: torch.randn(1, *sines.shape[1:], device=f0.device, generator=g),
-            lambda: torch.randn_like(sines),
-            generators,
-        )
         sines = sines * uv + noise_amp * gauss
         return torch.tanh(self.l_linear(sines.to(self.l_linear.weight.dtype)))
 
@@ -215,20 +235,30 @@ class HiFTGenerator(nn.Module):
         speech = torch.istft(spec, n, cfg.istft_hop_len, n, window=self.stft_window)
         return torch.clamp(speech, -cfg.audio_limit, cfg.audio_limit)
 
+    def draw_noise(
+        self, mel: torch.Tensor, generators: Sequence[torch.Generator] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The source noise `forward(mel, ...)` would draw (see SourceModule.draw_noise)."""
+        return self.m_source.draw_noise(
+            mel.shape[0], mel.shape[2] * self.cfg.hop_length, mel.device, generators
+        )
+
     @torch.inference_mode()
     def forward(
         self,
         mel: torch.Tensor,
         cache_source: torch.Tensor | None = None,
         generators: Sequence[torch.Generator] | None = None,
+        noise: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """mel (B,80,T), cache_source (B,1,S) -> speech (B, 480T), source (B, 1, 480T)."""
+        """mel (B,80,T), cache_source (B,1,S) -> speech (B, 480T), source (B, 1, 480T).
+        `noise`: the source noise drawn beforehand (`draw_noise`), else drawn here."""
         with parametrize.cached():
             f0 = self.f0_predictor(mel)  # (B, T)
             f0 = (
                 f0[:, None].repeat_interleave(self.cfg.hop_length, dim=2).transpose(1, 2)
             )  # (B, 480T, 1)
-            s = self.m_source(f0, generators).transpose(1, 2)  # (B, 1, 480T)
+            s = self.m_source(f0, generators, noise).transpose(1, 2)  # (B, 1, 480T)
             if cache_source is not None and cache_source.shape[2] > 0:
                 s[:, :, : cache_source.shape[2]] = cache_source
             return self.decode(mel, s), s
