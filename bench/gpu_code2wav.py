@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 from bench.cuda_timing import cuda_ms as timed
 from pipeline.code2wav.assets import random_code2wav
 from pipeline.code2wav.dit import compile_dit_blocks
-from pipeline.code2wav.graphs import CFMGraphRunner
+from pipeline.code2wav.graphs import CFMGraphRunner, HiFTGraphRunner
 from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, stream_step
 from pipeline.config import Code2WavConfig
 
@@ -169,6 +169,20 @@ def main() -> int:
         hift_ms = timed(lambda: hift(mel_in, st.vocoder.source, [st.generator]), args.iters)
     print(f"\nbatch-1 chunk breakdown: flow encoder + CFM graph {flow_ms:.1f} ms, "
           f"HiFT ({mel_in.shape[2]} mel frames) {hift_ms:.1f} ms")
+    # 3c. HiFT as a CUDA graph (token2wav_hift_cuda_graph): same output for the same draws
+    hift_graph = HiFTGraphRunner(hift, (1, 2))
+    with torch.inference_mode():
+        gen_state = st.generator.get_state()
+        ref = hift(mel_in, st.vocoder.source, [st.generator])
+        st.generator.set_state(gen_state)
+        got = hift_graph(mel_in, st.vocoder.source, [st.generator])  # capture
+        st.generator.set_state(gen_state)
+        got = hift_graph(mel_in, st.vocoder.source, [st.generator])  # replay
+        hg_ms = timed(lambda: hift_graph(mel_in, st.vocoder.source, [st.generator]), args.iters)
+    d = max((a - b).abs().max().item() for a, b in zip(ref, got))
+    print(f"HiFT graph {hg_ms:.1f} ms (eager {hift_ms:.1f}); max diff vs eager {d:.2e}")
+    if d > 1e-4:
+        failures.append(f"HiFT graph parity: {d:.3g}")
 
     # 4. new stream's first chunk: template cache on vs off
     first = codes(400, 28)
