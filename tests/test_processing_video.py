@@ -16,7 +16,7 @@ from pipeline.processing.errors import (
     UnsupportedMediaError,
 )
 from pipeline.processing.template import AudioPart, ImagePart
-from pipeline.processing.video import decode_video, pack_omni, sample_timestamps
+from pipeline.processing.video import decode_video, frame_rgb, pack_omni, sample_timestamps
 
 FPS = 10
 
@@ -113,3 +113,22 @@ def test_video_errors():
     mp4 = make_mp4(1.0)
     with pytest.raises(CorruptMediaError):
         decode_video(mp4[:8] + b"\x00" * 64)
+
+
+@pytest.mark.parametrize("size", [(64, 48), (90, 62)])
+def test_frame_rgb_equals_to_image(size):
+    buf, rng = io.BytesIO(), np.random.default_rng(0)
+    with av.open(buf, "w", format="mp4") as c:  # colourful noise: every conversion path shows
+        v = c.add_stream("mpeg4", rate=FPS)
+        v.width, v.height, v.pix_fmt = size[0], size[1], "yuv420p"
+        for _ in range(4):
+            img = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            for p in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(p)
+        for p in v.encode(None):
+            c.mux(p)
+    with av.open(io.BytesIO(buf.getvalue())) as c:
+        for frame in c.decode(video=0):
+            ref = np.asarray(frame.to_image().convert("RGB"))
+            got = frame_rgb(frame)
+            assert got.mode == "RGB" and np.array_equal(np.asarray(got), ref)
