@@ -4,15 +4,38 @@ Ingress (processing) -> Thinker:   ThinkerRequest (token ids + media tensors + s
 Thinker -> caller, every step:     ThinkerDelta (new ids, text, spoken-span hidden states)
 Thinker -> Talker -> Code2Wav:     SpokenChunk, CodeChunk (later stages)
 
-Tensors here are CPU tensors (or numpy arrays when crossing Ray); the engines move them
-to their device.
+Tensors here are CPU tensors; the engines move them to their device. ImageInput and
+AudioInput pickle their tensors as numpy arrays, which Ray moves out of band and maps
+zero-copy on the other side (a torch tensor is pickled through `torch.save` bytes: for a
+30 s clip's 18 MB of pixels that was ~4x slower through the object store).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # a zero-copy view of Ray's object store is read-only
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
+
+
+def _image_input(pixels: list[np.ndarray], tgt_sizes: np.ndarray, content_hash: str
+                 ) -> ImageInput:
+    return ImageInput([_tensor(a) for a in pixels], _tensor(tgt_sizes), content_hash)
+
+
+def _audio_input(features: np.ndarray, content_hash: str) -> AudioInput:
+    return AudioInput(_tensor(features), content_hash)
 
 
 @dataclass(frozen=True)
@@ -64,6 +87,10 @@ class ImageInput:
     def num_slices(self) -> int:
         return len(self.pixel_values)
 
+    def __reduce__(self):
+        return _image_input, ([_numpy(t) for t in self.pixel_values], _numpy(self.tgt_sizes),
+                              self.content_hash)
+
 
 @dataclass
 class AudioInput:
@@ -79,6 +106,9 @@ class AudioInput:
     @property
     def num_frames(self) -> int:
         return int(self.features.shape[-1])
+
+    def __reduce__(self):
+        return _audio_input, (_numpy(self.features), self.content_hash)
 
 
 @dataclass

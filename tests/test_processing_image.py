@@ -125,3 +125,21 @@ def test_decode_formats_and_errors():
     Image.new("RGB", (8, 8)).save(buf, format="ICO")
     with pytest.raises(UnsupportedMediaError, match="ICO"):
         decode_image(buf.getvalue(), max_pixels=10**6)
+
+
+def test_media_inputs_pickle_as_out_of_band_numpy():
+    """ImageInput / AudioInput cross Ray as numpy buffers (zero-copy there), not torch bytes."""
+    import pickle
+
+    from pipeline.handoff import AudioInput, ImageInput
+
+    img = process_image(Image.new("RGB", (500, 300), (10, 200, 30)), CFG, "h").image
+    aud = AudioInput(torch.randn(80, 300), "a")
+    bufs = []
+    data = pickle.dumps([img, aud], protocol=5, buffer_callback=bufs.append)
+    assert len(bufs) == img.num_slices + 2 and len(data) < 2000  # strips, sizes, features
+    img2, aud2 = pickle.loads(data, buffers=bufs)
+    assert img2.content_hash == "h" and aud2.content_hash == "a"
+    assert all(a.equal(b) for a, b in zip(img.pixel_values, img2.pixel_values))
+    assert img2.tgt_sizes.equal(img.tgt_sizes) and aud2.features.equal(aud.features)
+    assert isinstance(img2.pixel_values[0], torch.Tensor)
