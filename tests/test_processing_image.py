@@ -131,7 +131,7 @@ def test_media_inputs_pickle_as_out_of_band_numpy():
     """ImageInput / AudioInput cross Ray as numpy buffers (zero-copy there), not torch bytes."""
     import pickle
 
-    from pipeline.handoff import AudioInput, ImageInput
+    from pipeline.handoff import AudioInput
 
     img = process_image(Image.new("RGB", (500, 300), (10, 200, 30)), CFG, "h").image
     aud = AudioInput(torch.randn(80, 300), "a")
