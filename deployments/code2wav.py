@@ -10,6 +10,7 @@ ingress starts reading are kept in the stream's queue. A Talker failure arrives 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -120,9 +121,17 @@ class Code2WavServer:
             engine.close_stream(rid)
 
     async def open(self, rid: str, voice: np.ndarray | None = None) -> None:
+        """Open `rid`'s stream. The default voice (None) cannot be refused, so its open is
+        queued for the next step boundary and this returns at once: the ingress starts the
+        Thinker without waiting for a running chunk (tens of ms). A reference voice is
+        awaited, so a voice the front end refuses is an error before anything streams."""
         if rid in self._aborted:
             raise RuntimeError(f"request {rid} was aborted")
         self.loop.open(rid)
+        if voice is None:
+            self.loop.post(self._open_default(rid, asyncio.get_running_loop()))
+            self._pushed[rid] = 0
+            return
         try:
             await self.loop.call(lambda e: e.open_stream(rid, voice))
         except BaseException:
@@ -133,6 +142,17 @@ class Code2WavServer:
             self.loop.post(lambda e: e.close_stream(rid))
             raise RuntimeError(f"request {rid} was aborted")
         self._pushed[rid] = 0
+
+    def _open_default(self, rid: str, aloop: asyncio.AbstractEventLoop):
+        def open_stream(engine: Any) -> None:  # worker thread, before any push of rid
+            try:
+                engine.open_stream(rid, None)
+            except Exception as e:
+                aloop.call_soon_threadsafe(self.loop.deliver, rid, StageFailure(
+                    "code2wav", f"could not open the stream: {type(e).__name__}: {e}"))
+                raise
+
+        return open_stream
 
     async def push(self, rid: str, codes: np.ndarray, final: bool,
                    talker_spans: list[tuple[float, float]] | None = None) -> bool:

@@ -642,7 +642,31 @@ def test_abort_that_overtakes_open_still_wins(app_cfg, source):
 
     errors, results, stats = asyncio.run(main())
     assert len(errors) == 2 and all("aborted" in e for e in errors)
-    assert all(isinstance(r, RuntimeError) for r in results), results
+    # The Talker's open is in flight when the abort lands; Code2Wav queues a default-voice open
+    # and returns at once, so its abort comes after the open: either way nothing is left.
+    assert isinstance(results[0], RuntimeError) and results[1] is None, results
     talker, c2w = stats
     assert talker["open"] == 0 and talker["pumps"] == 0, talker
     assert c2w["open"] == 0 and c2w["streams"] == 0, c2w
+
+
+def test_default_voice_open_does_not_wait_for_a_running_chunk(app_cfg, source):
+    """The ingress awaits the speech stages' opens before it starts the Thinker: a Code2Wav
+    open with the default voice must not wait for the chunk the engine is decoding."""
+    cfg = {**app_cfg, "code2wav": {"engine": {"step_delay_s": 0.5}}}
+
+    async def main():
+        c2w = build_local_app(cfg, source).code2wav
+        await c2w.open("busy")
+        await c2w.push("busy", np.arange(25), False)  # the engine now decodes for 0.5 s
+        await asyncio.sleep(0.05)
+        t = time.perf_counter()
+        await c2w.open("new")
+        waited = time.perf_counter() - t
+        await c2w.push("new", np.arange(25), True)
+        piece = await c2w.loop.queue("new").get()
+        return waited, piece
+
+    waited, piece = asyncio.run(main())
+    assert waited < 0.1, waited
+    assert len(piece.pcm) == 25 * FakeCode2WavEngine.SAMPLES_PER_CODE and piece.is_last
