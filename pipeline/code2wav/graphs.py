@@ -27,7 +27,7 @@ from pipeline.code2wav.flow import CausalCFM
 class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]  # CFM: mu, spks, cond, cnn, att; HiFT: mel, source, noise
-    outputs: tuple[torch.Tensor, ...]  # CFM: mel, cnn, att; HiFT: speech, source
+    outputs: tuple[torch.Tensor, ...]  # CFM: mel, cnn, att; HiFT: spectrum, source
 
 
 class CFMGraphRunner:
@@ -104,8 +104,10 @@ class HiFTGraphRunner:
     `batch_sizes`, at most `max_graphs` kept (LRU), one shared memory pool. The source noise is
     drawn eagerly from the streams' generators (`HiFTGenerator.draw_noise`: the same draws as
     an eager call) and copied into the graph's inputs with the mel and the cached source, so a
-    replay computes what the eager call would. Outputs are cloned on return. Anything else
-    (CPU, other batch sizes, no cache) runs eagerly and increments `fallbacks`.
+    replay computes what the eager call would. The graph ends at the complex spectrum
+    (`forward_spectrum`): torch.istft checks the window overlap with a host sync, so it runs
+    eagerly on the replay's output. Anything else (CPU, other batch sizes, no cache) runs
+    eagerly and increments `fallbacks`.
     """
 
     def __init__(self, hift, batch_sizes: tuple[int, ...] = (1, 2), max_graphs: int = 16):
@@ -135,13 +137,14 @@ class HiFTGraphRunner:
             dst.copy_(src)
         cap.graph.replay()
         self.replays += 1
-        return tuple(o.clone() for o in cap.outputs)
+        spec, source = cap.outputs
+        return self.hift.istft(spec), source.clone()
 
     def _capture(self, mel, cache_source, rand_ini, gauss) -> _Captured:
         inputs = tuple(x.clone() for x in (mel, cache_source, rand_ini, gauss))
 
         def run():
-            return self.hift(inputs[0], inputs[1], noise=(inputs[2], inputs[3]))
+            return self.hift.forward_spectrum(inputs[0], inputs[1], noise=(inputs[2], inputs[3]))
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -214,6 +214,10 @@ class HiFTGenerator(nn.Module):
         return torch.cat([spec[..., 0], spec[..., 1]], dim=1)  # (B, n_fft+2, frames)
 
     def decode(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return self.istft(self.spectrum(x, s))
+
+    def spectrum(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """mel (B, 80, T), source (B, 1, 480T) -> complex spectrum (B, n_fft/2+1, frames)."""
         cfg, k = self.cfg, len(self.cfg.resblock_kernel_sizes)
         s_stft = self._stft(s.squeeze(1))
         x = self.conv_pre(x)
@@ -230,8 +234,12 @@ class HiFTGenerator(nn.Module):
         half = cfg.istft_n_fft // 2 + 1
         magnitude = torch.clip(torch.exp(x[:, :half]), max=1e2)
         phase = torch.sin(x[:, half:])
-        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        n = cfg.istft_n_fft
+        return torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+
+    def istft(self, spec: torch.Tensor) -> torch.Tensor:
+        """Complex spectrum -> speech (B, samples). torch.istft checks the window overlap on
+        the host (a sync), so a CUDA graph stops before it (graphs.HiFTGraphRunner)."""
+        cfg, n = self.cfg, self.cfg.istft_n_fft
         speech = torch.istft(spec, n, cfg.istft_hop_len, n, window=self.stft_window)
         return torch.clamp(speech, -cfg.audio_limit, cfg.audio_limit)
 
@@ -253,6 +261,18 @@ class HiFTGenerator(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """mel (B,80,T), cache_source (B,1,S) -> speech (B, 480T), source (B, 1, 480T).
         `noise`: the source noise drawn beforehand (`draw_noise`), else drawn here."""
+        spec, s = self.forward_spectrum(mel, cache_source, generators, noise)
+        return self.istft(spec), s
+
+    @torch.inference_mode()
+    def forward_spectrum(
+        self,
+        mel: torch.Tensor,
+        cache_source: torch.Tensor | None = None,
+        generators: Sequence[torch.Generator] | None = None,
+        noise: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` up to the iSTFT: (complex spectrum, source)."""
         with parametrize.cached():
             f0 = self.f0_predictor(mel)  # (B, T)
             f0 = (
@@ -261,7 +281,7 @@ class HiFTGenerator(nn.Module):
             s = self.m_source(f0, generators, noise).transpose(1, 2)  # (B, 1, 480T)
             if cache_source is not None and cache_source.shape[2] > 0:
                 s[:, :, : cache_source.shape[2]] = cache_source
-            return self.decode(mel, s), s
+            return self.spectrum(mel, s), s
 
 
 def normalize_hift_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
