@@ -30,17 +30,56 @@ class _Captured:
     outputs: tuple[torch.Tensor, ...]  # CFM: mel, cnn, att; HiFT: spectrum, source
 
 
-class CFMGraphRunner:
-    def __init__(self, cfm: CausalCFM, batch_sizes: tuple[int, ...] = (1, 2), max_graphs: int = 16):
-        self.cfm = cfm
+class _GraphLRU:
+    """Captured graphs by shape key, least recently used evicted past `max_graphs`, one memory
+    pool. `_replay(key, inputs, run)` copies `inputs` into the key's static copies and replays
+    `run(*static)`; a key's first use warms `run` up twice on a side stream (lazy inits, cuBLAS
+    workspaces, cuFFT plans), then captures it."""
+
+    def __init__(self, batch_sizes: tuple[int, ...], max_graphs: int):
         self.batch_sizes = tuple(batch_sizes)
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.pool = None
+        self.replays = self.captures = self.fallbacks = 0
+
+    def _replay(self, key: tuple, inputs: tuple[torch.Tensor, ...], run) -> tuple:
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self._capture(inputs, run)
+            self.graphs[key] = cap
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        for dst, src in zip(cap.inputs, inputs):
+            dst.copy_(src)
+        cap.graph.replay()
+        self.replays += 1
+        return cap.outputs
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...], run) -> _Captured:
+        static = tuple(x.clone() for x in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = run(*static)
+        self.captures += 1
+        return _Captured(graph, static, outputs)
+
+
+class CFMGraphRunner(_GraphLRU):
+    def __init__(self, cfm: CausalCFM, batch_sizes: tuple[int, ...] = (1, 2), max_graphs: int = 16):
+        super().__init__(batch_sizes, max_graphs)
+        self.cfm = cfm
         self._table: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.replays = 0
-        self.captures = 0
-        self.fallbacks = 0
 
     def time_table(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (str(device), dtype)
@@ -64,40 +103,13 @@ class CFMGraphRunner:
             self.fallbacks += 1
             return self.cfm.forward_chunk(mu, spks, cond, cnn_cache, att_cache, time_table)
         key = (mu.shape[0], mu.shape[2], att_cache.shape[4], mu.dtype, str(mu.device))
-        cap = self.graphs.get(key)
-        if cap is None:
-            cap = self._capture(mu, spks, cond, cnn_cache, att_cache)
-            self.graphs[key] = cap
-            while len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-        else:
-            self.graphs.move_to_end(key)
-        for dst, src in zip(cap.inputs, (mu, spks, cond, cnn_cache, att_cache)):
-            dst.copy_(src)
-        cap.graph.replay()
-        self.replays += 1
-        return tuple(o.clone() for o in cap.outputs)
-
-    def _capture(self, mu, spks, cond, cnn_cache, att_cache) -> _Captured:
         table = self.time_table(mu.device, mu.dtype)
-        inputs = tuple(x.clone() for x in (mu, spks, cond, cnn_cache, att_cache))
-        # Warm up on a side stream (lazy inits, cuBLAS workspaces) before capturing.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.cfm.forward_chunk(*inputs, time_table=table)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.cfm.forward_chunk(*inputs, time_table=table)
-        self.captures += 1
-        return _Captured(graph, inputs, outputs)
+        outputs = self._replay(key, (mu, spks, cond, cnn_cache, att_cache),
+                               lambda *x: self.cfm.forward_chunk(*x, time_table=table))
+        return tuple(o.clone() for o in outputs)
 
 
-class HiFTGraphRunner:
+class HiFTGraphRunner(_GraphLRU):
     """CUDA graphs of the HiFT vocoder, a drop-in for `hift(mel, cache_source, generators)`.
 
     key = (batch, mel frames, cached source samples); captured lazily for the batch sizes in
@@ -111,12 +123,8 @@ class HiFTGraphRunner:
     """
 
     def __init__(self, hift, batch_sizes: tuple[int, ...] = (1, 2), max_graphs: int = 16):
+        super().__init__(batch_sizes, max_graphs)
         self.hift = hift
-        self.batch_sizes = tuple(batch_sizes)
-        self.max_graphs = max_graphs
-        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
-        self.pool = None
-        self.replays = self.captures = self.fallbacks = 0
 
     @torch.inference_mode()
     def __call__(self, mel, cache_source=None, generators=None):
@@ -125,37 +133,7 @@ class HiFTGraphRunner:
             return self.hift(mel, cache_source, generators)
         rand_ini, gauss = self.hift.draw_noise(mel, generators)
         key = (mel.shape[0], mel.shape[2], cache_source.shape[2], str(mel.device))
-        cap = self.graphs.get(key)
-        if cap is None:
-            cap = self._capture(mel, cache_source, rand_ini, gauss)
-            self.graphs[key] = cap
-            while len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-        else:
-            self.graphs.move_to_end(key)
-        for dst, src in zip(cap.inputs, (mel, cache_source, rand_ini, gauss)):
-            dst.copy_(src)
-        cap.graph.replay()
-        self.replays += 1
-        spec, source = cap.outputs
+        spec, source = self._replay(
+            key, (mel, cache_source, rand_ini, gauss),
+            lambda m, c, r, g: self.hift.forward_spectrum(m, c, noise=(r, g)))
         return self.hift.istft(spec), source.clone()
-
-    def _capture(self, mel, cache_source, rand_ini, gauss) -> _Captured:
-        inputs = tuple(x.clone() for x in (mel, cache_source, rand_ini, gauss))
-
-        def run():
-            return self.hift.forward_spectrum(inputs[0], inputs[1], noise=(inputs[2], inputs[3]))
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # cuFFT plans, cuDNN choices, allocator: off the capture
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = run()
-        self.captures += 1
-        return _Captured(graph, inputs, outputs)

@@ -204,7 +204,7 @@ class TalkerEngine:
         self._active = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self._out_codes = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._one_active = torch.ones(1, dtype=torch.bool, device=self.device)
-        k = self.config.decode_steps  # groups of k steps: per-step noise in, codes out
+        k = self.config.decode_steps  # a call decodes up to k steps: per-step noise in, codes out
         vocab = self.cfg.num_audio_tokens
         self._noise_k = torch.ones(k, slots, vocab, dtype=torch.float32, device=self.device)
         self._out_k = torch.zeros(k, slots, dtype=torch.long, device=self.device)
@@ -402,21 +402,18 @@ class TalkerEngine:
         rows = bucket_up(max(s.slot for s in decoding) + 1, self.config.graph_batch_sizes)
         read_len = bucket_up(max(s.position for s in decoding) + k,
                              self.config.graph_kv_lengths)
-        noise = self.state.noise if k == 1 else self._noise_k
         saved = {}
         for s in decoding:
-            if k > 1:
+            if k > 1:  # to rewind a stream that ends inside the group
                 saved[s.stream_id] = s.generator.get_state()
-                for i in range(k):
-                    noise[i, s.slot].exponential_(generator=s.generator)
-            else:
-                noise[s.slot].exponential_(generator=s.generator)
+            for i in range(k):
+                self._noise_k[i, s.slot].exponential_(generator=s.generator)
         self._steps += k
         if self.graphs is not None:
             self.graphs.replay(rows, read_len, k)
         else:
             self._decode_steps(rows, read_len, k)
-        codes = self._out_codes[:rows][None].tolist() if k == 1 else self._out_k[:, :rows].tolist()
+        codes = self._out_k[:k, :rows].tolist()
         for s in decoding:
             for i in range(k):
                 s.position += 1
@@ -438,9 +435,6 @@ class TalkerEngine:
         """`steps` decode steps over slots [0, rows) (captured as one CUDA graph). Step i
         draws with noise row i; a row that draws EOS is inactive for the rest of the group,
         as the host would make it after one step."""
-        if steps == 1:
-            self._decode_rows(rows, read_len)
-            return
         active = self._active[:rows]
         for i in range(steps):
             self.state.noise[:rows].copy_(self._noise_k[i, :rows])
