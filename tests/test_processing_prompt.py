@@ -30,10 +30,13 @@ ID_OF = {TEXT_OF[k]: getattr(TOK, k) for k in TEXT_OF}
 
 
 class ByteTokenizer:
-    """Fake byte-level tokenizer: one id per UTF-8 byte (ids 0..255)."""
+    """Fake byte-level tokenizer: one id per UTF-8 byte (ids 0..255), no special tokens."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def count(self, text: str, limit: int, *, special_tokens: bool = True) -> int:
+        return len(self.encode(text))
 
 
 def tokenize_whole(s: str) -> list[int]:

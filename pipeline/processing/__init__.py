@@ -2,6 +2,7 @@
 ChatML prompt with multimodal placeholders -> ThinkerRequest. Entry point: `Processor`."""
 
 from pipeline.processing.errors import (
+    AspectRatioError,
     CorruptMediaError,
     EmptyMediaError,
     InvalidMessageError,
@@ -15,6 +16,7 @@ from pipeline.processing.errors import (
 from pipeline.processing.processor import MediaBytes, MediaLimits, Processor
 
 __all__ = [
+    "AspectRatioError",
     "CorruptMediaError",
     "EmptyMediaError",
     "InvalidMessageError",

@@ -48,6 +48,7 @@ DYNAMIC_RANGE_DB = 8.0  # log10 units, as the reference names it
 WINDOW_SAMPLES = 30 * SAMPLE_RATE  # reference splits clips longer than 30 s here
 WINDOW_FRAMES = WINDOW_SAMPLES // HOP_LENGTH  # 3000 mel frames = one encoder pass
 MIN_SAMPLES = 1600  # clips shorter than 0.1 s are zero-padded to this (>= 1 token)
+SF_COUNT_MAX = 2**63 - 1  # libsndfile's frame count for "length unknown" (e.g. streamed FLAC)
 
 # Leading bytes of containers we recognize: such bytes failing to decode are corrupt,
 # anything else is an unsupported format.
@@ -80,6 +81,10 @@ def _decode_soundfile(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]
     except (sf.LibsndfileError, RuntimeError, TypeError):
         return None  # not a libsndfile format: let PyAV try
     with f:
+        if f.frames >= SF_COUNT_MAX:
+            # No length in the header: soundfile's read() would size its buffer from this
+            # count. PyAV decodes such files with a decode-time length guard instead.
+            return None
         # Check the header's length before decoding anything.
         if f.frames > 0 and f.frames / f.samplerate > max_seconds:
             raise MediaTooLargeError(
@@ -149,6 +154,8 @@ class _Resampler:
     def push(self, x: np.ndarray) -> np.ndarray:
         if self._swr is None:
             return x.astype(np.float32)
+        if x.size == 0:  # FFmpeg refuses a 0-sample frame (ENOMEM); it adds nothing anyway
+            return np.zeros(0, np.float32)
         frame = av.AudioFrame.from_ndarray(
             np.ascontiguousarray(x, dtype=np.float32)[None, :], format="flt", layout="mono"
         )
@@ -176,6 +183,8 @@ def decode_audio(data: bytes, *, max_seconds: float) -> np.ndarray:
     decoded = _decode_soundfile(data, max_seconds)
     if decoded is not None:
         x, rate = decoded
+        if x.shape[0] == 0:  # before resampling: nothing to hand to libswresample
+            raise EmptyMediaError("audio decodes to 0 samples")
         samples = resample_mono(x.mean(axis=1), rate)
     else:
         samples = _decode_with_av(data, max_seconds)

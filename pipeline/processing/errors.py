@@ -34,6 +34,15 @@ class NoVideoStreamError(MediaError):
     """A video part whose container holds no video stream."""
 
 
+class AspectRatioError(MediaError):
+    """An image or video frame whose longest side / shortest side is over the limit.
+
+    400, not 413: the refusal is about the shape, which fewer bytes or pixels do not fix
+    (a 1 x 300 image is tiny). The limit exists because slicing keeps every slice's area
+    near 448^2 but never narrower than one 14 px patch, so the patch grid's long side grows
+    with the ratio."""
+
+
 class MediaTooLargeError(MediaError):
     """Bytes, pixels or seconds over a configured limit."""
 

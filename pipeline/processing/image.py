@@ -1,7 +1,8 @@
 """Image decoding and MiniCPM-V (LLaVA-UHD) slicing for the NaViT vision encoder.
 
 Stages, as in the reference `MiniCPMVImageProcessor` (OpenBMB demo `processing_minicpmo.py`):
-1. decode bytes with Pillow -> RGB image (W, H); limits: format, pixel count
+1. decode bytes with Pillow -> RGB image (W, H); limits, from the header before any pixel is
+   decoded: format, pixel count, aspect ratio (see `check_aspect_ratio`)
 2. `get_sliced_grid`: pick a (cols, rows) grid, or None when the image is <= 448^2 in area
 3. source image: resized to ~448^2 area, sides multiples of 14 (BICUBIC); upscaled when unsliced
 4. refined image: resized so each grid cell is ~448^2, then cut into cols x rows slices
@@ -27,6 +28,7 @@ from PIL import Image, UnidentifiedImageError
 from pipeline.config import SliceConfig
 from pipeline.handoff import ImageInput
 from pipeline.processing.errors import (
+    AspectRatioError,
     CorruptMediaError,
     EmptyMediaError,
     MediaTooLargeError,
@@ -35,6 +37,10 @@ from pipeline.processing.errors import (
 
 # Formats a client may send; anything else Pillow happens to read is refused.
 SUPPORTED_IMAGE_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
+
+# Longest side / shortest side accepted by default (Qwen2-VL's processor uses the same bound).
+# At 200:1 the slicing rules give at most about 2 x 453 patches per slice.
+MAX_ASPECT_RATIO = 200.0
 
 
 @dataclass
@@ -55,8 +61,26 @@ class ProcessedImage:
 # Decoding
 
 
-def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
-    """Decode image bytes into an RGB PIL image; the first frame of animated formats."""
+def check_aspect_ratio(width: int, height: int, max_ratio: float, what: str = "image") -> None:
+    """Refuse a (width, height) whose longest side / shortest side is over max_ratio.
+
+    Why: slicing resizes every slice to an area near 448^2 with sides rounded to 14 px
+    patches but at least one patch, so a 1:N image becomes a 1 x ~32 sqrt(N) patch strip
+    (a 1 x 10000 PNG: 1 x 3200 patches), and the encoders' work grows with that long side.
+    Sides must be > 0 (callers check zero sizes first)."""
+    ratio = max(width, height) / min(width, height)
+    if ratio > max_ratio:
+        raise AspectRatioError(
+            f"{what} is {width}x{height}, aspect ratio {ratio:.1f}:1 (longest side / shortest "
+            f"side), over the limit of {max_ratio:g}:1"
+        )
+
+
+def open_image(
+    data: bytes, *, max_pixels: int, max_aspect_ratio: float = MAX_ASPECT_RATIO
+) -> Image.Image:
+    """Read only the header of image bytes (Pillow opens lazily) and check the format and
+    the size limits; no pixel is decoded. `decode_image` then loads the pixels."""
     if not data:
         raise EmptyMediaError("image part is empty (0 bytes)")
     try:
@@ -84,6 +108,16 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
         )
     if w == 0 or h == 0:
         raise EmptyMediaError(f"image has zero size ({w}x{h})")
+    check_aspect_ratio(w, h, max_aspect_ratio)
+    return img
+
+
+def decode_image(
+    data: bytes, *, max_pixels: int, max_aspect_ratio: float = MAX_ASPECT_RATIO
+) -> Image.Image:
+    """Decode image bytes into an RGB PIL image; the first frame of animated formats.
+    Every limit is checked on the header first (`open_image`)."""
+    img = open_image(data, max_pixels=max_pixels, max_aspect_ratio=max_aspect_ratio)
     try:
         img.load()
         return img.convert("RGB")

@@ -1,16 +1,25 @@
 """Processor: OpenAI-style messages with raw media bytes -> ThinkerRequest.
 
-Stages per request:
+Stages per request (each check before the costlier stage it protects):
 1. normalize messages: content is a string or a list of parts, each a string, a
-   `MediaBytes(kind, data)` or a dict {"type": "text", "text"} / {"type": kind, "data": bytes}
-2. check byte sizes, decode and process each media part (image.py / audio.py / video.py)
-3. count vision items (images + video frames) against `max_images`
-4. build the ChatML prompt (template.py), check `max_prompt_tokens`
-5. wrap everything into a ThinkerRequest (handoff.py)
+   `MediaBytes(kind, data)` or a dict {"type": "text", "text"} / {"type": kind, "data": bytes};
+   check roles, part shapes, text validity (no lone surrogates) and media byte sizes
+2. count the prompt before decoding anything (`count_prompt_tokens`): the text runs with an
+   early-stopping counter, each image from its header, audio / video at their minimum;
+   a lower bound, so over `max_prompt_tokens` is a refusal nothing later could undo
+3. decode and process each media part (image.py / audio.py / video.py)
+4. count vision items (images + video frames) against `max_images`
+5. build the ChatML prompt (template.py), check `max_prompt_tokens` exactly
+6. wrap everything into a ThinkerRequest (handoff.py)
+
+Special-token strings typed in text (`<|im_start|>`, `<image>`, `<unk>`...) are encoded as
+plain text unless `special_tokens_in_text=True`: the template inserts every real special
+token as an id, so only client text goes through the tokenizer.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,16 +34,25 @@ from pipeline.processing.errors import (
     PromptTooLongError,
     TooManyFramesError,
 )
-from pipeline.processing.image import decode_image, image_content_hash, process_image
+from pipeline.processing.image import (
+    MAX_ASPECT_RATIO,
+    decode_image,
+    get_sliced_grid,
+    image_content_hash,
+    open_image,
+    process_image,
+)
 from pipeline.processing.template import (
     ROLES,
     AudioPart,
     ImagePart,
+    MediaStub,
     Message,
     OmniPart,
     Part,
     TextPart,
     build_prompt,
+    count_prompt_tokens,
 )
 from pipeline.processing.video import decode_video, pack_omni
 
@@ -42,7 +60,14 @@ MEDIA_KINDS = ("image", "audio", "video")
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    """What the Processor needs (pipeline.tokenizer.TextTokenizer).
+
+    special_tokens: whether special-token strings in the text become their ids.
+    count: len(encode(text)) when <= limit, else any lower bound of it that is > limit."""
+
+    def encode(self, text: str, *, special_tokens: bool = True) -> list[int]: ...
+
+    def count(self, text: str, limit: int, *, special_tokens: bool = True) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -51,6 +76,8 @@ class MediaLimits:
 
     max_media_bytes: int = 64 * 1024 * 1024  # per media part, before decoding
     max_image_pixels: int = 4096 * 4096  # per image / video frame, from the header
+    # longest side / shortest side per image / video frame, from the header
+    max_image_aspect_ratio: float = MAX_ASPECT_RATIO
     max_images: int = 128  # images + video frames in one request
     max_video_frames: int = 64  # frames sampled per video (longer videos are subsampled)
     max_video_seconds: float = 600.0
@@ -61,6 +88,11 @@ class MediaLimits:
         for name, value in vars(self).items():
             if value <= 0:
                 raise ValueError(f"MediaLimits.{name} must be > 0, got {value}")
+        if self.max_image_aspect_ratio < 1:
+            raise ValueError(
+                "MediaLimits.max_image_aspect_ratio must be >= 1, got "
+                f"{self.max_image_aspect_ratio}"
+            )
 
 
 @dataclass(frozen=True)
@@ -91,6 +123,11 @@ class Processor:
                    (see `pack_omni`).
     decode_workers: threads that decode one message's media parts side by side (video and
                    audio decoding, resizing and log-mel release the GIL); 1 = in order, inline.
+    special_tokens_in_text: special-token strings typed in message text become those
+                   tokens, as the reference chat template does. Off by default: any client
+                   could otherwise close its turn and open a system one (`<|im_end|>
+                   <|im_start|>system`) or forge media slots (`<image>`, `<unk>`); on only
+                   for trusted deployments.
     """
 
     def __init__(
@@ -102,6 +139,7 @@ class Processor:
         chunked_audio: bool = False,
         merge_video_audio: bool = False,
         decode_workers: int = 4,
+        special_tokens_in_text: bool = False,
     ):
         self.cfg = thinker_cfg
         self.tokenizer = tokenizer
@@ -109,6 +147,9 @@ class Processor:
         self.chunked_audio = chunked_audio
         self.merge_video_audio = merge_video_audio
         self.decode_workers = decode_workers
+        self.special_tokens_in_text = special_tokens_in_text
+        self._encode = functools.partial(tokenizer.encode, special_tokens=special_tokens_in_text)
+        self._count = functools.partial(tokenizer.count, special_tokens=special_tokens_in_text)
         self._pool: ThreadPoolExecutor | None = None  # made on first use
 
     def build(
@@ -131,16 +172,19 @@ class Processor:
         # Refuse on the raw image count first so nothing is decoded for a hopeless request.
         self._check_vision_count(sum(_count_raw_images(m) for m in messages))
         opts = _ImageOptions(max_slice_nums, use_image_id)
-        decoded = [self._message(i, m, opts) for i, m in enumerate(messages)]
+        raw = [self._normalize(i, m) for i, m in enumerate(messages)]
+        self._check_prompt_bound(raw, opts, enable_thinking, speech_output)
+        decoded = [self._decode_message(m, opts) for m in raw]
         self._check_vision_count(sum(_count_vision(m) for m in decoded))
         prompt = build_prompt(
             decoded,
             self.cfg.tokens,
-            self.tokenizer.encode,
+            self._encode,
             query_num=self.cfg.query_num,
             enable_thinking=enable_thinking,
             use_tts_template=speech_output,
         )
+        # The exact check: the bound above counted audio and video at their minimum.
         if len(prompt.input_ids) > self.limits.max_prompt_tokens:
             raise PromptTooLongError(
                 f"prompt is {len(prompt.input_ids)} tokens after expanding media, over the "
@@ -164,9 +208,59 @@ class Processor:
                 f"request has {n} images + video frames, over the limit of {self.limits.max_images}"
             )
 
+    def _check_prompt_bound(
+        self, raw: list[Message], opts: _ImageOptions, enable_thinking: bool, speech_output: bool
+    ) -> None:
+        """Refuse before any tokenizing of megabytes or media decoding when even a lower
+        bound of the prompt's length is over max_prompt_tokens. The bound is exact for
+        text (the template's own runs, counted up to the limit) and images (grid from the
+        header); audio and video count as their smallest placeholder."""
+        limit = self.limits.max_prompt_tokens
+        stubbed = [
+            m if isinstance(m.content, str)
+            else Message(m.role, [self._stub(p, opts) if isinstance(p, MediaBytes) else p
+                                  for p in m.content])
+            for m in raw
+        ]
+        n = count_prompt_tokens(
+            stubbed,
+            self.cfg.tokens,
+            self._count,
+            limit=limit,
+            query_num=self.cfg.query_num,
+            enable_thinking=enable_thinking,
+            use_tts_template=speech_output,
+        )
+        if n > limit:
+            raise PromptTooLongError(
+                f"prompt is at least {n} tokens (counted before decoding media), over the "
+                f"limit of {limit} tokens"
+            )
+
+    def _stub(self, p: MediaBytes, opts: _ImageOptions) -> MediaStub:
+        """A lower bound of the part's placeholder tokens, from the bytes without decoding."""
+        slot = self.cfg.query_num + 2  # <image> / <slice>, query_num <unk>, closing token
+        if p.kind == "audio":  # >= 1 token (short clips are padded), between two specials
+            return MediaStub("audio", 3)
+        if p.kind == "video":  # >= 1 frame: one unsliced image without an id
+            return MediaStub("video", slot)
+        lim = self.limits
+        img = open_image(p.data, max_pixels=lim.max_image_pixels,
+                         max_aspect_ratio=lim.max_image_aspect_ratio)
+        res = self.cfg.slicing.scale_resolution
+        grid = get_sliced_grid(img.size, self._max_slices(p, opts), res)
+        n = slot
+        if grid is not None:  # slices, plus a "\n" run (>= 1 token) between grid rows
+            cols, rows = grid
+            n += cols * rows * slot + rows - 1
+        if self._use_image_id(opts):  # <image_id>, the index (>= 1 token), </image_id>
+            n += 3
+        return MediaStub("image", n)
+
     # -- message normalization ---------------------------------------------------------
 
-    def _message(self, i: int, m: dict[str, Any] | Message, opts: _ImageOptions) -> Message:
+    def _normalize(self, i: int, m: dict[str, Any] | Message) -> Message:
+        """Check a message's shape and text; media stay undecoded `MediaBytes`."""
         if isinstance(m, Message):
             role, content = m.role, m.content
         elif isinstance(m, dict) and "role" in m:
@@ -178,27 +272,29 @@ class Processor:
         if content is None:
             content = ""
         if isinstance(content, str):
+            _check_text(content, f"message {i}")
             return Message(role, content)
         if not isinstance(content, list):
             raise InvalidMessageError(
                 f"message {i}: content must be a string or a list, got {type(content).__name__}"
             )
-        if self.decode_workers <= 1 or sum(not isinstance(p, str) for p in content) < 2:
-            return Message(role, [self._part(i, j, p, opts) for j, p in enumerate(content)])
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.decode_workers, thread_name_prefix="decode")
-        futures = [self._pool.submit(self._part, i, j, p, opts) for j, p in enumerate(content)]
-        return Message(role, [f.result() for f in futures])  # the first bad part raises
+        return Message(role, [self._normalize_part(i, j, p) for j, p in enumerate(content)])
 
-    def _part(self, i: int, j: int, p: Any, opts: _ImageOptions) -> Part:
-        if isinstance(p, (TextPart, ImagePart, AudioPart, OmniPart)):
+    def _normalize_part(self, i: int, j: int, p: Any) -> Part | MediaBytes:
+        if isinstance(p, (ImagePart, AudioPart, OmniPart)):
             return p  # already decoded
+        if isinstance(p, TextPart):
+            _check_text(p.text, f"message {i} part {j}")
+            return p
         if isinstance(p, str):
+            _check_text(p, f"message {i} part {j}")
             return TextPart(p)
         if isinstance(p, dict):
             kind = p.get("type")
             if kind == "text":
-                return TextPart(str(p.get("text", "")))
+                text = str(p.get("text", ""))
+                _check_text(text, f"message {i} part {j}")
+                return TextPart(text)
             if kind in MEDIA_KINDS and isinstance(p.get("data"), (bytes, bytearray)):
                 p = MediaBytes(kind, bytes(p["data"]), p.get("max_slice_nums"))
             else:
@@ -210,12 +306,30 @@ class Processor:
             raise InvalidMessageError(
                 f"message {i} part {j}: unsupported content part {type(p).__name__}"
             )
-        lim = self.limits
-        if len(p.data) > lim.max_media_bytes:
+        if len(p.data) > self.limits.max_media_bytes:
             raise MediaTooLargeError(
                 f"message {i} part {j}: {p.kind} is {len(p.data)} bytes, over the limit of "
-                f"{lim.max_media_bytes} bytes"
+                f"{self.limits.max_media_bytes} bytes"
             )
+        return p
+
+    # -- media decoding ----------------------------------------------------------------
+
+    def _decode_message(self, m: Message, opts: _ImageOptions) -> Message:
+        if isinstance(m.content, str):
+            return m
+        content = m.content
+        if self.decode_workers <= 1 or sum(isinstance(p, MediaBytes) for p in content) < 2:
+            return Message(m.role, [self._decode(p, opts) for p in content])
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.decode_workers, thread_name_prefix="decode")
+        futures = [self._pool.submit(self._decode, p, opts) for p in content]
+        return Message(m.role, [f.result() for f in futures])  # the first bad part raises
+
+    def _decode(self, p: Part | MediaBytes, opts: _ImageOptions) -> Part:
+        if not isinstance(p, MediaBytes):
+            return p
+        lim = self.limits
         if p.kind == "image":
             return self._image(p, opts)
         if p.kind == "audio":
@@ -226,11 +340,12 @@ class Processor:
             max_frames=lim.max_video_frames,
             max_seconds=lim.max_video_seconds,
             max_pixels=lim.max_image_pixels,
+            max_aspect_ratio=lim.max_image_aspect_ratio,
         )
         base = hashlib.sha256(p.data).hexdigest()
         return pack_omni(video, self.cfg.slicing, base, merge_audio=self.merge_video_audio)
 
-    def _image(self, p: MediaBytes, opts: _ImageOptions) -> ImagePart:
+    def _max_slices(self, p: MediaBytes, opts: _ImageOptions) -> int:
         slicing = self.cfg.slicing
         max_slices = next(
             int(v)
@@ -241,11 +356,34 @@ class Processor:
             raise InvalidMessageError(
                 f"max_slice_nums must be in [1, {slicing.max_slice_nums}], got {max_slices}"
             )
-        img = decode_image(p.data, max_pixels=self.limits.max_image_pixels)
-        content_hash = image_content_hash(p.data, slicing, max_slices)
-        processed = process_image(img, slicing, content_hash, max_slice_nums=max_slices)
-        use_id = self.cfg.use_image_id if opts.use_image_id is None else opts.use_image_id
-        return ImagePart(processed, use_image_id=use_id)
+        return max_slices
+
+    def _use_image_id(self, opts: _ImageOptions) -> bool:
+        return self.cfg.use_image_id if opts.use_image_id is None else opts.use_image_id
+
+    def _image(self, p: MediaBytes, opts: _ImageOptions) -> ImagePart:
+        max_slices = self._max_slices(p, opts)
+        lim = self.limits
+        img = decode_image(p.data, max_pixels=lim.max_image_pixels,
+                           max_aspect_ratio=lim.max_image_aspect_ratio)
+        content_hash = image_content_hash(p.data, self.cfg.slicing, max_slices)
+        processed = process_image(img, self.cfg.slicing, content_hash, max_slice_nums=max_slices)
+        return ImagePart(processed, use_image_id=self._use_image_id(opts))
+
+
+def _check_text(text: str, where: str) -> None:
+    """Refuse text the tokenizer cannot take: a lone UTF-16 surrogate (JSON "\\ud800"
+    parses into one) is not encodable as UTF-8."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidMessageError(
+            f"{where}: text holds a lone surrogate U+{ord(text[e.start]):04X} at character "
+            f"{e.start}; text must be valid Unicode (a JSON \\u escape of a surrogate needs "
+            f"its pair)"
+        ) from None
 
 
 def _count_vision(m: Message) -> int:

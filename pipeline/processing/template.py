@@ -16,7 +16,13 @@ Placeholders (reference `get_slice_image_placeholder` / `get_audio_placeholder`)
 
 Ids are built piecewise: text runs go through `tokenizer.encode` (adjacent text is merged
 first, so the split points are exactly the special tokens, as when the reference tokenizes
-the whole string), special tokens and <unk> runs are inserted as ids.
+the whole string), special tokens and <unk> runs are inserted as ids. Whether a special
+token's string typed inside a text run becomes that token is the encode function's choice
+(the Processor encodes them as plain text unless told otherwise).
+
+`count_prompt_tokens` walks the same layout without building it: the same text runs go to
+an early-stopping counter, media not decoded yet are `MediaStub`s counted at their minimum,
+so a request over the token limit is refused before its text is tokenized or media decoded.
 """
 
 from __future__ import annotations
@@ -69,6 +75,16 @@ class OmniPart:
     """Interleaved frame / audio parts of one video, joined without separators."""
 
     parts: list[ImagePart | AudioPart]
+
+
+@dataclass
+class MediaStub:
+    """A media part before decoding, for `count_prompt_tokens`: its placeholder has at least
+    `min_tokens` tokens. Every placeholder starts and ends with a special token, so a stub
+    splits the text runs exactly where the decoded part will."""
+
+    kind: str  # "image" | "audio" | "video"
+    min_tokens: int
 
 
 Part = TextPart | ImagePart | AudioPart | OmniPart
@@ -164,7 +180,7 @@ class PromptBuilder:
             first += n
             self.special(self.tokens.audio_end)
 
-    def parts(self, parts: list[Part], sep: str) -> None:
+    def parts(self, parts: list[Part | MediaStub], sep: str) -> None:
         for i, p in enumerate(parts):
             if i > 0:
                 self.text(sep)
@@ -176,12 +192,64 @@ class PromptBuilder:
                 self.audio(p)
             elif isinstance(p, OmniPart):
                 self.parts(p.parts, "")
+            elif isinstance(p, MediaStub):
+                self.stub(p)
             else:
                 raise InvalidMessageError(f"unknown content part type {type(p).__name__}")
+
+    def stub(self, part: MediaStub) -> None:
+        raise TypeError(f"a {part.kind} part must be decoded before its prompt is built")
 
     def finish(self) -> Prompt:
         self._flush()
         return self.out
+
+
+class _OverLimit(Exception):
+    pass
+
+
+class PromptCounter(PromptBuilder):
+    """Counts what PromptBuilder would emit, and stops once the count is over `limit`.
+
+    Text runs are the builder's own (same merging), each counted by `count(text, budget)`,
+    which is exact up to the budget; special tokens count 1, <unk> runs their length,
+    MediaStubs their minimum."""
+
+    def __init__(
+        self, tokens: SpecialTokens, count: Callable[[str, int], int], query_num: int, limit: int
+    ):
+        super().__init__(tokens, _no_encode, query_num)
+        self.count = count
+        self.limit = limit
+        self.n = 0
+
+    def _add(self, n: int) -> None:
+        self.n += n
+        if self.n > self.limit:
+            raise _OverLimit
+
+    def special(self, token_id: int) -> None:
+        self._flush()
+        self._add(1)
+
+    def _flush(self) -> None:
+        if self._text:
+            text, self._text = "".join(self._text), []
+            self._add(self.count(text, self.limit - self.n))
+
+    def _unk_run(self, n: int) -> tuple[int, int]:
+        self._flush()
+        self._add(n)
+        return 0, 0
+
+    def stub(self, part: MediaStub) -> None:
+        self._flush()
+        self._add(part.min_tokens)
+
+
+def _no_encode(text: str) -> list[int]:
+    raise AssertionError("PromptCounter counts text runs, it never encodes them")
 
 
 def _split_reasoning(content: str) -> tuple[str, str]:
@@ -204,10 +272,50 @@ def build_prompt(
     add_generation_prompt: bool = True,
 ) -> Prompt:
     """Render messages (system / user / assistant) to ids and bounds; see module docstring."""
+    b = PromptBuilder(tokens, encode, query_num)
+    _render(b, messages, tokens, enable_thinking, use_tts_template, add_generation_prompt)
+    return b.finish()
+
+
+def count_prompt_tokens(
+    messages: list[Message],
+    tokens: SpecialTokens,
+    count: Callable[[str, int], int],
+    *,
+    limit: int,
+    query_num: int = 64,
+    enable_thinking: bool = False,
+    use_tts_template: bool = False,
+    add_generation_prompt: bool = True,
+) -> int:
+    """What len(build_prompt(...).input_ids) would be, when that is <= limit; otherwise a
+    number > limit, found without counting past it. `count(text, budget)` must be exact
+    up to budget and a lower bound beyond it (TextTokenizer.count). With MediaStubs in the
+    messages the result is a lower bound, so `result > limit` is a safe refusal."""
+    b = PromptCounter(tokens, count, query_num, limit)
+    try:
+        _render(b, messages, tokens, enable_thinking, use_tts_template, add_generation_prompt)
+        b.finish()
+    except _OverLimit:
+        pass
+    return b.n
+
+
+def _is_omni(p: Part | MediaStub) -> bool:
+    return isinstance(p, OmniPart) or (isinstance(p, MediaStub) and p.kind == "video")
+
+
+def _render(
+    b: PromptBuilder,
+    messages: list[Message],
+    tokens: SpecialTokens,
+    enable_thinking: bool,
+    use_tts_template: bool,
+    add_generation_prompt: bool,
+) -> None:
     if not messages:
         raise InvalidMessageError("messages is empty")
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
-    b = PromptBuilder(tokens, encode, query_num)
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise InvalidMessageError(f"message {i}: role {m.role!r} is not one of {ROLES}")
@@ -226,7 +334,7 @@ def build_prompt(
                     b.text("\n\n")
             b.text(content)
         else:
-            b.parts(m.content, "" if any(isinstance(p, OmniPart) for p in m.content) else "\n")
+            b.parts(m.content, "" if any(_is_omni(p) for p in m.content) else "\n")
         b.special(tokens.im_end)
         b.text("\n")
     if add_generation_prompt:
@@ -239,4 +347,3 @@ def build_prompt(
             b.text("\n\n")
         if use_tts_template:
             b.special(tokens.tts_bos)
-    return b.finish()

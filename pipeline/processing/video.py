@@ -8,7 +8,11 @@ the Daily-Omni "minicpm-interleave" bench mode ports:
    uniformly subsampled (linspace, int) down to max_frames frames.
 3. audio track -> 16 kHz mono; segment i = samples [int(t_i * sr), int(t_{i+1} * sr)),
    the last one up to the video duration, zero-padded to >= 1600 samples (0.1 s).
-   No audio stream -> vision only (segments None), as the reference degrades.
+   No audio stream -> vision only (segments None), as the reference degrades; an audio
+   stream that decodes to 0 samples is refused (EmptyMediaError), like an empty audio part.
+
+Frame size limits (pixels, aspect ratio) are checked on the stream's width x height before
+anything is decoded, and again on each kept frame (a stream may change resolution).
 
 Each frame is later processed as ONE unsliced image (max_slice_nums 1, 64 tokens, no
 <image_id>), see `template.py` and `Processor`.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import av
@@ -40,7 +45,7 @@ from pipeline.processing.errors import (
     NoVideoStreamError,
     UnsupportedMediaError,
 )
-from pipeline.processing.image import process_image
+from pipeline.processing.image import MAX_ASPECT_RATIO, check_aspect_ratio, process_image
 from pipeline.processing.template import AudioPart, ImagePart, OmniPart
 
 MIN_SEGMENT_SAMPLES = 1600
@@ -136,12 +141,14 @@ def decode_video(
     max_frames: int = 64,
     max_seconds: float = 600.0,
     max_pixels: int = 4096 * 4096,
+    max_aspect_ratio: float = MAX_ASPECT_RATIO,
     with_audio: bool = True,
 ) -> DecodedVideo:
     """Video bytes -> DecodedVideo: at most max_frames frames, 1 fps for short clips.
 
     Raises NoVideoStreamError, MediaTooLargeError (longer than max_seconds, or frames over
-    max_pixels), CorruptMediaError / UnsupportedMediaError, EmptyMediaError (no frames).
+    max_pixels), AspectRatioError (frames over max_aspect_ratio), CorruptMediaError /
+    UnsupportedMediaError, EmptyMediaError (no frames, or an audio track of 0 samples).
     """
     if not data:
         raise EmptyMediaError("video part is empty (0 bytes)")
@@ -156,13 +163,15 @@ def decode_video(
             raise MediaTooLargeError(
                 f"video is {n / fps:.1f} s long, over the limit of {max_seconds:g} s"
             )
-        if stream.width * stream.height > max_pixels:
-            raise MediaTooLargeError(
-                f"video frames are {stream.width}x{stream.height}, over the limit of "
-                f"{max_pixels} pixels"
-            )
+        # Once per video, from the stream header; 0 means the demuxer does not know the
+        # size yet, and then only the per-frame check below applies.
+        if stream.width > 0 and stream.height > 0:
+            _check_frame_size(stream.width, stream.height, max_pixels, max_aspect_ratio)
         timestamps, indices, duration = sample_timestamps(n, fps, max_frames)
-        frames = _decode_frames(container, stream, indices)
+        frames = _decode_frames(
+            container, stream, indices,
+            lambda w, h: _check_frame_size(w, h, max_pixels, max_aspect_ratio),
+        )
     if not frames:
         raise EmptyMediaError("video stream decodes to 0 frames")
 
@@ -174,8 +183,20 @@ def decode_video(
                     samples = decode_av_audio(container, max_seconds)
                 except av.FFmpegError as e:
                     raise CorruptMediaError(f"video's audio track could not be decoded: {e}") from e
+                if samples.size == 0:
+                    raise EmptyMediaError("video's audio track decodes to 0 samples")
                 segments = segment_audio(samples, timestamps, duration)
     return DecodedVideo(frames, timestamps, duration, segments)
+
+
+def _check_frame_size(width: int, height: int, max_pixels: int, max_aspect_ratio: float) -> None:
+    if width * height > max_pixels:
+        raise MediaTooLargeError(
+            f"video frames are {width}x{height}, over the limit of {max_pixels} pixels"
+        )
+    if width == 0 or height == 0:
+        raise CorruptMediaError(f"video frame has zero size ({width}x{height})")
+    check_aspect_ratio(width, height, max_aspect_ratio, what="video frame")
 
 
 def frame_rgb(frame: av.VideoFrame) -> Image.Image:
@@ -185,10 +206,14 @@ def frame_rgb(frame: av.VideoFrame) -> Image.Image:
 
 
 def _decode_frames(
-    container: av.container.InputContainer, stream: av.video.stream.VideoStream, indices: list[int]
+    container: av.container.InputContainer,
+    stream: av.video.stream.VideoStream,
+    indices: list[int],
+    check_size: Callable[[int, int], None],
 ) -> list[Image.Image]:
     """Decode in order, keeping the wanted frame indices (repeats allowed); when the stream
-    has fewer frames than its metadata claims, later picks reuse the last decoded frame."""
+    has fewer frames than its metadata claims, later picks reuse the last decoded frame.
+    `check_size(w, h)` runs on every kept frame before it is converted."""
     wanted = set(indices)
     last_needed = max(indices)
     stream.thread_type = "AUTO"
@@ -198,6 +223,7 @@ def _decode_frames(
         for i, frame in enumerate(container.decode(stream)):
             last_frame = (i, frame)
             if i in wanted:
+                check_size(frame.width, frame.height)
                 got[i] = frame_rgb(frame)
             if i >= last_needed:
                 break
@@ -210,6 +236,7 @@ def _decode_frames(
     out = []
     for idx in indices:
         if idx not in got and tail is None:
+            check_size(last_frame[1].width, last_frame[1].height)
             tail = frame_rgb(last_frame[1])
         out.append(got.get(idx, tail))
     return out

@@ -7,10 +7,14 @@ Stages of `Resampler.forward` (D = LLM hidden, Q = query_num, L = patches):
    keys = kv + pos, values = kv, padded patches masked -> (B, Q, D)
 4. ln_post, then `@ proj` (a right-multiplied (D, D) matrix, no bias).
 
-`pos` is a fixed 2-D sin-cos table over the (h, w) patch grid, cached for 70 x 70 and grown
-when a slice is larger. Layout (the reference's meshgrid(w, h)): channels [0, D/2) encode
-the column index w, channels [D/2, D) the row index h; each half is
-[sin(p * omega), cos(p * omega)] with omega_i = 10000^(-i / (D/4)).
+`pos` is a fixed 2-D sin-cos table over the (h, w) patch grid. Layout (the reference's
+meshgrid(w, h)): channels [0, D/2) encode the column index w, channels [D/2, D) the row
+index h; each half is [sin(p * omega), cos(p * omega)] with omega_i = 10000^(-i / (D/4)).
+Entry (i, j) does not depend on the table's size, so a slice's (h, w) table is any larger
+table's top-left corner. The module keeps the reference's 70 x 70 table as a buffer; a
+slice taller or wider than that gets its own h x w table for that call only (the reference
+instead grows its cache to the largest slice ever seen, which a few extreme aspect ratios
+turn into gigabytes).
 """
 
 from __future__ import annotations
@@ -25,20 +29,25 @@ from pipeline.config import ThinkerConfig
 from pipeline.thinker.vision import load_stripped
 
 
-def sincos_pos_embed_2d(dim: int, h: int, w: int) -> torch.Tensor:
+def sincos_pos_embed_2d(
+    dim: int, h: int, w: int, device: torch.device | None = None
+) -> torch.Tensor:
     """(h, w, dim) float32 table; pos[i, j] = [emb(j), emb(i)], emb(p) = [sin(p*om), cos(p*om)].
 
-    Computed in float32 like the reference (numpy float32), so values agree to an ulp."""
+    Computed in float32 like the reference (numpy float32), so values agree to an ulp.
+    `device` None = the current default device (what module construction uses)."""
     assert dim % 4 == 0, "sin-cos 2-D embedding needs dim divisible by 4"
     quarter = dim // 4
-    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float32) / float(quarter))  # (D/4,)
+    omega = 1.0 / 10000 ** (
+        torch.arange(quarter, dtype=torch.float32, device=device) / float(quarter)
+    )  # (D/4,)
 
     def emb(pos: torch.Tensor) -> torch.Tensor:  # (h, w) -> (h, w, D/2)
         out = pos[..., None] * omega
         return torch.cat([out.sin(), out.cos()], dim=-1)
 
-    rows = torch.arange(h, dtype=torch.float32)[:, None].expand(h, w)
-    cols = torch.arange(w, dtype=torch.float32)[None, :].expand(h, w)
+    rows = torch.arange(h, dtype=torch.float32, device=device)[:, None].expand(h, w)
+    cols = torch.arange(w, dtype=torch.float32, device=device)[None, :].expand(h, w)
     return torch.cat([emb(cols), emb(rows)], dim=-1)
 
 
@@ -109,21 +118,30 @@ class Resampler(nn.Module):
     def from_config(cls, cfg: ThinkerConfig) -> "Resampler":
         return cls(cfg.query_num, cfg.llm.hidden_size, cfg.vision.hidden_size)
 
-    def _grow_pos_cache(self, max_h: int, max_w: int) -> None:
-        if max_h <= self.max_size[0] and max_w <= self.max_size[1]:
-            return
-        self.max_size = (max(max_h, self.max_size[0]), max(max_w, self.max_size[1]))
-        table = sincos_pos_embed_2d(self.embed_dim, *self.max_size)
-        self.pos_embed = table.to(self.pos_embed.device)
+    def pos_table(self, h: int, w: int) -> torch.Tensor:
+        """(h, w, D) float32 positions of an h x w patch grid, on the buffer's device.
+
+        Within max_size: a view of the buffer. Beyond it: a table of exactly h x w, built
+        for this call and not kept, so memory follows the current slice and not the
+        largest one ever seen. It is computed on the CPU in float32 like the reference's
+        grown cache, and sin/cos are elementwise, so its values are bit-identical to the
+        same corner of any larger table."""
+        max_h, max_w = self.pos_embed.shape[:2]
+        if h <= max_h and w <= max_w:
+            return self.pos_embed[:h, :w]
+        table = sincos_pos_embed_2d(self.embed_dim, h, w, device=torch.device("cpu"))
+        return table.to(self.pos_embed.device)
 
     def pos_for(
         self, sizes: list[tuple[int, int]], seq_len: int, dtype: torch.dtype
     ) -> torch.Tensor:
         """(B, seq_len, D) positions of each strip's patches, zero on the padded tail."""
-        self._grow_pos_cache(max(h for h, _ in sizes), max(w for _, w in sizes))
         out = self.pos_embed.new_zeros(len(sizes), seq_len, self.embed_dim, dtype=dtype)
+        tables: dict[tuple[int, int], torch.Tensor] = {}  # one build per size in the batch
         for i, (h, w) in enumerate(sizes):
-            out[i, : h * w] = self.pos_embed[:h, :w].reshape(h * w, -1)
+            if (h, w) not in tables:
+                tables[h, w] = self.pos_table(h, w)
+            out[i, : h * w] = tables[h, w].reshape(h * w, -1)
         return out
 
     def forward(

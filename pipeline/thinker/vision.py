@@ -25,6 +25,7 @@ layer forward shared by all layers); see its docstring for the dynamic-shape pol
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Mapping, Sequence
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 from pipeline.config import ThinkerConfig, VisionConfig
 
 ATTN_BACKENDS = ("eager", "sdpa", "flash")
+POS_ID_CACHE_SIZE = 256  # distinct (h, w) slice grids whose position ids are kept
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,7 +276,9 @@ class VisionEncoder(nn.Module):
         self.embeddings = VisionEmbeddings(cfg)
         self.encoder = VisionEncoderStack(cfg, attn_backend)
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self._pos_id_cache: dict[tuple[int, int], torch.Tensor] = {}
+        # (h, w) -> navit_position_ids, least recently used first. Bounded: the sizes come
+        # from requests, and an unbounded dict keyed by them only ever grows.
+        self._pos_id_cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
         # When set, L is padded up to a multiple of this (eager/sdpa only): bounds the
         # number of distinct shapes a static-shape compile sees. See compile_vision_layers.
         self.pad_multiple: int | None = None
@@ -305,10 +309,15 @@ class VisionEncoder(nn.Module):
         """(B, seq_len) ids on CPU; the padded tail gets id 0 as in the reference."""
         out = torch.zeros(len(tgt_sizes), seq_len, dtype=torch.long, device="cpu")
         n = self.cfg.num_patches_per_side
+        cache = self._pos_id_cache
         for i, (h, w) in enumerate(tgt_sizes):
-            ids = self._pos_id_cache.get((h, w))
+            ids = cache.get((h, w))
             if ids is None:
-                ids = self._pos_id_cache[(h, w)] = navit_position_ids(h, w, n)
+                ids = cache[h, w] = navit_position_ids(h, w, n)
+                if len(cache) > POS_ID_CACHE_SIZE:
+                    cache.popitem(last=False)
+            else:
+                cache.move_to_end((h, w))
             out[i, : h * w] = ids
         return out
 
