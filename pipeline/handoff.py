@@ -38,9 +38,14 @@ def _audio_input(features: np.ndarray, content_hash: str) -> AudioInput:
     return AudioInput(_tensor(features), content_hash)
 
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Thinker sampling. temperature 0 means greedy (the vLLM stage-0 default)."""
+    """Thinker sampling. temperature 0 means greedy (the vLLM stage-0 default); so does any
+    temperature below GREEDY_BELOW, as in vLLM: dividing logits by it would overflow to inf,
+    and the distribution it asks for is the argmax anyway."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -62,10 +67,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass

@@ -112,6 +112,7 @@ class Code2WavEngine:
         self.final_graph_shapes: set[tuple] = set()  # final-chunk shapes allowed a graph
         self.streams: OrderedDict[str, _Stream] = OrderedDict()
         self.templates: OrderedDict[str, StreamState] = OrderedDict()
+        self.pinned: set[str] = set()  # voice keys whose template the LRU never evicts
         self.counters: Counter = Counter()
 
     # -- streams -----------------------------------------------------------------------
@@ -127,12 +128,30 @@ class Code2WavEngine:
             self.counters["template_builds"] += 1
             tpl = self._build_state(voice)
             self.templates[key] = tpl
-            while len(self.templates) > self.ecfg.max_voice_templates:
-                self.templates.popitem(last=False)
+            self._evict()
         else:
             self.counters["template_hits"] += 1
             self.templates.move_to_end(key)
         return tpl.clone()
+
+    def pin_voice(self, voice: VoicePrompt) -> None:
+        """Build `voice`'s template now and keep it until `unpin_voice` (stored voices: built
+        once, whatever the ad-hoc reference voices do to the LRU)."""
+        self.pinned.add(voice.key)
+        if self.ecfg.token2wav_initial_state_cache and voice.key not in self.templates:
+            self.counters["template_builds"] += 1
+            self.templates[voice.key] = self._build_state(voice)
+            self._evict()
+
+    def unpin_voice(self, voice: VoicePrompt) -> None:
+        self.pinned.discard(voice.key)
+        self.templates.pop(voice.key, None)
+
+    def _evict(self) -> None:
+        """Drop the least recently used unpinned templates beyond max_voice_templates."""
+        unpinned = [k for k in self.templates if k not in self.pinned]
+        for key in unpinned[: max(0, len(unpinned) - self.ecfg.max_voice_templates)]:
+            del self.templates[key]
 
     def _build_state(self, voice: VoicePrompt) -> StreamState:
         v = voice.to(self.device)

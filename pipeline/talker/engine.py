@@ -152,6 +152,7 @@ class TalkerStats:
     graph_replays: int  # of which replayed a CUDA graph
     prefills: int  # units started (one prefill each)
     codes: int  # codes kept (EOS excluded)
+    unaccounted_slots: int = 0  # slots neither free nor held by an unfinished stream (a leak)
 
 
 @dataclass
@@ -247,6 +248,8 @@ class TalkerEngine:
             graph_replays=self.graphs.replays if self.graphs is not None else 0,
             prefills=self._prefills,
             codes=self._codes,
+            unaccounted_slots=self.config.max_streams - len(self._free)
+            - sum(not s.finished for s in self._streams.values()),
         )
 
     def stream_codes(self, stream_id: str) -> list[int]:
@@ -270,12 +273,15 @@ class TalkerEngine:
                 f"streaming mode implements attention_type 'sliding_recompute' only, the "
                 f"checkpoint says {self.cfg.attention_type!r}; use mode 'full_span'"
             )
+        if seed is not None and not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
         if not self._free:
             raise RuntimeError(f"no free Talker slot ({self.config.max_streams} in use)")
-        slot = heapq.heappop(self._free)
+        # Everything that can fail comes before the slot is taken: a refused open holds nothing.
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         pending = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        slot = heapq.heappop(self._free)
         self._streams[stream_id] = _Stream(stream_id, slot, mode, generator, pending,
                                            max_codes=max_codes)
         min_new = self.cfg.min_new_tokens if mode == "full_span" else 0
