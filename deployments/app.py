@@ -39,7 +39,9 @@ def _options(name: str, s: StageSettings, gpu: bool) -> dict[str, Any]:
     if gpu and s.num_gpus > 0:
         actor["num_gpus"] = s.num_gpus
     return {"name": name, "num_replicas": s.num_replicas,
-            "max_ongoing_requests": s.max_ongoing_requests, "ray_actor_options": actor}
+            "max_ongoing_requests": s.max_ongoing_requests, "ray_actor_options": actor,
+            "health_check_period_s": s.health_check_period_s,
+            "health_check_timeout_s": s.health_check_timeout_s}
 
 
 def build_omni_app(cfg: AppConfig | dict | None = None, *, thinker_engine_cls: Any = None,

@@ -1,11 +1,11 @@
 """Code2Wav deployment: a Code2WavEngine behind an EngineLoop.
 
-Per turn: `open(rid, voice)` clones the voice's initial state; the Talker calls
-`push(rid, codes, final)` as chunks arrive; the ingress reads `stream(rid)`, which yields
-AudioPiece (float32 24 kHz PCM, in order) until `is_last`. Ready chunks of several streams
-are decoded in one engine step (batched across streams). Pieces produced before the
-ingress starts reading are kept in the stream's queue. A Talker failure arrives through
-`fail(rid, ...)` and ends the stream with a StageFailure.
+Per turn: the ingress holds `stream(rid, voice)` open, which clones the voice's initial
+state and then yields AudioPiece (float32 24 kHz PCM, in order) until `is_last`; the Talker
+calls `push(rid, codes, final)` as chunks arrive. Ready chunks of several streams are
+decoded in one engine step (batched across streams). Stored voices (`register_voice`) keep
+their prompt and pin their template; `voice_support()` says whether reference voices can be
+built at all (the checkpoint's voice front end).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,10 +23,14 @@ from deployments.loop import EngineLoop, StageFailure
 from deployments.metrics import StageMetrics
 from deployments.stage import (
     AudioPiece,
+    Opened,
     Tombstones,
     build_engine,
-    device_memory,
+    check_loop_health,
+    error_line,
+    next_item,
     stage_init,
+    stage_stats,
     stats_dict,
 )
 
@@ -74,18 +79,54 @@ class RealCode2Wav:
         return Code2WavEngineConfig
 
 
-class _VoicedEngine:
-    """Turns `open_stream(rid, waveform | None)` into the engine's VoicePrompt call."""
+@dataclass(frozen=True)
+class NamedVoice:
+    """A stored voice (POST /v1/audio/voices): its prompt is built once, kept for as long as
+    the voice exists, and its initial-state template stays cached (pinned) in the engine."""
 
-    VOICE_RATE = 16000  # the ingress decodes ref_audio to 16 kHz mono
+    voice_id: str
+    samples: np.ndarray  # 16 kHz mono float32
+
+
+class _VoicedEngine:
+    """Turns `open_stream(rid, None | waveform | NamedVoice)` into the engine's VoicePrompt
+    call."""
+
+    VOICE_RATE = 16000  # the ingress decodes reference audio to 16 kHz mono
 
     def __init__(self, engine: Any, voices: Any):
         self.engine, self.voices = engine, voices
+        self.named: dict[str, Any] = {}  # voice id -> VoicePrompt
+
+    def prompt(self, voice: Any) -> Any:
+        if voice is None:
+            return self.voices.default()
+        if isinstance(voice, NamedVoice):
+            prompt = self.named.get(voice.voice_id)
+            if prompt is None:
+                prompt = self.voices.from_audio(voice.samples, self.VOICE_RATE)
+                self.named[voice.voice_id] = prompt
+                self.engine.pin_voice(prompt)
+            return prompt
+        return self.voices.from_audio(voice, self.VOICE_RATE)
 
     def open_stream(self, stream_id: str, voice: Any) -> None:
-        prompt = self.voices.default() if voice is None else self.voices.from_audio(
-            voice, self.VOICE_RATE)
-        self.engine.open_stream(stream_id, prompt)
+        self.engine.open_stream(stream_id, self.prompt(voice))
+
+    def prepare_voice(self, voice: NamedVoice) -> None:
+        self.prompt(voice)
+
+    def forget_voice(self, voice_id: str) -> None:
+        prompt = self.named.pop(voice_id, None)
+        if prompt is not None:
+            self.engine.unpin_voice(prompt)
+
+    def voice_support(self) -> str | None:
+        try:
+            self.voices.frontend()
+        except Exception as e:  # noqa: BLE001 - the reason is what the client is told
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -94,7 +135,8 @@ class _VoicedEngine:
         return self.engine.has_work()
 
     def stats(self) -> dict[str, Any]:
-        return {"streams": len(self.engine.streams), **dict(self.engine.counters)}
+        return {"streams": len(self.engine.streams), "named_voices": len(self.named),
+                **dict(self.engine.counters)}
 
 
 class Code2WavServer:
@@ -111,7 +153,9 @@ class Code2WavServer:
         self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
         self.loop = EngineLoop(self.engine, name="code2wav",
                                route=lambda out: _route(out, self.loop.step_started_at),
-                               on_step=self.metrics.on_step, on_failure=self._close_all)
+                               on_step=self.metrics.on_step, on_streams=self.metrics.streams,
+                               on_failure=self._close_all)
+        self.timeouts = cfg.timeouts
         self._pushed: dict[str, int] = {}  # codes received per open stream
         self._aborted = Tombstones()
         self._talker_spans: dict[str, list[tuple[float, float]]] = {}
@@ -120,28 +164,42 @@ class Code2WavServer:
         for rid in self.loop.open_keys:
             engine.close_stream(rid)
 
-    async def open(self, rid: str, voice: np.ndarray | None = None) -> None:
-        """Open `rid`'s stream. The default voice (None) cannot be refused, so its open is
-        queued for the next step boundary and this returns at once: the ingress starts the
-        Thinker without waiting for a running chunk (tens of ms). A reference voice is
-        awaited, so a voice the front end refuses is an error before anything streams."""
+    async def stream(self, rid: str, voice: Any = None) -> AsyncIterator[Any]:
+        """One turn's audio: Opened once the stream holds its voice state, then AudioPiece
+        (float32 24 kHz PCM, in order) until `is_last`, Heartbeats while waiting for codes, or
+        a StageFailure. The default voice (None) cannot be refused, so its open is queued for
+        the next step boundary and Opened comes at once: the ingress starts the Thinker without
+        waiting for a running chunk (tens of ms). A reference or stored voice is built first,
+        so a voice the front end refuses is an error before anything streams. Cancelling the
+        stream (the turn is over) frees its state."""
         if rid in self._aborted:
             raise RuntimeError(f"request {rid} was aborted")
-        self.loop.open(rid)
-        if voice is None:
-            self.loop.post(self._open_default(rid, asyncio.get_running_loop()))
-            self._pushed[rid] = 0
-            return
+        q = self.loop.open(rid)
+        t = self.timeouts
         try:
-            await self.loop.call(lambda e: e.open_stream(rid, voice))
-        except BaseException:
-            self.loop.close(rid)
-            raise
-        if rid in self._aborted:  # aborted while the engine was opening it
-            self.loop.close(rid)
-            self.loop.post(lambda e: e.close_stream(rid))
-            raise RuntimeError(f"request {rid} was aborted")
-        self._pushed[rid] = 0
+            if voice is None:
+                self.loop.post(self._open_default(rid, asyncio.get_running_loop()))
+            else:
+                try:
+                    await self.loop.call(lambda e: e.open_stream(rid, voice))
+                except Exception as e:  # noqa: BLE001 - the front end refused this voice
+                    yield StageFailure("code2wav", f"the voice could not be used: "
+                                       f"{error_line(e)}", 400, "voice_error")
+                    return
+            if rid in self._aborted:  # aborted while the engine was opening it
+                return
+            self._pushed[rid] = 0
+            yield Opened("code2wav")
+            while True:
+                item = await next_item(q, self.loop, "code2wav", t.heartbeat_s, t.wedge_s)
+                if isinstance(item, AudioPiece):
+                    item.talker_spans = self._talker_spans.pop(rid, [])
+                yield item
+                if isinstance(item, StageFailure) or (isinstance(item, AudioPiece)
+                                                      and item.is_last):
+                    return
+        finally:
+            self._release(rid)
 
     def _open_default(self, rid: str, aloop: asyncio.AbstractEventLoop):
         def open_stream(engine: Any) -> None:  # worker thread, before any push of rid
@@ -170,36 +228,49 @@ class Code2WavServer:
         await self.loop.call(lambda e: e.push_codes(rid, codes.tolist(), final))
         return True
 
-    async def fail(self, rid: str, stage: str, message: str) -> None:
-        self.loop.deliver(rid, StageFailure(stage, message))
+    async def voice_support(self) -> str | None:
+        """None when reference voices can be built; otherwise why not (e.g. the checkpoint
+        has no voice front end)."""
+        return await self.loop.call(
+            lambda e: e.voice_support() if hasattr(e, "voice_support") else None)
 
-    async def stream(self, rid: str) -> AsyncIterator[AudioPiece | StageFailure]:
-        q = self.loop.queue(rid)
-        if q is None:
-            yield StageFailure("code2wav", f"stream {rid!r} is not open")
-            return
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, AudioPiece):
-                    item.talker_spans = self._talker_spans.pop(rid, [])
-                yield item
-                if isinstance(item, StageFailure) or item.is_last:
-                    return
-        finally:
-            await self.abort(rid)
+    async def register_voice(self, voice_id: str, samples: np.ndarray) -> None:
+        """Build a stored voice's prompt and template now, so its first turn pays nothing and
+        a clip the front end refuses is refused at upload."""
+        voice = NamedVoice(voice_id, np.asarray(samples, dtype=np.float32))
+        await self.loop.call(lambda e: e.prepare_voice(voice) if hasattr(e, "prepare_voice")
+                             else None)
+
+    async def forget_voice(self, voice_id: str) -> None:
+        await self.loop.call(lambda e: e.forget_voice(voice_id) if hasattr(e, "forget_voice")
+                             else None)
+
+    def _release(self, rid: str) -> None:
+        self._talker_spans.pop(rid, None)
+        had = self._pushed.pop(rid, None) is not None
+        if had or self.loop.is_open(rid):
+            self.loop.close(rid)
+            self.loop.post(lambda e: e.close_stream(rid))
 
     async def abort(self, rid: str) -> None:
         self._aborted.add(rid)
-        self._talker_spans.pop(rid, None)
-        if self._pushed.pop(rid, None) is None and not self.loop.is_open(rid):
-            return
-        self.loop.close(rid)
-        self.loop.post(lambda e: e.close_stream(rid))
+        q = self.loop.queue(rid)
+        if q is not None:  # ends the stream at its next item
+            q.put_nowait(StageFailure("code2wav", "aborted", 499, "cancelled"))
+        self._release(rid)
 
     async def stats(self) -> dict[str, Any]:
         engine = await self.loop.call(
             lambda e: stats_dict(e.stats()) if hasattr(e, "stats") else {})
-        return {"open": len(self.loop.open_keys), "streams": len(self._pushed),
-                "steps": self.loop.steps, "failures": self.loop.failures, "engine": engine,
-                **device_memory()}
+        open_ = len(self.loop.open_keys)
+        streams = engine.get("streams", 0)
+        leaks = []
+        if streams > open_:
+            leaks.append(f"engine holds {streams} streams but {open_} are open")
+        if len(self._pushed) > open_:
+            leaks.append(f"{len(self._pushed)} push records for {open_} open streams")
+        return stage_stats(self.loop, self.timeouts.wedge_s, engine, streams, leaks,
+                           streams=len(self._pushed))
+
+    def check_health(self) -> None:
+        check_loop_health(self.loop, self.timeouts.wedge_s)

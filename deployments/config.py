@@ -36,7 +36,12 @@ class StageSettings(_Settings):
         "KV-cache budget when the stage runs on CPU, so one config serves both"))
     num_cpus: float = Field(0.0, ge=0.0)
     max_ongoing_requests: int = Field(256, ge=1)
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, le=1, description=(
+        "one replica per stage: a turn's stream state lives in one process (several "
+        "replicas per GPU stage come with stage groups)"))
+    health_check_period_s: float = Field(5.0, gt=0, description=(
+        "how often Serve calls the stage's check_health (a wedged engine loop fails it)"))
+    health_check_timeout_s: float = Field(30.0, gt=0)
     engine: dict[str, Any] = Field(default_factory=dict, description=(
         "fields of the stage's frozen engine config (batch limits, knobs); unknown keys "
         "fail the stage at startup"))
@@ -53,6 +58,9 @@ class LimitSettings(_Settings):
 
     max_media_bytes: int = Field(64 * 1024 * 1024, ge=1)
     max_image_pixels: int = Field(4096 * 4096, ge=1)
+    max_image_aspect_ratio: float = Field(200.0, ge=1.0, description=(
+        "longest side / shortest side of an image or video frame; beyond it the slicing "
+        "rules stop bounding the patch grid"))
     max_images: int = Field(128, ge=1)
     max_video_frames: int = Field(64, ge=1)
     max_video_seconds: float = Field(600.0, gt=0)
@@ -61,7 +69,32 @@ class LimitSettings(_Settings):
     max_tokens: int = Field(4096, ge=1, description="upper bound on a request's max_tokens")
     default_max_tokens: int = Field(512, ge=1)
     max_body_bytes: int = Field(256 * 1024 * 1024, ge=1)
+    max_json_depth: int = Field(64, ge=4, description="nesting depth of a request body, checked before parsing")
     max_ref_audio_seconds: float = Field(30.0, gt=0)
+    max_voices: int = Field(64, ge=1, description="stored voices (POST /v1/audio/voices)")
+
+
+class TimeoutSettings(_Settings):
+    """Deadlines of the calls between stages. A stage that dies ends its turns at once (its
+    streams fail); these bound a stage that is alive but does not answer."""
+
+    open_s: float = Field(30.0, gt=0, description=(
+        "a speech stage opening a turn's stream (a reference voice's prompt included)"))
+    hop_s: float = Field(30.0, gt=0, description="one stage-to-stage call (feed / push)")
+    heartbeat_s: float = Field(1.0, gt=0, description=(
+        "an open stage stream sends a heartbeat after this long without output"))
+    stall_s: float = Field(10.0, gt=0, description=(
+        "a stage stream silent this long (no output, no heartbeat) ends its turn"))
+    wedge_s: float = Field(120.0, gt=0, description=(
+        "one engine step or command running this long marks the stage unhealthy"))
+    abort_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _heartbeats_beat_stalls(self) -> TimeoutSettings:
+        if self.heartbeat_s * 2 > self.stall_s:
+            raise ValueError(f"timeouts.stall_s ({self.stall_s:g}) must be at least twice "
+                             f"timeouts.heartbeat_s ({self.heartbeat_s:g})")
+        return self
 
 
 # The single-GPU split (vLLM-Omni's 0.55 / 0.15 / 0.18 family), per stage.
@@ -89,8 +122,22 @@ class AppConfig(_Settings):
         "file:// media is read only under this folder; null = no local files"))
     allowed_media_hosts: list[str] = Field(default_factory=list, description=(
         "http(s) hosts the ingress may fetch media from; empty = no fetches"))
+    allowed_media_networks: list[str] = Field(default_factory=list, description=(
+        "CIDRs that allowed hosts may resolve to although loopback / private / link-local "
+        "(fetches to such addresses are refused otherwise)"))
+    special_tokens_in_text: bool = Field(False, description=(
+        "tokenize special tokens typed in message text as control tokens (trusted clients "
+        "only); false = they are plain text"))
+    stream_format: Literal["openai", "vllm-omni"] = Field("openai", description=(
+        "streamed audio shape: openai = delta.audio {id, data, transcript, expires_at}; "
+        "vllm-omni = delta.content tagged by a top-level modality; a request's "
+        "omniray.stream_format overrides it"))
+    voices_dir: str | None = Field(None, description=(
+        "where uploaded voices (POST /v1/audio/voices) are kept and restored from at start; "
+        "null = <OMNIRAY_CACHE, default ~/.cache/omniray>/voices"))
     cuda_context_gib: float = Field(0.7, ge=0.0, description="per-process CUDA context estimate")
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     thinker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["thinker"]))
     talker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["talker"]))
@@ -111,7 +158,7 @@ class AppConfig(_Settings):
     @model_validator(mode="after")
     def _fractions_fit(self) -> AppConfig:
         gpus = self.thinker.num_gpus + self.talker.num_gpus + self.code2wav.num_gpus
-        if gpus > 1.0 + 1e-9 and self.thinker.num_replicas == 1:
+        if gpus > 1.0 + 1e-9:
             raise ValueError(f"stage num_gpus add up to {gpus:.2f} > 1 GPU")
         caps = [s.memory_fraction or 0.0 for s in self.stages().values()]
         if sum(caps) > 1.0:

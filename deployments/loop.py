@@ -11,6 +11,10 @@ everything else is sent as a command (`call` / `post`). Outputs are routed by `r
 asyncio queue registered for that key; items for unknown keys (aborted requests) are
 dropped. If `step()` raises, every open queue receives a `StageFailure` and `on_failure`
 (e.g. abort everything) runs on the worker thread, so the next request starts clean.
+
+`health(wedge_s)` tells a live loop from a wedged one: the worker thread died, or one step
+or command has run longer than `wedge_s`. Stages report it through Serve's `check_health`
+and in their streams' heartbeats, so a stuck engine ends its turns instead of hanging them.
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ EMPTY_STEP_BACKOFF_S = 0.002  # a step with no output while streams wait for inp
 
 @dataclass
 class StageFailure:
-    """Delivered to a request's queue when the engine step that served it raised."""
+    """Delivered to a request's queue when the engine step that served it raised (or a
+    stage could not serve the turn). `status` is the HTTP-like status the turn ends with."""
 
     stage: str
     message: str
+    status: int = 500
+    reason: str = "stage_error"
 
 
 @dataclass
@@ -80,6 +87,7 @@ class EngineLoop:
         on_step: Callable[[StepRecord], None] | None = None,
         on_failure: Callable[[Any, BaseException], None] | None = None,
         busy: Callable[[Any], bool] | None = None,
+        on_streams: Callable[[int], None] | None = None,
     ):
         self.engine = engine
         self.name = name
@@ -87,6 +95,7 @@ class EngineLoop:
         self._on_step = on_step
         self._on_failure = on_failure
         self._busy = busy or engine_busy
+        self._on_streams = on_streams  # told the number of open keys when it changes
         self._commands: queue.Queue[tuple[Callable, Future | None]] = queue.Queue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -95,6 +104,8 @@ class EngineLoop:
         self.steps = 0
         self.failures = 0
         self.step_started_at = 0.0
+        self._busy_since = 0.0  # monotonic start of the running step / command; 0 = waiting
+        self._busy_what = ""
 
     # -- event-loop side -----------------------------------------------------------------
 
@@ -112,10 +123,19 @@ class EngineLoop:
             raise ValueError(f"{self.name}: request id {key!r} is already in flight")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[key] = q
+        self._streams_changed()
         return q
 
     def close(self, key: str) -> None:
-        self._queues.pop(key, None)
+        if self._queues.pop(key, None) is not None:
+            self._streams_changed()
+
+    def _streams_changed(self) -> None:
+        if self._on_streams is not None:
+            try:
+                self._on_streams(len(self._queues))
+            except Exception:  # noqa: BLE001 - metrics must never break a stream
+                log.debug("on_streams failed", exc_info=True)
 
     def is_open(self, key: str) -> bool:
         return key in self._queues
@@ -138,6 +158,17 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread is None or self._thread.is_alive()
+
+    def health(self, wedge_s: float) -> str | None:
+        """None while the loop serves; otherwise why it does not (thread dead, or one step or
+        command running for longer than `wedge_s`)."""
+        if not self.alive:
+            return f"{self.name} engine thread died"
+        since = self._busy_since
+        if since and time.monotonic() - since > wedge_s:
+            return (f"{self.name} engine is stuck: one {self._busy_what} has run for "
+                    f"{time.monotonic() - since:.0f} s (limit {wedge_s:g} s)")
+        return None
 
     def stop(self) -> None:
         self._stopping = True
@@ -172,6 +203,7 @@ class EngineLoop:
             return 0
         while True:
             n += 1
+            self._mark_busy("command")
             try:
                 result = fn(self.engine)
             except BaseException as e:  # noqa: BLE001 - handed back to the caller
@@ -179,6 +211,8 @@ class EngineLoop:
                     log.warning("%s: command failed: %r", self.name, e)
             else:
                 _settle(fut, result=result)
+            finally:
+                self._busy_since = 0.0
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
@@ -187,9 +221,13 @@ class EngineLoop:
     def _run(self) -> None:
         idle_streak = False
         while not self._stopping:
+            if self._aloop is not None and self._aloop.is_closed():
+                return  # the event loop it serves is gone (its process is shutting down)
             try:
                 idle_streak = self._iterate(idle_streak)
             except Exception as e:  # noqa: BLE001 - a stage fault must not kill the loop
+                if self._aloop is not None and self._aloop.is_closed():
+                    return
                 self._fail(e)
                 idle_streak = False
 
@@ -204,7 +242,11 @@ class EngineLoop:
             return False
         self.step_started_at = time.time()  # wall clock, read by route() for timings
         t0 = time.perf_counter()
-        outputs = self.engine.step()
+        self._mark_busy("step")
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._busy_since = 0.0
         dt = time.perf_counter() - t0
         self.steps += 1
         for out in outputs:
@@ -213,6 +255,10 @@ class EngineLoop:
         if self._on_step is not None:
             self._on_step(StepRecord(dt, len(outputs), n_cmds))
         return not outputs
+
+    def _mark_busy(self, what: str) -> None:
+        self._busy_what = what
+        self._busy_since = time.monotonic()
 
     def _fail(self, e: BaseException) -> None:
         """Every open request gets a StageFailure; `on_failure` cleans the engine."""

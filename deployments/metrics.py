@@ -1,13 +1,23 @@
 """The app's Ray metrics (Ray dashboard / Prometheus; names get Ray's `ray_` prefix).
 
-Per app (ingress):  omniray_requests_total{outcome}, omniray_ttft_seconds,
-                    omniray_first_audio_seconds, omniray_rtf, omniray_audio_seconds_total,
-                    omniray_window_active, omniray_window_waiting
+Per app (ingress):  omniray_requests_total{outcome}  ok | error | timeout | cancelled |
+                        rejected (refused with a 4xx, over HTTP or the handle)
+                    omniray_errors_total{reason}  every outcome but ok, by reason
+                        (invalid_request, too_large, not_found, voice_error,
+                        stage_error, stage_unavailable, stage_busy, timeout, cancelled...)
+                    omniray_ttft_seconds, omniray_first_audio_seconds, omniray_rtf,
+                    omniray_audio_seconds_total, omniray_window_active,
+                    omniray_window_waiting
 Per stage:          omniray_stage_step_seconds{stage}, omniray_stage_batch_size{stage},
-                    omniray_stage_queue_depth{stage}, omniray_stage_active_streams{stage},
+                    omniray_stage_queue_depth{stage},
+                    omniray_stage_active_streams{stage} (turns holding state in the stage),
+                    omniray_stage_free_slots{stage} (Talker stream slots / Thinker KV blocks),
                     omniray_stage_kv_usage{stage}, omniray_stage_cache_hits_total{stage,cache},
                     omniray_stage_graph_steps_total{stage,path="graph"|"eager"},
                     omniray_stage_stat{stage,name} (every other numeric engine stat)
+Ray tags every series with the reporting process's WorkerId: after a replica restarts, Ray
+stops exporting the dead process's gauges, and its counters stay (frozen) under the old
+WorkerId, so sums over workers never go backwards.
 
 Engine stats are read from `engine.stats()` at most every STATS_PERIOD_S, on the engine's
 worker thread; keys the engines may report: num_running / num_waiting, num_free_blocks /
@@ -53,8 +63,10 @@ class StageMetrics:
                              boundaries=BATCH_BUCKETS, tag_keys=tk)
         self.queue = _metric(Gauge, "omniray_stage_queue_depth",
                              "commands waiting for the engine thread", tag_keys=tk)
-        self.active = _metric(Gauge, "omniray_stage_active_streams", "requests / streams open",
-                              tag_keys=tk)
+        self.active = _metric(Gauge, "omniray_stage_active_streams",
+                              "turns holding state in the stage", tag_keys=tk)
+        self.free_slots = _metric(Gauge, "omniray_stage_free_slots",
+                                  "free Talker stream slots / Thinker KV blocks", tag_keys=tk)
         self.kv = _metric(Gauge, "omniray_stage_kv_usage", "fraction of KV blocks in use",
                           tag_keys=tk)
         self.cache = _metric(Counter, "omniray_stage_cache_hits_total", "cache hits",
@@ -80,13 +92,17 @@ class StageMetrics:
             except Exception:
                 log.debug("stats for metrics failed", exc_info=True)
 
+    def streams(self, n: int) -> None:
+        self.active.set(n, tags=self.tags)
+
     def record_stats(self, stats: dict[str, Any]) -> None:
         stage = self.tags["stage"]
         if stats.get("num_total_blocks"):
             used = 1 - stats.get("num_free_blocks", 0) / stats["num_total_blocks"]
             self.kv.set(used, tags=self.tags)
-        if "num_running" in stats:
-            self.active.set(stats["num_running"] + stats.get("num_waiting", 0), tags=self.tags)
+            self.free_slots.set(stats.get("num_free_blocks", 0), tags=self.tags)
+        if "free_slots" in stats:
+            self.free_slots.set(stats["free_slots"], tags=self.tags)
         for key, value in stats.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
@@ -108,8 +124,10 @@ class StageMetrics:
 
 class AppMetrics:
     def __init__(self) -> None:
-        self.requests = _metric(Counter, "omniray_requests_total", "turns by outcome",
+        self.requests = _metric(Counter, "omniray_requests_total", "requests by outcome",
                                 tag_keys=("outcome",))
+        self.errors = _metric(Counter, "omniray_errors_total",
+                              "requests that did not end ok, by reason", tag_keys=("reason",))
         self.ttft = _metric(Histogram, "omniray_ttft_seconds", "time to first text",
                             boundaries=LATENCY_BUCKETS)
         self.first_audio = _metric(Histogram, "omniray_first_audio_seconds",
@@ -120,9 +138,12 @@ class AppMetrics:
         self.audio_seconds = _metric(Counter, "omniray_audio_seconds_total", "audio produced")
         self.window_active = _metric(Gauge, "omniray_window_active", "turns in the GPU stages")
         self.window_waiting = _metric(Gauge, "omniray_window_waiting", "turns waiting FIFO")
+        self.window(0, 0)  # a fresh process exports its own (empty) window at once
 
-    def outcome(self, outcome: str) -> None:
+    def outcome(self, outcome: str, reason: str | None = None) -> None:
         self.requests.inc(1, tags={"outcome": outcome})
+        if outcome != "ok":
+            self.errors.inc(1, tags={"reason": reason or outcome})
 
     def window(self, active: int, waiting: int) -> None:
         self.window_active.set(active)

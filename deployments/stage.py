@@ -1,5 +1,12 @@
 """What the three model deployments share: device and memory setup, engine construction,
 the in-order forwarder to the next stage, and the small messages stages stream back.
+
+Every stage call the ingress keeps open for a turn is a stream (Thinker.generate,
+Talker.session, Code2Wav.stream), so the turn's state in a stage lives exactly as long as
+that stream: a replica that dies fails its streams at once (the ingress ends the turn), and
+a cancelled stream frees the state. Idle streams send a `Heartbeat` every
+`timeouts.heartbeat_s` (or a `StageFailure` when the engine loop is wedged), so a stage that
+is alive but stuck is told apart from one that is merely slow.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from deployments.config import GIB, AppConfig, check_memory_budget
+from deployments.loop import StageFailure
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,34 @@ class TextOut:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: dict[str, float] | None = None  # the Thinker engine's wall-clock marks
+
+
+@dataclass
+class Opened:
+    """First item of a speech stage's stream: the stage now holds the turn's state."""
+
+    stage: str
+
+
+@dataclass
+class Heartbeat:
+    """An open stream with nothing to say for `timeouts.heartbeat_s`; its engine loop is
+    healthy."""
+
+    stage: str
+
+
+async def next_item(q: asyncio.Queue, loop: Any, stage: str, heartbeat_s: float,
+                    wedge_s: float) -> Any:
+    """The next item of a stream's queue, or a Heartbeat (StageFailure if the engine loop is
+    wedged) when nothing comes within `heartbeat_s`."""
+    try:
+        return await asyncio.wait_for(q.get(), heartbeat_s)
+    except asyncio.TimeoutError:
+        problem = loop.health(wedge_s)
+        if problem:
+            return StageFailure(stage, problem, 503, "stage_unavailable")
+        return Heartbeat(stage)
 
 
 @dataclass
@@ -131,6 +167,25 @@ def dataclass_from_dict(cls: Any, values: dict[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
+def stage_stats(loop: Any, wedge_s: float, engine: dict[str, Any], held: int,
+                leaks: list[str], **extra: Any) -> dict[str, Any]:
+    """What every stage's `stats()` reports: its open streams, the engine's stats, and the
+    invariants: `idle` (no stream open and the engine holds nothing: `held` == 0), `leaks`
+    (accounting that does not add up), `health` (None, or why the loop is unhealthy)."""
+    open_ = len(loop.open_keys)
+    return {"open": open_, **extra, "steps": loop.steps, "failures": loop.failures,
+            "engine": engine, "idle": open_ == 0 and held == 0, "leaks": leaks,
+            "health": loop.health(wedge_s), "pid": os.getpid(), **device_memory()}
+
+
+def check_loop_health(loop: Any, wedge_s: float) -> None:
+    """Serve's `check_health`: raise while the engine loop is dead or wedged (Serve then
+    replaces the replica, which ends its turns at once)."""
+    problem = loop.health(wedge_s)
+    if problem:
+        raise RuntimeError(problem)
+
+
 def stats_dict(stats: Any) -> dict[str, Any]:
     if stats is None:
         return {}
@@ -148,14 +203,19 @@ class Forwarder:
 
     Chunks that arrive while a call is in flight are coalesced into the next call, so a
     slow hop batches instead of queueing. `hold` keeps everything until `finish()` (the
-    Talker's full_span mode). `send(items, final)` is the hop, e.g. `talker.feed`.
+    Talker's full_span mode). `send(items, final)` is the hop, e.g. `talker.feed`; each call
+    is bounded by `timeout_s`. A failed call drops the stream and reports to `on_error`, so
+    the stream's owner ends the turn instead of waiting for chunks that will never come.
     """
 
     def __init__(self, send: Callable[[list[Any], bool], Awaitable[Any]], *, name: str,
-                 hold: bool = False):
+                 hold: bool = False, timeout_s: float | None = None,
+                 on_error: Callable[[BaseException], None] | None = None):
         self._send = send
         self._name = name
         self._hold = hold
+        self._timeout_s = timeout_s
+        self._on_error = on_error
         self._items: list[Any] = []
         self._final = False
         self._wake = asyncio.Event()
@@ -178,6 +238,10 @@ class Forwarder:
     def done(self) -> bool:
         return self._task.done()
 
+    async def wait(self) -> None:
+        """Until the last call returned (or the stream was dropped)."""
+        await asyncio.wait([self._task])
+
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
@@ -186,15 +250,27 @@ class Forwarder:
             final = self._final
             if items or final:
                 try:
-                    await self._send(items, final)
+                    await asyncio.wait_for(self._send(items, final), self._timeout_s)
                     self.calls += 1
                 except asyncio.CancelledError:
                     raise
-                except Exception:
-                    log.warning("%s: forwarding failed; stream dropped", self._name, exc_info=True)
+                except Exception as e:  # noqa: BLE001 - the next stage died, refused or hung
+                    if isinstance(e, asyncio.TimeoutError):
+                        e = TimeoutError(f"no answer within {self._timeout_s:g} s")
+                    log.warning("%s: forwarding failed (%s); stream dropped", self._name,
+                                error_line(e))
+                    if self._on_error is not None:
+                        self._on_error(e)
                     return
             if final:
                 return
+
+
+def error_line(e: BaseException) -> str:
+    """The innermost message of a (possibly Ray-wrapped) exception, on one short line."""
+    cause = getattr(e, "cause", None) or e
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0] if text else ''}"[:300]
 
 
 class Tombstones:

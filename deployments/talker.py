@@ -1,15 +1,19 @@
 """Talker deployment: a TalkerEngine behind an EngineLoop.
 
-Per turn: `open(rid)` reserves a stream; the Thinker calls `feed(rid, ids, hidden, final)`
-as spoken text arrives; every 25-code chunk (+3 lookahead) the engine releases goes
-straight to Code2Wav through `code2wav.push`, in order. The stream closes after its last
-chunk, or on `abort(rid)`. A step failure reaches the client through `code2wav.fail`.
+Per turn: the ingress holds `session(rid, seed)` open (a stream: Opened, then heartbeats);
+the Thinker calls `feed(rid, ids, hidden, final)` as spoken text arrives; every 25-code
+chunk (+3 lookahead) the engine releases goes straight to Code2Wav through `code2wav.push`,
+in order. The session ends after its last chunk; cancelling it, or `abort(rid)`, frees the
+slot. A step failure or a failed push ends the session with a StageFailure, which the
+ingress turns into the turn's error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -19,10 +23,15 @@ from deployments.loop import EngineLoop, StageFailure
 from deployments.metrics import StageMetrics
 from deployments.stage import (
     Forwarder,
+    Heartbeat,
+    Opened,
     Tombstones,
     build_engine,
-    device_memory,
+    check_loop_health,
+    error_line,
+    next_item,
     stage_init,
+    stage_stats,
     stats_dict,
 )
 
@@ -71,10 +80,12 @@ class TalkerServer:
         if hasattr(self.engine, "stats"):
             self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
         self.loop = EngineLoop(self.engine, name="talker", route=lambda c: (c.stream_id, c),
-                               on_step=self.metrics.on_step, on_failure=self._close_all)
+                               on_step=self.metrics.on_step, on_streams=self.metrics.streams,
+                               on_failure=self._close_all)
         self.code2wav = code2wav
         self.mode = "full_span" if cfg.talker_mode == "full_span" else "streaming"
-        self._pumps: dict[str, asyncio.Task] = {}
+        self.timeouts = cfg.timeouts
+        self._sessions: set[str] = set()
         self._aborted = Tombstones()
         self.feeds = 0  # feed calls received (full_span: one per turn)
 
@@ -82,21 +93,82 @@ class TalkerServer:
         for rid in self.loop.open_keys:
             engine.close(rid)
 
-    async def open(self, rid: str, seed: int | None = None, max_codes: int | None = None) -> None:
+    async def session(self, rid: str, seed: int | None = None,
+                      max_codes: int | None = None) -> AsyncIterator[Any]:
+        """One turn's stream: Opened once the engine holds a slot for `rid`, Heartbeats while
+        it speaks, a StageFailure if it cannot go on; it ends after the last code chunk was
+        handed to Code2Wav. Cancelling it (the turn is over) frees the slot."""
         if rid in self._aborted:
             raise RuntimeError(f"request {rid} was aborted")
         q = self.loop.open(rid)
+        self._sessions.add(rid)
         kw = {} if max_codes is None else {"max_codes": max_codes}
+        fwd: Forwarder | None = None
+        t = self.timeouts
         try:
-            await self.loop.call(lambda e: e.open(rid, self.mode, seed, **kw))
-        except BaseException:
+            try:
+                await self.loop.call(lambda e: e.open(rid, self.mode, seed, **kw))
+            except (ValueError, RuntimeError) as e:  # a bad seed, no free slot...
+                status = 503 if "no free" in str(e) else 400
+                yield StageFailure("talker", f"could not open the stream: {e}", status,
+                                   "stage_busy" if status == 503 else "invalid_request")
+                return
+            if rid in self._aborted:  # aborted while the engine was opening it
+                return
+            yield Opened("talker")
+
+            def failed(e: BaseException) -> None:
+                q.put_nowait(StageFailure("code2wav", f"could not take the codes: "
+                                          f"{error_line(e)}", 503, "stage_unavailable"))
+
+            fwd = Forwarder(self._sender(rid), name=f"talker->code2wav {rid}",
+                            timeout_s=t.hop_s, on_error=failed)
+            said = time.monotonic()  # the chunks go to Code2Wav, not to this stream's reader
+            while True:
+                item = await next_item(q, self.loop, "talker", t.heartbeat_s, t.wedge_s)
+                if isinstance(item, (Heartbeat, StageFailure)):
+                    yield item
+                    said = time.monotonic()
+                    if isinstance(item, StageFailure):
+                        return
+                    continue
+                fwd.push(item)
+                if item.finished:
+                    fwd.finish()
+                    break
+                if time.monotonic() - said >= t.heartbeat_s:  # busy speaking: still alive
+                    yield Heartbeat("talker")
+                    said = time.monotonic()
+            # The last chunk is on its way; a push that fails now is still this turn's failure.
+            while not fwd.done:
+                try:
+                    item = await asyncio.wait_for(q.get(), t.heartbeat_s)
+                except asyncio.TimeoutError:
+                    yield Heartbeat("talker")
+                    continue
+                if isinstance(item, StageFailure):
+                    yield item
+                    return
+            if not q.empty() and isinstance(failure := q.get_nowait(), StageFailure):
+                yield failure
+        finally:
+            if fwd is not None:
+                fwd.cancel()
+            self._sessions.discard(rid)
             self.loop.close(rid)
-            raise
-        if rid in self._aborted:  # aborted while the engine was opening it
-            self.loop.close(rid)
-            await self.loop.call(lambda e: e.close(rid))
-            raise RuntimeError(f"request {rid} was aborted")
-        self._pumps[rid] = asyncio.get_running_loop().create_task(self._pump(rid, q))
+            self.loop.post(lambda e: e.close(rid))
+
+    def _sender(self, rid: str) -> Any:
+        async def send(chunks: list[Any], final: bool) -> None:
+            # Lookahead codes are not sent: Code2Wav buffers the stream's codes itself, and
+            # they open the next chunk anyway.
+            codes = np.array([c for ch in chunks for c in ch.codes], dtype=np.int64)
+            spans = [(ch.started_at, ch.released_at) for ch in chunks
+                     if getattr(ch, "released_at", 0.0)]
+            if not await self.code2wav.push.remote(rid, codes, final, spans):
+                raise RuntimeError(f"Code2Wav has no stream {rid!r} (closed or restarted)")
+
+        return send
 
     async def feed(self, rid: str, ids: list[int], hidden: np.ndarray | None, final: bool) -> bool:
         """Spoken ids (n,) + hidden (n, llm_dim) from the Thinker; False if rid is gone."""
@@ -111,47 +183,24 @@ class TalkerServer:
         await self.loop.call(lambda e: e.feed_text(rid, ids, h, final))
         return True
 
-    async def _pump(self, rid: str, q: asyncio.Queue) -> None:
-        """Engine chunks of one stream -> Code2Wav, in order, until the last one."""
-        async def send(chunks: list[Any], final: bool) -> None:
-            # Lookahead codes are not sent: Code2Wav buffers the stream's codes itself, and
-            # they open the next chunk anyway.
-            codes = np.array([c for ch in chunks for c in ch.codes], dtype=np.int64)
-            spans = [(ch.started_at, ch.released_at) for ch in chunks
-                     if getattr(ch, "released_at", 0.0)]
-            await self.code2wav.push.remote(rid, codes, final, spans)
-
-        fwd = Forwarder(send, name=f"talker->code2wav {rid}")
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, StageFailure):
-                    fwd.cancel()
-                    await self.code2wav.fail.remote(rid, item.stage, item.message)
-                    return
-                fwd.push(item)
-                if item.finished:
-                    fwd.finish()
-                    return
-        except asyncio.CancelledError:
-            fwd.cancel()
-            raise
-        finally:
-            self.loop.close(rid)
-            self.loop.post(lambda e: e.close(rid))
-            self._pumps.pop(rid, None)
-
     async def abort(self, rid: str) -> None:
         self._aborted.add(rid)
-        task = self._pumps.pop(rid, None)
-        if task is not None:
-            task.cancel()
-        if self.loop.is_open(rid):
-            self.loop.close(rid)
+        q = self.loop.queue(rid)
+        if q is not None:  # ends the session at its next item
+            q.put_nowait(StageFailure("talker", "aborted", 499, "cancelled"))
         await self.loop.call(lambda e: e.close(rid))
 
     async def stats(self) -> dict[str, Any]:
         engine = await self.loop.call(lambda e: stats_dict(e.stats()) if hasattr(e, "stats") else {})
-        return {"open": len(self.loop.open_keys), "pumps": len(self._pumps), "feeds": self.feeds,
-                "steps": self.loop.steps, "failures": self.loop.failures, "engine": engine,
-                **device_memory()}
+        open_ = len(self.loop.open_keys)
+        streams = engine.get("open_streams", 0)
+        leaks = []
+        if streams > open_:
+            leaks.append(f"engine holds {streams} streams but {open_} sessions are open")
+        if engine.get("unaccounted_slots"):
+            leaks.append(f"{engine['unaccounted_slots']} Talker slots held by no stream")
+        return stage_stats(self.loop, self.timeouts.wedge_s, engine, streams, leaks,
+                           sessions=len(self._sessions), feeds=self.feeds)
+
+    def check_health(self) -> None:
+        check_loop_health(self.loop, self.timeouts.wedge_s)

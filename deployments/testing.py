@@ -99,7 +99,8 @@ class FakeTalkerEngine:
     def from_source(cls, source: Any, config: dict, device: str) -> FakeTalkerEngine:
         return cls(**config)
 
-    def open(self, stream_id: str, mode: str | None = None, seed: int | None = None) -> None:
+    def open(self, stream_id: str, mode: str | None = None, seed: int | None = None,
+             max_codes: int | None = None) -> None:
         if stream_id in self.streams:
             raise ValueError(f"stream {stream_id!r} is already open")
         self.streams[stream_id] = {"pending": 0, "codes": [], "released": 0, "sent": 0,

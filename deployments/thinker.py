@@ -3,7 +3,9 @@
 `generate(req)` streams text back to its caller (the ingress). When the request asks for
 speech, the spoken span (token ids + final-norm hidden states, numpy) goes straight to the
 Talker through `talker.feed`, in order, so the ingress never carries hidden states.
-In `full_span` mode the span is sent once, when the Thinker finishes.
+In `full_span` mode the span is sent once, when the Thinker finishes. A feed that fails
+(the Talker died, refused the span or did not answer in `timeouts.hop_s`) ends the stream
+with a StageFailure: the turn cannot speak any more.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from deployments.loop import EngineLoop, StageFailure
 from deployments.metrics import StageMetrics
 from deployments.stage import (
     Forwarder,
+    Heartbeat,
     TextOut,
     build_engine,
-    device_memory,
+    check_loop_health,
+    error_line,
+    next_item,
     stage_init,
+    stage_stats,
     stats_dict,
 )
 
@@ -52,24 +58,35 @@ class ThinkerServer:
         self.metrics = StageMetrics("thinker")
         self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
         self.loop = EngineLoop(self.engine, name="thinker", route=lambda d: (d.request_id, d),
-                               on_step=self.metrics.on_step, on_failure=self._abort_all)
+                               on_step=self.metrics.on_step, on_streams=self.metrics.streams,
+                               on_failure=self._abort_all)
         self.talker = talker
         self.full_span = cfg.talker_mode == "full_span"
+        self.timeouts = cfg.timeouts
         self._forwarders: dict[str, Forwarder] = {}
 
     def _abort_all(self, engine: Any, _: BaseException) -> None:
         for rid in self.loop.open_keys:  # worker thread: a failed step poisons every request
             engine.abort(rid)
 
-    async def generate(self, req: Any) -> AsyncIterator[TextOut | StageFailure]:
+    async def generate(self, req: Any) -> AsyncIterator[TextOut | Heartbeat | StageFailure]:
         rid = req.request_id
         q = self.loop.open(rid)
         fwd = self._forwarder(rid) if req.return_hidden and self.talker is not None else None
         finished = False
+        t = self.timeouts
         try:
-            await self.loop.call(lambda e: e.add_request(req))
+            try:
+                await self.loop.call(lambda e: e.add_request(req))
+            except ValueError as e:  # the engine refused this request (e.g. over the context)
+                yield StageFailure("thinker", str(e), 400, "invalid_request")
+                return
             while not finished:
-                items = [await q.get()]
+                first = await next_item(q, self.loop, "thinker", t.heartbeat_s, t.wedge_s)
+                if isinstance(first, Heartbeat):
+                    yield first
+                    continue
+                items = [first]
                 while not q.empty():  # coalesce what piled up during one hop
                     items.append(q.get_nowait())
                 out = TextOut("")
@@ -103,7 +120,12 @@ class ThinkerServer:
             hidden = np.concatenate([h for _, h in chunks]) if chunks else None
             await self.talker.feed.remote(rid, ids, hidden, final)
 
-        fwd = Forwarder(send, name=f"thinker->talker {rid}", hold=self.full_span)
+        def failed(e: BaseException) -> None:
+            self.loop.deliver(rid, StageFailure("talker", f"could not take the spoken text: "
+                                                f"{error_line(e)}", 503, "stage_unavailable"))
+
+        fwd = Forwarder(send, name=f"thinker->talker {rid}", hold=self.full_span,
+                        timeout_s=self.timeouts.hop_s, on_error=failed)
         self._forwarders[rid] = fwd
         return fwd
 
@@ -117,13 +139,21 @@ class ThinkerServer:
 
     async def stats(self) -> dict[str, Any]:
         engine = await self.loop.call(lambda e: stats_dict(e.stats()))
-        return {"open": len(self.loop.open_keys), "forwarders": len(self._forwarders),
-                "steps": self.loop.steps, "failures": self.loop.failures, "engine": engine,
-                **device_memory()}
+        open_ = len(self.loop.open_keys)
+        held = sum(engine.get(k, 0) for k in ("num_waiting_encode", "num_running", "num_waiting"))
+        leaks = []
+        if held > open_:
+            leaks.append(f"engine holds {held} requests but {open_} generate calls are open")
+        if len(self._forwarders) > open_:
+            leaks.append(f"{len(self._forwarders)} forwarders for {open_} open calls")
+        total = engine.get("num_total_blocks")
+        if not held and total is not None and engine.get("num_free_blocks") != total:
+            leaks.append(f"{total - engine['num_free_blocks']} KV blocks in use with no request")
+        return stage_stats(self.loop, self.timeouts.wedge_s, engine, held, leaks,
+                           forwarders=len(self._forwarders))
 
     def check_health(self) -> None:
-        if not self.loop.alive:
-            raise RuntimeError("thinker engine loop died")
+        check_loop_health(self.loop, self.timeouts.wedge_s)
 
 
 def _numpy(h: Any) -> np.ndarray:

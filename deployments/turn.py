@@ -1,15 +1,23 @@
 """One chat turn across the three stages, as the ingress runs it.
 
-    1. wait for a slot in the active stream window (FIFO)
-    2. speech: open the Talker and Code2Wav streams (Code2Wav with the voice)
+    1. speech: wait for a slot in the active stream window (FIFO); text-only turns need no
+       Talker or Code2Wav state and skip the window
+    2. speech: open Talker.session and Code2Wav.stream (with the voice); both must answer
+       Opened within `timeouts.open_s`, or the turn ends and whatever opened is released
     3. start Thinker.generate (text back here; spoken span Thinker -> Talker -> Code2Wav
-       directly) and, for speech, Code2Wav.stream (PCM back here)
-    4. merge both streams into events as they come; free the slot on the last audio
-       piece (text-only: on the last text)
-    5. end with exactly one terminal event: Done, or Error (stage failure, timeout)
-A cancelled turn (client gone) yields nothing more; it aborts every stage, which frees KV
-blocks, Talker slots and Code2Wav stream state. Aborts are idempotent, so every exit path
-sends them.
+       directly)
+    4. merge the streams into events as they come; free the slot on the last audio piece
+       (text-only: on the last text)
+    5. end with exactly one terminal event: Done, or Error (bad input the engine refused,
+       a stage failure, a stage that died or stopped answering, the request timeout)
+
+Every stage that holds the turn's state does so inside a stream this runner keeps open, so
+a replica that dies fails its stream at once and the turn ends within milliseconds; a
+stream silent for `timeouts.stall_s` (stages send heartbeats every `timeouts.heartbeat_s`)
+ends the turn as a stage that stopped answering. A cancelled turn (client gone) yields
+nothing more. On every exit the streams are cancelled (which frees their state in the
+stages) and, unless the turn finished, aborts are sent too: they are idempotent and win
+over an open still in flight (tombstones).
 """
 
 from __future__ import annotations
@@ -22,16 +30,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from deployments.config import TimeoutSettings
 from deployments.loop import StageFailure
 from deployments.metrics import AppMetrics
 from deployments.schemas import SAMPLE_RATE, AudioChunk, Done, Error, Event, TextDelta, Usage
+from deployments.stage import Heartbeat, Opened, error_line
 from deployments.window import ActiveStreamWindow
 
 log = logging.getLogger(__name__)
 
 _END = object()
+# Stream name -> the stage that serves it.
+_STAGE = {"text": "thinker", "talker": "talker", "audio": "code2wav"}
 
 
 @dataclass
@@ -48,7 +58,7 @@ class PreparedTurn:
     request_id: str
     thinker_request: Any  # pipeline.handoff.ThinkerRequest
     speech: bool
-    voice: np.ndarray | None = None
+    voice: Any = None  # None (default voice) | 16 kHz waveform | code2wav.NamedVoice
     seed: int | None = None
     text: bool = True  # False for modalities ["audio"]: text deltas are not sent
     speech_codes: int | None = None  # fixed-length benchmark mode: exactly this many codes
@@ -57,69 +67,64 @@ class PreparedTurn:
     prepared: float = 0.0  # wall clock: media decoded, prompt built
 
 
+class _TurnError(Exception):
+    """Ends the turn with `event` (one terminal Error)."""
+
+    def __init__(self, event: Error):
+        super().__init__(event.message)
+        self.event = event
+
+
 class TurnRunner:
     def __init__(self, stages: Stages, window: ActiveStreamWindow, metrics: AppMetrics | None,
-                 timeout_s: float):
+                 timeout_s: float, timeouts: TimeoutSettings | None = None):
         self.stages = stages
         self.window = window
         self.metrics = metrics
         self.timeout_s = timeout_s
+        self.timeouts = timeouts or TimeoutSettings()
         self._background: set[asyncio.Task] = set()
+        self.in_flight: dict[str, bool] = {}  # request id -> speech
 
     async def run(self, turn: PreparedTurn) -> AsyncIterator[Event]:
         rid = turn.request_id
         now = time.perf_counter()
         # Latencies count from the request's arrival (preprocessing included), like a client's.
         t0 = now - max(0.0, time.time() - turn.arrival) if turn.arrival else now
-        slot = None
-        gens: list[Any] = []
-        pumps: list[asyncio.Task] = []
-        outcome = "cancelled"
         deadline = t0 + self.timeout_s
+        slot = None
+        streams: dict[str, Any] = {}
+        pumps: list[asyncio.Task] = []
+        merged: asyncio.Queue = asyncio.Queue()
+        seen: dict[str, float] = {}  # stream -> when it last sent anything
+        outcome, reason = "cancelled", "cancelled"
+        self.in_flight[rid] = turn.speech
         try:
-            self._window_metrics()
-            slot = await self._bounded(self.window.acquire(rid), deadline)
-            self._window_metrics()
-            merged: asyncio.Queue = asyncio.Queue()
             if turn.speech:
-                try:
-                    await self._bounded(asyncio.gather(
-                        self.stages.talker.open.remote(rid, turn.seed, turn.speech_codes),
-                        self.stages.code2wav.open.remote(rid, turn.voice)), deadline)
-                except asyncio.TimeoutError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - e.g. a voice the front-end refuses
-                    outcome = "error"
-                    yield Error(500, f"could not open the speech stages: {_cause(e)}",
-                                "stage_error")
-                    return
-            gens.append(self.stages.thinker.options(stream=True).generate.remote(
-                turn.thinker_request))
-            if turn.speech:
-                gens.append(self.stages.code2wav.options(stream=True).stream.remote(rid))
-            for src, gen in zip(("text", "audio"), gens):
-                pumps.append(asyncio.get_running_loop().create_task(self._pump(src, gen, merged)))
+                self._window_metrics()
+                slot = await self._bounded(self.window.acquire(rid), deadline)
+                self._window_metrics()
+                await self._open_speech(turn, streams, pumps, merged, seen, deadline)
+            self._start("text", self.stages.thinker.options(stream=True).generate.remote(
+                turn.thinker_request), streams, pumps, merged, seen)
 
             marks: dict[str, float] = {}
             pieces: list[tuple[float, float]] = []
             talker: list[tuple[float, float]] = []
             usage, finish = Usage(), "stop"
             ttft = first_audio = last_audio = None
-            audio_s, index, open_sources = 0.0, 0, len(gens)
-            while open_sources:
-                src, item = await self._bounded(merged.get(), deadline)
+            audio_s, index = 0.0, 0
+            needed = {"text", "audio"} if turn.speech else {"text"}
+            while needed:
+                src, item = await self._next(merged, seen, deadline)
                 if item is _END:
-                    open_sources -= 1
+                    needed.discard(src)
+                    seen.pop(src, None)
                     continue
-                if isinstance(item, StageFailure):
-                    outcome = "error"
-                    yield Error(500, f"{item.stage} failed: {item.message}", "stage_error")
-                    return
-                if isinstance(item, BaseException):
-                    outcome = "error"
-                    yield Error(500, f"{src} stream failed: {type(item).__name__}: {item}",
-                                "stage_error")
-                    return
+                if isinstance(item, (Heartbeat, Opened)):
+                    continue
+                if src == "talker":  # the session only ever says it failed, or ends
+                    continue
                 if src == "text":
                     if item.text:
                         ttft = ttft if ttft is not None else time.perf_counter() - t0
@@ -130,8 +135,6 @@ class TurnRunner:
                                   item.completion_tokens or usage.completion_tokens)
                     if item.finished:
                         finish = item.finish_reason or "stop"
-                        if not turn.speech:
-                            slot.release()
                 else:
                     if getattr(item, "t_end", 0.0):
                         pieces.append((item.t_start, item.t_end))
@@ -143,32 +146,113 @@ class TurnRunner:
                         audio_s += len(item.pcm) / SAMPLE_RATE
                         yield AudioChunk(item.pcm, index)
                         index += 1
-                    if item.is_last:
+                    if item.is_last and slot is not None:
                         slot.release()
-            slot.release()
+            if slot is not None:
+                slot.release()
             self._window_metrics()
-            outcome = "ok"
+            outcome, reason = "ok", "ok"
             metrics = {"ttft_s": ttft or 0.0}
             if first_audio is not None:
                 metrics.update(first_audio_s=first_audio, rtf=last_audio / max(audio_s, 1e-9))
             self._record(ttft, first_audio, metrics.get("rtf"), audio_s)
             timings = stage_spans(turn, marks, talker, pieces) if turn.return_timings else None
             yield Done(usage, finish, audio_s, metrics, timings)
+        except _TurnError as e:
+            outcome, reason = ("rejected" if e.event.status < 500 else "error"), e.event.reason
+            yield e.event
         except asyncio.TimeoutError:
-            outcome = "timeout"
+            outcome, reason = "timeout", "timeout"
             yield Error(504, f"turn exceeded the {self.timeout_s:g} s request timeout", "timeout")
         finally:
+            self.in_flight.pop(rid, None)
             if slot is not None:
                 slot.release()
             for p in pumps:
                 p.cancel()
-            for g in gens:
-                _cancel(g)
+            for s in streams.values():
+                _cancel(s)
             if outcome != "ok":
-                self._abort_everywhere(rid)
+                self._abort(rid, speech=bool(streams.keys() - {"text"}) or turn.speech)
             if self.metrics is not None:
-                self.metrics.outcome(outcome)
+                self.metrics.outcome(outcome, reason)
             self._window_metrics()
+
+    # -- opening -------------------------------------------------------------------------
+
+    async def _open_speech(self, turn: PreparedTurn, streams: dict[str, Any],
+                           pumps: list[asyncio.Task], merged: asyncio.Queue,
+                           seen: dict[str, float], deadline: float) -> None:
+        """Both speech streams answer Opened, or the turn ends (the caller's cleanup cancels
+        whichever opened, which frees it: opening is all-or-nothing)."""
+        rid = turn.request_id
+        self._start("talker", self.stages.talker.options(stream=True).session.remote(
+            rid, turn.seed, turn.speech_codes), streams, pumps, merged, seen)
+        self._start("audio", self.stages.code2wav.options(stream=True).stream.remote(
+            rid, turn.voice), streams, pumps, merged, seen)
+        waiting = {"talker", "audio"}
+        open_by = min(deadline, time.perf_counter() + self.timeouts.open_s)
+        while waiting:
+            try:
+                src, item = await self._bounded(merged.get(), open_by)
+            except asyncio.TimeoutError:
+                if time.perf_counter() >= deadline:
+                    raise
+                late = " and ".join(sorted(_STAGE[s] for s in waiting))
+                raise _TurnError(Error(503, f"{late} did not open the speech stream within "
+                                            f"{self.timeouts.open_s:g} s", "stage_unavailable"))
+            if isinstance(item, (Opened, Heartbeat)):
+                seen[src] = time.perf_counter()
+                if isinstance(item, Opened):
+                    waiting.discard(src)
+            elif item is _END:
+                raise _TurnError(Error(500, f"{_STAGE[src]} closed the stream before opening "
+                                            "it", "stage_error"))
+            else:
+                self._fail(src, item)
+
+    def _start(self, src: str, gen: Any, streams: dict[str, Any], pumps: list[asyncio.Task],
+               merged: asyncio.Queue, seen: dict[str, float]) -> None:
+        streams[src] = gen
+        seen[src] = time.perf_counter()
+        pumps.append(asyncio.get_running_loop().create_task(self._pump(src, gen, merged)))
+
+    # -- the merged stream ---------------------------------------------------------------
+
+    async def _next(self, merged: asyncio.Queue, seen: dict[str, float],
+                    deadline: float) -> tuple[str, Any]:
+        """The next (stream, item), failing the turn on a stage failure, a dead stage, or a
+        stream silent for longer than `timeouts.stall_s`."""
+        stall = self.timeouts.stall_s
+        while True:
+            now = time.perf_counter()
+            if now >= deadline:
+                raise asyncio.TimeoutError
+            quiet = min(seen.values(), default=now)
+            wait = min(deadline - now, max(0.0, quiet + stall - now))
+            try:
+                src, item = await asyncio.wait_for(merged.get(), wait)
+            except asyncio.TimeoutError:
+                now = time.perf_counter()
+                for src, last in seen.items():
+                    if now - last >= stall:
+                        raise _TurnError(Error(
+                            503, f"{_STAGE[src]} stopped answering (nothing for "
+                                 f"{now - last:.0f} s)", "stage_unavailable")) from None
+                continue
+            if src in seen:
+                seen[src] = time.perf_counter()
+            if isinstance(item, (StageFailure, BaseException)):
+                self._fail(src, item)
+            return src, item
+
+    @staticmethod
+    def _fail(src: str, item: Any) -> None:
+        if isinstance(item, StageFailure):
+            raise _TurnError(Error(item.status, f"{item.stage}: {item.message}", item.reason))
+        # The stage call itself failed: the replica died, or the call could not be served.
+        raise _TurnError(Error(503, f"{_STAGE[src]} stage failed: {error_line(item)}",
+                               "stage_unavailable"))
 
     async def _bounded(self, aw: Any, deadline: float) -> Any:
         return await asyncio.wait_for(aw, timeout=max(0.0, deadline - time.perf_counter()))
@@ -183,15 +267,17 @@ class TurnRunner:
             out.put_nowait((src, e))
         out.put_nowait((src, _END))
 
-    def _abort_everywhere(self, rid: str) -> None:
+    def _abort(self, rid: str, speech: bool) -> None:
         """Fire-and-forget: the caller may already be cancelled, so this runs on its own."""
+        stages = [self.stages.thinker]
+        if speech:
+            stages += [self.stages.talker, self.stages.code2wav]
+
         async def abort() -> None:
-            calls = [self.stages.thinker.abort.remote(rid), self.stages.talker.abort.remote(rid),
-                     self.stages.code2wav.abort.remote(rid)]
-            results = await asyncio.gather(*calls, return_exceptions=True)
-            for r in results:
+            calls = [asyncio.wait_for(s.abort.remote(rid), self.timeouts.abort_s) for s in stages]
+            for r in await asyncio.gather(*calls, return_exceptions=True):
                 if isinstance(r, BaseException):
-                    log.warning("abort of %s failed: %r", rid, r)
+                    log.info("abort of %s did not land: %s", rid, error_line(r))
 
         # A fresh context: Serve links handle calls made in a request's context to that
         # request and cancels them with it, and this request is being cancelled right now.
@@ -212,12 +298,6 @@ class TurnRunner:
     def _window_metrics(self) -> None:
         if self.metrics is not None:
             self.metrics.window(self.window.active, self.window.waiting)
-
-
-def _cause(e: BaseException) -> str:
-    """The innermost message of a (possibly Ray-wrapped) stage exception."""
-    cause = getattr(e, "cause", None) or e
-    return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
 
 
 def _cancel(gen: Any) -> None:
