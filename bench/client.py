@@ -81,7 +81,9 @@ def build_payload(spec: RequestSpec, opts: ClientOptions) -> dict[str, Any]:
     }
     if "audio" in opts.modalities:
         body["audio"] = {"format": opts.audio_format}
-    ext: dict[str, Any] = {}
+    # The client reads vLLM-Omni's shape (a top-level `modality`); omniray streams OpenAI's
+    # `delta.audio` unless asked (servers without the extension ignore the field).
+    ext: dict[str, Any] = {"stream_format": "vllm-omni"}
     if opts.return_timings:
         ext["return_timings"] = True
     if opts.ignore_eos or opts.fixed_text_tokens is not None or opts.fixed_speech_codes is not None:
@@ -93,8 +95,7 @@ def build_payload(spec: RequestSpec, opts: ClientOptions) -> dict[str, Any]:
         body["max_tokens"] = int(opts.fixed_text_tokens)
     if opts.fixed_speech_codes is not None:
         ext["fixed_speech_codes"] = int(opts.fixed_speech_codes)
-    if ext:
-        body["omniray"] = ext
+    body["omniray"] = ext
     body.update(opts.extra_body)
     return body
 

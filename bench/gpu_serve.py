@@ -34,6 +34,7 @@ def _port() -> int:
 
 
 def _stream(url: str, body: dict) -> dict:
+    body = {**body, "omniray": {**body.get("omniray", {}), "stream_format": "vllm-omni"}}
     t0 = time.perf_counter()
     out = {"ttft": None, "first_audio": None, "audio_s": 0.0, "ok": False, "error": None}
     req = urllib.request.Request(url, data=json.dumps(body).encode(),

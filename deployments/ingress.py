@@ -1,11 +1,13 @@
 """Ingress deployment: the OpenAI-compatible HTTP API and the `chat` handle method.
 
 Routes (FastAPI, built per replica by `__serve_build_asgi_app__`):
-    POST /v1/chat/completions   stream (SSE) or not; text and/or audio out
-    GET  /v1/models             the one served model
-    GET  /health                200 while the replica is up (readiness: `serve status`)
+    POST /v1/chat/completions        stream (SSE) or not; text and/or audio out
+    GET  /v1/models[/{id}]           the one served model
+    POST/GET /v1/audio/voices, GET/DELETE /v1/audio/voices/{id}   stored voices
+    GET  /health                     200 while the replica is up (readiness: `serve status`)
 Handle (other Ray apps): `serve.get_app_handle("omniray").options(stream=True)
-    .chat.remote(request_dict)` yields deployments.schemas events.
+    .chat.remote(request_dict)` yields deployments.schemas events; `stats()` returns the
+    window, every stage's stats and the app's invariants (`idle`, `leaks`).
 
 The ingress validates, loads media (data: / allowed file:// / allowed hosts), runs the
 Processor (chat template, image slices, audio features) off the event loop, then hands
@@ -16,15 +18,16 @@ shape before any stage is touched.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from pydantic import ValidationError
 
+from deployments.code2wav import NamedVoice
 from deployments.config import AppConfig
 from deployments.formats import ChunkWriter, completion_body, error_body
 from deployments.media import MediaLoader, b64decode, pcm16_to_wav
@@ -39,16 +42,31 @@ from deployments.schemas import (
     TextDelta,
     validation_message,
 )
+from deployments.stage import error_line
 from deployments.turn import PreparedTurn, Stages, TurnRunner
+from deployments.voices import VoiceInfo, VoiceStore
 from deployments.window import ActiveStreamWindow
 
 _MEDIA_KIND = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+# OpenAI's built-in voice names: clients send one whenever they ask for audio (the SDK
+# requires it), so each selects the checkpoint's own voice rather than failing the request.
+DEFAULT_VOICES = frozenset({"default", "alloy", "ash", "ballad", "coral", "echo", "fable",
+                            "nova", "onyx", "sage", "shimmer", "verse", "marin", "cedar"})
+_STATUS_REASON = {400: "invalid_request", 404: "not_found", 409: "conflict",
+                  413: "too_large", 422: "invalid_request"}
+
+
+def refusal_reason(e: ApiError) -> str:
+    """The metrics reason of a refusal: its code when it has a name, else by status."""
+    if isinstance(e.code, str):
+        return e.code
+    return _STATUS_REASON.get(e.status, f"http_{e.status}")
 
 
 class IngressServer:
     def __init__(self, app: AppConfig | dict, thinker: Any, talker: Any, code2wav: Any, *,
                  source: Any = None):
-        from pipeline.checkpoint import ModelSource, default_checkpoint
+        from pipeline.checkpoint import ModelSource, cache_dir, default_checkpoint
         from pipeline.processing.processor import MediaLimits, Processor
         from pipeline.tokenizer import TextTokenizer
 
@@ -58,15 +76,22 @@ class IngressServer:
         tokenizer = TextTokenizer.from_dir(source.path or default_checkpoint())
         lim = cfg.limits
         limits = MediaLimits(**{k: getattr(lim, k) for k in MediaLimits.__dataclass_fields__})
-        self.processor = Processor(source.config.thinker, tokenizer, limits)
+        self.processor = Processor(source.config.thinker, tokenizer, limits,
+                                   special_tokens_in_text=cfg.special_tokens_in_text)
         self.media = MediaLoader(allowed_dir=cfg.allowed_local_media_path,
                                  allowed_hosts=cfg.allowed_media_hosts,
-                                 max_bytes=lim.max_media_bytes)
+                                 max_bytes=lim.max_media_bytes,
+                                 allowed_networks=cfg.allowed_media_networks)
         self.model_names = {cfg.name} | ({Path(cfg.model).name, cfg.model} if cfg.model else set())
         self.window = ActiveStreamWindow(cfg.active_stream_window)
         self.metrics = AppMetrics()
-        self.turns = TurnRunner(Stages(thinker, talker, code2wav), self.window, self.metrics,
-                                cfg.request_timeout_s)
+        self.stages = Stages(thinker, talker, code2wav)
+        self.turns = TurnRunner(self.stages, self.window, self.metrics, cfg.request_timeout_s,
+                                cfg.timeouts)
+        voices_dir = Path(cfg.voices_dir).expanduser() if cfg.voices_dir else cache_dir() / "voices"
+        self.voices = VoiceStore(voices_dir, max_seconds=lim.max_ref_audio_seconds,
+                                 max_voices=lim.max_voices)
+        self._voice_support: tuple[str | None] | None = None  # (reason,) once asked
 
     def __serve_build_asgi_app__(self) -> Any:
         from deployments.routes import build_routes
@@ -80,14 +105,40 @@ class IngressServer:
         try:
             turn = await self.prepare(self.parse(request))
         except ApiError as e:
-            self.metrics.outcome("rejected")
-            yield Error(e.status, e.message, "invalid_request")
+            self.refused(e)
+            yield Error(e.status, e.message, refusal_reason(e))
             return
         async for ev in self.turns.run(turn):
             yield ev
 
+    def refused(self, e: ApiError) -> None:
+        """Count a request refused before it became a turn."""
+        self.metrics.outcome("rejected", refusal_reason(e))
+
     async def stats(self) -> dict[str, Any]:
-        return {"window": self.window.stats()}
+        """The window, every stage's stats, and the app's invariants: `idle` (no turn in
+        flight and every stage holds nothing) and `leaks` (accounting that does not add up;
+        empty unless something is broken)."""
+        async def one(handle: Any) -> dict[str, Any]:
+            try:
+                return await asyncio.wait_for(handle.stats.remote(), self.cfg.timeouts.open_s)
+            except Exception as e:  # noqa: BLE001 - a dead stage is reported, not raised
+                return {"error": error_line(e)}
+
+        names = ("thinker", "talker", "code2wav")
+        stages = dict(zip(names, await asyncio.gather(
+            *(one(getattr(self.stages, n)) for n in names))))
+        window = self.window.stats()
+        in_flight = self.turns.in_flight
+        speech = sum(in_flight.values())
+        leaks = [f"{n}: {leak}" for n, st in stages.items() for leak in st.get("leaks", [])]
+        if window["active"] + window["waiting"] > speech:
+            leaks.append(f"window: {window['active']} active + {window['waiting']} waiting "
+                         f"for {speech} speech turns in flight")
+        idle = (not in_flight and window["active"] == 0 and window["waiting"] == 0
+                and all(st.get("idle", False) for st in stages.values()))
+        return {"window": window, "turns": {"in_flight": len(in_flight), "speech": speech},
+                "stages": stages, "idle": idle, "leaks": leaks}
 
     async def reset_window_peaks(self) -> None:
         self.window.reset_peaks()
@@ -108,17 +159,39 @@ class IngressServer:
     async def prepare(self, req: ChatCompletionRequest) -> PreparedTurn:
         rid = uuid.uuid4().hex[:24]
         arrival = time.time()
+        if req.speech and (req.ref_audio is not None or self._stored_voice(req)):
+            await self.require_voices("ref_audio" if req.ref_audio is not None else "audio.voice")
         # Decoding and feature extraction are CPU work: keep them off the event loop.
         turn = await asyncio.to_thread(self._prepare, req, rid)
         turn.arrival, turn.prepared = arrival, time.time()
         return turn
+
+    async def require_voices(self, param: str) -> None:
+        """400 unless the checkpoint can build reference voices (its voice front end)."""
+        if self._voice_support is None:
+            try:
+                reason = await asyncio.wait_for(self.stages.code2wav.voice_support.remote(),
+                                                self.cfg.timeouts.open_s)
+            except Exception as e:  # noqa: BLE001 - the stage is down: ask again next time
+                raise ApiError(503, f"Code2Wav is not answering: {error_line(e)}",
+                               code="stage_unavailable", type="server_error") from None
+            self._voice_support = (reason,)
+        reason = self._voice_support[0]
+        if reason is not None:
+            raise ApiError(400, f"{param}: voice cloning is not available on this server: "
+                                f"{reason}", param=param, code="voices_unavailable")
+
+    @staticmethod
+    def _stored_voice(req: ChatCompletionRequest) -> str | None:
+        key = req.audio.voice_key
+        return None if key is None or key.lower() in DEFAULT_VOICES else key
 
     def _prepare(self, req: ChatCompletionRequest, rid: str) -> PreparedTurn:
         from pipeline.handoff import SamplingParams
         from pipeline.processing.errors import MediaError
 
         if req.model is not None and req.model not in self.model_names:
-            raise ApiError(404, f"model {req.model!r} does not exist; this server serves "
+            raise ApiError(404, f"model {req.model[:64]!r} does not exist; this server serves "
                                 f"{self.cfg.name!r}", param="model", code="model_not_found")
         lim = self.cfg.limits
         ext = req.omniray
@@ -127,8 +200,10 @@ class IngressServer:
         if ext and ext.fixed_text_tokens:  # exactly N text tokens
             max_tokens, ignore_eos = ext.fixed_text_tokens, True
         if max_tokens > lim.max_tokens:
-            raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of "
-                                f"{lim.max_tokens}", param="max_tokens")
+            field = ("omniray.fixed_text_tokens" if ext and ext.fixed_text_tokens
+                     else "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+            raise ApiError(400, f"{field} {max_tokens} is over this server's limit of "
+                                f"{lim.max_tokens}", param=field)
         try:
             sampling = SamplingParams(
                 temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
@@ -138,9 +213,9 @@ class IngressServer:
             raise ApiError(400, str(e)) from None
         messages = [self._message(i, m) for i, m in enumerate(req.messages)]
         try:
+            voice = self._voice(req) if req.speech else None
             thinker_req = self.processor.build(messages, speech_output=req.speech,
                                                sampling=sampling, request_id=rid)
-            voice = self._voice(req) if req.speech else None
         except MediaError as e:
             raise ApiError(getattr(e, "http_status", 400), str(e)) from None
         except ValueError as e:  # e.g. a template or decoder refusing an odd input
@@ -151,11 +226,27 @@ class IngressServer:
                             return_timings=bool(ext and ext.return_timings))
 
     def _message(self, i: int, m: Any) -> dict[str, Any]:
-        if isinstance(m.content, str):
-            return {"role": m.role, "content": m.content}
+        role, content = m.role, m.content
+        if role == "developer":  # OpenAI's newer name for the system message
+            role = "system"
+        if role == "tool":  # a tool's result goes back to the model as user text
+            return {"role": "user", "content": tool_response_text(i, content)}
+        if content is None:
+            content = ""
+        if m.tool_calls:  # assistant history: the calls it made, as text after its reply
+            calls = tool_calls_text(m.tool_calls)
+            content = calls if not content else (
+                f"{content}\n{calls}" if isinstance(content, str)
+                else [*content, {"type": "text", "text": calls}])
+        if isinstance(content, str):
+            return {"role": role, "content": content}
+        m = m.model_copy(update={"role": role, "content": content})
         parts: list[dict[str, Any]] = []
         for j, p in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
+            if isinstance(p, dict):  # the tool-call text added above
+                parts.append(p)
+                continue
             if p.type == "text":
                 parts.append({"type": "text", "text": p.text})
                 continue
@@ -172,31 +263,79 @@ class IngressServer:
                 parts.append({"type": _MEDIA_KIND[p.type], "data": self.media.load(ref.url, where)})
         return {"role": m.role, "content": parts}
 
-    def _voice(self, req: ChatCompletionRequest) -> np.ndarray | None:
-        if req.ref_audio is None:
-            return None
-        from pipeline.processing.audio import decode_audio
+    def _voice(self, req: ChatCompletionRequest) -> Any:
+        """None (the checkpoint's voice), a decoded `ref_audio`, or a stored voice."""
+        stored = self._stored_voice(req)
+        if req.ref_audio is not None:
+            if stored is not None:
+                raise ApiError(400, "give either ref_audio or a stored audio.voice, not both",
+                               param="audio.voice")
+            from pipeline.processing.audio import decode_audio
 
-        data = self.media.load(req.ref_audio, "ref_audio")
-        return decode_audio(data, max_seconds=self.cfg.limits.max_ref_audio_seconds)
+            data = self.media.load(req.ref_audio, "ref_audio")
+            return decode_audio(data, max_seconds=self.cfg.limits.max_ref_audio_seconds)
+        if stored is None:
+            return None
+        try:
+            info, samples = self.voices.get(stored)
+        except ApiError as e:
+            raise ApiError(400, f"audio.voice: {e.message}; upload it with POST "
+                                "/v1/audio/voices", param="audio.voice",
+                           code="voice_not_found") from None
+        return NamedVoice(info.id, samples)
+
+    # -- stored voices (routes.py) -------------------------------------------------------
+
+    async def add_voice(self, name: str, audio: bytes, consent: str | None) -> VoiceInfo:
+        await self.require_voices("audio_sample")
+        info = await asyncio.to_thread(self.voices.add, name, audio, consent)
+        _, samples = self.voices.get(info.id)
+        try:
+            await asyncio.wait_for(self.stages.code2wav.register_voice.remote(info.id, samples),
+                                   self.cfg.timeouts.open_s)
+        except Exception as e:  # noqa: BLE001 - refused by the front end, or the stage is down
+            await asyncio.to_thread(self.voices.delete, info.id)
+            raise ApiError(400, f"audio_sample: the voice front end could not use the clip: "
+                                f"{error_line(e)}", param="audio_sample",
+                           code="voice_error") from None
+        return info
+
+    async def delete_voice(self, key: str) -> VoiceInfo:
+        info = await asyncio.to_thread(self.voices.delete, key)
+        try:  # the stage forgets its prompt and template; a stage that is down has none
+            await asyncio.wait_for(self.stages.code2wav.forget_voice.remote(info.id),
+                                   self.cfg.timeouts.abort_s)
+        except Exception:  # noqa: BLE001
+            pass
+        return info
 
     # -- HTTP helpers (used by routes.py) ------------------------------------------------
+
+    def stream_format(self, req: ChatCompletionRequest) -> str:
+        ext = req.omniray
+        return ext.stream_format if ext and ext.stream_format else self.cfg.stream_format
 
     async def sse(self, req: ChatCompletionRequest, turn: PreparedTurn) -> AsyncIterator[str]:
         opts = req.stream_options
         writer = ChunkWriter(turn.request_id, self.cfg.name, req.audio.format,
-                             include_usage=opts.include_usage if opts else True)
-        async for ev in self.turns.run(turn):
-            if isinstance(ev, TextDelta):
-                yield writer.text(ev.text)
-            elif isinstance(ev, AudioChunk):
-                yield writer.audio(ev)
-            elif isinstance(ev, Done):
-                for s in writer.done(ev):
-                    yield s
-            elif isinstance(ev, Error):
-                for s in writer.error(ev):
-                    yield s
+                             include_usage=opts.include_usage if opts else True,
+                             stream_format=self.stream_format(req), speech=turn.speech)
+        try:
+            async for ev in self.turns.run(turn):
+                if isinstance(ev, TextDelta):
+                    yield writer.text(ev.text)
+                elif isinstance(ev, AudioChunk):
+                    chunk = writer.audio(ev)
+                    if chunk:
+                        yield chunk
+                elif isinstance(ev, Done):
+                    for s in writer.done(ev):
+                        yield s
+                elif isinstance(ev, Error):
+                    for s in writer.error(ev):
+                        yield s
+        finally:
+            writer.close()
 
     async def complete(self, req: ChatCompletionRequest,
                        turn: PreparedTurn) -> tuple[int, dict[str, Any]]:
@@ -214,6 +353,34 @@ class IngressServer:
         return 500, error_body(500, "turn ended without a terminal event")
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.cfg.name, "object": "model",
-                                            "created": int(time.time()), "owned_by": "omniray",
-                                            "root": self.cfg.model or "tiny"}]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self, model_id: str | None = None) -> dict[str, Any]:
+        if model_id is not None and model_id not in self.model_names:
+            raise ApiError(404, f"model {model_id[:64]!r} does not exist; this server serves "
+                                f"{self.cfg.name!r}", param="model", code="model_not_found")
+        return {"id": self.cfg.name, "object": "model", "created": int(time.time()),
+                "owned_by": "omniray", "root": self.cfg.model or "tiny"}
+
+
+def tool_calls_text(calls: list[Any]) -> str:
+    """An assistant's tool calls as the text the model wrote them in (Qwen3's chat template:
+    one <tool_call> block of {"name", "arguments"} each, the arguments string as given)."""
+    blocks = []
+    for c in calls:
+        args = c.function.arguments.strip() or "{}"
+        blocks.append('<tool_call>\n{"name": ' + json.dumps(c.function.name, ensure_ascii=False)
+                      + ', "arguments": ' + args + "}\n</tool_call>")
+    return "\n".join(blocks)
+
+
+def tool_response_text(i: int, content: Any) -> str:
+    """A tool message's result (Qwen3's chat template: a user turn with <tool_response>)."""
+    if isinstance(content, list):
+        for j, p in enumerate(content):
+            if p.type != "text":
+                where = f"messages.{i}.content.{j}"
+                raise ApiError(400, f"{where}: media parts are only allowed in user messages",
+                               param=where)
+        content = "\n".join(p.text for p in content)
+    return f"<tool_response>\n{content}\n</tool_response>"

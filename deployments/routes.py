@@ -1,13 +1,17 @@
 """FastAPI routes of the ingress. Every refusal is an OpenAI-shaped error with a 4xx:
 malformed JSON, schema violations, unknown routes and methods included; nothing a client
-sends can produce a 500 or leave the connection hanging.
+sends can produce a 500 or leave the connection hanging. Bodies are bounded before they
+are read in full (`limits.max_body_bytes`) and JSON nesting before it is parsed
+(`limits.max_json_depth`); every refusal is counted in the app's metrics.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -15,6 +19,52 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.formats import error_body
 from deployments.schemas import ApiError
+
+_ESCAPE = re.compile(rb"\\.", re.S)  # a backslash escape inside a JSON string
+_STRING = re.compile(rb'"[^"]*"')  # a JSON string once escapes are gone
+_DEPTH_CHUNK = 1 << 24
+
+
+def json_depth(body: bytes) -> int:
+    """The deepest nesting of [ and { in a JSON text, without parsing it: strings are cut
+    out (escapes first, so an escaped quote cannot end one), then the brackets' running sum.
+    Linear and in C (regex, numpy), in pieces so a huge body needs little memory."""
+    rest = _STRING.sub(b"", _ESCAPE.sub(b"", body))
+    depth = deepest = 0
+    for i in range(0, len(rest), _DEPTH_CHUNK):
+        b = np.frombuffer(rest[i:i + _DEPTH_CHUNK], dtype=np.uint8)
+        step = ((b == 0x5B) | (b == 0x7B)).astype(np.int64) - ((b == 0x5D) | (b == 0x7D))
+        if step.size:
+            run = np.cumsum(step) + depth
+            deepest = max(deepest, int(run.max()))
+            depth = int(run[-1])
+    return deepest
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it passes `limit` bytes (a declared
+    Content-Length over it is refused before anything is read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    request._body = body  # Starlette's cache: form() and json() read it from here
+    return body
+
+
+def parse_json(body: bytes, max_depth: int) -> Any:
+    if json_depth(body) > max_depth:
+        raise ApiError(400, f"request body nests deeper than {max_depth} levels")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:  # ValueError: decoding, and ints > 4300 digits
+        raise ApiError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
 
 
 def _error(status: int, message: str, code: Any = None, param: str | None = None) -> JSONResponse:
@@ -25,17 +75,22 @@ def _error(status: int, message: str, code: Any = None, param: str | None = None
 
 def build_routes(server: Any) -> FastAPI:
     app = FastAPI(title="omniray", docs_url=None, redoc_url=None)
+    limits = server.cfg.limits
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        if e.status < 500:
+            server.refused(e)
         return _error(e.status, e.message, e.code, e.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        server.refused(ApiError(e.status_code, str(e.detail)))
         return _error(e.status_code, str(e.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        server.refused(ApiError(400, "invalid request"))
         return _error(400, str(e.errors()[:1]))
 
     @app.exception_handler(Exception)
@@ -51,19 +106,13 @@ def build_routes(server: Any) -> FastAPI:
     async def models() -> dict[str, Any]:
         return server.models()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return server.model_card(model_id)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        limit = server.cfg.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit}")
-        body = await request.body()
-        if len(body) > limit:
-            raise ApiError(413, f"request body is {len(body)} bytes, over the limit of {limit}")
-        try:
-            obj = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        obj = parse_json(await read_body(request, limits.max_body_bytes), limits.max_json_depth)
         req = server.parse(obj)
         turn = await server.prepare(req)
         if req.stream:
@@ -73,4 +122,68 @@ def build_routes(server: Any) -> FastAPI:
         status, payload = await server.complete(req, turn)
         return JSONResponse(payload, status_code=status)
 
+    # -- stored voices (OpenAI's custom voices: client.audio.voices.create / delete) --------
+
+    @app.post("/v1/audio/voices")
+    async def create_voice(request: Request) -> dict[str, Any]:
+        body = await read_body(request, limits.max_body_bytes)
+        name, audio, consent = await _voice_upload(request, body, limits)
+        info = await server.add_voice(name, audio, consent)
+        return info.as_openai()
+
+    @app.get("/v1/audio/voices")
+    async def list_voices() -> dict[str, Any]:
+        return {"object": "list", "data": [v.as_openai() for v in server.voices.list()]}
+
+    @app.get("/v1/audio/voices/{voice_id}")
+    async def get_voice(voice_id: str) -> dict[str, Any]:
+        try:
+            info, _ = server.voices.get(voice_id)
+        except ApiError as e:
+            raise ApiError(e.status, e.message, param="voice_id", code=e.code) from None
+        return info.as_openai()
+
+    @app.delete("/v1/audio/voices/{voice_id}")
+    async def delete_voice(voice_id: str) -> dict[str, Any]:
+        return (await server.delete_voice(voice_id)).as_openai_deleted()
+
     return app
+
+
+async def _voice_upload(request: Request, body: bytes, limits: Any) -> tuple[str, bytes, Any]:
+    """(name, audio bytes, consent) from multipart form data (what the openai SDK sends:
+    `name`, `audio_sample` file, `consent`) or JSON (`audio_sample` as base64 or a data:
+    URI)."""
+    from deployments.media import MediaLoader, b64decode
+
+    kind = request.headers.get("content-type", "")
+    if kind.startswith("multipart/form-data"):
+        try:
+            form = await request.form(max_files=1, max_fields=16,
+                                      max_part_size=limits.max_body_bytes)
+        except Exception as e:  # noqa: BLE001 - a malformed form is the client's error
+            raise ApiError(400, f"malformed multipart form: {e}") from None
+        sample = form.get("audio_sample")
+        if sample is None or isinstance(sample, str):
+            raise ApiError(400, "audio_sample: a file part is required", param="audio_sample")
+        audio = await sample.read()
+        name, consent = form.get("name"), form.get("consent")
+    else:
+        obj = parse_json(body, limits.max_json_depth)
+        if not isinstance(obj, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        name, consent, sample = obj.get("name"), obj.get("consent"), obj.get("audio_sample")
+        if not isinstance(sample, str) or not sample:
+            raise ApiError(400, "audio_sample: base64 audio or a data: URI is required",
+                           param="audio_sample")
+        if sample.startswith("data:"):
+            loader = MediaLoader(allowed_dir=None, allowed_hosts=[],
+                                 max_bytes=limits.max_media_bytes)
+            audio = loader.load(sample, "audio_sample")
+        else:
+            audio = b64decode(sample, "audio_sample")
+    if not isinstance(name, str):
+        raise ApiError(400, "name: a voice name is required", param="name")
+    if consent is not None and not isinstance(consent, str):
+        raise ApiError(400, "consent must be a string", param="consent")
+    return name, audio, consent

@@ -5,7 +5,8 @@ Request (`POST /v1/chat/completions`, vLLM-Omni's omni extensions included):
     messages     list of {role, content}; content is a string or a list of parts:
                  text | image_url | video_url | audio_url | input_audio
     modalities   ["text"] (default) or ["text", "audio"] / ["audio"]
-    audio        {"format": "wav" | "pcm" | "pcm16"}; the format of streamed audio pieces
+    audio        {"format": wav | pcm16 | pcm | mp3 | opus | aac | flac, "voice": a stored
+                 voice's name or id}; the format of the audio pieces
     ref_audio    a data: / file:// URI of a voice to clone (top level or in extra_body)
     sampling     temperature, top_p, top_k, repetition_penalty, seed, max_tokens,
                  ignore_eos (vLLM's fixed-length benchmark mode)
@@ -78,14 +79,50 @@ ContentPart = Annotated[
 ]
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    """A chat message. `developer` is OpenAI's newer name for `system`; `tool` carries a tool
+    result; an assistant message may have null content when it holds tool calls (history)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content")
+        return self
+
+
+class VoiceID(_Strict):
+    id: str = Field(min_length=1)
+
+
+AUDIO_OUT_FORMATS = ("wav", "pcm16", "pcm", "mp3", "opus", "aac", "flac")
 
 
 class AudioOptions(_Strict):
-    format: Literal["wav", "pcm", "pcm16"] = "wav"
-    voice: str | None = None  # MiniCPM-o clones `ref_audio`; named voices are not offered
+    format: Literal["wav", "pcm16", "pcm", "mp3", "opus", "aac", "flac"] = "wav"
+    # A stored voice's name or id (POST /v1/audio/voices), or {"id": ...}; OpenAI's built-in
+    # names ("alloy", ...) and "default" select the checkpoint's own voice.
+    voice: str | VoiceID | None = None
+
+    @property
+    def voice_key(self) -> str | None:
+        return self.voice.id if isinstance(self.voice, VoiceID) else self.voice
 
 
 class StreamOptions(_Strict):
@@ -95,12 +132,14 @@ class StreamOptions(_Strict):
 
 class OmnirayOptions(BaseModel):
     """omniray's request extension (docs/bench.md): fixed lengths for random-weight
-    benchmarks. Unknown fields are ignored."""
+    benchmarks, per-stage timings, and the streamed audio shape. Unknown fields are
+    ignored."""
 
     return_timings: bool = False
     ignore_eos: bool = False
     fixed_text_tokens: int | None = Field(None, ge=1)
-    fixed_speech_codes: int | None = Field(None, ge=1)
+    fixed_speech_codes: int | None = Field(None, ge=1, le=25 * 600)  # at most 10 min
+    stream_format: Literal["openai", "vllm-omni"] | None = None
 
     model_config = ConfigDict(extra="ignore")
 
@@ -117,16 +156,63 @@ class ChatCompletionRequest(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # -1 or 0 = off (vLLM spells off as -1)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    seed: int | None = None
+    # At least 0.01: the penalty divides positive logits, and a tiny one overflows them.
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     extra_body: dict[str, Any] | None = None  # some clients nest extras here verbatim
     omniray: OmnirayOptions | None = None
+    # OpenAI fields this server cannot honour; a value that changes what the client gets
+    # back is refused (_refuse_unsupported) instead of being silently ignored.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    stop: Any = None
+    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     model_config = ConfigDict(extra="ignore", strict=False)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> ChatCompletionRequest:
+        def refuse(field: str, what: str) -> None:
+            raise ValueError(f"{field}: {what} is not supported by this server")
+
+        choice = self.tool_choice
+        if choice is not None and choice not in ("none", "auto", "required") \
+                and not isinstance(choice, dict):
+            raise ValueError(f"tool_choice: expected 'none', 'auto', 'required' or "
+                             f"{{'type': 'function', ...}}, got {str(choice)[:40]!r}")
+        if choice == "required" or isinstance(choice, dict):
+            refuse("tool_choice", "forcing a tool call (the model does not call tools)")
+        call = self.function_call
+        if call is not None and call not in ("none", "auto") and not isinstance(call, dict):
+            raise ValueError(f"function_call: expected 'none', 'auto' or {{'name': ...}}, got "
+                             f"{str(call)[:40]!r}")
+        if isinstance(call, dict):
+            refuse("function_call", "forcing a function call")
+        fmt = self.response_format
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        if fmt is not None and kind != "text":
+            refuse("response_format", f"{kind!r} (only text)")
+        if self.logprobs or self.top_logprobs:
+            refuse("logprobs", "returning log probabilities")
+        if self.stop:
+            refuse("stop", "stop sequences")
+        if self.logit_bias:
+            refuse("logit_bias", "logit bias")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                refuse(name, f"a non-zero {name} (use repetition_penalty)")
+        return self
 
     @model_validator(mode="after")
     def _lift_extra_body(self) -> ChatCompletionRequest:
