@@ -1,4 +1,4 @@
-"""Command line: `python -m bench {run,synth,report,attribution} ...`.
+"""Command line: `python -m bench {run,synth,report,attribution,soak} ...`.
 
 Examples (docs/bench.md has more):
   # synthetic 30 s clips, fixed-length output for random weights, c=1 and c=4
@@ -279,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("attribution", help="knob A/B runs (see python -m bench.attribution -h)",
                    add_help=False)
+    sub.add_parser("soak", help="many turns of every kind, hang-ups, a stage killed; then "
+                   "check nothing leaked (see python -m bench soak -h)", add_help=False)
     return ap
 
 
@@ -288,6 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.attribution import main as attribution_main
 
         return attribution_main(argv[1:])
+    if argv and argv[0] == "soak":
+        from bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 
