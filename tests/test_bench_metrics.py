@@ -93,11 +93,13 @@ def test_build_payload_fixed_length_and_timings():
     assert body["modalities"] == ["text", "audio"]
     assert body["audio"] == {"format": "wav"}
     assert body["omniray"] == {"return_timings": True, "ignore_eos": True,
-                               "fixed_text_tokens": 16, "fixed_speech_codes": 57}
+                               "fixed_text_tokens": 16, "fixed_speech_codes": 57,
+                               "stream_format": "vllm-omni"}  # the shape the client reads
     # vLLM-style fallback: ignore_eos + max_tokens = N gives exactly N tokens
     assert body["ignore_eos"] is True and body["max_tokens"] == 16
     plain = build_payload(SPEC[0], ClientOptions(return_timings=False, modalities=("text",)))
-    assert "omniray" not in plain and "audio" not in plain and "ignore_eos" not in plain
+    assert plain["omniray"] == {"stream_format": "vllm-omni"}
+    assert "audio" not in plain and "ignore_eos" not in plain
 
 
 def _rec(i: int, send: float, ttft: float, ttfp: float, chunks, end: float, tokens: int = 5):

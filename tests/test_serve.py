@@ -10,8 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
-import tempfile
 import threading
 import time
 
@@ -21,6 +19,7 @@ import requests
 
 pytest.importorskip("ray.serve")
 
+import apps
 import ray
 from ray import serve
 from test_api import data_uri, decode_wav, png_bytes, sse_events, wav_bytes
@@ -34,41 +33,7 @@ from deployments.testing import (
     HandleCaller,
 )
 
-APP = "omniray"
-WINDOW = 2
-MEDIA_DIR = tempfile.mkdtemp(prefix="omniray-serve-media-")
-# Small Talker units so the random tiny model's speech stays short on 2 CPU cores.
-APP_CONFIG = {
-    "active_stream_window": WINDOW,
-    "request_timeout_s": 120,
-    "allowed_local_media_path": MEDIA_DIR,
-    "limits": {"max_tokens": 64, "default_max_tokens": 12, "max_images": 4},
-    "thinker": {"engine": {"llm": {"max_num_seqs": 4}}},
-    "talker": {"engine": {"max_streams": 8, "streaming_chunk_max_codes": 30,
-                          "max_seq_len": 256}},
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def serve_app():
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 * 2**20)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_omni_app(APP_CONFIG), name=APP, route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    yield base
-    serve.shutdown()
-    ray.shutdown()
+APP, WINDOW, MEDIA_DIR = apps.APP, apps.WINDOW, apps.MEDIA_DIR
 
 
 def _stage(name: str):
@@ -81,7 +46,8 @@ def _stats(name: str) -> dict:
 
 def _speech_body(**kw) -> dict:
     body = {"messages": [{"role": "user", "content": "Say something."}],
-            "modalities": ["text", "audio"], "max_tokens": 12, "stream": True}
+            "modalities": ["text", "audio"], "max_tokens": 12, "stream": True,
+            "omniray": {"stream_format": "vllm-omni"}}
     body.update(kw)
     return body
 
@@ -136,29 +102,6 @@ def test_streamed_chat_with_image_and_audio(serve_app):
     assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
 
 
-def test_openai_client(serve_app):
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"{serve_app}/v1", api_key="unused")
-    assert [m.id for m in client.models.list().data] == [APP]
-    out = client.chat.completions.create(model=APP, max_tokens=6,
-                                         messages=[{"role": "user", "content": "Hi"}])
-    assert out.choices[0].message.content and out.usage.completion_tokens > 0
-    text, audio = [], 0
-    stream = client.chat.completions.create(
-        model=APP, max_tokens=8, stream=True, messages=[{"role": "user", "content": "Hi"}],
-        extra_body={"modalities": ["text", "audio"]})
-    for chunk in stream:
-        extra = chunk.model_extra or {}
-        if chunk.choices and chunk.choices[0].delta.content:
-            if extra.get("modality") == "audio":
-                audio += 1
-            else:
-                text.append(chunk.choices[0].delta.content)
-    assert "".join(text) and audio >= 1
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=APP, messages=[], max_tokens=4)
-
-
 def test_handle_from_this_driver_and_from_a_second_app(serve_app):
     body = {"messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
             "max_tokens": 8}
@@ -196,17 +139,26 @@ def test_four_concurrent_streams_respect_the_window(serve_app):
     assert window["active"] == 0 and window["waiting"] == 0, window
 
 
-def _all_free() -> tuple[bool, dict]:
-    s = {n: _stats(n) for n in ("Thinker", "Talker", "Code2Wav")}
-    window = serve.get_app_handle(APP).stats.remote().result()["window"]
-    th, tk, cw = s["Thinker"], s["Talker"], s["Code2Wav"]
-    eng = th["engine"]
-    free = (th["open"] == 0 and th["forwarders"] == 0 and eng["num_running"] == 0
-            and eng["num_waiting"] == 0 and eng["num_free_blocks"] == eng["num_total_blocks"]
-            and tk["open"] == 0 and tk["pumps"] == 0 and tk["engine"]["open_streams"] == 0
-            and cw["open"] == 0 and cw["streams"] == 0 and cw["engine"]["streams"] == 0
-            and window["active"] == 0)
-    return free, {**s, "window": window}
+def _all_free(app: str = APP) -> tuple[bool, dict]:
+    """The app's invariants (Ingress.stats): idle, no leaks, every stage back to zero."""
+    st = serve.get_app_handle(app).stats.remote().result()
+    th, tk, cw = (st["stages"][n] for n in ("thinker", "talker", "code2wav"))
+    eng = th.get("engine", {})
+    free = (st["idle"] and not st["leaks"] and th["forwarders"] == 0
+            and eng.get("num_free_blocks") == eng.get("num_total_blocks")
+            and tk["engine"]["open_streams"] == 0 and tk["engine"]["unaccounted_slots"] == 0
+            and cw["engine"]["streams"] == 0 and st["window"]["active"] == 0)
+    return free, st
+
+
+def wait_free(app: str = APP, timeout: float = 30.0) -> dict:
+    deadline = time.time() + timeout
+    free, st = _all_free(app)
+    while not free and time.time() < deadline:
+        time.sleep(0.25)
+        free, st = _all_free(app)
+    assert free, f"state left behind: {json.dumps(st, default=str)[:3000]}"
+    return st
 
 
 def test_client_disconnect_frees_every_stage(serve_app):
@@ -221,12 +173,7 @@ def test_client_disconnect_frees_every_stage(serve_app):
     busy = {n: _stats(n) for n in ("Talker", "Code2Wav")}
     assert all(v["open"] >= 1 for v in busy.values()), f"turn not in flight: {busy}"
     r.close()  # the client goes away mid-turn
-    deadline = time.time() + 60
-    free, stats = _all_free()
-    while not free and time.time() < deadline:
-        time.sleep(0.25)
-        free, stats = _all_free()
-    assert free, f"state left behind after the disconnect: {json.dumps(stats, default=str)}"
+    wait_free(timeout=60)
 
 
 def test_stage_exception_is_an_error_event_then_the_next_request_succeeds(serve_app):
@@ -248,7 +195,7 @@ def test_stage_exception_is_an_error_event_then_the_next_request_succeeds(serve_
 
 
 def test_bad_inputs_over_http_get_4xx(serve_app):
-    from test_api import BAD_REQUESTS, EXPECT, prepare_body
+    from test_bad_inputs import BAD_REQUESTS, EXPECT, prepare_body
 
     for name, body, status in BAD_REQUESTS:
         r = requests.post(f"{serve_app}/v1/chat/completions", timeout=60,
@@ -262,7 +209,8 @@ def test_fixed_length_benchmark_mode(serve_app):
     """docs/bench.md: exactly N text tokens and M speech codes from the random tiny model;
     the audio is (3 silence codes + M) x 960 samples at 24 kHz."""
     body = _speech_body(max_tokens=40, omniray={"fixed_text_tokens": 5, "fixed_speech_codes": 30,
-                                                 "return_timings": True, "unknown": 1})
+                                                 "return_timings": True, "unknown": 1,
+                                                 "stream_format": "vllm-omni"})
     events = _stream(serve_app, body)
     usage = events[-2]["usage"]
     assert usage["completion_tokens"] == 5
@@ -279,3 +227,49 @@ def test_fixed_length_benchmark_mode(serve_app):
     assert first["queue"]["end"] <= first["prefill"]["start"] + 1e-6
     assert first["prefill"]["end"] <= first["decode"]["start"] + 1e-6
     assert timings["durations"]["code2wav"] > 0
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {series without Ray's per-process labels: summed value}."""
+    import re
+
+    out: dict[str, float] = {}
+    for line in requests.get(url, timeout=10).text.splitlines():
+        if not line.startswith("ray_omniray_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', name))
+        keep = {k: v for k, v in labels.items() if k in ("outcome", "reason", "stage", "name",
+                                                         "le", "path", "cache")}
+        key = name.split("{")[0] + "".join(f"|{k}={v}" for k, v in sorted(keep.items()))
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def test_metrics_reach_the_prometheus_export(serve_app, metrics_url):
+    """The names of docs/api.md reach Ray's Prometheus export; HTTP refusals count as
+    rejected (with a reason); stage gauges are there for every stage."""
+    before = _scrape(metrics_url).get("ray_omniray_requests_total|outcome=rejected", 0.0)
+    for _ in range(5):
+        r = requests.post(f"{serve_app}/v1/chat/completions", data=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
+        assert r.status_code == 400
+    _stream(serve_app, _speech_body())
+    want = ["ray_omniray_requests_total|outcome=ok", "ray_omniray_requests_total|outcome=rejected",
+            "ray_omniray_errors_total|reason=invalid_request", "ray_omniray_audio_seconds_total",
+            "ray_omniray_window_active", "ray_omniray_window_waiting"]
+    want += [f"ray_omniray_stage_{m}|stage={s}" for s in ("thinker", "talker", "code2wav")
+             for m in ("active_streams", "queue_depth")]
+    want += ["ray_omniray_stage_free_slots|stage=talker", "ray_omniray_stage_kv_usage|stage=thinker"]
+    deadline = time.time() + 60
+    while True:
+        got = _scrape(metrics_url)
+        missing = [w for w in want if w not in got]
+        rejected = got.get("ray_omniray_requests_total|outcome=rejected", 0.0) - before
+        hist = any(k.startswith("ray_omniray_ttft_seconds_bucket") for k in got) and any(
+            k.startswith("ray_omniray_stage_step_seconds_bucket|") for k in got)
+        if (not missing and rejected >= 5 and hist) or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert not missing, (missing, sorted(got)[:80])
+    assert rejected >= 5 and hist, (rejected, hist)
