@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ from deployments.loop import EngineLoop, StageFailure
 from deployments.metrics import StageMetrics
 from deployments.stage import (
     AudioPiece,
+    NamedVoice,
     Opened,
     Tombstones,
     build_engine,
@@ -77,15 +77,6 @@ class RealCode2Wav:
         from pipeline.code2wav.engine import Code2WavEngineConfig
 
         return Code2WavEngineConfig
-
-
-@dataclass(frozen=True)
-class NamedVoice:
-    """A stored voice (POST /v1/audio/voices): its prompt is built once, kept for as long as
-    the voice exists, and its initial-state template stays cached (pinned) in the engine."""
-
-    voice_id: str
-    samples: np.ndarray  # 16 kHz mono float32
 
 
 class _VoicedEngine:

@@ -27,7 +27,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from deployments.code2wav import NamedVoice
 from deployments.config import AppConfig
 from deployments.formats import ChunkWriter, completion_body, error_body
 from deployments.media import MediaLoader, b64decode, pcm16_to_wav
@@ -42,7 +41,7 @@ from deployments.schemas import (
     TextDelta,
     validation_message,
 )
-from deployments.stage import error_line
+from deployments.stage import NamedVoice, error_line
 from deployments.turn import PreparedTurn, Stages, TurnRunner
 from deployments.voices import VoiceInfo, VoiceStore
 from deployments.window import ActiveStreamWindow

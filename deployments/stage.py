@@ -45,6 +45,15 @@ class TextOut:
     timings: dict[str, float] | None = None  # the Thinker engine's wall-clock marks
 
 
+@dataclass(frozen=True)
+class NamedVoice:
+    """A stored voice (POST /v1/audio/voices): its prompt is built once, kept for as long as
+    the voice exists, and its initial-state template stays cached (pinned) in the engine."""
+
+    voice_id: str
+    samples: np.ndarray  # 16 kHz mono float32
+
+
 @dataclass
 class Opened:
     """First item of a speech stage's stream: the stage now holds the turn's state."""

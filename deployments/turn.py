@@ -58,7 +58,7 @@ class PreparedTurn:
     request_id: str
     thinker_request: Any  # pipeline.handoff.ThinkerRequest
     speech: bool
-    voice: Any = None  # None (default voice) | 16 kHz waveform | code2wav.NamedVoice
+    voice: Any = None  # None (default voice) | 16 kHz waveform | stage.NamedVoice
     seed: int | None = None
     text: bool = True  # False for modalities ["audio"]: text deltas are not sent
     speech_codes: int | None = None  # fixed-length benchmark mode: exactly this many codes
