@@ -223,23 +223,33 @@ class TurnRunner:
                     deadline: float) -> tuple[str, Any]:
         """The next (stream, item), failing the turn on a stage failure, a dead stage, or a
         stream silent for longer than `timeouts.stall_s`."""
-        stall = self.timeouts.stall_s
+        stall, grace = self.timeouts.stall_s, 2 * self.timeouts.heartbeat_s
+        graced = False
         while True:
-            now = time.perf_counter()
-            if now >= deadline:
-                raise asyncio.TimeoutError
-            quiet = min(seen.values(), default=now)
-            wait = min(deadline - now, max(0.0, quiet + stall - now))
-            try:
-                src, item = await asyncio.wait_for(merged.get(), wait)
-            except asyncio.TimeoutError:
+            if merged.empty():
                 now = time.perf_counter()
-                for src, last in seen.items():
-                    if now - last >= stall:
-                        raise _TurnError(Error(
-                            503, f"{_STAGE[src]} stopped answering (nothing for "
-                                 f"{now - last:.0f} s)", "stage_unavailable")) from None
-                continue
+                if now >= deadline:
+                    raise asyncio.TimeoutError
+                silent = [(now - last, src) for src, last in seen.items() if now - last >= stall]
+                if silent and not graced:
+                    # This event loop may itself have been busy (a client write, a long
+                    # encode): what the stages sent meanwhile waits in the pumps. Give them a
+                    # heartbeat's time before calling a stage silent.
+                    graced = True
+                    await asyncio.sleep(grace)
+                    continue
+                if silent:
+                    quiet, src = max(silent)
+                    raise _TurnError(Error(503, f"{_STAGE[src]} stopped answering (nothing for "
+                                                f"{quiet:.0f} s)", "stage_unavailable"))
+                graced = False
+                wake = min((last + stall for last in seen.values()), default=deadline)
+                try:
+                    src, item = await asyncio.wait_for(merged.get(), min(deadline, wake) - now)
+                except asyncio.TimeoutError:
+                    continue
+            else:
+                src, item = merged.get_nowait()
             if src in seen:
                 seen[src] = time.perf_counter()
             if isinstance(item, (StageFailure, BaseException)):

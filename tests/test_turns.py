@@ -384,6 +384,25 @@ def test_a_busy_stream_is_not_taken_for_a_silent_one(app_cfg, source):
     assert_clean(st)
 
 
+def test_a_blocked_ingress_loop_is_not_taken_for_silent_stages(app_cfg, source):
+    """The ingress's own event loop stalls for longer than stall_s (a long CPU task in it)
+    while the stages keep producing: what they sent meanwhile is read, the turn goes on."""
+    cfg = {**app_cfg, "timeouts": FAST, "thinker": {"engine": {"step_delay_s": 0.02}}}
+
+    async def main():
+        local = build_local_app(cfg, source)
+        evs = []
+        async for ev in local.ingress.chat(SPEECH):
+            evs.append(ev)
+            if len(evs) == 2:
+                time.sleep(FAST["stall_s"] + 0.3)  # blocks this loop, stages run on
+        return evs, await settled(local)
+
+    evs, st = asyncio.run(main())
+    assert isinstance(one_terminal(evs), Done), evs[-1]
+    assert_clean(st)
+
+
 def test_turn_events_still_stream_text_and_audio(app_cfg, source):
     """The fault machinery is invisible on a good turn: text, audio, one Done, and the
     stages' heartbeats never reach the client."""
