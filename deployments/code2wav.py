@@ -256,8 +256,6 @@ class Code2WavServer:
         open_ = len(self.loop.open_keys)
         streams = engine.get("streams", 0)
         leaks = []
-        if streams > open_:
-            leaks.append(f"engine holds {streams} streams but {open_} are open")
         if len(self._pushed) > open_:
             leaks.append(f"{len(self._pushed)} push records for {open_} open streams")
         return stage_stats(self.loop, self.timeouts.wedge_s, engine, streams, leaks,

@@ -127,7 +127,7 @@ def build_routes(server: Any) -> FastAPI:
     @app.post("/v1/audio/voices")
     async def create_voice(request: Request) -> dict[str, Any]:
         body = await read_body(request, limits.max_body_bytes)
-        name, audio, consent = await _voice_upload(request, body, limits)
+        name, audio, consent = await _voice_upload(request, body, server)
         info = await server.add_voice(name, audio, consent)
         return info.as_openai()
 
@@ -150,12 +150,13 @@ def build_routes(server: Any) -> FastAPI:
     return app
 
 
-async def _voice_upload(request: Request, body: bytes, limits: Any) -> tuple[str, bytes, Any]:
+async def _voice_upload(request: Request, body: bytes, server: Any) -> tuple[str, bytes, Any]:
     """(name, audio bytes, consent) from multipart form data (what the openai SDK sends:
     `name`, `audio_sample` file, `consent`) or JSON (`audio_sample` as base64 or a data:
     URI)."""
-    from deployments.media import MediaLoader, b64decode
+    from deployments.media import b64decode
 
+    limits = server.cfg.limits
     kind = request.headers.get("content-type", "")
     if kind.startswith("multipart/form-data"):
         try:
@@ -177,9 +178,7 @@ async def _voice_upload(request: Request, body: bytes, limits: Any) -> tuple[str
             raise ApiError(400, "audio_sample: base64 audio or a data: URI is required",
                            param="audio_sample")
         if sample.startswith("data:"):
-            loader = MediaLoader(allowed_dir=None, allowed_hosts=[],
-                                 max_bytes=limits.max_media_bytes)
-            audio = loader.load(sample, "audio_sample")
+            audio = server.media.load(sample, "audio_sample")
         else:
             audio = b64decode(sample, "audio_sample")
     if not isinstance(name, str):

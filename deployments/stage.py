@@ -73,6 +73,8 @@ async def next_item(q: asyncio.Queue, loop: Any, stage: str, heartbeat_s: float,
                     wedge_s: float) -> Any:
     """The next item of a stream's queue, or a Heartbeat (StageFailure if the engine loop is
     wedged) when nothing comes within `heartbeat_s`."""
+    if not q.empty():  # the common case while streaming: no timer, no task
+        return q.get_nowait()
     try:
         return await asyncio.wait_for(q.get(), heartbeat_s)
     except asyncio.TimeoutError:
@@ -180,8 +182,11 @@ def stage_stats(loop: Any, wedge_s: float, engine: dict[str, Any], held: int,
                 leaks: list[str], **extra: Any) -> dict[str, Any]:
     """What every stage's `stats()` reports: its open streams, the engine's stats, and the
     invariants: `idle` (no stream open and the engine holds nothing: `held` == 0), `leaks`
-    (accounting that does not add up), `health` (None, or why the loop is unhealthy)."""
+    (accounting that does not add up: `leaks` from the stage, plus an engine holding more
+    than is open), `health` (None, or why the loop is unhealthy)."""
     open_ = len(loop.open_keys)
+    if held > open_:
+        leaks = [f"engine holds {held} streams but {open_} are open", *leaks]
     return {"open": open_, **extra, "steps": loop.steps, "failures": loop.failures,
             "engine": engine, "idle": open_ == 0 and held == 0, "leaks": leaks,
             "health": loop.health(wedge_s), "pid": os.getpid(), **device_memory()}
@@ -247,9 +252,10 @@ class Forwarder:
     def done(self) -> bool:
         return self._task.done()
 
-    async def wait(self) -> None:
-        """Until the last call returned (or the stream was dropped)."""
-        await asyncio.wait([self._task])
+    async def wait(self, timeout: float) -> bool:
+        """Whether the last call returned (or the stream was dropped) within `timeout`."""
+        done, _ = await asyncio.wait([self._task], timeout=timeout)
+        return bool(done)
 
     async def _run(self) -> None:
         while True:

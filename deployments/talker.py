@@ -10,7 +10,6 @@ ingress turns into the turn's error.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -108,10 +107,12 @@ class TalkerServer:
         try:
             try:
                 await self.loop.call(lambda e: e.open(rid, self.mode, seed, **kw))
-            except (ValueError, RuntimeError) as e:  # a bad seed, no free slot...
-                status = 503 if "no free" in str(e) else 400
-                yield StageFailure("talker", f"could not open the stream: {e}", status,
-                                   "stage_busy" if status == 503 else "invalid_request")
+            except RuntimeError as e:  # no free slot
+                yield StageFailure("talker", f"could not open the stream: {e}", 503, "stage_busy")
+                return
+            except ValueError as e:  # a bad seed, mode or length
+                yield StageFailure("talker", f"could not open the stream: {e}", 400,
+                                   "invalid_request")
                 return
             if rid in self._aborted:  # aborted while the engine was opening it
                 return
@@ -139,18 +140,14 @@ class TalkerServer:
                 if time.monotonic() - said >= t.heartbeat_s:  # busy speaking: still alive
                     yield Heartbeat("talker")
                     said = time.monotonic()
-            # The last chunk is on its way; a push that fails now is still this turn's failure.
-            while not fwd.done:
-                try:
-                    item = await asyncio.wait_for(q.get(), t.heartbeat_s)
-                except asyncio.TimeoutError:
-                    yield Heartbeat("talker")
-                    continue
-                if isinstance(item, StageFailure):
+            # The last chunk is on its way; a push that fails now is still this turn's failure
+            # (the forwarder reports it into `q` before it ends).
+            while not await fwd.wait(t.heartbeat_s):
+                yield Heartbeat("talker")
+            while not q.empty():
+                if isinstance(item := q.get_nowait(), StageFailure):
                     yield item
                     return
-            if not q.empty() and isinstance(failure := q.get_nowait(), StageFailure):
-                yield failure
         finally:
             if fwd is not None:
                 fwd.cancel()
@@ -192,11 +189,8 @@ class TalkerServer:
 
     async def stats(self) -> dict[str, Any]:
         engine = await self.loop.call(lambda e: stats_dict(e.stats()) if hasattr(e, "stats") else {})
-        open_ = len(self.loop.open_keys)
         streams = engine.get("open_streams", 0)
         leaks = []
-        if streams > open_:
-            leaks.append(f"engine holds {streams} streams but {open_} sessions are open")
         if engine.get("unaccounted_slots"):
             leaks.append(f"{engine['unaccounted_slots']} Talker slots held by no stream")
         return stage_stats(self.loop, self.timeouts.wedge_s, engine, streams, leaks,

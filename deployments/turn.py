@@ -173,7 +173,7 @@ class TurnRunner:
             for s in streams.values():
                 _cancel(s)
             if outcome != "ok":
-                self._abort(rid, speech=bool(streams.keys() - {"text"}) or turn.speech)
+                self._abort(rid, speech=turn.speech)
             if self.metrics is not None:
                 self.metrics.outcome(outcome, reason)
             self._window_metrics()
