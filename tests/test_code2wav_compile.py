@@ -137,16 +137,13 @@ def test_engine_compile_knob_matches_eager(ckpt, voice):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_blocks_inside_cfm_cuda_graph_match_eager(ckpt, voice):
-    """Compile happens in the graph runner's warm-up, then the capture records the compiled
-    kernels: same PCM as the eager engine, and 2 graphs (no cache; the runner's buffers)."""
+def test_compiled_blocks_on_cuda_match_eager(ckpt, voice):
+    """The plain path with compiled DiT blocks on the GPU: same PCM as the eager engine."""
     eager = Code2WavEngine(*load_code2wav(ckpt, "cuda", torch.float32))
-    both = Code2WavEngine(
+    compiled = Code2WavEngine(
         *load_code2wav(ckpt, "cuda", torch.float32),
-        Code2WavEngineConfig(token2wav_cfm_cuda_graph=True, token2wav_compile_estimator=True),
+        Code2WavEngineConfig(token2wav_compile_estimator=True),
     )
-    a, b = _run(eager, _feeds(2), voice), _run(both, _feeds(2), voice)
-    assert both.counters["cfm_graph_replays"] > 0
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    a, b = _run(eager, _feeds(2), voice), _run(compiled, _feeds(2), voice)
     for sid in a:
         assert np.abs(a[sid] - b[sid]).max() < 1e-5

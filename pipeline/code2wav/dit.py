@@ -25,6 +25,7 @@ forward shared by all blocks); see its docstring for the dynamic-shape policy.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,40 @@ def _mark_dynamic_dims(x, c, cnn=None, att=None, mask=None) -> None:
     for t, dims in ((x, (0, 1)), (c, (0,)), (cnn, (0,)), (att, (0, 2)), (mask, (0, 3))):
         if t is not None:
             torch._dynamo.maybe_mark_dynamic(t, dims)
+
+
+@dataclass
+class DiTSlots:
+    """Where a batch's DiT caches live in the slot pool (slots.py builds it, one per chunk).
+
+    The pool holds, per Euler step and block, K and V as (2, slots, capacity, H, dh): CFG
+    half, slot, frame position. Attention has no positions, so frames may sit anywhere; the
+    host decides where each new frame goes (`write`) and which positions a row attends
+    (`mask`). Rows are [cond_0..cond_{B-1}, uncond_0..uncond_{B-1}], the reference's order.
+
+    cfg, rows : (2B, 1)  CFG half and slot of each estimator row
+    write     : (2B, T)  position each new frame is written to (kept frames to free positions,
+                         dropped and padded ones to a per-batch scratch range)
+    mask      : (2B, 1, 1, W)  positions each row attends (its cached frames and its new ones)
+    window    : W, positions [0, W) hold everything the batch attends (static per graph)
+    conv_tail : (2B, 1, 2)  index into [cached tail || frames] of the last two valid frames"""
+
+    cfg: torch.Tensor
+    rows: torch.Tensor
+    write: torch.Tensor
+    mask: torch.Tensor
+    window: int
+    conv_tail: torch.Tensor
+
+
+@dataclass
+class DiTPool:
+    """Per-step, per-block cache storage of all slots: k, v (S, depth, 2, slots, C, H, dh) and
+    the causal-conv tails cnn (S, depth, 2, slots, 2D, 2)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cnn: torch.Tensor
 
 
 class TimestepEmbedder(nn.Module):
@@ -109,6 +144,29 @@ class ConvBranch(nn.Module):
         h, new2 = self.block["6"](h.transpose(1, 2), c2)
         return h.transpose(1, 2), torch.cat([new1, new2], dim=1)
 
+    def forward_slots(
+        self, x: torch.Tensor, cache: torch.Tensor, tail: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded rows: x (B, T, D) whose valid frames are a prefix of each row; cache
+        (B, 2D, 2); tail (B, 1, 2) the last two valid frames' index into [cache || frames].
+        The convs are causal, so padded frames change no valid one."""
+        c1, c2 = cache.split((self.channels, self.channels), dim=1)
+
+        def conv(layer, h, c):
+            # As one matmul over the unfolded windows: fp32 cuDNN convs of this size are
+            # ~10x slower than the GEMM; only the order of the sums changes.
+            h = torch.cat([c, h], dim=2)
+            win = h.unfold(2, layer.kernel_size[0], 1)  # (B, C, T, k)
+            b, ch, t, k = win.shape
+            out = torch.addmm(layer.bias, win.permute(0, 2, 1, 3).reshape(b * t, ch * k),
+                              layer.weight.reshape(layer.out_channels, ch * k).t())
+            return out.view(b, t, -1).transpose(1, 2), h.gather(2, tail.expand(-1, ch, -1))
+
+        h, new1 = conv(self.block["1"], x.transpose(1, 2), c1)
+        h = F.mish(self.block["3"](h.transpose(1, 2)))
+        h, new2 = conv(self.block["6"], h.transpose(1, 2), c2)
+        return h.transpose(1, 2), torch.cat([new1, new2], dim=1)
+
 
 class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int):
@@ -141,6 +199,23 @@ class Attention(nn.Module):
         new_cache = torch.cat([k, v], dim=3)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, dh)
         return self.proj(out.transpose(1, 2).reshape(b, t, -1)), new_cache
+
+    def forward_slots(
+        self, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ix: DiTSlots
+    ) -> torch.Tensor:
+        """x (2B, T, D); k_pool / v_pool (2, slots, C, H, dh) of this step and block. Writes
+        the new frames' K/V into the pool first, then attends over the pool window: the same
+        keys as [new || cache], in another order (attention without positions ignores it)."""
+        b, t, _ = x.shape
+        h, dh = self.num_heads, self.head_dim
+        q = self.q_norm(self._heads(self.to_q(x)))
+        k_pool[ix.cfg, ix.rows, ix.write] = self.k_norm(self.to_k(x).view(b, t, h, dh))
+        v_pool[ix.cfg, ix.rows, ix.write] = self.to_v(x).view(b, t, h, dh)
+        slots = ix.rows[: b // 2, 0]
+        k = k_pool[:, slots, : ix.window].reshape(b, ix.window, h, dh).transpose(1, 2)
+        v = v_pool[:, slots, : ix.window].reshape(b, ix.window, h, dh).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ix.mask)
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -191,6 +266,32 @@ class DiTBlock(nn.Module):
         x = x + gate_conv * h
         x = x + gate_mlp * self.mlp(_modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x, new_cnn, new_att
+
+    def forward_slots(
+        self,
+        x: torch.Tensor,
+        c: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        cnn_pool: torch.Tensor,
+        ix: DiTSlots,
+    ) -> torch.Tensor:
+        """`forward` on padded rows with the caches in the slot pool (read and written in
+        place). cnn_pool (2, slots, 2D, 2) of this step and block."""
+        mod = self.adaLN_modulation(c).chunk(9, dim=-1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod[:6]
+        shift_conv, scale_conv, gate_conv = mod[6:]
+        h = self.attn.forward_slots(
+            _modulate(self.norm1(x), shift_msa, scale_msa), k_pool, v_pool, ix
+        )
+        x = x + gate_msa * h
+        cfg, rows = ix.cfg[:, 0], ix.rows[:, 0]
+        h, new_cnn = self.conv.forward_slots(
+            _modulate(self.norm3(x), shift_conv, scale_conv), cnn_pool[cfg, rows], ix.conv_tail
+        )
+        cnn_pool[cfg, rows] = new_cnn
+        x = x + gate_conv * h
+        return x + gate_mlp * self.mlp(_modulate(self.norm2(x), shift_mlp, scale_mlp))
 
 
 class FinalLayer(nn.Module):
@@ -267,6 +368,25 @@ class DiT(nn.Module):
             new_cnn.append(cc)
             new_att.append(ac)
         return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)
+
+    def forward_slots(
+        self,
+        x: torch.Tensor,
+        mu: torch.Tensor,
+        t_emb: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        pool: DiTPool,
+        step: int,
+        ix: DiTSlots,
+    ) -> torch.Tensor:
+        """`forward_chunk` for padded rows whose caches live in `pool` (Euler step `step`);
+        returns v (2B, 80, T). Valid frames are a prefix of each row."""
+        c = t_emb[:, None]
+        h = self.in_proj(self._inputs(x, mu, spks, cond))
+        for i, block in enumerate(self.blocks):
+            h = block.forward_slots(h, c, pool.k[step, i], pool.v[step, i], pool.cnn[step, i], ix)
+        return self.final_layer(h, c).transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------

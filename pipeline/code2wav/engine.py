@@ -7,21 +7,25 @@
     engine.close_stream("s1")
     engine.warmup()                           # at deployment start: template + graph captures
 
-Fast paths (each a knob of `Code2WavEngineConfig`, each exact, see tests/test_code2wav*.py):
+Two decoding paths:
+  plain (default)   : streams whose next chunks have equal shapes batch together and run
+                      eagerly through `stream_step` (stream.py), exactly as one stream at a time
+  token2wav_slot_pool: every stream's flow caches live in a slot pool (slots.py); every ready
+                      chunk of any phase, voice or final length is one padded row of a single
+                      step, up to `max_batch_size` rows. Reorders float sums only (masked
+                      softmax over padded keys): tests/test_code2wav_slots.py bounds it.
+
+Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py):
   token2wav_initial_state_cache : build a voice's initial state (setup_cache: encoder + a full
                                   10-step CFM over the prompt) once and clone it per stream
-  token2wav_cfm_cuda_graph      : replay the whole 10-step CFM of a chunk as one CUDA graph
-                                  (graphs.py) for batch 1 and 2; other shapes run eagerly, and
-                                  so do final chunks past `cfm_max_final_graphs` shapes
-  token2wav_compile_estimator   : regional torch.compile of the DiT blocks (dit.py,
-                                  compile_dit_blocks): Inductor fuses their elementwise work,
-                                  matmuls and attention unchanged; not bitwise (fused LayerNorm
-                                  sums, ~1e-6 in fp32); runs inside the CUDA graph when both are on
+  token2wav_cfm_cuda_graph      : replay the slot-pool step (encoder, 10-step CFM with guidance)
+                                  as one CUDA graph per (batch size, DiT window) (needs the pool)
+  token2wav_compile_estimator   : regional torch.compile of the DiT blocks (dit.py)
   token2wav_hift_cuda_graph     : replay the HiFT vocoder as a CUDA graph per (batch, mel frames,
                                   cached source) shape; the source noise is drawn eagerly from
                                   the streams' generators and fed in, so it is the same draw
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
-                                  a few codes short of a chunk with the same shape (batching.py)
+                                  a few codes short of a chunk (batching.py)
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -38,40 +43,56 @@ import torch
 from pipeline.code2wav.batching import ChunkBatcher, ReadyChunk
 from pipeline.code2wav.dit import compile_dit_blocks
 from pipeline.code2wav.flow import Flow
-from pipeline.code2wav.graphs import CFMGraphRunner, HiFTGraphRunner
+from pipeline.code2wav.graphs import HiFTGraphRunner
 from pipeline.code2wav.hift import HiFTGenerator
-from pipeline.code2wav.stream import CodeCursor, Crossfade, StreamState, initial_state, stream_step
+from pipeline.code2wav.slots import FlowSlotPool, Row, flatten, index_to, unflatten
+from pipeline.code2wav.stream import (
+    CodeCursor,
+    Crossfade,
+    StreamState,
+    VocoderCache,
+    initial_state,
+    stream_step,
+)
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
 from pipeline.config import Code2WavConfig
+from pipeline.graphs import GraphRunner
 
 
 @dataclass(frozen=True)
 class Code2WavEngineConfig:
     token2wav_initial_state_cache: bool = True
-    token2wav_cfm_cuda_graph: bool = False
+    # fp32: every matmul and conv in fp32, as the reference computes on CPU (cuDNN's default
+    # TF32 convs off); tf32: TF32 tensor cores for the flow's matmuls and convs (opt-in: it
+    # changes the audio, see docs/performance.md). Set for the whole process on CUDA.
+    token2wav_precision: Literal["fp32", "tf32"] = "fp32"
+    token2wav_slot_pool: bool = False  # every ready chunk in one padded step (slots.py)
+    token2wav_cfm_cuda_graph: bool = False  # the slot-pool step as CUDA graphs (CUDA only)
     token2wav_compile_estimator: bool = False  # compiles the flow's DiT blocks in place
     token2wav_hift_cuda_graph: bool = False  # replay HiFT as a CUDA graph (graphs.py)
     code2wav_batch_wait_ms: float = 0.0
-    max_batch_size: int = 4  # streams per decode batch
-    cfm_graph_batch_sizes: tuple[int, ...] = (1, 2)
-    cfm_max_graphs: int = 16
-    # A turn's final chunk has any length (1..chunk + lookahead codes), so a graph per final
-    # shape would churn the LRU above: capturing costs ~3 eager passes and each graph holds
-    # its cache outputs (~0.6 GB at batch 1). At most this many final shapes get graphs, first
-    # come (fixed-length benchmarks: one per batch size); the others run eagerly.
-    cfm_max_final_graphs: int = 4
+    max_batch_size: int = 8  # streams per decode step
+    # Slot pool: resident streams and the longest voice prompt it holds (mel frames, 50 a
+    # second); a longer reference voice runs on the plain path.
+    max_streams: int = 8
+    slot_prompt_frames: int = 500
+    # Batch sizes the graph runner captures (None = every size up to max_batch_size; a batch
+    # runs at the smallest captured size that holds it, with padding rows), and its LRU bound.
+    graph_batch_sizes: tuple[int, ...] | None = None
+    max_graphs: int = 48
     near_ready_codes: int = 4  # a stream this many codes short of a window counts as "close"
     max_voice_templates: int = 8
     hift_seed: int | None = 0  # per-stream HiFT noise generators; None = global RNG (reference)
-    # `warmup(voice)` decodes this many throwaway full chunks per graph batch size, so the
-    # first requests find the CFM graphs captured (and compiled blocks built); 0 = none
+    # `warmup(voice)` decodes this many throwaway full chunks at each graph batch size, so the
+    # first requests find the graphs captured (and compiled blocks built); 0 = none
     warmup_chunks: int = 4
 
 
 @dataclass
 class _Stream:
-    state: StreamState
+    state: StreamState  # with the slot pool, `state.flow` is None: the caches are in the slot
     cursor: CodeCursor
+    slot: int | None = None
 
 
 class Code2WavEngine:
@@ -91,29 +112,49 @@ class Code2WavEngine:
         if engine_cfg.token2wav_compile_estimator:
             # in place; compiles lazily on first use (setup_cache, the graph runner's warm-up)
             compile_dit_blocks(flow.decoder.estimator)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            tf32 = engine_cfg.token2wav_precision == "tf32"
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
+        if engine_cfg.token2wav_compile_estimator and engine_cfg.token2wav_slot_pool:
+            raise ValueError("token2wav_compile_estimator compiles the plain path's DiT blocks; "
+                             "the slot-pool step is not compiled")
+        if engine_cfg.token2wav_cfm_cuda_graph and not engine_cfg.token2wav_slot_pool:
+            raise ValueError("token2wav_cfm_cuda_graph captures the slot-pool step: "
+                             "turn token2wav_slot_pool on")
+        self.graph_sizes = tuple(sorted(
+            engine_cfg.graph_batch_sizes or range(1, engine_cfg.max_batch_size + 1)))
+        if self.graph_sizes[-1] < engine_cfg.max_batch_size:
+            raise ValueError("graph_batch_sizes must include a size >= max_batch_size")
+        self.pool = (
+            FlowSlotPool(flow, engine_cfg.max_streams, engine_cfg.slot_prompt_frames,
+                         self.device, next(flow.parameters()).dtype)
+            if engine_cfg.token2wav_slot_pool else None
+        )
         self.graphs = (
-            CFMGraphRunner(
-                flow.decoder, engine_cfg.cfm_graph_batch_sizes, engine_cfg.cfm_max_graphs
-            )
-            if engine_cfg.token2wav_cfm_cuda_graph and self.device.type == "cuda"
-            else None
+            GraphRunner(engine_cfg.max_graphs)
+            if engine_cfg.token2wav_cfm_cuda_graph and cuda else None
         )
         self.hift_graphs = (
-            HiFTGraphRunner(hift, engine_cfg.cfm_graph_batch_sizes, engine_cfg.cfm_max_graphs)
-            if engine_cfg.token2wav_hift_cuda_graph and self.device.type == "cuda"
-            else None
+            HiFTGraphRunner(hift, self.graph_sizes, engine_cfg.max_graphs)
+            if engine_cfg.token2wav_hift_cuda_graph and cuda else None
         )
-        # With graphs on, batches larger than the biggest captured size would run eagerly, which
-        # is slower than splitting them (H200: eager batch 4 ~150 ms vs 2 x graph batch 2 ~75 ms).
-        max_batch = engine_cfg.max_batch_size
-        if self.graphs is not None:
-            max_batch = min(max_batch, max(engine_cfg.cfm_graph_batch_sizes))
-        self.batcher = ChunkBatcher(engine_cfg.code2wav_batch_wait_ms, max_batch, clock)
-        self.final_graph_shapes: set[tuple] = set()  # final-chunk shapes allowed a graph
+        self.time_table = self._time_table()
+        self.batcher = ChunkBatcher(
+            engine_cfg.code2wav_batch_wait_ms, engine_cfg.max_batch_size, clock)
         self.streams: OrderedDict[str, _Stream] = OrderedDict()
         self.templates: OrderedDict[str, StreamState] = OrderedDict()
         self.pinned: set[str] = set()  # voice keys whose template the LRU never evicts
         self.counters: Counter = Counter()
+
+    def _time_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CFM's per-step table, computed once: nothing step-dependent is built inside a
+        step (or a graph)."""
+        with torch.inference_mode():
+            t_emb, dt = self.flow.decoder.time_table(
+                self.device, next(self.flow.parameters()).dtype)
+        return t_emb.clone(), dt.clone()
 
     # -- streams -----------------------------------------------------------------------
 
@@ -176,14 +217,27 @@ class Code2WavEngine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(self.ecfg.hift_seed * 1_000_003 + zlib.crc32(stream_id.encode()))
             state.generator = gen
-        self.streams[stream_id] = _Stream(state, CodeCursor.start(self.cfg))
+        slot = None
+        fits = self.pool is not None and state.prompt_frames <= self.pool.max_prompt_frames
+        if fits and self.pool.free:
+            slot = self.pool.admit(state.flow, state.prompt_frames)
+            state.flow = None
+        elif self.pool is not None:
+            # a voice prompt longer than the pool holds, or every slot taken: plain path
+            self.counters["streams_unslotted"] += 1
+        self.streams[stream_id] = _Stream(state, CodeCursor.start(self.cfg), slot)
         self.counters["streams_opened"] += 1
 
     def push_codes(self, stream_id: str, codes: Sequence[int], final: bool = False) -> None:
         self.streams[stream_id].cursor.push(codes, final)
 
     def close_stream(self, stream_id: str) -> None:
-        self.streams.pop(stream_id, None)
+        s = self.streams.pop(stream_id, None)
+        if s is not None and s.slot is not None:
+            self.pool.release(s.slot)
+
+    def free_slots(self) -> int | None:
+        return None if self.pool is None else len(self.pool.free)
 
     def has_work(self) -> bool:
         return any(s.cursor.next_chunk(self.cfg) is not None for s in self.streams.values())
@@ -195,7 +249,9 @@ class Code2WavEngine:
         if nxt is None:
             return None
         codes, last = nxt
-        return codes, last, s.state.shape_key(len(codes), last)
+        # Slot-pool chunks of any shape share a step; plain ones only with equal shapes.
+        key = ("slots",) if s.slot is not None and codes else s.state.shape_key(len(codes), last)
+        return codes, last, key
 
     def step(self) -> list[tuple[str, np.ndarray, bool]]:
         """Decode every chunk the batcher releases now. Returns (stream_id, pcm float32 (N,),
@@ -212,65 +268,120 @@ class Code2WavEngine:
                 and not s.cursor.final
                 and s.cursor.codes_missing(self.cfg) <= self.ecfg.near_ready_codes
             ):
-                near[s.state.shape_key(window, False)] += 1
+                key = ("slots",) if s.slot is not None else s.state.shape_key(window, False)
+                near[key] += 1
         out = []
         for batch in self.batcher.plan(ready, near):
             ids = [r.stream_id for r in batch]
-            _, last, key = pending[ids[0]]
-            tokens = torch.tensor(
-                [pending[i][0] for i in ids], dtype=torch.long, device=self.device
-            ).reshape(len(ids), -1)
-            states = [self.streams[i].state for i in ids]
-            speech, new_states = stream_step(
-                self.flow,
-                self.hift_graphs or self.hift,
-                self.cfg,
-                states,
-                tokens,
-                last,
-                self.crossfade,
-                cfm=self._graphs_for(len(ids), key, last),
-                time_table=None,
-            )
-            pcm = speech.float().cpu().numpy()
-            for row, (sid, st) in enumerate(zip(ids, new_states)):
+            if batch[0].key == ("slots",):
+                pieces = self._slot_step(ids, pending)
+            else:
+                pieces = self._plain_step(ids, pending)
+            for sid, pcm, last in pieces:
                 stream = self.streams[sid]
-                stream.state = st
                 stream.cursor.advance(self.cfg, last)
-                out.append((sid, pcm[row], last))
+                if last and stream.slot is not None:  # nothing of the stream is read again
+                    self.pool.release(stream.slot)
+                    stream.slot = None
+                out.append((sid, pcm, last))
             self.counters["batches"] += 1
             self.counters["chunks"] += len(ids)
             self.counters[f"batch_size_{len(ids)}"] += 1
-        if self.graphs is not None:
-            self.counters["cfm_graph_replays"] = self.graphs.replays
-            self.counters["cfm_graph_captures"] = self.graphs.captures
-            self.counters["cfm_graph_fallbacks"] = self.graphs.fallbacks
-        if self.hift_graphs is not None:
-            self.counters["hift_graph_replays"] = self.hift_graphs.replays
-            self.counters["hift_graph_captures"] = self.hift_graphs.captures
-            self.counters["hift_graph_fallbacks"] = self.hift_graphs.fallbacks
+        for name, runner in (("cfm", self.graphs), ("hift", self.hift_graphs)):
+            if runner is not None:
+                self.counters[f"{name}_graph_replays"] = runner.replays
+                self.counters[f"{name}_graph_captures"] = runner.captures
+                self.counters[f"{name}_graph_fallbacks"] = runner.fallbacks
         self.counters["batch_waits"] = self.batcher.waits
         return out
 
-    def _graphs_for(self, batch: int, key: tuple, last: bool):
-        """The CFM graph runner for this batch, or None to run eagerly (bounded final shapes)."""
-        if self.graphs is None or not last:
-            return self.graphs
-        shape = (batch, *key)
-        if shape not in self.final_graph_shapes:
-            if len(self.final_graph_shapes) >= self.ecfg.cfm_max_final_graphs:
-                self.counters["final_chunks_eager"] += 1
-                return None
-            self.final_graph_shapes.add(shape)
-        return self.graphs
+    def _plain_step(self, ids: list[str], pending: dict) -> list[tuple[str, np.ndarray, bool]]:
+        _, last, _ = pending[ids[0]]
+        tokens = torch.tensor(
+            [pending[i][0] for i in ids], dtype=torch.long, device=self.device
+        ).reshape(len(ids), -1)
+        states = [self.streams[i].state for i in ids]
+        speech, new_states = stream_step(
+            self.flow, self.hift_graphs or self.hift, self.cfg, states, tokens, last,
+            self.crossfade, time_table=self.time_table,
+        )
+        pcm = speech.float().cpu().numpy()
+        for sid, st in zip(ids, new_states):
+            self.streams[sid].state = st
+        return [(sid, pcm[row], last) for row, sid in enumerate(ids)]
+
+    def _slot_step(self, ids: list[str], pending: dict) -> list[tuple[str, np.ndarray, bool]]:
+        """One padded step for every ready slot-pool stream, then the vocoder per shape."""
+        streams = [self.streams[i] for i in ids]
+        rows = [Row(s.slot, pending[i][0], pending[i][1]) for i, s in zip(ids, streams)]
+        size = next(b for b in self.graph_sizes if b >= len(rows))
+        plan = self.pool.plan(rows, size if self.graphs is not None else len(rows))
+        spk = torch.zeros(len(plan.tokens), self.cfg.spk_embed_dim, device=self.device,
+                          dtype=streams[0].state.spk.dtype)
+        spk[: len(rows)] = torch.cat([s.state.spk for s in streams])
+        mel = self._flow_slots(plan, spk)
+        self.pool.commit(plan)
+        groups: dict[tuple, list[int]] = {}
+        for row, (sid, s) in enumerate(zip(ids, streams)):
+            v = s.state.vocoder
+            key = (plan.mel_frames[row], v.mel.shape[2], v.source.shape[2], v.speech.shape[1],
+                   rows[row].last)
+            groups.setdefault(key, []).append(row)
+        out = {}
+        for (frames, *_, last), members in groups.items():
+            states = [streams[r].state for r in members]
+            speech, vocs = self._vocode(states, mel[members, :, :frames], last)
+            pcm = speech.float().cpu().numpy()
+            for j, r in enumerate(members):
+                st = states[j]
+                st.vocoder, st.chunks = vocs[j], st.chunks + 1
+                out[ids[r]] = (ids[r], pcm[j], last)
+        return [out[sid] for sid in ids]
+
+    def _flow_slots(self, plan, spk: torch.Tensor) -> torch.Tensor:
+        """mel (B, 80, T) of a planned slot step, through its CUDA graph when there is one."""
+        ix = index_to(plan.index, self.device, non_blocking=True)
+        tokens = plan.tokens.to(self.device, non_blocking=True)
+        if self.graphs is None:
+            return self.flow.forward_slots(tokens, spk, self.pool.pool, ix, self.time_table)
+
+        def run(tokens, spk, *tensors):
+            return self.flow.forward_slots(
+                tokens, spk, self.pool.pool, unflatten(ix, tensors), self.time_table)
+
+        key = (len(plan.tokens), plan.window)
+        example = None
+        if key not in self.graphs:  # capture on padding rows: the warm-up runs write nothing
+            blank = self.pool.blank_plan(*key)
+            example = [blank.tokens.to(self.device), torch.zeros_like(spk),
+                       *flatten(index_to(blank.index, self.device))]
+        with torch.inference_mode():
+            mel = self.graphs.run(key, [tokens, spk, *flatten(ix)], run, example)
+        return mel.clone()
+
+    def _vocode(self, states: list[StreamState], mel: torch.Tensor, last: bool):
+        """HiFT over [cached mel || new mel] for streams with equal vocoder shapes; crossfade
+        with the held-back tail; hold back the last overlap unless `last` (stream.py)."""
+        keep = self.cfg.mel_overlap_frames
+        src_keep = keep * self.cfg.hift.hop_length
+        voc = VocoderCache.cat([s.vocoder for s in states])
+        mel = torch.cat([voc.mel, mel.to(voc.mel.dtype)], dim=2)
+        gens = None if states[0].generator is None else [s.generator for s in states]
+        speech, source = (self.hift_graphs or self.hift)(mel, voc.source, gens)
+        if voc.speech.shape[1] > 0:
+            speech = self.crossfade(speech, voc.speech)
+        new = VocoderCache(mel[..., -keep:], source[:, :, -src_keep:], speech[:, -src_keep:])
+        if not last:
+            speech = speech[:, :-src_keep]
+        return speech, [v.clone() for v in new.split()]
 
     def warmup(self, voice: VoicePrompt | None = None) -> None:
         """Build `voice`'s template and, when graphs or compiled blocks are on, decode
-        `warmup_chunks` full chunks of silence per CFM graph batch size on throwaway streams
-        (the cache grows over the first chunks, then trimming fixes it: each length is a graph).
-        The streams are closed before their final chunk, so no final-shape graph slot is used.
-        Outputs of later streams do not depend on it (their state is a template clone and their
-        noise generator is seeded by stream id)."""
+        `warmup_chunks` full chunks of silence at each graph batch size on throwaway streams
+        (the DiT window grows over the first chunks, then trimming fixes it: each window is a
+        graph). Outputs of later streams do not depend on it (their state is a template clone,
+        their slot's valid frames are their own and their noise generator is seeded by stream
+        id)."""
         if voice is None and self.voices is None:
             raise ValueError("warmup needs a voice (or a VoiceCache with the default voice)")
         voice = voice or self.voices.default()
@@ -279,7 +390,9 @@ class Code2WavEngine:
         graphed = self.graphs is not None or self.hift_graphs is not None
         if self.ecfg.warmup_chunks <= 0 or not (graphed or compiled):
             return
-        sizes = self.ecfg.cfm_graph_batch_sizes if graphed else (1,)
+        sizes = self.graph_sizes if graphed else (1,)
+        if self.pool is not None:
+            sizes = tuple(b for b in sizes if b <= self.ecfg.max_streams)
         silence = [self.cfg.silence_code] * self.cfg.chunk_size
         for b in sizes:
             ids = [f"__warmup_{b}_{i}" for i in range(b)]

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.code2wav.dit import DiT
+from pipeline.code2wav.dit import DiT, DiTPool, DiTSlots
 from pipeline.config import Code2WavConfig, DiTConfig, FlowEncoderConfig
 
 NOISE_FRAMES = 30000  # 600 s of 50 Hz mel: the reference's rand_noise length
@@ -164,6 +164,60 @@ class FlowCache:
 
 
 # ---------------------------------------------------------------------------------------
+# Slot pool (slots.py): every stream's caches in fixed-capacity buffers, batches of padded rows
+
+
+@dataclass
+class ConformerSlots:
+    """A batch's view of one rate's conformer caches (oldest-first, left-aligned, lengths
+    kept by the host). Keys are [cache capacity C || chunk T]; K = C + T.
+
+    mask : (B, 1, 1, K)  the valid cached frames and the valid chunk frames
+    rel  : (B, 1, T, K)  index of each (query, key) pair's relative position in the window of
+                         `_pos(K)` (the positions the reference gets from its rel-shift)
+    keep : (B, 1, C, 1)  the new cache: index into [cache || chunk] of each kept frame, in order
+                         (trimming included); the rest of the row is never attended"""
+
+    mask: torch.Tensor
+    rel: torch.Tensor
+    keep: torch.Tensor
+
+
+@dataclass
+class FlowSlots:
+    """Everything the host computes for one batched chunk (slots.py `plan`).
+
+    slots     : (B,) pool row of each batch row (padding rows use a spare row)
+    emb_keep  : (B, Tin, 1) 1 for embedded codes, 0 for the zero lookahead of final chunks
+    la_tail   : (B, 1, 2) the lookahead conv's next context (its last two valid outputs)
+    up_tail   : (B, 1, 2*stride) the upsample conv's next context
+    token, mel: the two rates' conformer caches
+    noise     : (B, Tm) the CFM noise frame of each mel frame (the row's DiT cache length on)
+    dit       : the DiT caches"""
+
+    slots: torch.Tensor
+    emb_keep: torch.Tensor
+    la_tail: torch.Tensor
+    up_tail: torch.Tensor
+    token: ConformerSlots
+    mel: ConformerSlots
+    noise: torch.Tensor
+    dit: DiTSlots
+
+
+@dataclass
+class FlowPool:
+    """Fixed-capacity caches of all slots. token (n_blocks, slots, H, Ct, 2dk), mel (n_up,
+    slots, H, Cm, 2dk), lookahead (slots, C, 2), up (slots, C, 2*stride), dit (DiTPool)."""
+
+    token: torch.Tensor
+    mel: torch.Tensor
+    lookahead: torch.Tensor
+    up: torch.Tensor
+    dit: DiTPool
+
+
+# ---------------------------------------------------------------------------------------
 # Encoder
 
 
@@ -237,6 +291,30 @@ class RelPosSelfAttention(nn.Module):
         out = torch.matmul(attn, v).transpose(1, 2).reshape(b, t, self.h * self.d_k)
         return self.linear_out(out), new_cache
 
+    def forward_slots(
+        self, x: torch.Tensor, pos_emb: torch.Tensor, pool: torch.Tensor, slots, ix
+    ) -> torch.Tensor:
+        """Padded rows; pool (slots, H, C, 2dk) of this layer, read and then rewritten with
+        the trimmed new cache; pos_emb = `_pos(C + T)`."""
+        b, t, _ = x.shape
+        q = self.linear_q(x).view(b, t, self.h, self.d_k)
+        k = self.linear_k(x).view(b, t, self.h, self.d_k).transpose(1, 2)
+        v = self.linear_v(x).view(b, t, self.h, self.d_k).transpose(1, 2)
+        k_cache, v_cache = torch.split(pool[slots], self.d_k, dim=-1)
+        k = torch.cat([k_cache, k], dim=2)
+        v = torch.cat([v_cache, v], dim=2)
+        kv = torch.cat([k, v], dim=-1)
+        pool[slots] = kv.gather(2, ix.keep.expand(-1, self.h, -1, 2 * self.d_k))
+        p = self.linear_pos(pos_emb).view(1, -1, self.h, self.d_k).transpose(1, 2)
+        ac = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))
+        bd = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))
+        bd = bd.gather(3, ix.rel.expand(-1, self.h, -1, -1))
+        scores = (ac + bd) / math.sqrt(self.d_k)
+        pad = ~ix.mask
+        attn = torch.softmax(scores.masked_fill(pad, -float("inf")), dim=-1).masked_fill(pad, 0.0)
+        out = torch.matmul(attn, v).transpose(1, 2).reshape(b, t, self.h * self.d_k)
+        return self.linear_out(out)
+
 
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, hidden: int):
@@ -262,6 +340,10 @@ class ConformerLayer(nn.Module):
         h, new_cache = self.self_attn(self.norm_mha(x), pos_emb, cache, mask)
         x = x + h
         return x + self.feed_forward(self.norm_ff(x)), new_cache
+
+    def forward_slots(self, x, pos_emb, pool, slots, ix) -> torch.Tensor:
+        x = x + self.self_attn.forward_slots(self.norm_mha(x), pos_emb, pool, slots, ix)
+        return x + self.feed_forward(self.norm_ff(x))
 
 
 class LinearEmbed(nn.Module):
@@ -302,6 +384,16 @@ class PreLookaheadLayer(nn.Module):
         h = self.conv2(torch.cat([cache, h], dim=2)).transpose(1, 2)
         return h + x[:, : -self.lookahead], new_cache
 
+    def forward_slots(
+        self, x: torch.Tensor, cache: torch.Tensor, tail: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T+lookahead, C) with zeros past each row's codes; tail (B, 1, 2) the
+        positions of the next context among conv1's outputs."""
+        h = F.leaky_relu(self.conv1(x.transpose(1, 2)))
+        new_cache = h.gather(2, tail.expand(-1, h.shape[1], -1))
+        h = self.conv2(torch.cat([cache, h], dim=2)).transpose(1, 2)
+        return h + x[:, : -self.lookahead], new_cache
+
 
 class Upsample1D(nn.Module):
     """Nearest x stride, then Conv1d(k = 2*stride+1) with 2*stride frames of left context."""
@@ -321,6 +413,12 @@ class Upsample1D(nn.Module):
             cache = h.new_zeros(h.shape[0], h.shape[1], self.stride * 2)
         h = torch.cat([cache, h], dim=2)
         return self.conv(h), h[..., -self.stride * 2 :]
+
+    def forward_slots(self, x: torch.Tensor, cache: torch.Tensor, tail: torch.Tensor):
+        """x (B,C,T) valid prefix per row; tail (B, 1, 2*stride) the next context's positions
+        in [cache || upsampled]."""
+        h = torch.cat([cache, F.interpolate(x, scale_factor=self.scale_factor, mode="nearest")], 2)
+        return self.conv(h), h.gather(2, tail.expand(-1, h.shape[1], -1))
 
 
 class UpsampleConformerEncoder(nn.Module):
@@ -396,6 +494,23 @@ class UpsampleConformerEncoder(nn.Module):
             up_cnn=up_cache,
         )
         return self.after_norm(xs), new
+
+    def forward_slots(self, xs: torch.Tensor, pool: FlowPool, ix: FlowSlots) -> torch.Tensor:
+        """Padded rows: xs (B, T+lookahead, C) embedded codes -> (B, stride*T, C); the caches
+        are read from and written back to `pool`."""
+        xs = self.embed(xs) * ix.emb_keep
+        xs, la = self.pre_lookahead_layer.forward_slots(xs, pool.lookahead[ix.slots], ix.la_tail)
+        pool.lookahead[ix.slots] = la
+        pos = self._pos(pool.token.shape[3] + xs.shape[1], xs)
+        for i, layer in enumerate(self.encoders):
+            xs = layer.forward_slots(xs, pos, pool.token[i], ix.slots, ix.token)
+        xs, up = self.up_layer.forward_slots(xs.transpose(1, 2), pool.up[ix.slots], ix.up_tail)
+        pool.up[ix.slots] = up
+        xs = self.up_embed(xs.transpose(1, 2))
+        pos = self._pos(pool.mel.shape[3] + xs.shape[1], xs)
+        for i, layer in enumerate(self.up_encoders):
+            xs = layer.forward_slots(xs, pos, pool.mel[i], ix.slots, ix.mel)
+        return self.after_norm(xs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -507,6 +622,23 @@ class CausalCFM(nn.Module):
             att_out.append(att)
         return x, torch.stack(cnn_out), torch.stack(att_out)
 
+    def forward_slots(self, mu, spks, cond, pool: DiTPool, ix: FlowSlots, time_table):
+        """`forward_chunk` for padded rows with the DiT caches in `pool`; each row's noise
+        starts at its own DiT cache length (`ix.noise`)."""
+        b = mu.shape[0]
+        x = self.rand_noise[0][:, ix.noise].to(mu.dtype).transpose(0, 1)  # (B, 80, T)
+        t_emb, dt = time_table
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])
+        spk_in = torch.cat([spks, torch.zeros_like(spks)])
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])
+        for i in range(self.n_timesteps):
+            v = self.estimator.forward_slots(
+                torch.cat([x, x]), mu_in, t_emb[i].expand(2 * b, -1), spk_in, cond_in, pool, i,
+                ix.dit,
+            )
+            x = x + dt[i] * self._guide(v, b)
+        return x
+
 
 # ---------------------------------------------------------------------------------------
 # Flow model
@@ -603,3 +735,15 @@ class Flow(nn.Module):
         -> mel (B, 80, 2*(T-lookahead)) or (B, 80, 2T) when last; new (untrimmed) cache.
         `cfm` swaps in a CUDA-graph replay of `decoder.forward_chunk` (graphs.py)."""
         return self._chunk(tokens, spk, cache, last_chunk, None, time_table, cfm)
+
+    @torch.inference_mode()
+    def forward_slots(
+        self, tokens: torch.Tensor, spk: torch.Tensor, pool: FlowPool, ix: FlowSlots, time_table
+    ) -> torch.Tensor:
+        """One chunk for a batch of padded rows whose caches live in `pool` (slots.py):
+        tokens (B, T + lookahead), spk (B, 192) -> mel (B, 80, stride*T), valid prefixes."""
+        h = self.encoder.forward_slots(self.input_embedding(tokens), pool, ix)
+        mu = self.encoder_proj(h).transpose(1, 2).contiguous()
+        return self.decoder.forward_slots(
+            mu, self.speaker(spk), torch.zeros_like(mu), pool.dit, ix, time_table
+        )

@@ -1,0 +1,268 @@
+"""The slot pool (pipeline/code2wav/slots.py) against the plain per-stream path (CPU, fp32).
+
+  * cache bookkeeping is exact: a template round-trips bitwise, and the pool's writes, gathers
+    and trims applied to known frames give FlowCache's cat + trim bitwise;
+  * batched padded rows equal one stream at a time within the precision contract (PCM max abs
+    <= 1e-4, SNR >= 80 dB for every chunk, no growth over a 30-chunk stream), for 1, 3 and 8
+    streams of staggered phases, two voices and final chunks of odd lengths;
+  * aborting a stream in a batch frees only its slot; a voice too long for the pool runs on the
+    plain path; the graph runner's capture on padding rows writes nothing a stream reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.code2wav.assets import load_code2wav, tiny_code2wav_config, write_token2wav_assets
+from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from pipeline.code2wav.flow import FlowCache
+from pipeline.code2wav.slots import HISTORY_FRAMES, Row
+from pipeline.code2wav.voice import VoiceCache, VoicePrompt
+
+SLOTS = Code2WavEngineConfig(token2wav_slot_pool=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    write_token2wav_assets(root / "assets" / "token2wav", tiny_code2wav_config(), seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_code2wav(ckpt, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def voices(ckpt):
+    """The default voice (25 codes) and a longer random one (37 codes)."""
+    default = VoiceCache(ckpt / "assets" / "token2wav").default()
+    g = torch.Generator().manual_seed(7)
+    other = VoicePrompt(
+        torch.randint(0, 6561, (1, 37), generator=g),
+        torch.randn(1, 192, generator=g),
+        torch.randn(1, 74, 80, generator=g),
+    )
+    return default, other
+
+
+def _codes(g: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, 6561, (n,), generator=g).tolist()
+
+
+def _schedule(n_streams: int, n_codes: list[int], seed: int = 0, stagger: int = 3):
+    """Per round, what each stream receives: streams start `stagger` rounds apart and get 7-11
+    codes a round, so chunks of every phase are ready together."""
+    g = torch.Generator().manual_seed(seed)
+    codes = {f"s{i}": _codes(g, n) for i, n in zip(range(n_streams), n_codes)}
+    rounds, pos, r = [], dict.fromkeys(codes, 0), 0
+    while any(pos[k] < len(c) for k, c in codes.items()):
+        rnd = []
+        for i, (k, c) in enumerate(codes.items()):
+            if r >= stagger * i and pos[k] < len(c):
+                n = min(7 + (r + i) % 5, len(c) - pos[k])
+                rnd.append((k, c[pos[k] : pos[k] + n], pos[k] + n == len(c), pos[k] == 0))
+                pos[k] += n
+        rounds.append(rnd)
+        r += 1
+    return rounds
+
+
+def _play(engine, rounds, voice_of, close_after=None):
+    """Run a schedule; returns {stream: [pcm chunk, ...]}. `close_after` = (stream, round)."""
+    out: dict[str, list[np.ndarray]] = {}
+    for r, rnd in enumerate(rounds):
+        for sid, codes, final, first in rnd:
+            if first:
+                engine.open_stream(sid, voice_of(sid))
+                out[sid] = []
+            if sid in engine.streams:
+                engine.push_codes(sid, codes, final)
+        for sid, pcm, _ in engine.step():
+            out[sid].append(pcm)
+        if close_after is not None and r == close_after[1]:
+            engine.close_stream(close_after[0])
+    for sid, pcm in engine.drain().items():
+        out[sid].extend(pcm)
+    return out
+
+
+def _compare(ref, got, label):
+    worst = []
+    for sid in ref:
+        assert len(ref[sid]) == len(got[sid]), f"{label} {sid}: chunk counts differ"
+        per_chunk = []
+        for a, b in zip(ref[sid], got[sid]):
+            assert a.shape == b.shape
+            err = np.abs(a - b).max()
+            snr = 10 * np.log10((a.astype(np.float64) ** 2).sum()
+                                / max(((a - b).astype(np.float64) ** 2).sum(), 1e-300))
+            assert err <= 1e-4 and snr >= 80, f"{label} {sid}: max {err:.3g} SNR {snr:.1f} dB"
+            per_chunk.append(err)
+        worst.append(max(per_chunk))
+        print(label, sid, " ".join(f"{e:.1e}" for e in per_chunk))
+        # no drift: the late chunks are no worse than a few times the early ones
+        half = len(per_chunk) // 2
+        if half >= 3:
+            assert max(per_chunk[half:]) <= 10 * max(per_chunk[:half]) + 1e-6
+    return max(worst)
+
+
+def test_template_round_trips_bitwise(model, voices):
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    for v in voices:
+        tpl = eng.initial_state(v)
+        pool = eng.pool
+        slot = pool.admit(tpl.flow, tpl.prompt_frames)
+        back = pool.to_cache(slot)
+        assert all(torch.equal(a, b) for a, b in zip(back.tensors(), tpl.flow.tensors()))
+        pool.release(slot)
+
+
+def test_pool_writes_and_trims_equal_cat_and_trim_bitwise(model, voices):
+    """The bookkeeping alone, on known frames: for each chunk, write the 'new' frames where
+    the plan says (DiT: scattered to free positions; conformer: gathered from [cache || new])
+    and read the slot back; it equals FlowCache's cat of [new || cache] (DiT, newest first) and
+    [cache || new] (conformer), trimmed to the prompt + 100 frames, bit for bit."""
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    tpl = eng.initial_state(voices[1])
+    pool = eng.pool
+    slot = pool.admit(tpl.flow, tpl.prompt_frames)
+    ref = tpl.flow.clone()
+    g = torch.Generator().manual_seed(0)
+    p = pool.pool
+    for chunk in range(8):
+        plan = pool.plan([Row(slot, _codes(g, 28), False)], 2)
+        ix = plan.index
+        frames = plan.mel_frames[0]
+        # DiT: new K frames (S, depth, 2, H, T, dh), written at ix.dit.write like forward_slots
+        new_k = torch.randn(*ref.est_att.shape[:4], frames, ref.est_att.shape[5] // 2,
+                            generator=g)
+        new_v = torch.randn(new_k.shape, generator=g)
+        write = ix.dit.write[0, :frames]
+        p.dit.k[:, :, :, slot, write] = new_k.permute(0, 1, 2, 4, 3, 5)
+        p.dit.v[:, :, :, slot, write] = new_v.permute(0, 1, 2, 4, 3, 5)
+        est = torch.cat([torch.cat([new_k, new_v], -1), ref.est_att], dim=4)
+        # conformer: new frames per rate, gathered with ix.<rate>.keep like forward_slots
+        news = {}
+        for name, pool_t, keep, n, t in (
+            ("token_att", p.token, ix.token.keep, frames // 2, pool.t_tok),
+            ("mel_att", p.mel, ix.mel.keep, frames, pool.t_mel),
+        ):
+            layers, _, heads, cap, width = pool_t.shape
+            new = torch.randn(layers, 1, heads, n, width, generator=g)
+            chunk_rows = torch.zeros(layers, 1, heads, t, width)
+            chunk_rows[:, :, :, :n] = new
+            both = torch.cat([pool_t[:, slot : slot + 1], chunk_rows], dim=3)
+            idx = keep[0, 0, :, 0].view(1, 1, 1, cap, 1).expand(layers, 1, heads, cap, width)
+            pool_t[:, slot : slot + 1] = both.gather(3, idx)
+            news[name] = torch.cat([getattr(ref, name), new], dim=3)
+        pool.commit(plan)
+        ref = FlowCache(news["token_att"], news["mel_att"], ref.lookahead_cnn, ref.up_cnn,
+                        ref.est_cnn, est).trimmed(tpl.prompt_frames, HISTORY_FRAMES)
+        got = pool.to_cache(slot)
+        for name in ("token_att", "mel_att", "est_att"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), (chunk, name)
+    assert ref.est_len == tpl.prompt_frames + HISTORY_FRAMES  # trimming was exercised
+
+
+@pytest.mark.parametrize("n_streams", [1, 3, 8])
+def test_batched_rows_equal_one_stream_at_a_time(model, voices, n_streams):
+    flow, hift, cfg = model
+    lengths = [747, 57, 33, 120, 5, 90, 61, 200][:n_streams]  # 747 codes: a 30-chunk stream
+    rounds = _schedule(n_streams, lengths, seed=n_streams, stagger=3 if n_streams < 8 else 1)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    plain = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    got = _play(eng, rounds, voice_of)
+    worst = _compare(plain, got, f"B{n_streams}")
+    print(f"B{n_streams} worst {worst:.2e}",
+          {k: v for k, v in eng.counters.items() if k.startswith("batch_size")})
+    if n_streams == 8:
+        assert max(int(k[11:]) for k in eng.counters if k.startswith("batch_size_")) >= 4
+    assert len(eng.pool.free) == eng.pool.slots and not eng.pool.state
+
+
+def test_abort_frees_only_its_slot(model, voices):
+    """s1 is closed mid-turn (its slot freed with chunks still pending); s3 opens later and
+    takes that slot. The other streams, and s3, decode as the plain path does."""
+    flow, hift, cfg = model
+    rounds = _schedule(4, [120, 120, 120, 90], seed=4, stagger=4)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of, close_after=("s1", 8))
+    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    slot_of = {}
+    original_open = eng.open_stream
+
+    def open_stream(sid, voice):
+        original_open(sid, voice)
+        slot_of[sid] = eng.streams[sid].slot
+
+    eng.open_stream = open_stream
+    got = _play(eng, rounds, voice_of, close_after=("s1", 8))
+    assert slot_of["s3"] == slot_of["s1"]  # the freed slot was reused
+    assert len(got["s1"]) < len(got["s0"])
+    _compare(ref, got, "abort")
+    assert len(eng.pool.free) == eng.pool.slots
+
+
+def test_long_voice_runs_on_the_plain_path(model, voices):
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
+        token2wav_slot_pool=True, slot_prompt_frames=60))
+    rounds = _schedule(2, [80, 80], seed=5)
+    got = _play(eng, rounds, lambda sid: voices[int(sid[1:])])  # s1's prompt: 74 frames
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, lambda sid: voices[int(sid[1:])])
+    assert eng.counters["streams_unslotted"] == 1
+    _compare(ref, got, "long voice")
+
+
+class _EagerGraphs:
+    """The graph runner's contract on CPU: a new key runs `fn` on the example inputs twice (as
+    the warm-up before a capture does), then every call runs `fn` on the real inputs."""
+
+    replays = captures = fallbacks = 0
+
+    def __init__(self):
+        self.keys: set = set()
+
+    def __contains__(self, key):
+        return key in self.keys
+
+    def run(self, key, inputs, fn, example=None):
+        if key not in self.keys:
+            self.keys.add(key)
+            for _ in range(2):
+                fn(*(example or inputs))
+            self.captures += 1
+        self.replays += 1
+        return fn(*inputs)
+
+
+def test_capture_on_padding_rows_changes_nothing(model, voices):
+    flow, hift, cfg = model
+    rounds = _schedule(3, [90, 60, 33], seed=6)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    ref = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
+    eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
+        token2wav_slot_pool=True, graph_batch_sizes=(2, 4, 8)))
+    eng.graphs = runner = _EagerGraphs()
+    got = _play(eng, rounds, voice_of)
+    assert runner.captures >= 2 and all(b in (2, 4, 8) for b, _ in runner.keys)
+    _compare(ref, got, "captured")  # a write into a stream's frames would be far off
