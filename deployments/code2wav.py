@@ -11,6 +11,7 @@ built at all (the checkpoint's voice front end).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -58,16 +59,20 @@ class RealCode2Wav:
         # fp32 on every device: the reference runs the flow and HiFT in fp32, and a lower
         # precision would change the audio.
         if source.path is None:  # random-full: full-size random flow + HiFT, default voice
-            from pipeline.code2wav.assets import random_code2wav
+            from pipeline.code2wav.assets import random_code2wav, random_vocoder
 
             c2w_cfg = source.config.code2wav
-            flow, hift = random_code2wav(c2w_cfg, seed=0)
+            flow, _ = random_code2wav(c2w_cfg, seed=0)
+            hift = random_vocoder(c2w_cfg, 0, "minicpmo-utils-1.0.7")  # the causal one, as released
             flow, hift = flow.to(device), hift.to(device)
             voice_dir = source.tokenizer_dir  # the tiny default's assets: same voice format
         else:
             flow, hift, c2w_cfg = load_code2wav(source.path, device, torch.float32)
             voice_dir = source.path
         voices = VoiceCache(token2wav_dir(voice_dir))
+        if torch.device(device).type != "cuda" and config.token2wav_compile_estimator:
+            # Inductor on CPU needs a C++ compiler and minutes of start-up; the knob is for GPUs
+            config = dataclasses.replace(config, token2wav_compile_estimator=False)
         engine = Code2WavEngine(flow, hift, c2w_cfg, config, voices=voices)
         engine.warmup()  # default voice's template; CFM graph captures before the first request
         return _VoicedEngine(engine, voices)

@@ -368,7 +368,7 @@ def load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str
 # Writing a checkpoint (the embedded default)
 
 DEFAULT_SEED = 0
-LAYOUT_VERSION = 1  # bump when the written layout changes, so caches are rebuilt
+LAYOUT_VERSION = 2  # bump when the written layout changes, so caches are rebuilt
 
 
 def write_checkpoint(path: str | Path, hf_config: dict, seed: int = DEFAULT_SEED,

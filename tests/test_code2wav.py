@@ -237,7 +237,7 @@ def test_streaming_chunk_by_chunk_matches_reference():
     pm, spk = torch.randn(1, 2 * p, 80, generator=g), torch.randn(1, 192, generator=g)
     codes = torch.randint(0, cfg.vocab_size, (87,), generator=g).tolist()
 
-    state = initial_state(ours, cfg, pt, pm, spk)
+    state = initial_state(ours, cfg, pt, pm, spk, reference="stepaudio2-0.1.1")
     cursor = CodeCursor.start(cfg)
     cursor.push(codes, final=True)
     chunks, outs = [], []

@@ -147,3 +147,23 @@ def test_compiled_blocks_on_cuda_match_eager(ckpt, voice):
     a, b = _run(eager, _feeds(2), voice), _run(compiled, _feeds(2), voice)
     for sid in a:
         assert np.abs(a[sid] - b[sid]).max() < 1e-5
+
+
+@needs_inductor
+def test_compiled_slot_pool_matches_eager(ckpt, voice):
+    """The slot path compiled (its two parts around the pool, `compile_slot_blocks`) against
+    the same path eager, batches of 1 and 3 rows: one graph per part for every batch size."""
+    slots = Code2WavEngineConfig(token2wav_slot_pool=True)
+    eager = Code2WavEngine(*load_code2wav(ckpt, "cpu", torch.float32), slots)
+    compiled = Code2WavEngine(*load_code2wav(ckpt, "cpu", torch.float32), Code2WavEngineConfig(
+        token2wav_slot_pool=True, token2wav_compile_estimator=True))
+    for n in (1, 3):
+        a, b = _run(eager, _feeds(n), voice), _run(compiled, _feeds(n), voice)
+        for sid in a:
+            _assert_close(torch.from_numpy(a[sid]), torch.from_numpy(b[sid]), sid)
+        for eng in (eager, compiled):
+            for sid in list(eng.streams):
+                eng.close_stream(sid)
+    assert compiled.counters["batch_size_3"] == 3
+    # slot_pre and slot_post, plus the plain path's block graph built by setup_cache
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])

@@ -266,3 +266,29 @@ def test_capture_on_padding_rows_changes_nothing(model, voices):
     got = _play(eng, rounds, voice_of)
     assert runner.captures >= 2 and all(b in (2, 4, 8) for b, _ in runner.keys)
     _compare(ref, got, "captured")  # a write into a stream's frames would be far off
+
+
+def test_causal_vocoder_graph_wrapper_computes_vocode_chunk(model, voices):
+    """`CausalVocoderGraphs` (what replays the causal vocoder on CUDA) around an eager `run`:
+    the same PCM as the vocoder called directly, streams batched by key."""
+    from pipeline.code2wav.causal_hift import CausalHiFT
+    from pipeline.code2wav.graphs import CausalVocoderGraphs
+
+    flow, hift, cfg = model
+    assert isinstance(hift, CausalHiFT)  # the tiny default's layout is minicpmo-utils 1.0.7
+    rounds = _schedule(3, [90, 60, 33], seed=8)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    ref = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
+    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    runner = CausalVocoderGraphs(hift, (1, 2, 3))
+    runner._eligible = lambda mel, states: True
+    keys = []
+    runner.run = lambda key, inputs, fn, example=None: keys.append(key) or fn(*inputs)
+    eng.hift_graphs = runner
+    got = _play(eng, rounds, voice_of)
+    assert keys and any(k[0] > 1 for k in keys)
+    for sid in ref:
+        assert all(np.array_equal(a, b) for a, b in zip(ref[sid], got[sid], strict=True)), sid

@@ -25,8 +25,9 @@ from deployments.app import build_omni_app
 from deployments.testing import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine
 
 APP = apps.APP
-CODES = 30  # fixed-length speech: 3 silence codes + 30 codes of 960 samples each
-SAMPLES = (3 + CODES) * 960
+CODES = 30  # fixed-length speech: 3 silence codes + 30 codes of 960 samples each, after
+# 160 ms of zeros (minicpmo-utils 1.0.7's first chunk)
+SAMPLES = (3 + CODES) * 960 + 3840
 
 
 def decoded_samples(data: bytes, fmt: str) -> tuple[int, int]:

@@ -207,7 +207,7 @@ def test_bad_inputs_over_http_get_4xx(serve_app):
 
 def test_fixed_length_benchmark_mode(serve_app):
     """docs/bench.md: exactly N text tokens and M speech codes from the random tiny model;
-    the audio is (3 silence codes + M) x 960 samples at 24 kHz."""
+    the audio is 3840 zeros then (3 silence codes + M) x 960 samples at 24 kHz."""
     body = _speech_body(max_tokens=40, omniray={"fixed_text_tokens": 5, "fixed_speech_codes": 30,
                                                  "return_timings": True, "unknown": 1,
                                                  "stream_format": "vllm-omni"})
@@ -216,7 +216,7 @@ def test_fixed_length_benchmark_mode(serve_app):
     assert usage["completion_tokens"] == 5
     samples = sum(len(decode_wav(c["choices"][0]["delta"]["content"])[0])
                   for c in events[:-1] if c.get("choices") and c["modality"] == "audio")
-    assert samples == (3 + 30) * 960
+    assert samples == (3 + 30) * 960 + 3840  # after minicpmo-utils 1.0.7's 160 ms of zeros
     # Per-stage spans (docs/bench.md 2.3), in seconds since arrival, in pipeline order.
     timings = events[-2]["timings"]
     stages = [sp["stage"] for sp in timings["spans"]]

@@ -1,25 +1,35 @@
 """Code2Wav checkpoint files: writing the tiny embedded default, loading a real one strictly.
 
-Layout (`<checkpoint>/assets/token2wav/`, as released):
-  flow.yaml   hyperpyyaml (`!new:cosyvoice2...` tags) read by `code2wav_config_from_yaml`
-  flow.pt     plain state_dict of `Flow`
-  hift.pt     plain state_dict of the CosyVoice2 HiFT (keys may carry `generator.`)
-  speech_tokenizer_v2_25hz.onnx, campplus.onnx   voice front ends (voice.py)
-  default_voice.safetensors   precomputed default voice (written by the tiny checkpoint)
-and `<checkpoint>/assets/HT_ref_audio.wav` (the default voice recording).
-
-[MU7] ships a causal CosyVoice3 vocoder as `hift.pt` with a `config.yaml` beside it (and the
-CosyVoice2 one as `hift_original.pt`); that vocoder is refused (not supported yet).
+Layouts (`<checkpoint>/assets/token2wav/`):
+  [MU7] minicpmo-utils 1.0.7 (the official demo's; the tiny default's):
+    flow.yaml, flow.pt   hyperpyyaml (`!new:cosyvoice2...` tags) + plain state_dict of `Flow`
+    config.yaml, hift.pt the causal CosyVoice3 vocoder used for streaming (causal_hift.py)
+    hift_original.pt     the CosyVoice2 HiFT, [MU7]'s offline (whole utterance) vocoder
+  [SA] stepaudio2-minicpmo 0.1.1 / vLLM-Omni ("cosyvoice2"):
+    flow.yaml, flow.pt   as above
+    hift.pt              the CosyVoice2 HiFT (keys may carry `generator.`)
+and in both speech_tokenizer_v2_25hz.onnx, campplus.onnx (voice front ends, voice.py),
+default_voice.safetensors (precomputed default voice, written by the tiny checkpoint) and
+`<checkpoint>/assets/HT_ref_audio.wav` (the default voice recording).
+`load_code2wav` returns the streaming vocoder the folder holds: `CausalHiFT` when config.yaml
+is there, else `HiFTGenerator`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 
+from pipeline.code2wav.causal_hift import (
+    CausalHiFT,
+    causal_hift_config_from_yaml,
+    causal_hift_config_like,
+    causal_hift_yaml_text,
+)
 from pipeline.code2wav.flow import Flow
 from pipeline.code2wav.hift import HiFTGenerator, normalize_hift_keys
 from pipeline.code2wav.voice import (
@@ -112,6 +122,16 @@ def random_code2wav(cfg: Code2WavConfig, seed: int) -> tuple[Flow, HiFTGenerator
     return flow.eval(), hift.eval()
 
 
+def random_vocoder(cfg: Code2WavConfig, seed: int, layout: AssetsLayout) -> torch.nn.Module:
+    """The streaming vocoder a layout holds, with seeded random weights (full-size runs
+    without a checkpoint): the causal one for [MU7], else the CosyVoice2 HiFT."""
+    if layout == "cosyvoice2":
+        return random_code2wav(cfg, seed)[1]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 2)
+        return CausalHiFT(causal_hift_config_like(cfg.hift)).eval()
+
+
 def _tone(seconds: float, sr: int) -> np.ndarray:
     t = np.arange(int(seconds * sr)) / sr
     f0 = 150 + 30 * np.sin(2 * np.pi * 2 * t)  # gliding "voice" with two harmonics
@@ -131,15 +151,36 @@ def _write_wav16(path: Path, wav: np.ndarray, sr: int) -> None:
         f.writeframes(pcm)
 
 
-def write_token2wav_assets(dir: Path, cfg: Code2WavConfig, seed: int) -> None:
+AssetsLayout = Literal["minicpmo-utils-1.0.7", "cosyvoice2"]
+
+
+def write_token2wav_assets(
+    dir: Path, cfg: Code2WavConfig, seed: int, layout: AssetsLayout = "minicpmo-utils-1.0.7"
+) -> None:
     """Write a tiny, real-layout `assets/token2wav/` folder into `dir` (= that folder) plus
-    `dir/../HT_ref_audio.wav` (1 s synthetic 16 kHz tone)."""
+    `dir/../HT_ref_audio.wav` (1 s synthetic 16 kHz tone). The flow and the CosyVoice2 HiFT
+    have the same weights in both layouts (hift.pt or hift_original.pt); the causal vocoder
+    (1.0.7 layout) has the HiFT's widths and its own seeded weights."""
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     (dir / "flow.yaml").write_text(flow_yaml_text(cfg))
     flow, hift = random_code2wav(cfg, seed)
     torch.save(flow.state_dict(), dir / "flow.pt")
-    torch.save(hift.state_dict(), dir / "hift.pt")
+    if layout == "cosyvoice2":
+        torch.save(hift.state_dict(), dir / "hift.pt")
+    elif layout == "minicpmo-utils-1.0.7":
+        torch.save(hift.state_dict(), dir / "hift_original.pt")
+        causal = causal_hift_config_like(cfg.hift)
+        (dir / "config.yaml").write_text(causal_hift_yaml_text(causal))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 2)
+            vocoder = CausalHiFT(causal)
+        # released files are float32 (the F0 predictor runs in float64 once loaded)
+        torch.save({k: v.float() for k, v in vocoder.state_dict().items()}, dir / "hift.pt")
+    else:
+        raise ValueError(
+            f"token2wav assets layout {layout!r}: 'minicpmo-utils-1.0.7' or 'cosyvoice2'"
+        )
     seconds = 1.0
     _write_wav16(dir.parent / "HT_ref_audio.wav", _tone(seconds, 16000), 16000)
     n_tokens = int(seconds * 25)
@@ -201,9 +242,12 @@ def load_code2wav(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     noise_seed: int = 0,
-) -> tuple[Flow, HiFTGenerator, Code2WavConfig]:
-    """Build Flow + HiFT from `assets/token2wav/`, load strictly, move to device. The flow runs
-    in `dtype`; HiFT stays float32 (its phase integration needs it)."""
+) -> tuple[Flow, HiFTGenerator | CausalHiFT, Code2WavConfig]:
+    """Build Flow + the streaming vocoder from `assets/token2wav/`, load strictly, move to
+    device. The flow runs in `dtype`; the vocoder stays float32 (its phase integration needs
+    it; the causal one's F0 predictor float64). The vocoder is `CausalHiFT` for the [MU7]
+    layout (config.yaml beside hift.pt), else `HiFTGenerator`; `cfg.hift` describes the
+    CosyVoice2 HiFT either way (hift_original.pt in [MU7]), the causal one's is `vocoder.cfg`."""
     folder = token2wav_dir(checkpoint_dir)
     for name in ("flow.yaml", "flow.pt", "hift.pt"):
         if not (folder / name).is_file():
@@ -212,16 +256,28 @@ def load_code2wav(
     hift_state = normalize_hift_keys(
         torch.load(folder / "hift.pt", map_location="cpu", weights_only=True)
     )
-    if _is_causal_vocoder(folder, hift_state):
-        raise NotImplementedError(
-            f"{folder}/hift.pt is the causal CosyVoice3 vocoder of minicpmo-utils 1.0.7 "
-            "(config.yaml / hift_original.pt beside it): not supported yet; use the CosyVoice2 HiFT"
-        )
     flow = Flow(cfg, noise_seed=noise_seed)
     flow_state = torch.load(folder / "flow.pt", map_location="cpu", weights_only=True)
     check_state_dict(flow, flow_state, f"{folder}/flow.pt")
     flow.load_state_dict(flow_state, strict=True)
-    hift = HiFTGenerator(cfg.hift)
-    check_state_dict(hift, hift_state, f"{folder}/hift.pt")
-    hift.load_state_dict(hift_state, strict=True)
-    return flow.to(device=device, dtype=dtype).eval(), hift.to(device).eval(), cfg
+    if _is_causal_vocoder(folder, hift_state):
+        if not (folder / "config.yaml").is_file():
+            raise FileNotFoundError(
+                f"{folder}: hift.pt is the causal CosyVoice3 vocoder (minicpmo-utils 1.0.7 "
+                "layout) but config.yaml, which describes it, is missing"
+            )
+        vocoder = CausalHiFT(causal_hift_config_from_yaml((folder / "config.yaml").read_text()))
+        what = f"{folder}/hift.pt (causal vocoder of {folder}/config.yaml)"
+        c = vocoder.cfg  # [MU7] load_causal_vocoder / Token2wav refuse anything else
+        if (c.sampling_rate, c.hop_length, vocoder.delay) != (cfg.sample_rate, 480, 8):
+            raise ValueError(
+                f"{folder}/config.yaml: the causal vocoder must be 24 kHz, 480 samples per mel "
+                f"frame, 8 frames of delay; got {c.sampling_rate} Hz, {c.hop_length}, "
+                f"{vocoder.delay}"
+            )
+    else:
+        vocoder = HiFTGenerator(cfg.hift)
+        what = f"{folder}/hift.pt"
+    check_state_dict(vocoder, hift_state, what)
+    vocoder.load_state_dict(hift_state, strict=True)
+    return flow.to(device=device, dtype=dtype).eval(), vocoder.to(device).eval(), cfg

@@ -24,6 +24,7 @@ forward shared by all blocks); see its docstring for the dynamic-shape policy.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -200,22 +201,26 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, dh)
         return self.proj(out.transpose(1, 2).reshape(b, t, -1)), new_cache
 
-    def forward_slots(
-        self, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ix: DiTSlots
-    ) -> torch.Tensor:
-        """x (2B, T, D); k_pool / v_pool (2, slots, C, H, dh) of this step and block. Writes
-        the new frames' K/V into the pool first, then attends over the pool window: the same
-        keys as [new || cache], in another order (attention without positions ignores it)."""
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, D) -> q (B, H, T, dh) normed; k (B, T, H, dh) normed; v (B, T, H, dh)."""
         b, t, _ = x.shape
-        h, dh = self.num_heads, self.head_dim
         q = self.q_norm(self._heads(self.to_q(x)))
-        k_pool[ix.cfg, ix.rows, ix.write] = self.k_norm(self.to_k(x).view(b, t, h, dh))
-        v_pool[ix.cfg, ix.rows, ix.write] = self.to_v(x).view(b, t, h, dh)
-        slots = ix.rows[: b // 2, 0]
-        k = k_pool[:, slots, : ix.window].reshape(b, ix.window, h, dh).transpose(1, 2)
-        v = v_pool[:, slots, : ix.window].reshape(b, ix.window, h, dh).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ix.mask)
-        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+        k = self.k_norm(self.to_k(x).view(b, t, self.num_heads, self.head_dim))
+        return q, k, self.to_v(x).view(b, t, self.num_heads, self.head_dim)
+
+    def attend_slots(self, q, k, v, k_pool: torch.Tensor, v_pool: torch.Tensor, ix: DiTSlots):
+        """k_pool / v_pool (2, slots, C, H, dh) of this step and block. Writes the new frames'
+        K/V into the pool first, then attends over the pool window: the same keys as
+        [new || cache], in another order (attention without positions ignores it).
+        Returns (B, T, H*dh), before the output projection."""
+        b, _, t, dh = q.shape
+        k_pool[ix.cfg, ix.rows, ix.write] = k
+        v_pool[ix.cfg, ix.rows, ix.write] = v
+        slots, w = ix.rows[: b // 2, 0], ix.window
+        keys = k_pool[:, slots, :w].reshape(b, w, self.num_heads, dh).transpose(1, 2)
+        vals = v_pool[:, slots, :w].reshape(b, w, self.num_heads, dh).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=ix.mask)
+        return out.transpose(1, 2).reshape(b, t, -1)
 
 
 class MLP(nn.Module):
@@ -267,6 +272,23 @@ class DiTBlock(nn.Module):
         x = x + gate_mlp * self.mlp(_modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x, new_cnn, new_att
 
+    # The slot-pool path in three parts, so that the two without pool reads or writes can be
+    # compiled (compile_slot_blocks) and the pool stays in eager ops, updated in place.
+    def slot_pre(self, x: torch.Tensor, c: torch.Tensor):
+        """The 9 modulations and the attention's q, k, v."""
+        mod = self.adaLN_modulation(c).chunk(9, dim=-1)
+        return (*self.attn.qkv(_modulate(self.norm1(x), mod[0], mod[1])), *mod)
+
+    def slot_post(self, x, attn_out, mod, cnn_cache, tail):
+        """Everything after attention; returns x and the conv branch's new tails."""
+        _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_conv, scale_conv, gate_conv = mod
+        x = x + gate_msa * self.attn.proj(attn_out)
+        h, new_cnn = self.conv.forward_slots(
+            _modulate(self.norm3(x), shift_conv, scale_conv), cnn_cache, tail
+        )
+        x = x + gate_conv * h
+        return x + gate_mlp * self.mlp(_modulate(self.norm2(x), shift_mlp, scale_mlp)), new_cnn
+
     def forward_slots(
         self,
         x: torch.Tensor,
@@ -278,20 +300,23 @@ class DiTBlock(nn.Module):
     ) -> torch.Tensor:
         """`forward` on padded rows with the caches in the slot pool (read and written in
         place). cnn_pool (2, slots, 2D, 2) of this step and block."""
-        mod = self.adaLN_modulation(c).chunk(9, dim=-1)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod[:6]
-        shift_conv, scale_conv, gate_conv = mod[6:]
-        h = self.attn.forward_slots(
-            _modulate(self.norm1(x), shift_msa, scale_msa), k_pool, v_pool, ix
-        )
-        x = x + gate_msa * h
         cfg, rows = ix.cfg[:, 0], ix.rows[:, 0]
-        h, new_cnn = self.conv.forward_slots(
-            _modulate(self.norm3(x), shift_conv, scale_conv), cnn_pool[cfg, rows], ix.conv_tail
-        )
+        cnn = cnn_pool[cfg, rows]
+        for t in (x, c, cnn, ix.conv_tail):  # rows vary, nothing else (compiled parts)
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        q, k, v, *mod = self._slot_pre(x, c)
+        out = self.attn.attend_slots(q, k, v, k_pool, v_pool, ix)
+        for t in (out, *mod):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        x, new_cnn = self._slot_post(x, out, mod, cnn, ix.conv_tail)
         cnn_pool[cfg, rows] = new_cnn
-        x = x + gate_conv * h
-        return x + gate_mlp * self.mlp(_modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+    def _slot_pre(self, x, c):  # replaced by a compiled one in compile_slot_blocks
+        return self.slot_pre(x, c)
+
+    def _slot_post(self, x, attn_out, mod, cnn_cache, tail):
+        return self.slot_post(x, attn_out, mod, cnn_cache, tail)
 
 
 class FinalLayer(nn.Module):
@@ -391,6 +416,22 @@ class DiT(nn.Module):
 
 # ---------------------------------------------------------------------------------------
 # Regional compile
+
+
+def compile_slot_blocks(dit: DiT, *, backend: str = "inductor") -> DiT:
+    """Regional torch.compile of the slot-pool path: each block's `slot_pre` and `slot_post`
+    (everything but the pool's writes, its gathers and SDPA) compiled once for all blocks.
+    Inductor fuses the adaLN modulate, gates, residuals, LayerNorms, Mish and GELU between the
+    matmuls, which stay aten (cuBLAS) in the weights' dtype: only the summation order inside
+    fused norms changes. Only the rows are dynamic (every other shape is fixed by the padded
+    chunk), so one graph serves every batch size. Nothing in it syncs with the host: the
+    engine's graph runner compiles in its warm-up calls, then captures."""
+    pre = torch.compile(DiTBlock.slot_pre, backend=backend)
+    post = torch.compile(DiTBlock.slot_post, backend=backend)
+    for block in dit.blocks:
+        block._slot_pre = functools.partial(pre, block)
+        block._slot_post = functools.partial(post, block)
+    return dit
 
 
 def compile_dit_blocks(dit: DiT, *, dynamic: bool | None = None, backend: str = "inductor") -> DiT:

@@ -20,7 +20,8 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
                                   10-step CFM over the prompt) once and clone it per stream
   token2wav_cfm_cuda_graph      : replay the slot-pool step (encoder, 10-step CFM with guidance)
                                   as one CUDA graph per (batch size, DiT window) (needs the pool)
-  token2wav_compile_estimator   : regional torch.compile of the DiT blocks (dit.py)
+  token2wav_compile_estimator   : regional torch.compile of the DiT blocks (dit.py): the plain
+                                  path's `forward`, and the slot path's parts around the pool
   token2wav_hift_cuda_graph     : replay the HiFT vocoder as a CUDA graph per (batch, mel frames,
                                   cached source) shape; the source noise is drawn eagerly from
                                   the streams' generators and fed in, so it is the same draw
@@ -41,18 +42,21 @@ import numpy as np
 import torch
 
 from pipeline.code2wav.batching import ChunkBatcher, ReadyChunk
-from pipeline.code2wav.dit import compile_dit_blocks
+from pipeline.code2wav.causal_hift import CausalHiFT
+from pipeline.code2wav.dit import compile_dit_blocks, compile_slot_blocks
 from pipeline.code2wav.flow import Flow
-from pipeline.code2wav.graphs import HiFTGraphRunner
+from pipeline.code2wav.graphs import CausalVocoderGraphs, HiFTGraphRunner
 from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.code2wav.slots import FlowSlotPool, Row, flatten, index_to, unflatten
 from pipeline.code2wav.stream import (
+    DEFAULT_REFERENCE,
     CodeCursor,
     Crossfade,
     StreamState,
-    VocoderCache,
+    Token2WavReference,
     initial_state,
     stream_step,
+    vocode,
 )
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
 from pipeline.config import Code2WavConfig
@@ -62,6 +66,8 @@ from pipeline.graphs import GraphRunner
 @dataclass(frozen=True)
 class Code2WavEngineConfig:
     token2wav_initial_state_cache: bool = True
+    # which reference's streaming a turn follows (stream.py): prompt lookahead, leading zeros
+    token2wav_reference: Token2WavReference = DEFAULT_REFERENCE
     # fp32: every matmul and conv in fp32, as the reference computes on CPU (cuDNN's default
     # TF32 convs off); tf32: TF32 tensor cores for the flow's matmuls and convs (opt-in: it
     # changes the audio, see docs/performance.md). Set for the whole process on CUDA.
@@ -99,7 +105,7 @@ class Code2WavEngine:
     def __init__(
         self,
         flow: Flow,
-        hift: HiFTGenerator,
+        hift: HiFTGenerator | CausalHiFT,
         cfg: Code2WavConfig,
         engine_cfg: Code2WavEngineConfig = Code2WavEngineConfig(),
         clock: Callable[[], float] = time.monotonic,
@@ -112,14 +118,13 @@ class Code2WavEngine:
         if engine_cfg.token2wav_compile_estimator:
             # in place; compiles lazily on first use (setup_cache, the graph runner's warm-up)
             compile_dit_blocks(flow.decoder.estimator)
+            if engine_cfg.token2wav_slot_pool:
+                compile_slot_blocks(flow.decoder.estimator)
         cuda = self.device.type == "cuda"
         if cuda:
             tf32 = engine_cfg.token2wav_precision == "tf32"
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
-        if engine_cfg.token2wav_compile_estimator and engine_cfg.token2wav_slot_pool:
-            raise ValueError("token2wav_compile_estimator compiles the plain path's DiT blocks; "
-                             "the slot-pool step is not compiled")
         if engine_cfg.token2wav_cfm_cuda_graph and not engine_cfg.token2wav_slot_pool:
             raise ValueError("token2wav_cfm_cuda_graph captures the slot-pool step: "
                              "turn token2wav_slot_pool on")
@@ -136,10 +141,10 @@ class Code2WavEngine:
             GraphRunner(engine_cfg.max_graphs)
             if engine_cfg.token2wav_cfm_cuda_graph and cuda else None
         )
-        self.hift_graphs = (
-            HiFTGraphRunner(hift, self.graph_sizes, engine_cfg.max_graphs)
-            if engine_cfg.token2wav_hift_cuda_graph and cuda else None
-        )
+        self.hift_graphs = None
+        if engine_cfg.token2wav_hift_cuda_graph and cuda:
+            runner = CausalVocoderGraphs if isinstance(hift, CausalHiFT) else HiFTGraphRunner
+            self.hift_graphs = runner(hift, self.graph_sizes, engine_cfg.max_graphs)
         self.time_table = self._time_table()
         self.batcher = ChunkBatcher(
             engine_cfg.code2wav_batch_wait_ms, engine_cfg.max_batch_size, clock)
@@ -198,7 +203,8 @@ class Code2WavEngine:
         v = voice.to(self.device)
         dtype = next(self.flow.parameters()).dtype
         return initial_state(
-            self.flow, self.cfg, v.prompt_tokens, v.prompt_mel.to(dtype), v.spk_emb.to(dtype)
+            self.flow, self.cfg, v.prompt_tokens, v.prompt_mel.to(dtype), v.spk_emb.to(dtype),
+            reference=self.ecfg.token2wav_reference, vocoder=self.hift,
         )
 
     def open_stream(self, stream_id: str, voice: VoicePrompt | None = None) -> None:
@@ -323,18 +329,18 @@ class Code2WavEngine:
         self.pool.commit(plan)
         groups: dict[tuple, list[int]] = {}
         for row, (sid, s) in enumerate(zip(ids, streams)):
-            v = s.state.vocoder
-            key = (plan.mel_frames[row], v.mel.shape[2], v.source.shape[2], v.speech.shape[1],
-                   rows[row].last)
+            key = (plan.mel_frames[row], *s.state.vocoder_key(rows[row].last))
             groups.setdefault(key, []).append(row)
         out = {}
-        for (frames, *_, last), members in groups.items():
+        for (frames, *_), members in groups.items():
+            last = rows[members[0]].last
             states = [streams[r].state for r in members]
             speech, vocs = self._vocode(states, mel[members, :, :frames], last)
             pcm = speech.float().cpu().numpy()
             for j, r in enumerate(members):
                 st = states[j]
-                st.vocoder, st.chunks = vocs[j], st.chunks + 1
+                st.vocoder, st.leading_silence = vocs[j].vocoder, vocs[j].leading_silence
+                st.chunks += 1
                 out[ids[r]] = (ids[r], pcm[j], last)
         return [out[sid] for sid in ids]
 
@@ -360,20 +366,9 @@ class Code2WavEngine:
         return mel.clone()
 
     def _vocode(self, states: list[StreamState], mel: torch.Tensor, last: bool):
-        """HiFT over [cached mel || new mel] for streams with equal vocoder shapes; crossfade
-        with the held-back tail; hold back the last overlap unless `last` (stream.py)."""
-        keep = self.cfg.mel_overlap_frames
-        src_keep = keep * self.cfg.hift.hop_length
-        voc = VocoderCache.cat([s.vocoder for s in states])
-        mel = torch.cat([voc.mel, mel.to(voc.mel.dtype)], dim=2)
-        gens = None if states[0].generator is None else [s.generator for s in states]
-        speech, source = (self.hift_graphs or self.hift)(mel, voc.source, gens)
-        if voc.speech.shape[1] > 0:
-            speech = self.crossfade(speech, voc.speech)
-        new = VocoderCache(mel[..., -keep:], source[:, :, -src_keep:], speech[:, -src_keep:])
-        if not last:
-            speech = speech[:, :-src_keep]
-        return speech, [v.clone() for v in new.split()]
+        """The vocoder half of a chunk for streams with equal `vocoder_key` (stream.vocode:
+        either vocoder, the reference's leading zeros); returns speech and the new states."""
+        return vocode(self.hift_graphs or self.hift, self.cfg, states, mel, last, self.crossfade)
 
     def warmup(self, voice: VoicePrompt | None = None) -> None:
         """Build `voice`'s template and, when graphs or compiled blocks are on, decode

@@ -1,5 +1,6 @@
-"""CUDA graphs of the HiFT vocoder (`HiFTGraphRunner`), on the project's one graph mechanism
-(pipeline/graphs.py). The flow's graphs are the slot-pool step's (engine.py).
+"""CUDA graphs of the vocoders, on the project's one graph mechanism (pipeline/graphs.py):
+the CosyVoice2 HiFT (`HiFTGraphRunner`) and the causal CosyVoice3 vocoder
+(`CausalVocoderGraphs`). The flow's graphs are the slot-pool step's (engine.py).
 
 `HiFTGraphRunner` is a drop-in for `hift(mel, cache_source, generators)`: key = (batch, mel
 frames, cached source samples), captured lazily for the batch sizes in `batch_sizes`. The source
@@ -14,6 +15,7 @@ as a fallback.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -36,3 +38,53 @@ class HiFTGraphRunner(GraphRunner):
             key, (mel, cache_source, rand_ini, gauss),
             lambda m, c, r, g: self.hift.forward_spectrum(m, c, noise=(r, g)))
         return self.hift.istft(spec), source.clone()
+
+
+class CausalVocoderGraphs(GraphRunner):
+    """CUDA graphs of the causal vocoder's chunk (`causal_hift.vocode_chunk`), a drop-in for
+    it. Which windows a chunk runs depends only on the states' `key()`, the chunk's frames and
+    `last`, so key = (batch, state key, frames, last): the graph replays the same windows on
+    new tensors. The noise is drawn eagerly (`draw_noise`, the same draws) and fed in; the
+    counters are host ints advanced by `plan_chunk`. Anything else runs eagerly."""
+
+    def __init__(self, vocoder, batch_sizes: Sequence[int], max_graphs: int = 32):
+        super().__init__(max_graphs)
+        self.vocoder, self.batch_sizes = vocoder, tuple(batch_sizes)
+
+    def _eligible(self, mel: torch.Tensor, states) -> bool:
+        return mel.is_cuda and len(states) in self.batch_sizes
+
+    @torch.inference_mode()
+    def __call__(self, states, mel, last, generators=None):
+        from pipeline.code2wav.causal_hift import (
+            CausalVocoderState,
+            draw_noise,
+            plan_chunk,
+            vocode_chunk,
+        )
+
+        if not self._eligible(mel, states):
+            self.fallback()
+            return vocode_chunk(self.vocoder, states, mel, last, generators=generators)
+        b, frames, s0 = len(states), mel.shape[2], states[0]
+        noise = draw_noise(self.vocoder, states, frames, last, generators)
+        batch = CausalVocoderState.cat(states) if b > 1 else s0
+
+        def step(m, src, phase, fresh, nz):
+            rows = [replace(s0, mel=m[i : i + 1], source=src[i : i + 1], phase=phase[i : i + 1])
+                    for i in range(b)]
+            out, new = vocode_chunk(self.vocoder, rows, fresh, last, noise=nz)
+            return (out, *(torch.cat([getattr(s, n) for s in new]) for n in
+                           ("mel", "source", "phase")))
+
+        out, m, src, phase = self.run((b, s0.key(), frames, last),
+                                      (batch.mel, batch.source, batch.phase, mel, noise), step)
+        _, (received, sourced, emitted) = plan_chunk(self.vocoder, s0, frames, last)
+        new = [
+            replace(s, mel=m[i : i + 1].clone(), source=src[i : i + 1].clone(),
+                    phase=phase[i : i + 1].clone(), received=s.received + received - s0.received,
+                    sourced=s.sourced + sourced - s0.sourced,
+                    emitted=s.emitted + emitted - s0.emitted, finalized=last)
+            for i, s in enumerate(states)
+        ]
+        return out.clone(), new
