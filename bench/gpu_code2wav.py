@@ -1,254 +1,289 @@
-"""Code2Wav on one GPU: full-size random flow + HiFT, fp32 (as the reference) or a bf16 flow.
+"""Code2Wav on one GPU: full-size random flow + HiFT, fp32 (as the reference).
 
-Checks (exit 1 on failure):
-  * CUDA-graph CFM (whole 10-step loop) vs eager, batch 1 and 2: mel and caches bitwise equal
-    (reported), max abs diff <= 1e-4 required;
-  * batched stream_step (batch 2) vs one stream at a time: max abs pcm diff <= 1e-3.
-Timings (CUDA events, after warm-up), steady state (caches trimmed to prompt + 100 frames):
-  * ms per 25-code chunk (flow + CFM + HiFT) at batch 1, 2, 4, eager vs graph (batch 4 has no
-    graph: it falls back to eager);
-  * a new stream's first chunk with the initial-state template cache on (clone) vs off
-    (setup_cache + chunk).
-With --compile, after all of the above (uncompiled), the DiT blocks are compiled in place
-(`compile_dit_blocks`, the engine's token2wav_compile_estimator) and a fresh graph runner
-captures them:
-  * compiled CFM graph vs the uncompiled eager mel/caches of check 1 (same inputs), max abs
-    diff <= 1e-4 required; the first call's compile + capture time;
-  * the chunk timings again, the speedup of the graph column, the batch-1 flow time, and the
-    number of Dynamo graphs (TORCH_LOGS=recompiles shows why each recompiled).
+Checks (exit 1 on failure), against the plain eager path (`Code2WavEngineConfig()`):
+  * the slot pool with CUDA graphs (flow step and HiFT), one 30-chunk stream and 8 staggered
+    streams (two voices, odd final lengths): PCM max abs diff <= 1e-4 and SNR >= 80 dB for every
+    chunk; the per-chunk diffs are printed (no growth from chunk to chunk).
+Timings (wall clock of `engine.step()`, which ends with the PCM on the host; flow = CUDA events
+around the flow step), steady state (caches trimmed to prompt + 100 frames), B streams each
+with a full chunk ready:
+  * plain eager (the old engine path, B equal-shape streams), slot pool eager, slot pool + graphs;
+  * a new stream's first chunk (template cache on);
+  * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
+    and the top kernels.
 
-    python bench/gpu_code2wav.py [--prompt-codes 150] [--iters 20] [--dtype bfloat16] [--compile]
+    python bench/gpu_code2wav.py [--prompt-codes 25] [--iters 10] [--profile] [--out F.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from collections import Counter
 
+import numpy as np
 import torch
-from torch._dynamo.utils import counters
 
-from bench.cuda_timing import cuda_ms as timed
-from pipeline.code2wav.assets import random_code2wav
-from pipeline.code2wav.dit import compile_dit_blocks
-from pipeline.code2wav.graphs import CFMGraphRunner, HiFTGraphRunner
-from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, stream_step
+from pipeline.code2wav.assets import random_code2wav, random_vocoder
+from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from pipeline.code2wav.voice import VoicePrompt
 from pipeline.config import Code2WavConfig
+
+FAST = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True,
+                            token2wav_hift_cuda_graph=True)
+SLOTS_EAGER = Code2WavEngineConfig(token2wav_slot_pool=True)
+FAST_TF32 = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True,
+                                 token2wav_hift_cuda_graph=True, token2wav_precision="tf32")
+FAST_C = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True,
+                              token2wav_hift_cuda_graph=True, token2wav_compile_estimator=True)
+FAST_C_TF32 = Code2WavEngineConfig(
+    token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
+    token2wav_compile_estimator=True, token2wav_precision="tf32")
+
+
+def voice(seed: int, codes: int, dev) -> VoicePrompt:
+    g = torch.Generator().manual_seed(seed)
+    return VoicePrompt(torch.randint(0, 6561, (1, codes), generator=g),
+                       torch.randn(1, 192, generator=g), torch.randn(1, 2 * codes, 80, generator=g))
+
+
+def codes(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def play(engine, schedule, voices) -> dict[str, list[np.ndarray]]:
+    out: dict[str, list[np.ndarray]] = {}
+    for rnd in schedule:
+        for sid, piece, final, first in rnd:
+            if first:
+                engine.open_stream(sid, voices[int(sid[1:]) % len(voices)])
+                out[sid] = []
+            engine.push_codes(sid, piece, final)
+        for sid, pcm, _ in engine.step():
+            out[sid].append(pcm)
+    for sid, pcm in engine.drain().items():
+        out[sid].extend(pcm)
+    return out
+
+
+def schedule(lengths: list[int], stagger: int, seed: int):
+    streams = {f"s{i}": codes(seed + i, n) for i, n in enumerate(lengths)}
+    pos, rounds, r = dict.fromkeys(streams, 0), [], 0
+    while any(pos[k] < len(c) for k, c in streams.items()):
+        rnd = []
+        for i, (k, c) in enumerate(streams.items()):
+            if r >= stagger * i and pos[k] < len(c):
+                n = min(9, len(c) - pos[k])
+                rnd.append((k, c[pos[k]: pos[k] + n], pos[k] + n == len(c), pos[k] == 0))
+                pos[k] += n
+        rounds.append(rnd)
+        r += 1
+    return rounds
+
+
+def compare(ref, got, label) -> tuple[float, float]:
+    worst, low = 0.0, 1e9
+    for sid in ref:
+        diffs = []
+        for a, b in zip(ref[sid], got[sid], strict=True):
+            err = float(np.abs(a - b).max())
+            snr = float(10 * np.log10((a.astype(np.float64) ** 2).sum()
+                                      / max(((a - b).astype(np.float64) ** 2).sum(), 1e-300)))
+            diffs.append(err)
+            worst, low = max(worst, err), min(low, snr)
+        print(f"  {label} {sid} ({len(diffs)} chunks) max abs per chunk: "
+              + " ".join(f"{d:.1e}" for d in diffs))
+    print(f"  {label}: worst max abs {worst:.2e}, lowest SNR {low:.1f} dB")
+    return worst, low
+
+
+def steady_step_ms(engine, b: int, iters: int, seed: int) -> tuple[float, float]:
+    """(step wall ms, flow device ms) with b streams each a full chunk ready, past trimming."""
+    ids = [f"t{seed}_{i}" for i in range(b)]
+    v = engine.voices_for_bench
+    for sid in ids:
+        engine.open_stream(sid, v)
+        engine.push_codes(sid, [4218] * 3)
+    k = 0
+
+    def feed():
+        nonlocal k
+        for sid in ids:
+            engine.push_codes(sid, codes(seed * 1000 + k, engine.cfg.chunk_size))
+            k += 1
+
+    for _ in range(5):  # growth, trimming, captures
+        feed()
+        engine.step()
+    torch.cuda.synchronize()
+    walls, flows = [], []
+    original = engine._flow_slots if engine.pool is not None else None
+    events = []
+
+    def timed_flow(plan, spk):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        mel = original(plan, spk)
+        e.record()
+        events.append((s, e))
+        return mel
+
+    if original is not None:
+        engine._flow_slots = timed_flow
+    for _ in range(iters):
+        feed()
+        t0 = time.perf_counter()
+        out = engine.step()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1000)
+        assert len(out) == b, (len(out), b)
+    if original is not None:
+        engine._flow_slots = original
+        flows = [s.elapsed_time(e) for s, e in events]
+    for sid in ids:
+        engine.close_stream(sid)
+    return float(np.median(walls)), float(np.median(flows)) if flows else float("nan")
+
+
+def first_chunk_ms(engine, iters: int) -> float:
+    times = []
+    for i in range(iters):
+        sid = f"first{i}"
+        t0 = time.perf_counter()
+        engine.open_stream(sid, engine.voices_for_bench)
+        engine.push_codes(sid, codes(i, 28))
+        engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1000)
+        engine.close_stream(sid)
+    return float(np.median(times))
+
+
+def profile(engine, b: int) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    ids = [f"p{b}_{i}" for i in range(b)]
+    for sid in ids:
+        engine.open_stream(sid, engine.voices_for_bench)
+        engine.push_codes(sid, [4218] * 3)
+    for k in range(6):
+        for sid in ids:
+            engine.push_codes(sid, codes(k, 25))
+        if k < 5:
+            engine.step()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        engine.step()
+        torch.cuda.synchronize()
+    for sid in ids:
+        engine.close_stream(sid)
+    kernels: Counter = Counter()
+    calls: Counter = Counter()
+    for e in p.events():
+        if e.device_type.name == "CUDA":
+            kernels[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            calls[e.name] += 1
+    total = sum(kernels.values()) / 1000
+    top = [(name[:90], round(us / 1000, 2), calls[name]) for name, us in kernels.most_common(12)]
+    print(f"  profile B={b}: {sum(calls.values())} kernels, {total:.1f} ms of kernel time")
+    for name, ms, n in top:
+        print(f"    {ms:7.2f} ms {n:6d}x  {name}")
+    return {"kernels": sum(calls.values()), "kernel_ms": round(total, 2), "top": top}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompt-codes", type=int, default=150)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="flow dtype"
-    )
-    ap.add_argument(
-        "--compile", action="store_true", help="then compile the DiT blocks and time again"
-    )
+    ap.add_argument("--prompt-codes", type=int, default=25)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--layout", choices=["minicpmo-utils-1.0.7", "cosyvoice2"],
+                    default="minicpmo-utils-1.0.7", help="which streaming vocoder")
+    ap.add_argument("--quick", action="store_true",
+                    help="only the shipped path (slots + graphs + compile), fp32")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     dev = torch.device("cuda")
     cfg = Code2WavConfig()
-    flow, hift = random_code2wav(cfg, seed=0)
-    dtype = getattr(torch, args.dtype)
-    flow, hift = flow.to(dev, dtype).eval(), hift.to(dev).eval()  # HiFT stays fp32
-    print(
-        f"flow {sum(p.numel() for p in flow.parameters()) / 1e6:.1f} M params, "
-        f"hift {sum(p.numel() for p in hift.parameters()) / 1e6:.1f} M params"
-    )
-    g = torch.Generator().manual_seed(0)
-    p = args.prompt_codes
-    pt = torch.randint(0, cfg.vocab_size, (1, p), generator=g).to(dev)
-    pm = torch.randn(1, 2 * p, 80, generator=g).to(dev, dtype)
-    spk = torch.randn(1, 192, generator=g).to(dev, dtype)
-    xf = Crossfade(cfg.mel_overlap_frames * cfg.hift.hop_length, dev)
+    flow, _ = random_code2wav(cfg, seed=0)
+    hift = random_vocoder(cfg, 0, args.layout)
+    flow, hift = flow.to(dev).eval(), hift.to(dev).eval()
+    voices = [voice(1, args.prompt_codes, dev), voice(2, args.prompt_codes + 12, dev)]
+    result: dict = {"prompt_codes": args.prompt_codes}
+    ok = True
 
-    def codes(seed: int, n: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(dev)
+    print("precision: slot pool + graphs vs plain eager")
+    refs = {}
+    for label, lengths, stagger in (("30-chunk", [747], 1), ("8 streams", [150, 57, 33, 120, 9, 90, 61, 200], 1)):
+        sched = schedule(lengths, stagger, seed=len(lengths))
+        ref = play(Code2WavEngine(flow, hift, cfg), sched, voices)
+        refs[label] = (sched, ref)
+        fast = Code2WavEngine(flow, hift, cfg, FAST)
+        got = play(fast, sched, voices)
+        worst, low = compare(ref, got, label)
+        sizes = {k: v for k, v in fast.counters.items() if k.startswith("batch_size")}
+        result[f"precision_{label}"] = {"max_abs": worst, "min_snr_db": low, "batches": sizes}
+        ok &= worst <= 1e-4 and low >= 80
+        if args.quick:
+            continue
+        # opt-in TF32 against the same fp32 reference: reported, not a check
+        got = play(Code2WavEngine(flow, hift, cfg, FAST_TF32), sched, voices)
+        worst, low = compare(ref, got, label + " tf32")
+        result[f"precision_{label}_tf32"] = {"max_abs": worst, "min_snr_db": low}
+        Code2WavEngine(flow, hift, cfg)  # back to fp32 flags
 
-    template = initial_state(flow, cfg, pt, pm, spk)
+    print("timings (median ms)")
+    rows = {}
 
-    def steady(seed: int) -> StreamState:
-        st = template.clone()
-        st.generator = torch.Generator(device=dev)
-        st.generator.manual_seed(seed)
-        for k in range(3):  # past trimming: caches at prompt + 100 frames
-            _, (st,) = stream_step(flow, hift, cfg, [st], codes(seed * 10 + k, 28), False, xf)
-        return st
+    def timings(name, ecfg):
+        eng = Code2WavEngine(flow, hift, cfg, ecfg)
+        eng.voices_for_bench = voices[0]
+        t0 = time.perf_counter()
+        if ecfg.token2wav_cfm_cuda_graph:
+            eng.warmup(voices[0])
+        warm = time.perf_counter() - t0
+        rows[name] = {}
+        for b in (1, 2, 4, 8):
+            wall, fl = steady_step_ms(eng, b, args.iters, seed=b)
+            rows[name][b] = {"step_ms": round(wall, 2), "flow_ms": round(fl, 2)}
+            print(f"  {name:15s} B={b}: step {wall:7.2f} ms  flow {fl:7.2f} ms  "
+                  f"({wall / b:6.2f} ms a chunk)")
+        rows[name]["first_chunk_ms"] = round(first_chunk_ms(eng, 5), 2)
+        rows[name]["warmup_s"] = round(warm, 1)
+        print(f"  {name:15s} first chunk of a new stream {rows[name]['first_chunk_ms']} ms; "
+              f"warm-up {warm:.1f} s; pool {eng.pool.nbytes() / 2**30 if eng.pool else 0:.2f} GiB")
+        if name.startswith("slots + graphs"):
+            print(f"  graphs: {eng.graphs.captures} captures, {len(eng.graphs.graphs)} kept")
+            if args.profile:
+                result[f"profile {name}"] = {b: profile(eng, b) for b in (1, 8)}
+        del eng
+        torch.cuda.empty_cache()
 
-    states = [steady(s) for s in range(4)]
-    failures = []
-
-    # 1. CFM graph vs eager on the exact chunk inputs
-    runner = CFMGraphRunner(flow.decoder, (1, 2))
-    parity = {}  # batch -> inputs and the eager (uncompiled) outputs, for --compile
-    with torch.inference_mode():
-        for b in (1, 2):
-            from pipeline.code2wav.flow import FlowCache
-
-            cache = FlowCache.cat([s.flow for s in states[:b]]) if b > 1 else states[0].flow
-            tokens = torch.cat([codes(100 + i, 28) for i in range(b)])
-            spk_b = spk.expand(b, -1)
-            mel_e, cache_e = flow.inference_chunk(tokens, spk_b, cache, False)
-            parity[b] = (tokens, spk_b, cache, mel_e, cache_e)
-            mel_g, cache_g = flow.inference_chunk(tokens, spk_b, cache, False, cfm=runner)
-            mel_g2, _ = flow.inference_chunk(tokens, spk_b, cache, False, cfm=runner)  # replay path
-            diffs = [
-                (mel_e - mel_g2).abs().max().item(),
-                (cache_e.est_att - cache_g.est_att).abs().max().item(),
-                (cache_e.est_cnn - cache_g.est_cnn).abs().max().item(),
-            ]
-            bitwise = torch.equal(mel_e, mel_g2) and torch.equal(cache_e.est_att, cache_g.est_att)
-            print(
-                f"CFM graph vs eager, batch {b}: bitwise={bitwise} max diff mel/att/cnn = "
-                + " / ".join(f"{d:.2e}" for d in diffs)
-            )
-            if max(diffs) > 1e-4:
-                failures.append(f"graph parity batch {b}: {max(diffs):.3g}")
-
-        # 2. batched vs one at a time (same per-stream generators)
-        def fresh(i):
-            st = states[i].clone()
-            st.generator = torch.Generator(device=dev)
-            st.generator.manual_seed(1000 + i)
-            return st
-
-        toks = torch.cat([codes(200 + i, 28) for i in range(2)])
-        batched, _ = stream_step(flow, hift, cfg, [fresh(0), fresh(1)], toks, False, xf)
-        singles = [
-            stream_step(flow, hift, cfg, [fresh(i)], toks[i : i + 1], False, xf)[0]
-            for i in range(2)
-        ]
-        d = max((batched[i] - singles[i][0]).abs().max().item() for i in range(2))
-        print(f"batched (2) vs single streams: max pcm diff {d:.2e}")
-        bound = 1e-3 if dtype == torch.float32 else 5e-2  # bf16 GEMMs differ by batch shape
-        if d > bound:
-            failures.append(f"batched vs single: {d:.3g}")
-
-    # 3. timings per 25-code chunk
-    def chunk_table(run_cfm: CFMGraphRunner) -> dict[int, tuple[float, float]]:
-        """Prints and returns {batch: (eager ms, graph ms)} per 25-code chunk."""
-        times = {}
-        print("\n| batch | eager ms/chunk | graph ms/chunk | graph ms per stream |")
-        print("|---|---|---|---|")
-        for b in (1, 2, 4):
-            sts = [fresh(i % 4) if i < 2 else states[i].clone() for i in range(b)]
-            toks = torch.cat([codes(300 + i, 28) for i in range(b)])
-            with torch.inference_mode():
-                e = timed(lambda: stream_step(flow, hift, cfg, sts, toks, False, xf), args.iters)
-                gr = timed(
-                    lambda: stream_step(flow, hift, cfg, sts, toks, False, xf, cfm=run_cfm),
-                    args.iters,
-                )
-            times[b] = (e, gr)
-            print(
-                f"| {b} | {e:.1f} | {gr:.1f}"
-                f"{' (eager fallback)' if b not in run_cfm.batch_sizes else ''} | {gr / b:.1f} |"
-            )
-        return times
-
-    times = chunk_table(runner)
-
-    # 3b. where a batch-1 chunk's time goes: flow (encoder + graphed CFM) vs HiFT
-    st = fresh(0)
-    tok1 = codes(350, 28)
-
-    def flow_chunk_ms(run_cfm: CFMGraphRunner) -> float:
-        with torch.inference_mode():
-            return timed(
-                lambda: flow.inference_chunk(tok1, spk, st.flow, False, cfm=run_cfm), args.iters
-            )
-
-    flow_ms = flow_chunk_ms(runner)
-    with torch.inference_mode():
-        mel, _ = flow.inference_chunk(tok1, spk, st.flow, False, cfm=runner)
-        mel_in = torch.cat([st.vocoder.mel, mel.float()], dim=2)
-        hift_ms = timed(lambda: hift(mel_in, st.vocoder.source, [st.generator]), args.iters)
-    print(f"\nbatch-1 chunk breakdown: flow encoder + CFM graph {flow_ms:.1f} ms, "
-          f"HiFT ({mel_in.shape[2]} mel frames) {hift_ms:.1f} ms")
-    # 3c. HiFT as a CUDA graph (token2wav_hift_cuda_graph): same output for the same draws
-    hift_graph = HiFTGraphRunner(hift, (1, 2))
-    with torch.inference_mode():
-        gen_state = st.generator.get_state()
-        ref = hift(mel_in, st.vocoder.source, [st.generator])
-        st.generator.set_state(gen_state)
-        got = hift_graph(mel_in, st.vocoder.source, [st.generator])  # capture
-        st.generator.set_state(gen_state)
-        got = hift_graph(mel_in, st.vocoder.source, [st.generator])  # replay
-        hg_ms = timed(lambda: hift_graph(mel_in, st.vocoder.source, [st.generator]), args.iters)
-    d = max((a - b).abs().max().item() for a, b in zip(ref, got))
-    print(f"HiFT graph {hg_ms:.1f} ms (eager {hift_ms:.1f}); max diff vs eager {d:.2e}")
-    if d > 1e-4:
-        failures.append(f"HiFT graph parity: {d:.3g}")
-
-    # 4. new stream's first chunk: template cache on vs off
-    first = codes(400, 28)
-    with torch.inference_mode():
-        on = timed(
-            lambda: stream_step(flow, hift, cfg, [template.clone()], first, False, xf), args.iters
-        )
-        off = timed(
-            lambda: stream_step(
-                flow, hift, cfg, [initial_state(flow, cfg, pt, pm, spk)], first, False, xf
-            ),
-            args.iters,
-        )
-    print(
-        f"\nfirst chunk of a new stream (prompt {p} codes): "
-        f"template cache on {on:.1f} ms, off {off:.1f} ms"
-    )
-    print(
-        f"graph captures {runner.captures}, replays {runner.replays}, fallbacks {runner.fallbacks}"
-    )
-
-    # 5. the same with the DiT blocks compiled (in place: everything above ran uncompiled)
-    if args.compile:
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        print(f"\n== compiled DiT blocks (compile_dit_blocks, default mode; TF32 matmul {tf32})")
-        counters.clear()
-        compile_dit_blocks(flow.decoder.estimator)
-        runner_c = CFMGraphRunner(flow.decoder, (1, 2))
-        with torch.inference_mode():
-            for b, (tokens, spk_b, cache, mel_e, cache_e) in parity.items():
-                t0 = time.perf_counter()
-                flow.inference_chunk(tokens, spk_b, cache, False, cfm=runner_c)  # compile, capture
-                torch.cuda.synchronize()
-                first_s = time.perf_counter() - t0
-                mel_c, cache_c = flow.inference_chunk(tokens, spk_b, cache, False, cfm=runner_c)
-                diffs = [
-                    (mel_e - mel_c).abs().max().item(),
-                    (cache_e.est_att - cache_c.est_att).abs().max().item(),
-                    (cache_e.est_cnn - cache_c.est_cnn).abs().max().item(),
-                ]
-                print(
-                    f"compiled CFM graph vs eager, batch {b}: first call (compile + capture) "
-                    f"{first_s:.1f} s, max diff mel/att/cnn = "
-                    + " / ".join(f"{d:.2e}" for d in diffs)
-                )
-                if max(diffs) > 1e-4:
-                    failures.append(f"compiled graph parity batch {b}: {max(diffs):.3g}")
-        times_c = chunk_table(runner_c)
-        for b in times:
-            (e, gr), (e_c, gr_c) = times[b], times_c[b]
-            print(
-                f"batch {b}: graph {gr:.1f} -> {gr_c:.1f} ms/chunk (x{gr / gr_c:.2f}), "
-                f"eager {e:.1f} -> {e_c:.1f} ms/chunk"
-            )
-        flow_ms_c = flow_chunk_ms(runner_c)
-        print(f"batch-1 flow encoder + CFM graph: {flow_ms:.1f} -> {flow_ms_c:.1f} ms")
-        print(
-            f"dynamo graphs for the DiT blocks: {counters['stats']['unique_graphs']}; "
-            f"graph captures {runner_c.captures}, fallbacks {runner_c.fallbacks}"
-        )
-
-    if failures:
-        print("FAIL: " + "; ".join(failures))
-        return 1
-    print("OK")
-    return 0
+    for name, ecfg in (("plain eager", Code2WavEngineConfig()), ("slots eager", SLOTS_EAGER),
+                       ("slots + graphs", FAST), ("slots + graphs tf32", FAST_TF32)):
+        if not args.quick:
+            timings(name, ecfg)
+    # Compiling changes the shared flow in place: everything uncompiled is done by now.
+    print("precision: compiled slot pool + graphs vs plain eager")
+    for label, (sched, ref) in refs.items():
+        got = play(Code2WavEngine(flow, hift, cfg, FAST_C), sched, voices)
+        worst, low = compare(ref, got, label + " compiled")
+        result[f"precision_{label}_compiled"] = {"max_abs": worst, "min_snr_db": low}
+        ok &= worst <= 1e-4 and low >= 80
+    for name, ecfg in (("slots + graphs + compile", FAST_C),
+                       ("slots + graphs + compile tf32", FAST_C_TF32)):
+        if not (args.quick and ecfg.token2wav_precision == "tf32"):
+            timings(name, ecfg)
+    result["timings"] = rows
+    print("max memory allocated", round(torch.cuda.max_memory_allocated() / 2**30, 2), "GiB")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
