@@ -9,6 +9,8 @@ Contract:
     inputs that make those harmless (padding rows writing to a spare slot);
   * every later use copies the inputs into the static buffers and replays. The outputs are
     the graph's static tensors: read (or clone) them before the next replay of that key;
+  * a step on static buffers it owns (a decode over the engine's own tensors) passes no inputs;
+    `add(key, fn)` captures a key up front;
   * at most `max_graphs` keys are kept (least recently used evicted), all in one memory pool;
   * `fallback()` counts steps the caller ran eagerly instead (shapes it does not capture).
 """
@@ -41,6 +43,12 @@ class GraphRunner:
 
     def fallback(self) -> None:
         self.fallbacks += 1
+
+    def add(self, key: Hashable, fn, example: Sequence[torch.Tensor] = ()) -> None:
+        """Capture `key` now (start-up capture of known shapes) instead of at its first run."""
+        self.graphs[key] = self.capture(fn, example)
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
 
     def run(
         self,

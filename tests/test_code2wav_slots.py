@@ -292,3 +292,19 @@ def test_causal_vocoder_graph_wrapper_computes_vocode_chunk(model, voices):
     assert keys and any(k[0] > 1 for k in keys)
     for sid in ref:
         assert all(np.array_equal(a, b) for a, b in zip(ref[sid], got[sid], strict=True)), sid
+
+
+def test_vocoder_convs_as_matmuls_within_the_bound(model, voices):
+    """`token2wav_vocoder_gemm_convs` (the causal vocoder's convs as matmuls) against the
+    plain path: the same products in another order, within the precision contract."""
+    flow, hift, cfg = model
+    rounds = _schedule(3, [300, 60, 33], seed=9)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    got = _play(Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
+        token2wav_slot_pool=True, token2wav_vocoder_gemm_convs=True)), rounds, voice_of)
+    Code2WavEngine(flow, hift, cfg)  # back to cuDNN convs for the module-scoped vocoder
+    _compare(ref, got, "gemm convs")

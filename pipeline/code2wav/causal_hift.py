@@ -53,7 +53,27 @@ def _left(kernel: int, dilation: int = 1) -> int:
     return dilation * (kernel - 1)
 
 
-class CausalConv1d(nn.Conv1d):
+class _Conv(nn.Conv1d):
+    """Conv1d that can run as one matmul over its unfolded windows (`gemm`, off by default:
+    `CausalHiFT.gemm_convs`). On the GPU, fp32 and float64 cuDNN convs of these sizes are
+    several times slower than the GEMM; only the order of the sums changes."""
+
+    gemm = False
+
+    def conv(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gemm:
+            return nn.Conv1d.forward(self, x)
+        (k,), (d,), (st,) = self.kernel_size, self.dilation, self.stride
+        weight = self.weight
+        win = x.unfold(2, d * (k - 1) + 1, st)[..., ::d]  # (B, C, T, k)
+        b, c, t, _ = win.shape
+        cols = win.permute(0, 2, 1, 3).reshape(b * t, c * k)
+        w = weight.reshape(weight.shape[0], c * k).t()
+        out = cols @ w if self.bias is None else torch.addmm(self.bias, cols, w)
+        return out.view(b, t, -1).transpose(1, 2)
+
+
+class CausalConv1d(_Conv):
     """Conv1d padded with zeros on one side only. A 'right' conv reads real right context in
     streaming (the caller passes it) and zeros when `finalize`."""
 
@@ -63,11 +83,11 @@ class CausalConv1d(nn.Conv1d):
 
     def forward(self, x: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         if self.right:
-            return super().forward(F.pad(x, (0, self.pad)) if finalize else x)
-        return super().forward(F.pad(x, (self.pad, 0)))
+            return self.conv(F.pad(x, (0, self.pad)) if finalize else x)
+        return self.conv(F.pad(x, (self.pad, 0)))
 
 
-class CausalUpsample(nn.Conv1d):
+class CausalUpsample(_Conv):
     """x `rate` nearest, then a left-causal conv (CosyVoice3's CausalConv1dUpsample)."""
 
     def __init__(self, cin: int, cout: int, kernel: int, rate: int):
@@ -76,10 +96,10 @@ class CausalUpsample(nn.Conv1d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.interpolate(x, scale_factor=self.rate, mode="nearest")
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+        return self.conv(F.pad(x, (self.kernel_size[0] - 1, 0)))
 
 
-class CausalDownsample(nn.Conv1d):
+class CausalDownsample(_Conv):
     """Strided conv (kernel 2u, stride u) left-padded by u - 1 (CausalConv1dDownSample)."""
 
     def __init__(self, cin: int, cout: int, rate: int):
@@ -87,7 +107,7 @@ class CausalDownsample(nn.Conv1d):
         self.rate = rate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(x, (self.rate - 1, 0)))
+        return self.conv(F.pad(x, (self.rate - 1, 0)))
 
 
 class CausalResBlock(nn.Module):
@@ -185,6 +205,14 @@ class CausalHiFT(nn.Module):
         # State capacities: [MU7] BoundedVocoder.limits' mel / source cache bounds.
         self.mel_capacity = max(self.history, self.f0_left - self.decoder_right) + self.delay
         self.source_capacity = self.history + self.decoder_right
+
+    def gemm_convs(self, on: bool = True) -> CausalHiFT:
+        """Run every conv as one matmul over its unfolded windows (a fast path: the same
+        products, summed in another order)."""
+        for m in self.modules():
+            if isinstance(m, _Conv):
+                m.gemm = on
+        return self
 
     def _history(self) -> int:
         """Mel frames of left context a decode window keeps ([MU7] `context_sizes`: the

@@ -25,6 +25,8 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
   token2wav_hift_cuda_graph     : replay the HiFT vocoder as a CUDA graph per (batch, mel frames,
                                   cached source) shape; the source noise is drawn eagerly from
                                   the streams' generators and fed in, so it is the same draw
+  token2wav_vocoder_gemm_convs  : the causal vocoder's convs as matmuls over unfolded windows
+                                  (fp32 cuDNN convs of these sizes are several times slower)
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
                                   a few codes short of a chunk (batching.py)
 """
@@ -76,6 +78,7 @@ class Code2WavEngineConfig:
     token2wav_cfm_cuda_graph: bool = False  # the slot-pool step as CUDA graphs (CUDA only)
     token2wav_compile_estimator: bool = False  # compiles the flow's DiT blocks in place
     token2wav_hift_cuda_graph: bool = False  # replay HiFT as a CUDA graph (graphs.py)
+    token2wav_vocoder_gemm_convs: bool = False  # the causal vocoder's convs as matmuls
     code2wav_batch_wait_ms: float = 0.0
     max_batch_size: int = 8  # streams per decode step
     # Slot pool: resident streams and the longest voice prompt it holds (mel frames, 50 a
@@ -141,6 +144,8 @@ class Code2WavEngine:
             GraphRunner(engine_cfg.max_graphs)
             if engine_cfg.token2wav_cfm_cuda_graph and cuda else None
         )
+        if isinstance(hift, CausalHiFT):  # set either way: engines may share the module
+            hift.gemm_convs(engine_cfg.token2wav_vocoder_gemm_convs)
         self.hift_graphs = None
         if engine_cfg.token2wav_hift_cuda_graph and cuda:
             runner = CausalVocoderGraphs if isinstance(hift, CausalHiFT) else HiFTGraphRunner

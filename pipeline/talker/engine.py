@@ -44,7 +44,8 @@ from typing import Literal
 import torch
 
 from pipeline.config import TalkerConfig
-from pipeline.talker.graphs import DecodeGraphs, bucket_up, power_of_two_buckets
+from pipeline.graphs import GraphRunner
+from pipeline.talker.graphs import bucket_up, power_of_two_buckets
 from pipeline.talker.model import TalkerKVCache, TalkerModel
 from pipeline.talker.sampling import CodeSampler, SamplerState, TalkerSamplingParams
 
@@ -214,16 +215,17 @@ class TalkerEngine:
         self._streams: dict[str, _Stream] = {}
         self._free: list[int] = list(range(slots))  # a heap: lowest slot first keeps R small
         self._steps = self._prefills = self._codes = 0
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: GraphRunner | None = None
         if self.config.cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(
-                self._decode_steps,
-                self.config.graph_batch_sizes,
-                self.config.graph_kv_lengths,
-                sorted({1, self.config.decode_steps}),
-            )
+            keys = [(r, n, k) for r in self.config.graph_batch_sizes
+                    for n in self.config.graph_kv_lengths
+                    for k in sorted({1, self.config.decode_steps})]
+            self.graphs = GraphRunner(max_graphs=len(keys))
             with torch.no_grad():
-                self.graphs.capture()
+                # largest first, so smaller graphs reuse the pool blocks of larger ones
+                for key in sorted(keys, reverse=True):
+                    self.graphs.add(key, lambda key=key: self._decode_steps(*key))
+            torch.cuda.synchronize()
 
     # -- public API ----------------------------------------------------------------------
 
@@ -416,7 +418,8 @@ class TalkerEngine:
                 self._noise_k[i, s.slot].exponential_(generator=s.generator)
         self._steps += k
         if self.graphs is not None:
-            self.graphs.replay(rows, read_len, k)
+            key = (rows, read_len, k)
+            self.graphs.run(key, (), lambda: self._decode_steps(*key))
         else:
             self._decode_steps(rows, read_len, k)
         codes = self._out_k[:k, :rows].tolist()

@@ -1,4 +1,5 @@
-"""CUDA graphs of the Talker decode, one per (rows, read_len, steps) bucket.
+"""Buckets of the Talker decode's CUDA graphs, one graph per (rows, read_len, steps), captured
+at start on the project's GraphRunner (pipeline/graphs.py).
 
 Contract with the engine:
   - `step_fn(rows, read_len, steps)` runs `steps` decode steps back to back over cache rows
@@ -12,9 +13,7 @@ Contract with the engine:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-import torch
+from collections.abc import Sequence
 
 
 def bucket_up(value: int, sizes: Sequence[int]) -> int:
@@ -34,42 +33,3 @@ def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
         size *= 2
     sizes.append(hi)
     return tuple(sizes)
-
-
-class DecodeGraphs:
-    """Captured decode steps sharing one memory pool."""
-
-    def __init__(
-        self,
-        step_fn: Callable[[int, int, int], None],
-        batch_sizes: Sequence[int],
-        kv_lengths: Sequence[int],
-        steps: Sequence[int] = (1,),
-    ) -> None:
-        self.step_fn = step_fn
-        self.keys = [(r, l, k) for r in batch_sizes for l in kv_lengths for k in steps]
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self.replays = 0
-
-    def capture(self, warmup_iters: int = 2) -> None:
-        # Largest first, so smaller graphs reuse the pool blocks of larger ones.
-        keys = sorted(self.keys, reverse=True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (allocator, cuBLAS, SDPA) off the capture
-            for key in keys:
-                for _ in range(warmup_iters):
-                    self.step_fn(*key)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        pool = torch.cuda.graph_pool_handle()
-        for key in keys:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.step_fn(*key)
-            self.graphs[key] = graph
-        torch.cuda.synchronize()
-
-    def replay(self, rows: int, read_len: int, steps: int = 1) -> None:
-        self.graphs[(rows, read_len, steps)].replay()
-        self.replays += 1
