@@ -102,10 +102,9 @@ def compare(ref, got, label) -> tuple[float, float]:
     return worst, low
 
 
-def steady_step_ms(engine, b: int, iters: int, seed: int) -> tuple[float, float]:
+def steady_step_ms(engine, v, b: int, iters: int, seed: int) -> tuple[float, float]:
     """(step wall ms, flow device ms) with b streams each a full chunk ready, past trimming."""
     ids = [f"t{seed}_{i}" for i in range(b)]
-    v = engine.voices_for_bench
     for sid in ids:
         engine.open_stream(sid, v)
         engine.push_codes(sid, [4218] * 3)
@@ -150,12 +149,12 @@ def steady_step_ms(engine, b: int, iters: int, seed: int) -> tuple[float, float]
     return float(np.median(walls)), float(np.median(flows)) if flows else float("nan")
 
 
-def first_chunk_ms(engine, iters: int) -> float:
+def first_chunk_ms(engine, v, iters: int) -> float:
     times = []
     for i in range(iters):
         sid = f"first{i}"
         t0 = time.perf_counter()
-        engine.open_stream(sid, engine.voices_for_bench)
+        engine.open_stream(sid, v)
         engine.push_codes(sid, codes(i, 28))
         engine.step()
         torch.cuda.synchronize()
@@ -164,13 +163,13 @@ def first_chunk_ms(engine, iters: int) -> float:
     return float(np.median(times))
 
 
-def profile(engine, b: int) -> dict:
+def profile(engine, v, b: int) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     ids = [f"p{b}_{i}" for i in range(b)]
     for sid in ids:
-        engine.open_stream(sid, engine.voices_for_bench)
+        engine.open_stream(sid, v)
         engine.push_codes(sid, [4218] * 3)
     for k in range(6):
         for sid in ids:
@@ -243,25 +242,24 @@ def main() -> int:
 
     def timings(name, ecfg):
         eng = Code2WavEngine(flow, hift, cfg, ecfg)
-        eng.voices_for_bench = voices[0]
         t0 = time.perf_counter()
         if ecfg.token2wav_cfm_cuda_graph:
             eng.warmup(voices[0])
         warm = time.perf_counter() - t0
         rows[name] = {}
         for b in (1, 2, 4, 8):
-            wall, fl = steady_step_ms(eng, b, args.iters, seed=b)
+            wall, fl = steady_step_ms(eng, voices[0], b, args.iters, seed=b)
             rows[name][b] = {"step_ms": round(wall, 2), "flow_ms": round(fl, 2)}
             print(f"  {name:15s} B={b}: step {wall:7.2f} ms  flow {fl:7.2f} ms  "
                   f"({wall / b:6.2f} ms a chunk)")
-        rows[name]["first_chunk_ms"] = round(first_chunk_ms(eng, 5), 2)
+        rows[name]["first_chunk_ms"] = round(first_chunk_ms(eng, voices[0], 5), 2)
         rows[name]["warmup_s"] = round(warm, 1)
         print(f"  {name:15s} first chunk of a new stream {rows[name]['first_chunk_ms']} ms; "
               f"warm-up {warm:.1f} s; pool {eng.pool.nbytes() / 2**30 if eng.pool else 0:.2f} GiB")
         if ecfg.token2wav_cfm_cuda_graph:
             print(f"  graphs: {eng.graphs.captures} captures, {len(eng.graphs.graphs)} kept")
             if args.profile:
-                result[f"profile {name}"] = {b: profile(eng, b) for b in (1, 8)}
+                result[f"profile {name}"] = {b: profile(eng, voices[0], b) for b in (1, 8)}
         del eng
         torch.cuda.empty_cache()
 

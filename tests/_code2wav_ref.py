@@ -89,8 +89,10 @@ def build_reference_flow(ref, cfg):
     ).eval()
 
 
-def build_reference_hift(ref, h):
-    return ref.hift.HiFTGenerator(
+def hift_kwargs(h) -> dict:
+    """The constructor arguments both reference vocoders (CosyVoice2 HiFTGenerator and
+    CosyVoice3 CausalHiFTGenerator) take from a HiFTConfig."""
+    return dict(  # noqa: C408 (keyword names, as the constructors spell them)
         in_channels=h.in_channels,
         base_channels=h.base_channels,
         nb_harmonics=h.nb_harmonics,
@@ -107,6 +109,12 @@ def build_reference_hift(ref, h):
         source_resblock_dilation_sizes=[list(x) for x in h.source_resblock_dilation_sizes],
         lrelu_slope=h.lrelu_slope,
         audio_limit=h.audio_limit,
+    )
+
+
+def build_reference_hift(ref, h):
+    return ref.hift.HiFTGenerator(
+        **hift_kwargs(h),
         f0_predictor=ref.hift.ConvRNNF0Predictor(
             in_channels=h.in_channels, cond_channels=h.f0_predictor_channels
         ),

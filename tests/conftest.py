@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,3 +76,14 @@ def serve_app(ray_http):
 
     serve.run(build_omni_app(apps.APP_CONFIG), name=apps.APP, route_prefix="/")
     yield ray_http
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory) -> Path:
+    """A checkpoint folder holding only the tiny token2wav assets (the embedded default's
+    layout), written once for the Code2Wav tests; they read it, or copy it to change it."""
+    from pipeline.code2wav.assets import tiny_code2wav_config, write_token2wav_assets
+
+    root = tmp_path_factory.mktemp("ckpt")
+    write_token2wav_assets(root / "assets" / "token2wav", tiny_code2wav_config(), seed=0)
+    return root

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
-from pipeline.code2wav.assets import load_code2wav, tiny_code2wav_config, write_token2wav_assets
+from pipeline.code2wav.assets import load_code2wav, tiny_code2wav_config
 from pipeline.code2wav.dit import DiT, compile_dit_blocks
 from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from pipeline.code2wav.voice import VoiceCache
@@ -39,13 +38,6 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ckpt")
-    write_token2wav_assets(root / "assets" / "token2wav", tiny_code2wav_config(), seed=0)
-    return root
 
 
 @pytest.fixture(scope="module")

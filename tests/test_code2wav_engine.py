@@ -26,13 +26,6 @@ from pipeline.config import code2wav_config_from_yaml
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ckpt")
-    write_token2wav_assets(root / "assets" / "token2wav", tiny_code2wav_config(), seed=0)
-    return root
-
-
-@pytest.fixture(scope="module")
 def model(ckpt):
     return load_code2wav(ckpt, "cpu", torch.float32)
 

@@ -10,8 +10,6 @@ here they are resized to the tiny default's, which changes no number.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -27,7 +25,12 @@ from pipeline.code2wav.causal_hift import (
 from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.code2wav.stream import CodeCursor, Crossfade, initial_state, stream_step
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
-from tests._code2wav_ref import build_reference_flow, load_reference, load_reference_mu7
+from tests._code2wav_ref import (
+    build_reference_flow,
+    hift_kwargs,
+    load_reference,
+    load_reference_mu7,
+)
 
 MU7 = load_reference_mu7()
 SA = load_reference()
@@ -54,24 +57,8 @@ def _codes(seed: int, n: int) -> list[int]:
 
 
 def _reference_vocoder(c):
-    g = MU7.generator
-    return g.CausalHiFTGenerator(
-        in_channels=c.in_channels,
-        base_channels=c.base_channels,
-        nb_harmonics=c.nb_harmonics,
-        sampling_rate=c.sampling_rate,
-        nsf_alpha=c.nsf_alpha,
-        nsf_sigma=c.nsf_sigma,
-        nsf_voiced_threshold=c.nsf_voiced_threshold,
-        upsample_rates=list(c.upsample_rates),
-        upsample_kernel_sizes=list(c.upsample_kernel_sizes),
-        istft_params={"n_fft": c.istft_n_fft, "hop_len": c.istft_hop_len},
-        resblock_kernel_sizes=list(c.resblock_kernel_sizes),
-        resblock_dilation_sizes=[list(x) for x in c.resblock_dilation_sizes],
-        source_resblock_kernel_sizes=list(c.source_resblock_kernel_sizes),
-        source_resblock_dilation_sizes=[list(x) for x in c.source_resblock_dilation_sizes],
-        lrelu_slope=c.lrelu_slope,
-        audio_limit=c.audio_limit,
+    return MU7.generator.CausalHiFTGenerator(
+        **hift_kwargs(c),
         conv_pre_look_right=c.conv_pre_look_right,
         f0_predictor=MU7.f0_predictor.CausalConvRNNF0Predictor(
             in_channels=c.in_channels, cond_channels=c.f0_predictor_channels
@@ -205,13 +192,6 @@ def test_causal_vocoder_noise_from_generators(vocoders):
 
 
 # -- assets --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ckpt")
-    write_token2wav_assets(root / "assets" / "token2wav", tiny_code2wav_config(), seed=0)
-    return root
 
 
 @needs_yaml

@@ -11,26 +11,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-from pipeline.code2wav.assets import load_code2wav, tiny_code2wav_config, write_token2wav_assets
+from pipeline.code2wav.assets import load_code2wav
 from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
-from pipeline.code2wav.flow import FlowCache
-from pipeline.code2wav.slots import HISTORY_FRAMES, Row
+from pipeline.code2wav.flow import HISTORY_FRAMES, FlowCache
+from pipeline.code2wav.slots import Row
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
 
 SLOTS = Code2WavEngineConfig(token2wav_slot_pool=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ckpt")
-    write_token2wav_assets(root / "assets" / "token2wav", tiny_code2wav_config(), seed=0)
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -302,12 +302,8 @@ class DiTBlock(nn.Module):
         place). cnn_pool (2, slots, 2D, 2) of this step and block."""
         cfg, rows = ix.cfg[:, 0], ix.rows[:, 0]
         cnn = cnn_pool[cfg, rows]
-        for t in (x, c, cnn, ix.conv_tail):  # rows vary, nothing else (compiled parts)
-            torch._dynamo.maybe_mark_dynamic(t, 0)
         q, k, v, *mod = self._slot_pre(x, c)
         out = self.attn.attend_slots(q, k, v, k_pool, v_pool, ix)
-        for t in (out, *mod):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
         x, new_cnn = self._slot_post(x, out, mod, cnn, ix.conv_tail)
         cnn_pool[cfg, rows] = new_cnn
         return x
@@ -428,9 +424,22 @@ def compile_slot_blocks(dit: DiT, *, backend: str = "inductor") -> DiT:
     engine's graph runner compiles in its warm-up calls, then captures."""
     pre = torch.compile(DiTBlock.slot_pre, backend=backend)
     post = torch.compile(DiTBlock.slot_post, backend=backend)
+
+    def rows_dynamic(*tensors):  # rows vary, nothing else
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+    def compiled_pre(block, x, c):
+        rows_dynamic(x, c)
+        return pre(block, x, c)
+
+    def compiled_post(block, x, attn_out, mod, cnn_cache, tail):
+        rows_dynamic(x, attn_out, *mod, cnn_cache, tail)
+        return post(block, x, attn_out, mod, cnn_cache, tail)
+
     for block in dit.blocks:
-        block._slot_pre = functools.partial(pre, block)
-        block._slot_post = functools.partial(post, block)
+        block._slot_pre = functools.partial(compiled_pre, block)
+        block._slot_post = functools.partial(compiled_post, block)
     return dit
 
 

@@ -37,7 +37,7 @@ import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -247,9 +247,6 @@ class Code2WavEngine:
         if s is not None and s.slot is not None:
             self.pool.release(s.slot)
 
-    def free_slots(self) -> int | None:
-        return None if self.pool is None else len(self.pool.free)
-
     def has_work(self) -> bool:
         return any(s.cursor.next_chunk(self.cfg) is not None for s in self.streams.values())
 
@@ -333,47 +330,45 @@ class Code2WavEngine:
         mel = self._flow_slots(plan, spk)
         self.pool.commit(plan)
         groups: dict[tuple, list[int]] = {}
-        for row, (sid, s) in enumerate(zip(ids, streams)):
+        for row, s in enumerate(streams):
             key = (plan.mel_frames[row], *s.state.vocoder_key(rows[row].last))
             groups.setdefault(key, []).append(row)
-        out = {}
+        voiced = []  # every group's vocoder enqueued before the first copy to the host
         for (frames, *_), members in groups.items():
             last = rows[members[0]].last
-            states = [streams[r].state for r in members]
-            speech, vocs = self._vocode(states, mel[members, :, :frames], last)
+            speech, states = vocode(self.hift_graphs or self.hift, self.cfg,
+                                    [streams[r].state for r in members],
+                                    mel[members, :, :frames], last, self.crossfade)
+            voiced.append((members, speech, states, last))
+        out = {}
+        for members, speech, states, last in voiced:
             pcm = speech.float().cpu().numpy()
             for j, r in enumerate(members):
-                st = states[j]
-                st.vocoder, st.leading_silence = vocs[j].vocoder, vocs[j].leading_silence
-                st.chunks += 1
+                streams[r].state = replace(states[j], chunks=states[j].chunks + 1)
                 out[ids[r]] = (ids[r], pcm[j], last)
         return [out[sid] for sid in ids]
 
     def _flow_slots(self, plan, spk: torch.Tensor) -> torch.Tensor:
-        """mel (B, 80, T) of a planned slot step, through its CUDA graph when there is one."""
-        ix = index_to(plan.index, self.device, non_blocking=True)
-        tokens = plan.tokens.to(self.device, non_blocking=True)
+        """mel (B, 80, T) of a planned slot step, through its CUDA graph when there is one (its
+        static buffers take the plan's host tensors directly)."""
         if self.graphs is None:
+            ix = index_to(plan.index, self.device, non_blocking=True)
+            tokens = plan.tokens.to(self.device, non_blocking=True)
             return self.flow.forward_slots(tokens, spk, self.pool.pool, ix, self.time_table)
 
         def run(tokens, spk, *tensors):
             return self.flow.forward_slots(
-                tokens, spk, self.pool.pool, unflatten(ix, tensors), self.time_table)
+                tokens, spk, self.pool.pool, unflatten(plan.index, tensors), self.time_table)
 
-        key = (len(plan.tokens), plan.window)
+        key = (len(plan.tokens), plan.index.dit.window)
         example = None
         if key not in self.graphs:  # capture on padding rows: the warm-up runs write nothing
             blank = self.pool.blank_plan(*key)
             example = [blank.tokens.to(self.device), torch.zeros_like(spk),
                        *flatten(index_to(blank.index, self.device))]
         with torch.inference_mode():
-            mel = self.graphs.run(key, [tokens, spk, *flatten(ix)], run, example)
+            mel = self.graphs.run(key, [plan.tokens, spk, *flatten(plan.index)], run, example)
         return mel.clone()
-
-    def _vocode(self, states: list[StreamState], mel: torch.Tensor, last: bool):
-        """The vocoder half of a chunk for streams with equal `vocoder_key` (stream.vocode:
-        either vocoder, the reference's leading zeros); returns speech and the new states."""
-        return vocode(self.hift_graphs or self.hift, self.cfg, states, mel, last, self.crossfade)
 
     def warmup(self, voice: VoicePrompt | None = None) -> None:
         """Build `voice`'s template and, when graphs or compiled blocks are on, decode

@@ -29,6 +29,7 @@ from pipeline.code2wav.dit import DiT, DiTPool, DiTSlots
 from pipeline.config import Code2WavConfig, DiTConfig, FlowEncoderConfig
 
 NOISE_FRAMES = 30000  # 600 s of 50 Hz mel: the reference's rand_noise length
+HISTORY_FRAMES = 100  # mel frames of cache kept beyond the prompt (reference constant)
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ class FlowCache:
             for i in range(b)
         ]
 
-    def trimmed(self, prompt_frames: int, history_frames: int = 100) -> FlowCache:
+    def trimmed(self, prompt_frames: int, history_frames: int = HISTORY_FRAMES) -> FlowCache:
         """Bound the caches after a chunk ([MU7] semantics): once a cache holds more than
         prompt + history mel frames keep the prompt part plus the `history_frames` most recent.
 

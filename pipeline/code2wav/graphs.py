@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import torch
 
+from pipeline.code2wav.causal_hift import CausalVocoderState, draw_noise, plan_chunk, vocode_chunk
 from pipeline.graphs import GraphRunner
 
 
@@ -56,13 +57,6 @@ class CausalVocoderGraphs(GraphRunner):
 
     @torch.inference_mode()
     def __call__(self, states, mel, last, generators=None):
-        from pipeline.code2wav.causal_hift import (
-            CausalVocoderState,
-            draw_noise,
-            plan_chunk,
-            vocode_chunk,
-        )
-
         if not self._eligible(mel, states):
             self.fallback()
             return vocode_chunk(self.vocoder, states, mel, last, generators=generators)

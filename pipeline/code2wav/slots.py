@@ -14,7 +14,8 @@ What each cache becomes (flow.FlowPool):
     `_pos(capacity + chunk)`; the new (trimmed) cache is a gather from [cache || chunk].
   * DiT K/V, per Euler step and block: attention has no positions, so frames live anywhere in
     the slot. A chunk's frames that the trim keeps go to free positions, the others to a
-    scratch range after the window; only the new frames are written, nothing is copied.
+    scratch range after the window; only the new frames are written (attention still reads
+    the batch's rows through one gather per block: an in-place kernel would remove it).
   * conv tails (lookahead, upsample, DiT convs): gathered at each row's last valid frames.
 
 `FlowSlotPool.plan(rows)` computes every index on the host (no syncs on the device), the
@@ -31,6 +32,7 @@ import torch
 
 from pipeline.code2wav.dit import DiTPool, DiTSlots
 from pipeline.code2wav.flow import (
+    HISTORY_FRAMES,
     NOISE_FRAMES,
     ConformerSlots,
     Flow,
@@ -39,7 +41,6 @@ from pipeline.code2wav.flow import (
     FlowSlots,
 )
 
-HISTORY_FRAMES = 100  # mel frames of cache kept beyond the prompt (reference constant)
 WINDOW_ALIGN = 64  # DiT windows are rounded up to this many frames (fewer graph shapes)
 
 
@@ -67,14 +68,18 @@ class Plan:
     """A planned batch: the model inputs and what `commit` applies afterwards."""
 
     tokens: torch.Tensor  # (B, T + 2 lookahead) long, CPU
-    index: FlowSlots  # CPU tensors
-    window: int  # DiT attention window (part of the graph key)
+    index: FlowSlots  # CPU tensors; index.dit.window is part of the graph key
     mel_frames: list[int]  # valid mel frames of each real row
     updates: list[tuple[int, SlotState]]  # (slot, its state after the chunk), non-final rows
 
 
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def _trim(seq: list, first: int, last: int) -> list:
+    """FlowCache.trimmed's rule on a list of frames: the first `first` and the last `last`."""
+    return seq[:first] + seq[len(seq) - last :]
 
 
 class FlowSlotPool:
@@ -217,9 +222,8 @@ class FlowSlotPool:
             tok_new = list(range(st.token_len)) + [self.token_cap + j for j in range(v)]
             mel_new = list(range(st.mel_len)) + [self.mel_cap + j for j in range(2 * v)]
             if len(mel_new) > p + HISTORY_FRAMES:
-                ph, hh = p // up, HISTORY_FRAMES // up
-                tok_new = tok_new[:ph] + tok_new[len(tok_new) - hh :]
-                mel_new = mel_new[:p] + mel_new[len(mel_new) - HISTORY_FRAMES :]
+                tok_new = _trim(tok_new, p // up, HISTORY_FRAMES // up)
+                mel_new = _trim(mel_new, p, HISTORY_FRAMES)
             tok[i] = self._conformer(st.token_len, self.token_cap, t_tok, v,
                                      [] if r.last else tok_new)
             mel[i] = self._conformer(st.mel_len, self.mel_cap, t_mel, 2 * v,
@@ -228,7 +232,7 @@ class FlowSlotPool:
             logical: list[tuple[str, int]] = [("new", j) for j in range(2 * v)]
             logical += [("old", q) for q in st.est_pos]
             if len(logical) > p + HISTORY_FRAMES:
-                logical = logical[:p] + logical[len(logical) - HISTORY_FRAMES :]
+                logical = _trim(logical, p, HISTORY_FRAMES)
             old_pos[i] = st.est_pos
             if not r.last:
                 used = set(st.est_pos)
@@ -247,12 +251,12 @@ class FlowSlotPool:
                        + [q for row in targets for q in row if q is not None] + [0])
         base = min(_round_up(used_max + 1, WINDOW_ALIGN), self.est_main)
         window = base + t_mel
-        write = torch.zeros(b, t_mel, dtype=torch.long)
+        write = torch.tensor(
+            [[base + j if q is None else q for j, q in enumerate(row)] for row in targets]
+        )
         att_mask = torch.zeros(b, window, dtype=torch.bool)
         for i in range(b):
             valid = mel_frames[i] if i < len(rows) else 1
-            for j in range(t_mel):
-                write[i, j] = targets[i][j] if targets[i][j] is not None else base + j
             att_mask[i, old_pos[i]] = True
             att_mask[i, write[i, :valid]] = True
 
@@ -281,7 +285,7 @@ class FlowSlotPool:
                 conv_tail=two(conv_tail),
             ),
         )
-        return Plan(tokens, index, window, mel_frames, updates)
+        return Plan(tokens, index, mel_frames, updates)
 
     def blank_plan(self, batch: int, window: int) -> Plan:
         """A plan of `batch` padding rows with DiT window `window`: every write goes to the
@@ -292,7 +296,7 @@ class FlowSlotPool:
         mask = torch.zeros(2 * batch, 1, 1, window, dtype=torch.bool)
         mask[..., base] = True
         dit = replace(plan.index.dit, write=write, mask=mask, window=window)
-        return replace(plan, index=replace(plan.index, dit=dit), window=window)
+        return replace(plan, index=replace(plan.index, dit=dit))
 
     def commit(self, plan: Plan) -> None:
         """The host side of a chunk that has been enqueued: new lengths and positions."""

@@ -37,12 +37,11 @@ import numpy as np
 import torch
 
 from pipeline.code2wav.causal_hift import CausalHiFT, CausalVocoderState, vocode_chunk
-from pipeline.code2wav.flow import Flow, FlowCache
+from pipeline.code2wav.flow import HISTORY_FRAMES, Flow, FlowCache
 from pipeline.code2wav.graphs import CausalVocoderGraphs
 from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.config import Code2WavConfig
 
-HISTORY_FRAMES = 100  # mel frames of cache kept beyond the prompt (reference constant)
 
 Token2WavReference = Literal["minicpmo-utils-1.0.7", "stepaudio2-0.1.1"]
 DEFAULT_REFERENCE: Token2WavReference = "minicpmo-utils-1.0.7"
