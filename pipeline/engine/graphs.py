@@ -1,6 +1,6 @@
-"""CUDA graphs for pure-decode steps of the LLM.
+"""CUDA graphs for pure-decode steps of the LLM, on the project's GraphRunner (pipeline/graphs.py).
 
-Contract (one graph per bucketed batch size, one shared memory pool):
+Contract (one graph per bucketed batch size, captured at start, largest first):
 - `GraphBuffers`: static input/output tensors sized for the largest bucket. A replay
   copies the real rows in, pads the rest (token 0 at position 0 writing to the KV
   cache's scratch slot, attending over the scratch block), replays, and reads
@@ -20,6 +20,7 @@ import torch
 
 from pipeline.engine.attention import AttnMetadata, FlashInferAttention, ForwardBatch, forward_batch
 from pipeline.engine.kv_cache import KVCache
+from pipeline.graphs import GraphRunner
 
 
 def default_graph_sizes(max_bs: int) -> tuple[int, ...]:
@@ -88,9 +89,14 @@ class DecodeGraphs:
         self.buf = GraphBuffers.allocate(
             self.sizes[-1], cfg.hidden_size, cfg.vocab_size, dtype, device
         )
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
-        self.num_replays = 0  # observability: how many steps ran as graphs
+        # The step runs on buffers it owns (no graph inputs), so the runner's warm-up on its
+        # side stream only writes the scratch KV slot.
+        self.runner = GraphRunner(max_graphs=len(self.sizes), warmup_iters=1)
+
+    @property
+    def num_replays(self) -> int:
+        """Observability: how many steps ran as graphs."""
+        return self.runner.replays
 
     @property
     def max_bs(self) -> int:
@@ -132,8 +138,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, into one shared pool."""
-        self.pool = torch.cuda.graph_pool_handle()
+        """Capture every bucket, largest first (smaller ones reuse its pool memory)."""
         for bs in sorted(self.sizes, reverse=True):
             meta = self.padded_meta(0, bs, [], [])
             self.buf.copy_inputs(
@@ -145,15 +150,10 @@ class DecodeGraphs:
             self.backend.use_graph_wrapper(bs)
             try:
                 self.backend.prepare(meta)
-                self._forward(bs, meta)  # warmup: JIT kernels and allocator outside capture
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    self._forward(bs, meta)
-                torch.cuda.synchronize()
+                self.runner.add(bs, lambda bs=bs, meta=meta: self._forward(bs, meta))
             finally:
                 self.backend.use_graph_wrapper(None)
-            self.graphs[bs] = g
+        torch.cuda.synchronize()
 
     def replay(
         self,
@@ -175,6 +175,5 @@ class DecodeGraphs:
             self.backend.prepare(meta)
         finally:
             self.backend.use_graph_wrapper(None)
-        self.graphs[bucket].replay()
-        self.num_replays += 1
+        self.runner.run(bucket, (), fn=None)  # every bucket was captured at start
         return self.buf.hidden[:bs], self.buf.logits[:bs]
