@@ -18,6 +18,8 @@ with a full chunk ready:
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import sys
 import time
@@ -41,6 +43,7 @@ FAST_C = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_cfm_cuda_graph
 SHIPPED = Code2WavEngineConfig(  # serve_config.yaml's
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
     token2wav_compile_estimator=True, token2wav_vocoder_gemm_convs=True)
+SHIPPED_BF16 = dataclasses.replace(SHIPPED, token2wav_precision="bf16")  # opt-in
 FAST_C_TF32 = Code2WavEngineConfig(
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
     token2wav_compile_estimator=True, token2wav_precision="tf32")
@@ -213,6 +216,7 @@ def main() -> int:
     flow, _ = random_code2wav(cfg, seed=0)
     hift = random_vocoder(cfg, 0, args.layout)
     flow, hift = flow.to(dev).eval(), hift.to(dev).eval()
+    flow_bf16 = copy.deepcopy(flow)  # token2wav_precision bf16 converts its estimator in place
     voices = [voice(1, args.prompt_codes, dev), voice(2, args.prompt_codes + 12, dev)]
     result: dict = {"prompt_codes": args.prompt_codes}
     ok = True
@@ -277,11 +281,19 @@ def main() -> int:
             worst, low = compare(ref, got, f"{label} {tag}")
             result[f"precision_{label}_{tag}"] = {"max_abs": worst, "min_snr_db": low}
             ok &= worst <= 1e-4 and low >= 80
+    # opt-in bf16 DiT against the same fp32 reference: reported, not a check
+    for label, (sched, ref) in refs.items():
+        got = play(Code2WavEngine(flow_bf16, hift, cfg, SHIPPED_BF16), sched, voices)
+        worst, low = compare(ref, got, f"{label} shipped bf16")
+        result[f"precision_{label}_shipped_bf16"] = {"max_abs": worst, "min_snr_db": low}
+    Code2WavEngine(flow, hift, cfg)  # back to fp32 flags
     for name, ecfg in (("slots + graphs + compile", FAST_C),
                        ("slots + graphs + compile tf32", FAST_C_TF32),
                        ("shipped (+ vocoder convs as GEMMs)", SHIPPED)):
         if not (args.quick and ecfg is not SHIPPED):
             timings(name, ecfg)
+    flow = flow_bf16
+    timings("shipped bf16 (opt-in)", SHIPPED_BF16)
     result["timings"] = rows
     print("max memory allocated", round(torch.cuda.max_memory_allocated() / 2**30, 2), "GiB")
     if args.out:

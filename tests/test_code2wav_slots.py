@@ -299,3 +299,41 @@ def test_vocoder_convs_as_matmuls_within_the_bound(model, voices):
         token2wav_slot_pool=True, token2wav_vocoder_gemm_convs=True)), rounds, voice_of)
     Code2WavEngine(flow, hift, cfg)  # back to cuDNN convs for the module-scoped vocoder
     _compare(ref, got, "gemm convs")
+
+
+def _snr_db(a: np.ndarray, b: np.ndarray) -> float:
+    return float(10 * np.log10((a.astype(np.float64) ** 2).sum()
+                               / max(((a - b).astype(np.float64) ** 2).sum(), 1e-300)))
+
+
+@pytest.mark.parametrize("slot_pool", [False, True])
+def test_bf16_estimator_stays_close_to_fp32_without_drift(model, voices, slot_pool):
+    """`token2wav_precision: bf16` (opt-in) runs the DiT in bf16 with its caches in bf16 and
+    everything else in fp32. It changes the audio, so the bound is an SNR against the fp32
+    path (the tiny model measures 66-70 dB a chunk), held over a 12-chunk stream: bf16
+    rounding in the cached keys must not compound from chunk to chunk."""
+    import copy
+
+    flow, hift, cfg = model
+    rounds = _schedule(3, [300, 60, 33], seed=9)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    bf16_flow = copy.deepcopy(flow)  # the engine converts the estimator in place
+    eng = Code2WavEngine(bf16_flow, hift, cfg, Code2WavEngineConfig(
+        token2wav_precision="bf16", token2wav_slot_pool=slot_pool))
+    assert bf16_flow.decoder.estimator.in_proj.weight.dtype == torch.bfloat16
+    assert bf16_flow.encoder is not None and next(bf16_flow.encoder.parameters()).dtype == torch.float32
+    if slot_pool:
+        assert eng.pool.pool.dit.k.dtype == torch.bfloat16
+    got = _play(eng, rounds, voice_of)
+    for sid in ref:
+        assert [a.shape for a in ref[sid]] == [b.shape for b in got[sid]]
+        snrs = [_snr_db(a, b) for a, b in zip(ref[sid], got[sid])]
+        print("bf16", "slots" if slot_pool else "plain", sid, " ".join(f"{s:.1f}" for s in snrs))
+        assert min(snrs) >= 55, f"{sid}: {min(snrs):.1f} dB"
+        half = len(snrs) // 2
+        if half >= 3:
+            assert min(snrs[half:]) >= min(snrs[:half]) - 6

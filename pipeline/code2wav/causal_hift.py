@@ -433,6 +433,32 @@ def draw_noise(
     return torch.cat([torch.rand(1, samples, n, device=device, generator=g) for g in generators])
 
 
+def _decode_windows(vocoder: CausalHiFT, mel: torch.Tensor, mel_at: int, source: torch.Tensor,
+                    source_at: int, decodes: Sequence[tuple[int, int, int, bool]]
+                    ) -> list[torch.Tensor]:
+    """The chunk's decode windows, (start, emitted before, end, finalize) each in frames from
+    the chunk's first fresh frame, which sits at frame `mel_at` of `mel` (B, 80, .) and
+    `source_at` of `source` (B, 1, 480 .). Windows of one length and kind run as one decode
+    of (windows x B) rows. Returns each window's new speech (B, N_i), in order."""
+    hop, b = vocoder.cfg.hop_length, mel.shape[0]
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, (start, _, end, fin) in enumerate(decodes):
+        groups.setdefault((end - start, fin), []).append(i)
+    speech: list[torch.Tensor | None] = [None] * len(decodes)
+    for (_, fin), members in groups.items():
+        feats = [mel[:, :, mel_at + decodes[i][0] : mel_at + decodes[i][2]] for i in members]
+        srcs = [source[:, :, (source_at + decodes[i][0]) * hop : (source_at + decodes[i][2]) * hop]
+                for i in members]
+        if len(members) == 1:
+            outs = [vocoder.decode(feats[0], srcs[0], fin)]
+        else:
+            outs = vocoder.decode(torch.cat(feats), torch.cat(srcs), fin).split(b)
+        for i, out in zip(members, outs):
+            start, before = decodes[i][:2]
+            speech[i] = out[:, (before - start) * hop :]
+    return speech  # type: ignore[return-value]
+
+
 @torch.inference_mode()
 def vocode_chunk(
     vocoder: CausalHiFT,
@@ -463,8 +489,10 @@ def vocode_chunk(
     src_parts = [batch.source]
     src_frames = cap_s  # source frames held in src_parts
     used = 0  # noise samples consumed
-    speech = []
+    decodes = []  # (window start, emitted before, source end, finalize), chunk-relative
     with parametrize.cached():
+        # The source runs block by block (its phase carries on); each decode window reads
+        # only the mel and that source, so every window of the chunk is decoded afterwards.
         for b in blocks:
             if b.f0 is not None:
                 start, new, _ = b.f0
@@ -481,14 +509,9 @@ def vocode_chunk(
                     src_frames += s_end - s_start
             if b.decode is not None:
                 start, before, _ = b.decode
-                source = torch.cat(src_parts, dim=2) if len(src_parts) > 1 else src_parts[0]
-                src_parts = [source]
-                end = src_frames - off_s  # chunk-relative end of the source so far
-                features = mel_all[:, :, cap_m + start : cap_m + end]
-                window = source[:, :, (off_s + start) * hop : (off_s + end) * hop]
-                out = vocoder.decode(features, window, b.finalize)
-                speech.append(out[:, (before - start) * hop :])
-    source = torch.cat(src_parts, dim=2) if len(src_parts) > 1 else src_parts[0]
+                decodes.append((start, before, src_frames - off_s, b.finalize))
+        source = torch.cat(src_parts, dim=2) if len(src_parts) > 1 else src_parts[0]
+        speech = _decode_windows(vocoder, mel_all, cap_m, source, off_s, decodes)
     out = torch.cat(speech, dim=1) if speech else mel.new_zeros(len(states), 0, dtype=torch.float32)
     new_mel = mel_all[:, :, -cap_m:]
     new_src = source[:, :, -cap_s * hop :]

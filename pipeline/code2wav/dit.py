@@ -341,11 +341,11 @@ class DiT(nn.Module):
         """t (N,) -> (N, D). Constant per Euler step, so the CFM computes it once per schedule."""
         return self.t_embedder(t)
 
-    @staticmethod
-    def _inputs(x, mu, spks, cond) -> torch.Tensor:
-        # (B,80,T) x3 + (B,80) -> (B, T, 320)
+    def _inputs(self, x, mu, spks, cond) -> torch.Tensor:
+        # (B,80,T) x3 + (B,80) -> (B, T, 320), in the weights' dtype: a bf16 estimator
+        # (token2wav_precision bf16) takes the fp32 flow's inputs and returns v in fp32.
         spk = spks[:, :, None].expand(-1, -1, x.shape[-1])
-        return torch.cat([x, mu, spk, cond], dim=1).transpose(1, 2)
+        return torch.cat([x, mu, spk, cond], dim=1).transpose(1, 2).to(self.in_proj.weight.dtype)
 
     def forward(
         self,
@@ -364,7 +364,7 @@ class DiT(nn.Module):
         for block in self.blocks:
             _mark_dynamic_dims(h, c, mask=attn_mask)
             h, _, _ = block(h, c, mask=attn_mask)
-        return self.final_layer(h, c).transpose(1, 2)
+        return self.final_layer(h, c).transpose(1, 2).to(x.dtype)
 
     def forward_chunk(
         self,
@@ -388,7 +388,7 @@ class DiT(nn.Module):
             h, cc, ac = block(h, c, cnn, att)
             new_cnn.append(cc)
             new_att.append(ac)
-        return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)
+        return self.final_layer(h, c).transpose(1, 2).to(x.dtype), torch.stack(new_cnn), torch.stack(new_att)
 
     def forward_slots(
         self,
@@ -407,7 +407,7 @@ class DiT(nn.Module):
         h = self.in_proj(self._inputs(x, mu, spks, cond))
         for i, block in enumerate(self.blocks):
             h = block.forward_slots(h, c, pool.k[step, i], pool.v[step, i], pool.cnn[step, i], ix)
-        return self.final_layer(h, c).transpose(1, 2)
+        return self.final_layer(h, c).transpose(1, 2).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------

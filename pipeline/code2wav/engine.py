@@ -71,9 +71,12 @@ class Code2WavEngineConfig:
     # which reference's streaming a turn follows (stream.py): prompt lookahead, leading zeros
     token2wav_reference: Token2WavReference = DEFAULT_REFERENCE
     # fp32: every matmul and conv in fp32, as the reference computes on CPU (cuDNN's default
-    # TF32 convs off); tf32: TF32 tensor cores for the flow's matmuls and convs (opt-in: it
-    # changes the audio, see docs/performance.md). Set for the whole process on CUDA.
-    token2wav_precision: Literal["fp32", "tf32"] = "fp32"
+    # TF32 convs off); tf32: TF32 tensor cores for the flow's matmuls and convs; bf16: the DiT
+    # estimator's weights, activations and caches in bf16 (it is ~all of the flow's work; the
+    # encoder, the Euler update and the vocoder stay fp32). tf32 and bf16 are opt-in: they
+    # change the audio (SNR in docs/performance.md). The TF32 flags are set for the whole
+    # process on CUDA; bf16 converts the flow's estimator in place.
+    token2wav_precision: Literal["fp32", "tf32", "bf16"] = "fp32"
     token2wav_slot_pool: bool = False  # every ready chunk in one padded step (slots.py)
     token2wav_cfm_cuda_graph: bool = False  # the slot-pool step as CUDA graphs (CUDA only)
     token2wav_compile_estimator: bool = False  # compiles the flow's DiT blocks in place
@@ -118,6 +121,8 @@ class Code2WavEngine:
         self.voices = voices  # default voice + reference-audio LRU (open_stream(voice=None))
         self.device = next(flow.parameters()).device
         self.crossfade = Crossfade(cfg.mel_overlap_frames * cfg.hift.hop_length, self.device)
+        if engine_cfg.token2wav_precision == "bf16":
+            flow.decoder.estimator.to(torch.bfloat16)
         if engine_cfg.token2wav_compile_estimator:
             # in place; compiles lazily on first use (setup_cache, the graph runner's warm-up)
             compile_dit_blocks(flow.decoder.estimator)
@@ -280,6 +285,7 @@ class Code2WavEngine:
                 near[key] += 1
         out = []
         for batch in self.batcher.plan(ready, near):
+            t0 = time.perf_counter()
             ids = [r.stream_id for r in batch]
             if batch[0].key == ("slots",):
                 pieces = self._slot_step(ids, pending)
@@ -295,6 +301,8 @@ class Code2WavEngine:
             self.counters["batches"] += 1
             self.counters["chunks"] += len(ids)
             self.counters[f"batch_size_{len(ids)}"] += 1
+            # wall time of decoding (the PCM is on the host by now): busy share = its rate
+            self.counters["busy_ms"] += round((time.perf_counter() - t0) * 1e3, 3)
         for name, runner in (("cfm", self.graphs), ("hift", self.hift_graphs)):
             if runner is not None:
                 self.counters[f"{name}_graph_replays"] = runner.replays

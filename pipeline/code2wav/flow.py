@@ -488,12 +488,12 @@ class UpsampleConformerEncoder(nn.Module):
         for i, layer in enumerate(self.up_encoders):
             xs, c = layer(xs, pos, None if cache is None else cache.mel_att[i])
             mel_att.append(c)
-        new = dict(
-            token_att=torch.stack(token_att),
-            mel_att=torch.stack(mel_att),
-            lookahead_cnn=la_cache,
-            up_cnn=up_cache,
-        )
+        new = {
+            "token_att": torch.stack(token_att),
+            "mel_att": torch.stack(mel_att),
+            "lookahead_cnn": la_cache,
+            "up_cnn": up_cache,
+        }
         return self.after_norm(xs), new
 
     def forward_slots(self, xs: torch.Tensor, pool: FlowPool, ix: FlowSlots) -> torch.Tensor:

@@ -104,15 +104,17 @@ class FlowSlotPool:
         h, dk = e.attention_heads, e.output_size // e.attention_heads
         s, depth = flow.decoder.n_timesteps, d.depth
         z = {"device": self.device, "dtype": dtype}
+        # the DiT's caches in its own dtype (bf16 under token2wav_precision bf16)
+        zd = {"device": self.device, "dtype": flow.decoder.estimator.in_proj.weight.dtype}
         self.pool = FlowPool(
             token=torch.zeros(e.num_blocks, ns, h, self.token_cap, 2 * dk, **z),
             mel=torch.zeros(e.num_up_blocks, ns, h, self.mel_cap, 2 * dk, **z),
             lookahead=torch.zeros(ns, e.output_size, 2, **z),
             up=torch.zeros(ns, e.output_size, 2 * self.up, **z),
             dit=DiTPool(
-                k=torch.zeros(s, depth, 2, ns, est_cap, d.num_heads, d.head_dim, **z),
-                v=torch.zeros(s, depth, 2, ns, est_cap, d.num_heads, d.head_dim, **z),
-                cnn=torch.zeros(s, depth, 2, ns, 2 * d.hidden_size, 2, **z),
+                k=torch.zeros(s, depth, 2, ns, est_cap, d.num_heads, d.head_dim, **zd),
+                v=torch.zeros(s, depth, 2, ns, est_cap, d.num_heads, d.head_dim, **zd),
+                cnn=torch.zeros(s, depth, 2, ns, 2 * d.hidden_size, 2, **zd),
             ),
         )
         self.spare = slots

@@ -42,7 +42,6 @@ from pipeline.code2wav.graphs import CausalVocoderGraphs
 from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.config import Code2WavConfig
 
-
 Token2WavReference = Literal["minicpmo-utils-1.0.7", "stepaudio2-0.1.1"]
 DEFAULT_REFERENCE: Token2WavReference = "minicpmo-utils-1.0.7"
 
