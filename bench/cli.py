@@ -17,7 +17,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,10 @@ def execute(
     label: str = "run",
     config: dict[str, Any] | None = None,
     percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+    on_rounds: Callable[[int, str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark and return the run JSON (report.build_run)."""
-    results = asyncio.run(run_benchmark(specs, opts, cfg, on_record=_grade))
+    results = asyncio.run(run_benchmark(specs, opts, cfg, on_record=_grade, on_rounds=on_rounds))
     return build_run(results, config or {}, label=label, percentiles=percentiles)
 
 

@@ -369,8 +369,10 @@ async def run_benchmark(
     opts: ClientOptions,
     cfg: BenchConfig,
     on_record: Callable[[RequestRecord, RequestSpec], None] | None = None,
+    on_rounds: Callable[[int, str], None] | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Warmup + measured rounds per concurrency.
+    """Warmup + measured rounds per concurrency. `on_rounds(c, "start" | "end")` is called
+    around each concurrency's measured rounds (a server-side snapshot, e.g. stage counters).
 
     Returns {concurrency: {"warmup": RoundResult | None, "rounds": [RoundResult, ...]}}.
     Items are taken in order: warmups first, then round 0, 1, ... so a data set with at least
@@ -393,6 +395,8 @@ async def run_benchmark(
                     session, wspecs, opts, c, -1, warmup=True, progress=bar, on_record=on_record
                 )
                 bar.close()
+            if on_rounds is not None:
+                on_rounds(c, "start")
             for r in range(cfg.num_rounds):
                 rspecs = schedule(specs, cfg.num_prompts, offset)
                 offset += cfg.num_prompts
@@ -401,6 +405,8 @@ async def run_benchmark(
                     await run_round(session, rspecs, opts, c, r, progress=bar, on_record=on_record)
                 )
                 bar.close()
+            if on_rounds is not None:
+                on_rounds(c, "end")
             out[c] = entry
     return out
 

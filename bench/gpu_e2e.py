@@ -130,6 +130,31 @@ class InProcessServe:
         self.ray.shutdown()
 
 
+class Code2WavShare:
+    """Per concurrency, over its measured rounds: Code2Wav's busy share of the wall clock (its
+    engine's `busy_ms`: decode time with the PCM on the host) and its batch-size histogram."""
+
+    def __init__(self, srv: InProcessServe):
+        self.srv, self.rows, self._start = srv, {}, None
+
+    def _snapshot(self) -> tuple[float, dict[str, float]]:
+        h = self.srv.serve.get_deployment_handle("Code2Wav", app_name="omniray")
+        return time.perf_counter(), h.stats.remote().result().get("engine", {})
+
+    def __call__(self, c: int, phase: str) -> None:
+        if phase == "start":
+            self._start = self._snapshot()
+            return
+        (t0, a), (t1, b) = self._start, self._snapshot()
+        delta = {k: b[k] - a.get(k, 0) for k in b if isinstance(b[k], int | float)}
+        hist = {int(k[11:]): int(v) for k, v in delta.items() if k.startswith("batch_size_") and v}
+        busy = delta.get("busy_ms", 0.0) / 1e3 / (t1 - t0)
+        self.rows[c] = {"wall_s": round(t1 - t0, 2), "busy_share": round(busy, 3),
+                        "batches": dict(sorted(hist.items())), "chunks": delta.get("chunks", 0)}
+        print(f"Code2Wav at c={c}: busy {busy:.0%} of {t1 - t0:.1f} s; batches "
+              + " ".join(f"{k}:{v}" for k, v in sorted(hist.items())), flush=True)
+
+
 def _failed(run: dict[str, Any]) -> int:
     return sum(s["failed"] for s in run["summaries"].values())
 
@@ -182,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         if "main" in phases:
             app = app_args(args.config, args.checkpoint, base_over, media_dir)
             with srv.app(app, "main", out / "main") as url:
+                per_c = Code2WavShare(srv)
                 run = execute(specs, client_options(args, url), bench_config(args),
-                              label="omniray", config={"serve_config": args.config, **vars(args)})
+                              label="omniray", config={"serve_config": args.config, **vars(args)},
+                              on_rounds=per_c)
+                (out / "main").mkdir(parents=True, exist_ok=True)
+                (out / "main" / "code2wav.json").write_text(json.dumps(per_c.rows, indent=1))
             base_path = out / "baseline" / "run.json"
             baseline = load_run(base_path) if base_path.exists() else None
             print(write_outputs(run, out / "main", baseline, plots=not args.no_plots,
