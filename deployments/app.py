@@ -6,12 +6,15 @@
 The server classes are plain (undecorated); this module turns them into deployments.
 GPU fractions are applied only when the cluster has GPUs, so the same config runs on a
 CPU-only machine. Engine classes can be injected (tests use small fakes), as in Ray
-Serve LLM's builders.
+Serve LLM's builders. With `gpu_sharing: mps`, each GPU stage's replica starts with its MPS
+client settings in its environment (`runtime_env.env_vars`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from ray import serve
@@ -34,10 +37,33 @@ def cluster_has_gpu() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def _options(name: str, s: StageSettings, gpu: bool) -> dict[str, Any]:
+# MPS client settings an operator may have set where the app is built; every client must
+# use the daemon's pipe directory, so they travel to the replicas unchanged.
+MPS_PASSTHROUGH = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+
+
+def mps_env_vars(cfg: AppConfig, s: StageSettings,
+                 environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The MPS client environment of one GPU stage's replica (empty unless gpu_sharing is mps).
+
+    The CUDA driver reads these when the process creates its context; Ray puts runtime_env
+    env_vars in the worker process's environment before the process starts, so they are in
+    place before any import touches CUDA."""
+    if cfg.gpu_sharing != "mps":
+        return {}
+    env = {k: environ[k] for k in MPS_PASSTHROUGH if environ.get(k)}
+    if s.mps_thread_percentage is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(s.mps_thread_percentage)
+    return env
+
+
+def _options(name: str, s: StageSettings, gpu: bool, cfg: AppConfig) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": s.num_cpus}
-    if gpu and s.num_gpus > 0:
+    if gpu and s.num_gpus > 0:  # a replica without a GPU share is not an MPS client
         actor["num_gpus"] = s.num_gpus
+        env = mps_env_vars(cfg, s)
+        if env:  # Serve merges these into the application's runtime_env
+            actor["runtime_env"] = {"env_vars": env}
     return {"name": name, "num_replicas": s.num_replicas,
             "max_ongoing_requests": s.max_ongoing_requests, "ray_actor_options": actor,
             "health_check_period_s": s.health_check_period_s,
@@ -51,12 +77,14 @@ def build_omni_app(cfg: AppConfig | dict | None = None, *, thinker_engine_cls: A
     cfg = AppConfig.model_validate(cfg or {})
     gpu = cluster_has_gpu() if use_gpu is None else use_gpu
     args = cfg.model_dump()
-    log.info("omniray: building app (GPU fractions %s)", "on" if gpu else "off")
-    code2wav = serve.deployment(Code2WavServer, **_options("Code2Wav", cfg.code2wav, gpu)).bind(
+    log.info("omniray: building app (GPU fractions %s, gpu_sharing %s)",
+             "on" if gpu else "off", cfg.gpu_sharing)
+    code2wav = serve.deployment(
+        Code2WavServer, **_options("Code2Wav", cfg.code2wav, gpu, cfg)).bind(
         args, engine_cls=code2wav_engine_cls)
-    talker = serve.deployment(TalkerServer, **_options("Talker", cfg.talker, gpu)).bind(
+    talker = serve.deployment(TalkerServer, **_options("Talker", cfg.talker, gpu, cfg)).bind(
         args, code2wav, engine_cls=talker_engine_cls)
-    thinker = serve.deployment(ThinkerServer, **_options("Thinker", cfg.thinker, gpu)).bind(
+    thinker = serve.deployment(ThinkerServer, **_options("Thinker", cfg.thinker, gpu, cfg)).bind(
         args, talker, engine_cls=thinker_engine_cls)
     ing = cfg.ingress
     ingress = serve.deployment(

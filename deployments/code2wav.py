@@ -28,6 +28,7 @@ from deployments.stage import (
     Tombstones,
     build_engine,
     check_loop_health,
+    engine_scope,
     error_line,
     next_item,
     stage_init,
@@ -150,7 +151,7 @@ class Code2WavServer:
         self.loop = EngineLoop(self.engine, name="code2wav",
                                route=lambda out: _route(out, self.loop.step_started_at),
                                on_step=self.metrics.on_step, on_streams=self.metrics.streams,
-                               on_failure=self._close_all)
+                               on_failure=self._close_all, scope=engine_scope(cfg, "code2wav"))
         self.timeouts = cfg.timeouts
         self._pushed: dict[str, int] = {}  # codes received per open stream
         self._aborted = Tombstones()

@@ -45,6 +45,15 @@ class StageSettings(_Settings):
     engine: dict[str, Any] = Field(default_factory=dict, description=(
         "fields of the stage's frozen engine config (batch limits, knobs); unknown keys "
         "fail the stage at startup"))
+    mps_thread_percentage: int | None = Field(None, ge=1, le=100, strict=True, description=(
+        "gpu_sharing: mps only: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of this stage's replica "
+        "(a cap on its share of the SMs; caps may add up to more than 100); null = the MPS "
+        "daemon's default"))
+    cuda_stream_priority: Literal["default", "high"] = Field("default", description=(
+        "high: the engine thread's commands and steps, and the CUDA graphs it captures, run "
+        "on a high-priority CUDA stream (the same kernels in the same order, so the same "
+        "output); priorities order work the GPU runs at the same time, which between "
+        "processes happens only under MPS; ignored on CPU"))
 
 
 class IngressSettings(_Settings):
@@ -136,6 +145,11 @@ class AppConfig(_Settings):
         "where uploaded voices (POST /v1/audio/voices) are kept and restored from at start; "
         "null = <OMNIRAY_CACHE, default ~/.cache/omniray>/voices"))
     cuda_context_gib: float = Field(0.7, ge=0.0, description="per-process CUDA context estimate")
+    gpu_sharing: Literal["timeslice", "mps"] = Field("timeslice", description=(
+        "how the stages' processes share a GPU: timeslice = the driver's default (one "
+        "process's kernels at a time); mps = through an MPS daemon the operator started "
+        "(kernels of several stages at once), with each stage's mps_thread_percentage; "
+        "each GPU stage reports at start what it actually found"))
     limits: LimitSettings = Field(default_factory=LimitSettings)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
@@ -163,6 +177,13 @@ class AppConfig(_Settings):
         caps = [s.memory_fraction or 0.0 for s in self.stages().values()]
         if sum(caps) > 1.0:
             raise ValueError(f"stage memory_fraction values add up to {sum(caps):.2f} > 1.0")
+        if self.gpu_sharing != "mps":
+            for name, s in self.stages().items():
+                if s.mps_thread_percentage is not None:
+                    raise ValueError(
+                        f"{name}.mps_thread_percentage is {s.mps_thread_percentage} but "
+                        f"gpu_sharing is {self.gpu_sharing!r}; set gpu_sharing: mps or leave "
+                        f"the percentage out")
         return self
 
     def stages(self) -> dict[str, StageSettings]:

@@ -15,17 +15,23 @@ dropped. If `step()` raises, every open queue receives a `StageFailure` and `on_
 `health(wedge_s)` tells a live loop from a wedged one: the worker thread died, or one step
 or command has run longer than `wedge_s`. Stages report it through Serve's `check_health`
 and in their streams' heartbeats, so a stuck engine ends its turns instead of hanging them.
+
+`scope()`, if given, is entered by the worker thread once and held for its whole life, around
+every command and step (e.g. the stage's CUDA stream): all of an engine's work stays on one
+stream, so nothing it queues needs a cross-stream wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +94,7 @@ class EngineLoop:
         on_failure: Callable[[Any, BaseException], None] | None = None,
         busy: Callable[[Any], bool] | None = None,
         on_streams: Callable[[int], None] | None = None,
+        scope: Callable[[], AbstractContextManager] | None = None,
     ):
         self.engine = engine
         self.name = name
@@ -96,6 +103,7 @@ class EngineLoop:
         self._on_failure = on_failure
         self._busy = busy or engine_busy
         self._on_streams = on_streams  # told the number of open keys when it changes
+        self._scope = scope  # held by the worker thread for its whole life
         self._commands: queue.Queue[tuple[Callable, Future | None]] = queue.Queue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -134,7 +142,7 @@ class EngineLoop:
         if self._on_streams is not None:
             try:
                 self._on_streams(len(self._queues))
-            except Exception:  # noqa: BLE001 - metrics must never break a stream
+            except Exception:  # metrics must never break a stream
                 log.debug("on_streams failed", exc_info=True)
 
     def is_open(self, key: str) -> bool:
@@ -219,6 +227,10 @@ class EngineLoop:
                 return n
 
     def _run(self) -> None:
+        with self._scope() if self._scope is not None else contextlib.nullcontext():
+            self._serve()
+
+    def _serve(self) -> None:
         idle_streak = False
         while not self._stopping:
             if self._aloop is not None and self._aloop.is_closed():

@@ -14,10 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
+import functools
 import logging
 import os
+import socket
+import stat
+import subprocess
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +119,8 @@ def resolve_device(cfg: AppConfig) -> str:
 def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
     """Pick the device and, on CUDA, load this stage under a per-GPU file lock: prove the
     memory plan fits (with this stage's free-memory reading taken while no other stage is
-    loading), cap this process, then build the engine inside the `with` block."""
+    loading), cap this process, then build the engine inside the `with` block (on the
+    stage's engine stream). Once built, log and keep how the stage shares its GPU."""
     device = resolve_device(cfg)
     if device != "cuda":
         yield device
@@ -122,8 +129,7 @@ def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
 
     import torch
 
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-    with open(f"/tmp/omniray-gpu{gpu}-init.lock", "w") as lock:
+    with open(f"/tmp/omniray-gpu{visible_gpu(os.environ)}-init.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             free, total = torch.cuda.mem_get_info()
@@ -132,9 +138,147 @@ def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
             if frac is not None:
                 torch.cuda.set_per_process_memory_fraction(frac)
             log.info("%s: memory plan (GiB) %s", stage, {k: round(v, 2) for k, v in plan.items()})
-            yield device
+            # The engine is built on the stream its thread will run on: its graphs are
+            # captured at that stream's priority, its memory cached for that stream.
+            stream = engine_stream(cfg, stage)
+            with on_stream(stream):
+                yield device
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+    # After the build: the CUDA context exists, so an MPS server serving it is listed.
+    report = detect_gpu_sharing(cfg.gpu_sharing)
+    report["cuda_stream_priority"] = 0 if stream is None else stream.priority
+    _GPU_SHARING[stage] = report
+    if report["warning"]:
+        log.warning("%s: %s", stage, report["warning"])
+    log.info("%s: GPU sharing %s", stage, report)
+
+
+def visible_gpu(env: Mapping[str, str]) -> str:
+    """The GPU this process uses, as nvidia-smi names it (Ray sets CUDA_VISIBLE_DEVICES)."""
+    return env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+
+
+# ---------------------------------------------------------------------------------------
+# GPU sharing (time slicing or MPS) and the engine's CUDA stream
+
+MPS_DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
+NVIDIA_SMI_TIMEOUT_S = 2.0
+
+# What stage_init found for each stage this process hosts (one, under Serve), for stats().
+_GPU_SHARING: dict[str, dict[str, Any]] = {}
+
+
+def mps_control(pipe_dir: str) -> tuple[bool, str]:
+    """Whether an MPS control daemon listens on `pipe_dir`/control, the socket the CUDA driver
+    tries when it creates a context: (True, its path) or (False, why not). It connects and
+    closes without sending anything, so nothing is started or changed."""
+    path = os.path.join(pipe_dir, "control")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False, f"no control socket at {path}"
+    except OSError as e:
+        return False, f"{path}: {e.strerror}"
+    if not stat.S_ISSOCK(mode):
+        return False, f"{path} is not a socket"
+    for kind in (socket.SOCK_SEQPACKET, socket.SOCK_STREAM):  # the daemon's is SEQPACKET
+        with socket.socket(socket.AF_UNIX, kind) as sock:
+            sock.settimeout(0.5)
+            try:
+                sock.connect(path)
+            except OSError as e:
+                if e.errno == errno.EPROTOTYPE:  # a listener of the other socket type
+                    continue
+                return False, f"{path} does not answer ({e.strerror or e})"
+            return True, path
+    return False, f"{path} does not answer"
+
+
+def _nvidia_smi(query: str, gpu: str, exe: str, timeout_s: float) -> list[str] | None:
+    """One CSV query's lines, or None when nvidia-smi is missing, fails or does not answer."""
+    try:
+        out = subprocess.run([exe, query, "-i", gpu, "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def detect_gpu_sharing(requested: str, env: Mapping[str, str] = os.environ, *,
+                       nvidia_smi: str = "nvidia-smi",
+                       timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> dict[str, Any]:
+    """How this process shares its GPU, found without starting or changing anything.
+
+    `mode` is mps when an MPS control daemon answers on this process's pipe directory (the
+    driver then makes its context an MPS client), else timeslice. nvidia-smi, if present,
+    adds the GPU's compute mode and whether an MPS server is listed on it (None: unknown).
+    `warning` says when what was found is not what `requested` asked for; it never fails."""
+    pipe_dir = env.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE_DIR
+    up, where = mps_control(pipe_dir)
+    gpu = visible_gpu(env)
+    compute_mode = _nvidia_smi("--query-gpu=compute_mode", gpu, nvidia_smi, timeout_s)
+    apps = _nvidia_smi("--query-compute-apps=process_name", gpu, nvidia_smi, timeout_s)
+    listed = None if apps is None else any("nvidia-cuda-mps-server" in a for a in apps)
+    warning = None
+    if requested == "mps" and not up:
+        hint = (" (an MPS server is listed on this GPU: does CUDA_MPS_PIPE_DIRECTORY match the "
+                "daemon's?)" if listed else "")
+        warning = (f"gpu_sharing is mps but no MPS daemon found: {where}{hint}; this stage "
+                   f"time-slices the GPU with the other processes (an operator starts one "
+                   f"with `nvidia-cuda-mps-control -d` before Ray)")
+    elif requested != "mps" and up:
+        warning = (f"an MPS daemon answers at {where}: this stage runs as an MPS client "
+                   f"although gpu_sharing is {requested}")
+    return {"requested": requested, "mode": "mps" if up else "timeslice",
+            "mps_control": where if up else None,
+            "mps_thread_percentage": env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+            "compute_mode": compute_mode[0] if compute_mode else None,
+            "mps_server_listed": listed, "warning": warning}
+
+
+@functools.cache
+def high_priority_stream() -> Any:
+    """The process's high-priority CUDA stream: one, like the default stream, so a stage's
+    build and its engine thread queue on the same stream."""
+    import torch
+
+    _, greatest = torch.cuda.Stream.priority_range()
+    return torch.cuda.Stream(priority=greatest)
+
+
+def engine_stream(cfg: AppConfig, stage: str) -> Any:
+    """The CUDA stream `stage`'s engine runs on: the high-priority one when its settings ask
+    for it and it runs on CUDA; None (the default stream) otherwise, CPU included."""
+    if cfg.stages()[stage].cuda_stream_priority != "high" or resolve_device(cfg) != "cuda":
+        return None
+    return high_priority_stream()
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    """Queue the block's CUDA work on `stream` (None: the current stream, nothing changes),
+    after what this thread queued before the block and before what it queues after."""
+    if stream is None:
+        yield
+        return
+    import torch
+
+    outer = torch.cuda.current_stream()
+    stream.wait_stream(outer)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        outer.wait_stream(stream)
+
+
+def engine_scope(cfg: AppConfig, stage: str) -> Callable[[], AbstractContextManager]:
+    """EngineLoop's `scope`: its thread runs every command and step on the stage's stream."""
+    stream = engine_stream(cfg, stage)
+    return lambda: on_stream(stream)
 
 
 def device_memory() -> dict[str, float]:
@@ -183,13 +327,15 @@ def stage_stats(loop: Any, wedge_s: float, engine: dict[str, Any], held: int,
     """What every stage's `stats()` reports: its open streams, the engine's stats, and the
     invariants: `idle` (no stream open and the engine holds nothing: `held` == 0), `leaks`
     (accounting that does not add up: `leaks` from the stage, plus an engine holding more
-    than is open), `health` (None, or why the loop is unhealthy)."""
+    than is open), `health` (None, or why the loop is unhealthy); `gpu_sharing` is what the
+    stage found at start on its GPU (None on CPU)."""
     open_ = len(loop.open_keys)
     if held > open_:
         leaks = [f"engine holds {held} streams but {open_} are open", *leaks]
     return {"open": open_, **extra, "steps": loop.steps, "failures": loop.failures,
             "engine": engine, "idle": open_ == 0 and held == 0, "leaks": leaks,
-            "health": loop.health(wedge_s), "pid": os.getpid(), **device_memory()}
+            "health": loop.health(wedge_s), "pid": os.getpid(),
+            "gpu_sharing": _GPU_SHARING.get(loop.name), **device_memory()}
 
 
 def check_loop_health(loop: Any, wedge_s: float) -> None:

@@ -27,6 +27,7 @@ from deployments.stage import (
     Tombstones,
     build_engine,
     check_loop_health,
+    engine_scope,
     error_line,
     next_item,
     stage_init,
@@ -80,7 +81,7 @@ class TalkerServer:
             self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
         self.loop = EngineLoop(self.engine, name="talker", route=lambda c: (c.stream_id, c),
                                on_step=self.metrics.on_step, on_streams=self.metrics.streams,
-                               on_failure=self._close_all)
+                               on_failure=self._close_all, scope=engine_scope(cfg, "talker"))
         self.code2wav = code2wav
         self.mode = "full_span" if cfg.talker_mode == "full_span" else "streaming"
         self.timeouts = cfg.timeouts

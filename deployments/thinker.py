@@ -24,6 +24,7 @@ from deployments.stage import (
     TextOut,
     build_engine,
     check_loop_health,
+    engine_scope,
     error_line,
     next_item,
     stage_init,
@@ -59,7 +60,7 @@ class ThinkerServer:
         self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
         self.loop = EngineLoop(self.engine, name="thinker", route=lambda d: (d.request_id, d),
                                on_step=self.metrics.on_step, on_streams=self.metrics.streams,
-                               on_failure=self._abort_all)
+                               on_failure=self._abort_all, scope=engine_scope(cfg, "thinker"))
         self.talker = talker
         self.full_span = cfg.talker_mode == "full_span"
         self.timeouts = cfg.timeouts

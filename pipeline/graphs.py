@@ -12,7 +12,10 @@ Contract:
   * a step on static buffers it owns (a decode over the engine's own tensors) passes no inputs;
     `add(key, fn)` captures a key up front;
   * at most `max_graphs` keys are kept (least recently used evicted), all in one memory pool;
-  * `fallback()` counts steps the caller ran eagerly instead (shapes it does not capture).
+  * `fallback()` counts steps the caller ran eagerly instead (shapes it does not capture);
+  * a graph captured while the current stream has a raised priority is captured on a side
+    stream of that priority: torch instantiates graphs with per-node priorities, copied from
+    the capturing stream, so a replay ignores the priority of the stream it is launched on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+_CAPTURE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream | None:
+    """The side stream to capture on at the current stream's priority; None (torch's own
+    capture stream) at the default priority. One per (device, priority), so captures sharing a
+    memory pool also share their capture stream."""
+    priority = torch.cuda.current_stream().priority
+    if priority == 0:
+        return None
+    key = (torch.cuda.current_device(), priority)
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(priority=priority)
+    return _CAPTURE_STREAMS[key]
 
 
 @dataclass
@@ -82,7 +100,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream()):
             outputs = fn(*static)
         self.captures += 1
         return Captured(graph, static, outputs)
