@@ -19,6 +19,7 @@ from pipeline.processing.audio import (
     chunk_token_counts,
     clip_num_tokens,
     decode_audio,
+    decode_av_audio,
     log_mel,
     mel_filters,
     process_audio,
@@ -175,3 +176,57 @@ def test_decode_errors():
         decode_audio(_sf_bytes(np.zeros(0, np.float32), 16000, "WAV"), max_seconds=10)
     with pytest.raises(EmptyMediaError):
         decode_audio(b"", max_seconds=10)
+
+
+# ---------------------------------------------------------------------------------------
+# Resampling: the reference loads audio with librosa.load(path, sr=16000, mono=True)
+
+LIBROSA_CASES = {
+    "44.1k stereo float wav": (44100, 2, "WAV", "FLOAT"),
+    "44.1k stereo s16 wav": (44100, 2, "WAV", "PCM_16"),
+    "48k mono s16 wav": (48000, 1, "WAV", "PCM_16"),
+    "48k mono flac": (48000, 1, "FLAC", "PCM_24"),
+    "22.05k stereo flac": (22050, 2, "FLAC", "PCM_16"),
+}
+
+
+def _clip(rate: int, channels: int, seconds: float = 2.37, seed: int = 0) -> np.ndarray:
+    """(n, channels) float32: a chirp per channel plus noise, so every band is exercised."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(rate * seconds)) / rate
+    chans = [
+        0.3 * np.sin(2 * np.pi * (200 * (c + 1) + 3000 * t) * t)
+        + 0.05 * rng.standard_normal(t.size)
+        for c in range(channels)
+    ]
+    return np.stack(chans, 1).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", list(LIBROSA_CASES))
+def test_decode_matches_librosa_load(name, tmp_path):
+    """soundfile path (whole signal) and PyAV path (streamed frame by frame) against
+    librosa.load(path, sr=16000, mono=True), the reference's loader."""
+    librosa = pytest.importorskip("librosa")
+    rate, channels, fmt, subtype = LIBROSA_CASES[name]
+    data = _sf_bytes(_clip(rate, channels), rate, fmt, subtype)
+    path = tmp_path / f"clip.{fmt.lower()}"
+    path.write_bytes(data)
+    ref, ref_sr = librosa.load(path, sr=16000, mono=True)
+    assert ref_sr == 16000
+    got = decode_audio(data, max_seconds=10)
+    with av.open(io.BytesIO(data)) as c:
+        streamed = decode_av_audio(c, max_seconds=10)
+    for what, y in (("soundfile", got), ("pyav stream", streamed)):
+        assert y.dtype == np.float32 and y.shape == ref.shape, (what, y.shape, ref.shape)
+        d = np.abs(y - ref)
+        assert d.max() <= 1e-6, f"{what}: max {d.max():.3e}, mean {d.mean():.3e}"
+
+
+def test_librosa_length_fix_pads_the_tail():
+    """soxr alone returns round-ish lengths; librosa pads to ceil(n * 16000 / sr)."""
+    librosa = pytest.importorskip("librosa")
+    x = _clip(48000, 1, seconds=1.01)[:48007, 0]  # 48007 * 1/3 = 16002.33 -> 16003
+    ref = librosa.resample(x, orig_sr=48000, target_sr=16000)
+    data = _sf_bytes(x, 48000, "WAV", "FLOAT")
+    y = decode_audio(data, max_seconds=10)
+    assert len(ref) == len(y) == 16003 and np.abs(y - ref).max() <= 1e-6

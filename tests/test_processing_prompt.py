@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import re
 
 import numpy as np
@@ -170,9 +171,63 @@ def test_audio_layout(chunked):
     req = p.build(msgs)
     groups = [10, 10, 5] if chunked else [25]
     ph = "".join("<|audio_start|>" + "<unk>" * n + "<|audio_end|>" for n in groups)
-    assert req.input_ids == tokenize_whole(f"<|im_start|>user\n{ph}\nTranscribe.<|im_end|>\n" + GEN)
+    sep = "" if chunked else "\n"  # chunked = the reference's stream_input: parts joined by ""
+    expected = f"<|im_start|>user\n{ph}{sep}Transcribe.<|im_end|>\n" + GEN
+    assert req.input_ids == tokenize_whole(expected)
     assert len(req.audios) == 1 and req.audios[0].num_frames == 250
     assert req.audio_segments == [(0, sum(groups[:i]), n) for i, n in enumerate(groups)]
+    _check_bounds(req)
+
+
+def _reference_audio_placeholder(num_samples: int, stream_input: bool) -> str:
+    """MiniCPMOProcessor.get_audio_placeholder restated (16 kHz, hop 160, pool 5, 1 s chunks
+    of 10 tokens when stream_input)."""
+    n = ((math.ceil(num_samples / 160) - 1) // 2 + 1 - 5) // 5 + 1
+    groups = [min(10, n - k) for k in range(0, n, 10)] if stream_input else [n]
+    return "".join("<|audio_start|>" + "<unk>" * g + "<|audio_end|>" for g in groups)
+
+
+def _reference_chat_prompt(
+    msgs: list[tuple[str, list[str]]], *, omni_mode: bool, stream_input: bool, tts: bool
+) -> str:
+    """MiniCPMO.chat() restated on content items already expanded to their placeholder
+    strings: every message's items joined with "" when omni_mode or stream_input, else
+    with "\n"; then the ChatML chat template with thinking off."""
+    joiner = "" if omni_mode or stream_input else "\n"
+    out = "".join(f"<|im_start|>{role}\n{joiner.join(items)}<|im_end|>\n" for role, items in msgs)
+    return out + GEN + ("<|tts_bos|>" if tts else "")
+
+
+@pytest.mark.parametrize("with_video", [False, True])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_content_joiner_matches_reference_chat(chunked, with_video):
+    """A history turn with audio + text, then a video + audio + text turn: omniray's chunked
+    audio is the reference's stream_input, a video makes the call omni_mode."""
+    first, clip = _wav(1.5), _wav(2.5)
+    last = [MediaBytes("video", make_mp4(2.5))] * with_video + [MediaBytes("audio", clip), "Q?"]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [MediaBytes("audio", first), "first"]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": last},
+    ]
+    p = Processor(ThinkerConfig(), ByteTokenizer(), chunked_audio=chunked)
+    req = p.build(msgs, speech_output=True)
+    # The video as the reference's omni_mode callers pass it: frame i, then second i's audio.
+    frame = "<image>" + UNK64 + "</image>"
+    video = [frame + _reference_audio_placeholder(n, chunked) for n in (16000, 16000, 8000)]
+    ref = _reference_chat_prompt(
+        [
+            ("system", ["Be brief."]),
+            ("user", [_reference_audio_placeholder(24000, chunked), "first"]),
+            ("assistant", ["ok"]),
+            ("user", video * with_video + [_reference_audio_placeholder(40000, chunked), "Q?"]),
+        ],
+        omni_mode=with_video,
+        stream_input=chunked,
+        tts=True,
+    )
+    assert req.input_ids == tokenize_whole(ref)
     _check_bounds(req)
 
 
@@ -252,8 +307,12 @@ def test_interleaved_image_audio_parts_daily_omni_options():
 
 
 def test_parallel_part_decoding_equals_in_order():
-    content = [MediaBytes("video", make_mp4(2.5)), MediaBytes("image", _png(300, 200)),
-               MediaBytes("audio", _wav(1.5)), "and a question"]
+    content = [
+        MediaBytes("video", make_mp4(2.5)),
+        MediaBytes("image", _png(300, 200)),
+        MediaBytes("audio", _wav(1.5)),
+        "and a question",
+    ]
     msgs = [{"role": "user", "content": content}]
     one = Processor(ThinkerConfig(), ByteTokenizer(), decode_workers=1).build(msgs)
     many = Processor(ThinkerConfig(), ByteTokenizer(), decode_workers=4).build(msgs)
@@ -264,8 +323,12 @@ def test_parallel_part_decoding_equals_in_order():
     for a, b in zip(one.audios, many.audios):
         assert a.features.equal(b.features)
     # the first bad part (in message order) is the error reported, whatever finishes first
-    bad = [MediaBytes("image", _png(64, 64)), MediaBytes("audio", b""),
-           MediaBytes("video", b"not a video")]
+    bad = [
+        MediaBytes("image", _png(64, 64)),
+        MediaBytes("audio", b""),
+        MediaBytes("video", b"not a video"),
+    ]
     with pytest.raises(EmptyMediaError):
         Processor(ThinkerConfig(), ByteTokenizer(), decode_workers=4).build(
-            [{"role": "user", "content": bad}])
+            [{"role": "user", "content": bad}]
+        )

@@ -3,9 +3,12 @@
 Stages:
 1. decode bytes -> float32 samples: soundfile (WAV/FLAC/OGG/MP3/...), PyAV for other
    containers (M4A/AAC, Opus in WebM, MP4 audio tracks...)
-2. mono (mean over channels, as librosa does) and resample to 16 kHz with PyAV's
-   `AudioResampler` (FFmpeg libswresample, windowed-sinc polyphase filter; phase-aligned,
-   output length ceil(n * 16000 / sr))
+2. mono and 16 kHz exactly as the reference's `librosa.load(path, sr=16000, mono=True)`
+   (librosa 0.10 / 0.11 `to_mono`, `resample`): the mean over channels in float32, then
+   `soxr.resample(y, sr, 16000, quality="soxr_hq")` and `util.fix_length` to
+   int(ceil(n * (16000 / sr))) samples (zero-padded at the end; `scale` off). PyAV-decoded
+   streams go through `soxr.ResampleStream` frame by frame, whose output equals the
+   whole-signal call sample for sample, so memory stays at the 16 kHz output
 3. log-mel, per 30 s window (the reference splits longer clips at 480000 samples and runs the
    feature extractor on each piece): Whisper STFT (n_fft 400, hop 160, periodic Hann,
    centered, reflect pad), |X|^2, last STFT frame dropped, 80 slaney mel filters,
@@ -30,6 +33,7 @@ import math
 import av
 import numpy as np
 import soundfile as sf
+import soxr
 import torch
 
 from pipeline.handoff import AudioInput
@@ -49,6 +53,7 @@ WINDOW_SAMPLES = 30 * SAMPLE_RATE  # reference splits clips longer than 30 s her
 WINDOW_FRAMES = WINDOW_SAMPLES // HOP_LENGTH  # 3000 mel frames = one encoder pass
 MIN_SAMPLES = 1600  # clips shorter than 0.1 s are zero-padded to this (>= 1 token)
 SF_COUNT_MAX = 2**63 - 1  # libsndfile's frame count for "length unknown" (e.g. streamed FLAC)
+RESAMPLE_QUALITY = "soxr_hq"  # librosa's default res_type since 0.10
 
 # Leading bytes of containers we recognize: such bytes failing to decode are corrupt,
 # anything else is an unsupported format.
@@ -117,9 +122,10 @@ def decode_av_audio(container: av.container.InputContainer, max_seconds: float) 
         n_out += len(y)
         if n_out > limit:
             raise MediaTooLargeError(f"audio is longer than the limit of {max_seconds:g} s")
-    if resampler is not None:
-        out.append(resampler.flush())
-    return np.concatenate(out) if out else np.zeros(0, np.float32)
+    if resampler is None:
+        return np.zeros(0, np.float32)
+    out.append(resampler.flush())
+    return _fix_length(np.concatenate(out), resampler.output_length)
 
 
 def _to_float(x: np.ndarray, fmt: str, channels: int) -> np.ndarray:
@@ -139,37 +145,56 @@ def _to_float(x: np.ndarray, fmt: str, channels: int) -> np.ndarray:
 
 
 class _Resampler:
-    """Streaming mono resampler to 16 kHz on PyAV / libswresample (identity at 16 kHz)."""
+    """Streaming mono resampler to 16 kHz (identity at 16 kHz): pieces in, pieces out, the
+    concatenation equal to `soxr.resample` of the whole signal; the caller fixes the
+    length to `output_length` as librosa does."""
 
     def __init__(self, rate: int):
         self.rate = rate
-        self._swr = None
+        self.num_in = 0
+        self._soxr = None
         if rate != SAMPLE_RATE:
-            self._swr = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+            self._soxr = soxr.ResampleStream(
+                rate, SAMPLE_RATE, 1, dtype="float32", quality=RESAMPLE_QUALITY
+            )
 
-    def _run(self, frame: av.AudioFrame | None) -> np.ndarray:
-        outs = [f.to_ndarray().reshape(-1) for f in self._swr.resample(frame)]
-        return np.concatenate(outs).astype(np.float32) if outs else np.zeros(0, np.float32)
+    @property
+    def output_length(self) -> int:
+        return _librosa_length(self.num_in, self.rate)
 
     def push(self, x: np.ndarray) -> np.ndarray:
-        if self._swr is None:
-            return x.astype(np.float32)
-        if x.size == 0:  # FFmpeg refuses a 0-sample frame (ENOMEM); it adds nothing anyway
-            return np.zeros(0, np.float32)
-        frame = av.AudioFrame.from_ndarray(
-            np.ascontiguousarray(x, dtype=np.float32)[None, :], format="flt", layout="mono"
-        )
-        frame.sample_rate = self.rate
-        return self._run(frame)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        self.num_in += x.size
+        if self._soxr is None or x.size == 0:
+            return x
+        return self._soxr.resample_chunk(x)
 
     def flush(self) -> np.ndarray:
-        return np.zeros(0, np.float32) if self._swr is None else self._run(None)
+        if self._soxr is None:
+            return np.zeros(0, np.float32)
+        return self._soxr.resample_chunk(np.zeros(0, np.float32), last=True)
+
+
+def _librosa_length(n: int, rate: int) -> int:
+    """librosa.resample's output length, with its float ratio (not exact integer ceil)."""
+    return n if rate == SAMPLE_RATE else int(np.ceil(n * (float(SAMPLE_RATE) / rate)))
+
+
+def _fix_length(y: np.ndarray, n: int) -> np.ndarray:
+    """librosa.util.fix_length: trim to n, or zero-pad at the end."""
+    if y.size >= n:
+        return y[:n]
+    return np.concatenate([y, np.zeros(n - y.size, y.dtype)])
 
 
 def resample_mono(x: np.ndarray, rate: int) -> np.ndarray:
-    """(n,) float32 at `rate` -> (ceil(n * 16000 / rate),) float32 at 16 kHz."""
-    r = _Resampler(rate)
-    return np.concatenate([r.push(x), r.flush()])
+    """(n,) float32 at `rate` -> float32 at 16 kHz, librosa.resample(x, orig_sr=rate,
+    target_sr=16000) with its default res_type "soxr_hq"."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if rate == SAMPLE_RATE:
+        return x
+    y = soxr.resample(x, rate, SAMPLE_RATE, quality=RESAMPLE_QUALITY)
+    return _fix_length(y, _librosa_length(x.size, rate))
 
 
 def decode_audio(data: bytes, *, max_seconds: float) -> np.ndarray:
@@ -183,9 +208,10 @@ def decode_audio(data: bytes, *, max_seconds: float) -> np.ndarray:
     decoded = _decode_soundfile(data, max_seconds)
     if decoded is not None:
         x, rate = decoded
-        if x.shape[0] == 0:  # before resampling: nothing to hand to libswresample
+        if x.shape[0] == 0:  # before resampling: nothing to hand to the resampler
             raise EmptyMediaError("audio decodes to 0 samples")
-        samples = resample_mono(x.mean(axis=1), rate)
+        # librosa reads (channels, n) and averages over axis 0: the same float32 sums.
+        samples = resample_mono(x.T.mean(axis=0), rate)
     else:
         samples = _decode_with_av(data, max_seconds)
     if samples.size == 0:

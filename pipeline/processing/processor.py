@@ -117,8 +117,9 @@ class _ImageOptions:
 class Processor:
     """Turns chat messages into ThinkerRequests for one model (see module docstring).
 
-    chunked_audio: audio parts use one placeholder group per 1 s (streaming / omni layout)
-                   instead of one group per clip (plain chat default).
+    chunked_audio: audio parts use one placeholder group per 1 s instead of one group per
+                   clip (plain chat default), and content parts are joined with "" instead
+                   of "\n": the reference's `chat(stream_input=True)` layout.
     merge_video_audio: a video's audio track is one clip instead of one clip per second
                    (see `pack_omni`).
     decode_workers: threads that decode one message's media parts side by side (video and
@@ -183,6 +184,7 @@ class Processor:
             query_num=self.cfg.query_num,
             enable_thinking=enable_thinking,
             use_tts_template=speech_output,
+            stream_input=self.chunked_audio,
         )
         # The exact check: the bound above counted audio and video at their minimum.
         if len(prompt.input_ids) > self.limits.max_prompt_tokens:
@@ -217,9 +219,11 @@ class Processor:
         header); audio and video count as their smallest placeholder."""
         limit = self.limits.max_prompt_tokens
         stubbed = [
-            m if isinstance(m.content, str)
-            else Message(m.role, [self._stub(p, opts) if isinstance(p, MediaBytes) else p
-                                  for p in m.content])
+            m
+            if isinstance(m.content, str)
+            else Message(
+                m.role, [self._stub(p, opts) if isinstance(p, MediaBytes) else p for p in m.content]
+            )
             for m in raw
         ]
         n = count_prompt_tokens(
@@ -230,6 +234,7 @@ class Processor:
             query_num=self.cfg.query_num,
             enable_thinking=enable_thinking,
             use_tts_template=speech_output,
+            stream_input=self.chunked_audio,
         )
         if n > limit:
             raise PromptTooLongError(
@@ -245,8 +250,9 @@ class Processor:
         if p.kind == "video":  # >= 1 frame: one unsliced image without an id
             return MediaStub("video", slot)
         lim = self.limits
-        img = open_image(p.data, max_pixels=lim.max_image_pixels,
-                         max_aspect_ratio=lim.max_image_aspect_ratio)
+        img = open_image(
+            p.data, max_pixels=lim.max_image_pixels, max_aspect_ratio=lim.max_image_aspect_ratio
+        )
         res = self.cfg.slicing.scale_resolution
         grid = get_sliced_grid(img.size, self._max_slices(p, opts), res)
         n = slot
@@ -364,8 +370,9 @@ class Processor:
     def _image(self, p: MediaBytes, opts: _ImageOptions) -> ImagePart:
         max_slices = self._max_slices(p, opts)
         lim = self.limits
-        img = decode_image(p.data, max_pixels=lim.max_image_pixels,
-                           max_aspect_ratio=lim.max_image_aspect_ratio)
+        img = decode_image(
+            p.data, max_pixels=lim.max_image_pixels, max_aspect_ratio=lim.max_image_aspect_ratio
+        )
         content_hash = image_content_hash(p.data, self.cfg.slicing, max_slices)
         processed = process_image(img, self.cfg.slicing, content_hash, max_slice_nums=max_slices)
         return ImagePart(processed, use_image_id=self._use_image_id(opts))

@@ -5,8 +5,9 @@ Layout (MiniCPM-o 4.5 `tokenizer_config.json` chat template, spec 1.7):
     <|im_start|>assistant\n                               generation prompt
       + <think>\n\n</think>\n\n                           when thinking is disabled (default)
       + <|tts_bos|>                                       when speech output is requested
-Content parts are joined with "\n" (the reference `chat()`), or with "" inside an omni
-(video) block, as the reference does with omni_mode.
+Content parts of a message are joined as the reference `MiniCPMO.chat()` joins them: with
+"" in every message when the call is `omni_mode` (here: any message holds a video) or
+`stream_input` (here: chunked audio placeholders), otherwise with "\n".
 
 Placeholders (reference `get_slice_image_placeholder` / `get_audio_placeholder`):
     image: [<image_id>k</image_id>] <image> <unk>*64 </image>
@@ -270,10 +271,15 @@ def build_prompt(
     enable_thinking: bool = False,
     use_tts_template: bool = False,
     add_generation_prompt: bool = True,
+    stream_input: bool = False,
 ) -> Prompt:
-    """Render messages (system / user / assistant) to ids and bounds; see module docstring."""
+    """Render messages (system / user / assistant) to ids and bounds; see module docstring.
+    stream_input: the reference's `chat(stream_input=True)` layout (content parts joined
+    with ""), which goes with chunked audio placeholders."""
     b = PromptBuilder(tokens, encode, query_num)
-    _render(b, messages, tokens, enable_thinking, use_tts_template, add_generation_prompt)
+    _render(
+        b, messages, tokens, enable_thinking, use_tts_template, add_generation_prompt, stream_input
+    )
     return b.finish()
 
 
@@ -287,6 +293,7 @@ def count_prompt_tokens(
     enable_thinking: bool = False,
     use_tts_template: bool = False,
     add_generation_prompt: bool = True,
+    stream_input: bool = False,
 ) -> int:
     """What len(build_prompt(...).input_ids) would be, when that is <= limit; otherwise a
     number > limit, found without counting past it. `count(text, budget)` must be exact
@@ -294,7 +301,15 @@ def count_prompt_tokens(
     messages the result is a lower bound, so `result > limit` is a safe refusal."""
     b = PromptCounter(tokens, count, query_num, limit)
     try:
-        _render(b, messages, tokens, enable_thinking, use_tts_template, add_generation_prompt)
+        _render(
+            b,
+            messages,
+            tokens,
+            enable_thinking,
+            use_tts_template,
+            add_generation_prompt,
+            stream_input,
+        )
         b.finish()
     except _OverLimit:
         pass
@@ -312,9 +327,14 @@ def _render(
     enable_thinking: bool,
     use_tts_template: bool,
     add_generation_prompt: bool,
+    stream_input: bool,
 ) -> None:
     if not messages:
         raise InvalidMessageError("messages is empty")
+    # The reference decides the joiner once per call (`"".join` under omni_mode or
+    # stream_input, else `"\n".join`), so one video makes every message's parts adjacent.
+    omni = any(_is_omni(p) for m in messages if not isinstance(m.content, str) for p in m.content)
+    sep = "" if stream_input or omni else "\n"
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
     for i, m in enumerate(messages):
         if m.role not in ROLES:
@@ -334,7 +354,7 @@ def _render(
                     b.text("\n\n")
             b.text(content)
         else:
-            b.parts(m.content, "" if any(_is_omni(p) for p in m.content) else "\n")
+            b.parts(m.content, sep)
         b.special(tokens.im_end)
         b.text("\n")
     if add_generation_prompt:
