@@ -1,6 +1,7 @@
 """Talker: spoken-span ids + Thinker hidden states -> speech codes (25 per second).
 
 model.py     TalkerModel (MiniCPMTTS layout) + TalkerKVCache
+fused.py     the fused prefill / decode over the same weights (opt-in), optionally compiled
 sampling.py  the reference's code sampler, batched over streams
 graphs.py    CUDA graphs of the decode step
 engine.py    TalkerEngine: slots, full_span / streaming units, 25(+3)-code chunks

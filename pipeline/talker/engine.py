@@ -30,6 +30,9 @@ A "unit" is what the reference decodes from one prompt:
 The repetition penalty sees the stream's last 16 codes across chunks; a stream's first
 draw is temperature-only.
 
+Prefill and decode run on the plain model (model.py) or, with `talker_fused`, on the fused
+forward over the same weights (fused.py, optionally compiled: `talker_compile`).
+
 Not thread-safe: one caller drives open/feed_text/step/close.
 """
 
@@ -45,6 +48,7 @@ import torch
 
 from pipeline.config import TalkerConfig
 from pipeline.graphs import GraphRunner
+from pipeline.talker.fused import FusedTalker
 from pipeline.talker.graphs import bucket_up, power_of_two_buckets
 from pipeline.talker.model import TalkerKVCache, TalkerModel
 from pipeline.talker.sampling import CodeSampler, SamplerState, TalkerSamplingParams
@@ -73,8 +77,17 @@ class TalkerEngineConfig:
     # EOS inside a group stops on the device and its generator is rewound to the draws it
     # used, so the codes equal one step at a time. 1 = one step per call.
     decode_steps: int = 1
+    # The fused forward (fused.py): q|k|v and gate|up concatenated, RoPE from tables, one
+    # scatter for the KV write, the mask built once per step. The same ops as the plain
+    # path but wider GEMMs, whose kernels may sum in another order on a GPU: off by default.
+    talker_fused: bool = False
+    # Inductor-compiled layer parts of the fused forward (needs talker_fused); compiled at
+    # start (graph warm-up, one prefill), reordered sums in the norms.
+    talker_compile: bool = False
 
     def __post_init__(self) -> None:
+        if self.talker_compile and not self.talker_fused:
+            raise ValueError("talker_compile compiles the fused forward: set talker_fused too")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_streams < 1:
@@ -192,7 +205,14 @@ class TalkerEngine:
         self.device, self.dtype = weight.device, weight.dtype
         self.config = (config or TalkerEngineConfig()).resolved(self.cfg, self.dtype)
         slots, max_len = self.config.max_streams, self.config.max_seq_len
-        self.cache = TalkerKVCache(self.cfg, slots, max_len, self.dtype, self.device)
+        fused = self.config.talker_fused
+        self.cache = TalkerKVCache(
+            self.cfg, slots, max_len, self.dtype, self.device, layout="heads" if fused else "tokens"
+        )
+        # prefill / decode of the plain model or of the fused forward over the same weights
+        self.decoder: TalkerModel | FusedTalker = (
+            FusedTalker(model, compile=self.config.talker_compile) if fused else model
+        )
         params = self.config.sampling
         assert params is not None
         self.eos = self.cfg.eos_code
@@ -217,15 +237,32 @@ class TalkerEngine:
         self._steps = self._prefills = self._codes = 0
         self.graphs: GraphRunner | None = None
         if self.config.cuda_graphs and self.device.type == "cuda":
-            keys = [(r, n, k) for r in self.config.graph_batch_sizes
-                    for n in self.config.graph_kv_lengths
-                    for k in sorted({1, self.config.decode_steps})]
+            keys = [
+                (r, n, k)
+                for r in self.config.graph_batch_sizes
+                for n in self.config.graph_kv_lengths
+                for k in sorted({1, self.config.decode_steps})
+            ]
             self.graphs = GraphRunner(max_graphs=len(keys))
             with torch.no_grad():
                 # largest first, so smaller graphs reuse the pool blocks of larger ones
                 for key in sorted(keys, reverse=True):
                     self.graphs.add(key, lambda key=key: self._decode_steps(*key))
             torch.cuda.synchronize()
+        if self.config.talker_compile:
+            self._compile_now()
+
+    @torch.no_grad()
+    def _compile_now(self) -> None:
+        """Compile what the decode graphs' warm-up runs did not, so that no request waits
+        for Inductor: the prefill's parts (prompt length dynamic; slot 0 is free and its
+        next prefill rewrites these positions) and, without graphs, the decode's at one row
+        and at many (every row idle: nothing changes, as in a graph capture)."""
+        warm = torch.zeros(7, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self.decoder.prefill(self.cache, 0, warm)
+        if self.graphs is None:
+            for rows in sorted({1, self.config.graph_batch_sizes[-1]}):
+                self._decode_steps(rows, self.config.graph_kv_lengths[0], 1)
 
     # -- public API ----------------------------------------------------------------------
 
@@ -250,7 +287,8 @@ class TalkerEngine:
             graph_replays=self.graphs.replays if self.graphs is not None else 0,
             prefills=self._prefills,
             codes=self._codes,
-            unaccounted_slots=self.config.max_streams - len(self._free)
+            unaccounted_slots=self.config.max_streams
+            - len(self._free)
             - sum(not s.finished for s in self._streams.values()),
         )
 
@@ -258,8 +296,13 @@ class TalkerEngine:
         """Every code the stream kept so far (released or not), EOS excluded."""
         return list(self._streams[stream_id].codes)
 
-    def open(self, stream_id: str, mode: TalkerMode | None = None, seed: int | None = None,
-             max_codes: int | None = None) -> None:
+    def open(
+        self,
+        stream_id: str,
+        mode: TalkerMode | None = None,
+        seed: int | None = None,
+        max_codes: int | None = None,
+    ) -> None:
         """Reserve a slot. `max_codes` is the benchmark's fixed-length mode for random-weight
         checkpoints (whose EOS is arbitrary): EOS is masked and the stream ends after exactly
         `max_codes` codes, whatever text is still to come."""
@@ -284,8 +327,9 @@ class TalkerEngine:
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         pending = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         slot = heapq.heappop(self._free)
-        self._streams[stream_id] = _Stream(stream_id, slot, mode, generator, pending,
-                                           max_codes=max_codes)
+        self._streams[stream_id] = _Stream(
+            stream_id, slot, mode, generator, pending, max_codes=max_codes
+        )
         min_new = self.cfg.min_new_tokens if mode == "full_span" else 0
         self.state.reset_row(slot, max(min_new, max_codes or 0))
         self._active[slot] = False
@@ -380,7 +424,7 @@ class TalkerEngine:
         s.unit_draws = 0
         s.decoding = True
         s.position = length
-        logits = self.model.prefill(self.cache, s.slot, prompt)  # (V,)
+        logits = self.decoder.prefill(self.cache, s.slot, prompt)  # (V,)
         self.state.noise[s.slot].exponential_(generator=s.generator)
         rows = self.state.rows(s.slot, s.slot + 1)
         code = self.sampler(logits[None], rows, self._one_active)  # (1,)
@@ -396,8 +440,11 @@ class TalkerEngine:
         if k == 1:
             return 1
         for s in decoding:
-            cap = (self.config.streaming_chunk_max_codes if s.mode == "streaming"
-                   else self.cfg.max_new_tokens)
+            cap = (
+                self.config.streaming_chunk_max_codes
+                if s.mode == "streaming"
+                else self.cfg.max_new_tokens
+            )
             left = min(cap - s.unit_draws, self.config.max_seq_len - s.position)
             if s.max_codes is not None:
                 left = min(left, s.max_codes - len(s.codes))
@@ -408,8 +455,7 @@ class TalkerEngine:
     def _decode(self, decoding: list[_Stream]) -> None:
         k = self._group_size(decoding)
         rows = bucket_up(max(s.slot for s in decoding) + 1, self.config.graph_batch_sizes)
-        read_len = bucket_up(max(s.position for s in decoding) + k,
-                             self.config.graph_kv_lengths)
+        read_len = bucket_up(max(s.position for s in decoding) + k, self.config.graph_kv_lengths)
         saved = {}
         for s in decoding:
             if k > 1:  # to rewind a stream that ends inside the group
@@ -455,7 +501,7 @@ class TalkerEngine:
         """One step over slots [0, rows) on static buffers (captured as a CUDA graph)."""
         codes_in = self._in_codes[:rows]
         active = self._active[:rows]
-        logits = self.model.decode(self.cache, codes_in, self._positions[:rows], active, read_len)
+        logits = self.decoder.decode(self.cache, codes_in, self._positions[:rows], active, read_len)
         codes = self.sampler(logits, self.state.rows(0, rows), active)
         self._out_codes[:rows].copy_(codes)
         self._in_codes[:rows].copy_(torch.where(active, codes, codes_in))
@@ -523,8 +569,15 @@ class TalkerEngine:
             s.chunks_sent += 1
         if s.finished and not s.done_sent:
             out.append(
-                CodeChunk(s.stream_id, tuple(s.codes[s.released :]), True, (), s.chunks_sent,
-                          s.chunk_started_at, time.time())
+                CodeChunk(
+                    s.stream_id,
+                    tuple(s.codes[s.released :]),
+                    True,
+                    (),
+                    s.chunks_sent,
+                    s.chunk_started_at,
+                    time.time(),
+                )
             )
             s.released = len(s.codes)
             s.chunks_sent += 1

@@ -19,6 +19,7 @@ and `projector_spk` are loaded but unused (inputs are always embeddings; no spea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -69,29 +70,98 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+@torch.no_grad()
+def concat_rows(*linears: nn.Linear) -> torch.Tensor:
+    """One weight with the rows of `linears` (bias-free) in order; each Linear's weight
+    becomes a Parameter viewing its rows, so the module keeps its checkpoint name, loading
+    copies into the concatenated weight, and no second copy of the weights exists."""
+    weight = torch.cat([lin.weight for lin in linears], dim=0)
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(
+            weight[start : start + rows], requires_grad=lin.weight.requires_grad
+        )
+        start += rows
+    return weight
+
+
+class _Fusable(nn.Module):
+    """A module whose projections can be concatenated in place (`fuse()`); the concatenated
+    weights are rebuilt after `.to()` (which converts each Parameter separately) and after
+    `load_state_dict` (which may assign new Parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = False
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._refuse())
+
+    def fuse(self) -> None:
+        raise NotImplementedError
+
+    def _refuse(self) -> None:
+        if self.fused:
+            self.fuse()
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._refuse()
+        return out
+
+
 class TalkerKVCache:
     """Static KV cache, one row of `max_len + 1` positions per slot (stream).
 
     k, v: (layers, slots, max_len + 1, kv_heads, head_dim) in the model dtype.
     Position `max_len` is a scratch column: decode rows of idle slots write there, so a
     batched step over slots [0, R) never touches the cache of a slot that is not decoding.
+
+    layout "tokens" (the plain path): k and v are two contiguous tensors of that shape.
+    layout "heads" (the fused path, fused.py): one tensor kv (layers, 2, slots, kv_heads,
+    max_len + 1, head_dim), so each head's keys are contiguous rows for attention and one
+    scatter writes k and v together; k and v are then views of it with the shape above,
+    and it also holds `rope_cs` (max_len + 1, 2, D) in the model dtype: cos and the sin
+    with its first half negated (rotate-half's sign folded into the table).
     """
 
     def __init__(
-        self, cfg: TalkerConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: TalkerConfig,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: Literal["tokens", "heads"] = "tokens",
     ) -> None:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_len {max_len} exceeds max_position_embeddings {cfg.max_position_embeddings}"
             )
-        shape = (cfg.num_hidden_layers, slots, max_len + 1, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if layout not in ("tokens", "heads"):
+            raise ValueError(f"layout must be 'tokens' or 'heads', got {layout!r}")
+        layers, kv_heads, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.layout = layout
+        self.kv: torch.Tensor | None = None
+        if layout == "tokens":
+            shape = (layers, slots, max_len + 1, kv_heads, d)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            kv = torch.zeros(layers, 2, slots, kv_heads, max_len + 1, d, dtype=dtype, device=device)
+            self.kv = kv
+            self.k, self.v = kv[:, 0].transpose(2, 3), kv[:, 1].transpose(2, 3)
         self.slots = slots
         self.max_len = max_len
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len + 1, device)
         self.rope_cos = cos  # (max_len + 1, D) float32
         self.rope_sin = sin
+        self.rope_cs: torch.Tensor | None = None
+        if layout == "heads":
+            # Cast like apply_rope casts its gathered rows; negating is exact, so
+            # x2 * (-sin) here equals rotate-half's (-x2) * sin bit for bit.
+            half = d // 2
+            signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+            self.rope_cs = torch.stack([cos, signed], dim=1).to(dtype)
         # Built once, sliced per step: key positions for masks, row ids for cache writes.
         self.position_ids = torch.arange(max_len + 1, device=device)
         self.row_ids = torch.arange(slots, device=device)[:, None]  # (slots, 1)
@@ -126,11 +196,14 @@ class AttentionBatch:
     mask: torch.Tensor | None
 
 
-class Attention(nn.Module):
-    """Llama self-attention (no bias) reading and writing a `TalkerKVCache` row range."""
+class Attention(_Fusable):
+    """Llama self-attention (no bias) reading and writing a `TalkerKVCache` row range.
+
+    After `fuse()`, `qkv_weight` holds the q|k|v rows (q_proj / k_proj / v_proj view it)."""
 
     def __init__(self, cfg: TalkerConfig) -> None:
         super().__init__()
+        self.qkv_weight: torch.Tensor | None = None
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -139,6 +212,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(e, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(e, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, e, bias=False)
+
+    def fuse(self) -> None:
+        self.qkv_weight = concat_rows(self.q_proj, self.k_proj, self.v_proj)
+        self.fused = True
 
     def forward(
         self,
@@ -177,12 +254,19 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-class MLP(nn.Module):
+class MLP(_Fusable):
+    """SwiGLU. After `fuse()`, `gate_up_weight` holds the gate|up rows."""
+
     def __init__(self, cfg: TalkerConfig) -> None:
         super().__init__()
+        self.gate_up_weight: torch.Tensor | None = None
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def fuse(self) -> None:
+        self.gate_up_weight = concat_rows(self.gate_proj, self.up_proj)
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -317,6 +401,18 @@ class TalkerModel(nn.Module):
         self.model = Backbone(cfg)
         self.projector_semantic = SemanticProjector(cfg.llm_dim, e)
         self.projector_spk = SemanticProjector(cfg.llm_dim, e)  # unused at inference
+
+    def fuse_projections(self) -> None:
+        """Concatenate each layer's q|k|v and gate|up weights in place (idempotent), for the
+        fused path (fused.py). The checkpoint's names stay: q_proj, ..., up_proj remain
+        Linears whose weights are row views of the concatenated ones (the same values, so
+        the plain path still runs on a fused model), and `load_state_dict` / `.to()` keep
+        the concatenation."""
+        for layer in self.model.layers:
+            if not layer.self_attn.fused:
+                layer.self_attn.fuse()
+            if not layer.mlp.fused:
+                layer.mlp.fuse()
 
     # -- conditioning --------------------------------------------------------------------
 

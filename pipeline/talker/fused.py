@@ -1,0 +1,264 @@
+"""The fused Talker forward (TalkerEngineConfig.talker_fused): model.py's Llama with fewer,
+larger kernels, on the same weights.
+
+  * q|k|v and gate|up each as one GEMM: `TalkerModel.fuse_projections()` concatenates the
+    loaded weights in place (the checkpoint's Linears keep their names and view them);
+  * the residual add and the next RMSNorm as one step (`add_rms_norm`);
+  * RoPE from a per-position table in the model dtype (cos, and sin with rotate-half's sign
+    folded in) and a roll by half instead of neg + cat, on q and k at once, in place;
+  * k and v written into the "heads" cache (TalkerKVCache) by one `scatter_` per layer;
+  * attention: SDPA, as on the plain path, over contiguous per-head key rows, with the
+    mask built once per forward (additive, as SDPA converts a bool mask itself);
+  * `compile=True` (talker_compile): the pure parts of a layer (`first_attn_pre` /
+    `attn_pre` up to attention, `mlp_post` after it) and `final_norm` compiled with Inductor
+    and shared by every layer, rows and prompt length dynamic (3 graphs each: prefill,
+    decode at one row, decode at many); the cache write and attention stay eager. A decode
+    layer is then 10 kernels (add + norm, qkv GEMM, RoPE, scatter, SDPA, o GEMM, add + norm,
+    gate|up GEMM, SiLU * up, down GEMM; Inductor's CPU output has this split) where the plain
+    path launches ~50. Nothing in them syncs with the host, so the decode graphs capture
+    them after they compile in the graphs' warm-up runs.
+
+Numerics. Every elementwise op rounds where the plain path rounds (bf16 products, sums and
+casts in the same order), so fused and plain differ only where the concatenated GEMMs'
+kernels sum in a different order (none on CPU: tests/test_talker_model.py checks bitwise
+equality there; on a GPU cuBLAS may pick other kernels for the wider matrices, measured by
+bench/gpu_talker.py). Compiled parts keep eager's bf16 roundings (emulate_precision_casts)
+but Inductor's own reduction order in the norms and its own SiLU, bounded by the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)) with model.RMSNorm's ops; delta None: no add."""
+    if delta is not None:
+        x = x + delta
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return x, weight * h.to(x.dtype)
+
+
+def attn_pre(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    cs: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer up to attention. x, delta (B, L, E): residual stream and the previous layer's
+    MLP output; cs (B, L, 2, D) rope rows. Returns (x + delta, qkv (B, L, H + 2 Hkv, D))
+    with q and k rotated."""
+    x, h = add_rms_norm(x, delta, norm_weight, eps)
+    return x, _rotated_qkv(h, qkv_weight, cs, heads, kv_heads)
+
+
+def first_attn_pre(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    cs: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
+    """attn_pre of the first layer (nothing to add): its own compiled function, so that
+    neither needs a graph per `delta is None` case."""
+    return _rotated_qkv(add_rms_norm(x, None, norm_weight, eps)[1], qkv_weight, cs, heads, kv_heads)
+
+
+def _rotated_qkv(
+    h: torch.Tensor, qkv_weight: torch.Tensor, cs: torch.Tensor, heads: int, kv_heads: int
+) -> torch.Tensor:
+    qkv = F.linear(h, qkv_weight).unflatten(-1, (heads + 2 * kv_heads, -1))
+    qk = qkv[:, :, : heads + kv_heads]
+    cos, sin = cs[:, :, None, 0], cs[:, :, None, 1]
+    rotated = qk.roll(qk.shape[-1] // 2, dims=-1) * sin  # rotate_half(x) * sin
+    qk.mul_(cos).add_(rotated)
+    return qkv
+
+
+def mlp_post(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    o_weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer after attention: (x + o_proj(attn), the MLP's output to add next)."""
+    x = x + F.linear(attn, o_weight)
+    _, h = add_rms_norm(x, None, norm_weight, eps)
+    gate, up = F.linear(h, gate_up_weight).chunk(2, dim=-1)
+    return x, F.linear(F.silu(gate) * up, down_weight)
+
+
+def final_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The final norm of the last position only (B, L, E) -> (B, E): the norm is per row."""
+    return add_rms_norm(x[:, -1], delta[:, -1], weight, eps)[1]
+
+
+def _compiled(fn: Callable, dynamic_args: tuple[int, ...]) -> Callable:
+    """`fn` compiled once; the rows and length dims (0, 1) of the tensor arguments at
+    `dynamic_args` are symbolic from the first call, so batch buckets and prompt lengths
+    share graphs (sizes 1 get their own, as Dynamo specializes them)."""
+    compiled = torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True})
+
+    def call(*args):
+        for i in dynamic_args:
+            torch._dynamo.maybe_mark_dynamic(args[i], 0)
+            torch._dynamo.maybe_mark_dynamic(args[i], 1)
+        return compiled(*args)
+
+    return call
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as SDPA converts it (0 where allowed, -inf elsewhere), once per forward."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(allowed.logical_not(), float("-inf"))
+
+
+class FusedTalker:
+    """`prefill` / `decode` of TalkerModel (same signatures and results up to GEMM summation
+    order) over a "heads" TalkerKVCache. Fuses the model's projections in place."""
+
+    def __init__(self, model: TalkerModel, compile: bool = False) -> None:
+        model.fuse_projections()
+        self.model = model
+        cfg = model.cfg
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.eps = cfg.rms_norm_eps
+        self.compiled = compile
+        self._first, self._pre, self._post = first_attn_pre, attn_pre, mlp_post
+        self._final = final_norm
+        if compile:
+            self._first = _compiled(first_attn_pre, (0, 3))
+            self._pre = _compiled(attn_pre, (0, 1, 4))
+            self._post = _compiled(mlp_post, (0, 1))
+            self._final = _compiled(final_norm, (0, 1))
+
+    def prefill(
+        self, cache: TalkerKVCache, slot: int, embeds: torch.Tensor, start: int = 0
+    ) -> torch.Tensor:
+        """TalkerModel.prefill: embeds (L, E) at positions [start, start + L) of `slot`."""
+        length = embeds.shape[0]
+        if start + length > cache.max_len:
+            raise ValueError(f"prompt of {length} at {start} does not fit max_len {cache.max_len}")
+        positions = cache.position_ids[start : start + length][None, :]  # (1, L)
+        mask = None
+        if start > 0:
+            keys = cache.position_ids[: start + length]
+            allowed = (keys[None, :] <= positions[0, :, None])[None, None]  # (1, 1, L, S)
+            mask = _additive_mask(allowed, embeds.dtype)
+        batch = AttentionBatch(
+            slice(slot, slot + 1), cache.row_ids[:1], positions, start + length, mask
+        )
+        # a copy, not a view: compiled parts see the same kind of input at every layer
+        hidden = self._forward(embeds[None].clone(), positions, cache, batch)
+        return self.model.head(hidden[0])  # a vector, as the plain path's head sees it
+
+    def decode(
+        self,
+        cache: TalkerKVCache,
+        codes: torch.Tensor,
+        positions: torch.Tensor,
+        active: torch.Tensor,
+        read_len: int,
+    ) -> torch.Tensor:
+        """TalkerModel.decode: one step for cache rows [0, R). Returns logits (R, V)."""
+        r = codes.shape[0]
+        x = self.model.embed_codes(codes[:, None])  # (R, 1, E), not a view (see prefill)
+        pos = torch.where(active, positions, 0)
+        write_pos = torch.where(active, positions, cache.scratch_pos)
+        keys = cache.position_ids[:read_len]
+        allowed = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (R, 1, 1, read_len)
+        mask = _additive_mask(allowed, x.dtype)
+        batch = AttentionBatch(slice(0, r), cache.row_ids[:r], write_pos[:, None], read_len, mask)
+        return self.model.head(self._forward(x, pos[:, None], cache, batch))
+
+    def _forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: TalkerKVCache, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """x (B, L, E) -> final-norm hidden of the last position (B, E)."""
+        if cache.kv is None or cache.rope_cs is None:
+            raise ValueError("the fused path needs a TalkerKVCache with layout 'heads'")
+        b, length, _ = x.shape
+        h, hkv = self.heads, self.kv_heads
+        cs = cache.rope_cs[positions]  # (B, L, 2, D)
+        index = batch.write_pos[None, :, None, :, None].expand(2, b, hkv, length, cs.shape[-1])
+        layers, eps = self.model.model.layers, self.eps
+        first = layers[0]
+        qkv = self._first(
+            x, first.input_layernorm.weight, first.self_attn.qkv_weight, cs, eps, h, hkv
+        )
+        x, delta = self._attend_and_mlp(0, x, qkv, cache, batch, index)
+        for i in range(1, len(layers)):
+            norm_weight, qkv_weight = (
+                layers[i].input_layernorm.weight,
+                layers[i].self_attn.qkv_weight,
+            )
+            x, qkv = self._pre(x, delta, norm_weight, qkv_weight, cs, eps, h, hkv)
+            x, delta = self._attend_and_mlp(i, x, qkv, cache, batch, index)
+        return self._final(x, delta, self.model.model.norm.weight, eps)
+
+    def _attend_and_mlp(
+        self,
+        i: int,
+        x: torch.Tensor,
+        qkv: torch.Tensor,
+        cache: TalkerKVCache,
+        batch: AttentionBatch,
+        index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i from its rotated qkv: write k|v (one scatter), attend, then mlp_post."""
+        assert cache.kv is not None
+        layer, h, hkv = self.model.model.layers[i], self.heads, self.kv_heads
+        kv_rows = cache.kv[i, :, batch.rows]  # (2, B, Hkv, T, D)
+        new_kv = qkv[:, :, h:].unflatten(2, (2, hkv)).permute(2, 0, 3, 1, 4)  # (2, B, Hkv, L, D)
+        kv_rows.scatter_(3, index, new_kv)
+        out = self._attend(qkv, kv_rows, batch)
+        mlp = layer.mlp
+        return self._post(
+            x,
+            out,
+            layer.self_attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_up_weight,
+            mlp.down_proj.weight,
+            self.eps,
+        )
+
+    def _attend(
+        self, qkv: torch.Tensor, kv_rows: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """SDPA of the rotated q over the new keys (mask None: causal prefill from an empty
+        cache) or the cached keys [0, read_len). Returns (B, L, H * D)."""
+        h, hkv = self.heads, self.kv_heads
+        q = qkv[:, :, :h].transpose(1, 2)  # (B, H, L, D)
+        if batch.mask is None:
+            keys = qkv[:, :, h : h + hkv].transpose(1, 2)
+            values = qkv[:, :, h + hkv :].transpose(1, 2)
+        else:
+            keys, values = kv_rows[0, :, :, : batch.read_len], kv_rows[1, :, :, : batch.read_len]
+        if hkv != h:
+            keys = keys.repeat_interleave(h // hkv, dim=1)
+            values = values.repeat_interleave(h // hkv, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=batch.mask, is_causal=batch.mask is None
+        )
+        return out.transpose(1, 2).flatten(2)
