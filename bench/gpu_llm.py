@@ -8,8 +8,11 @@ Checks (exit 1 on a failure):
   2. Engine prefill logits, flashinfer vs torch backend (same weights, same prompt).
   3. CUDA-graph decode vs eager decode (both flashinfer): token-exact greedy over
      --steps steps at batch 1 and 4, and the returned hidden rows agree (bf16 tol).
+  4. Host sampler vs in-graph sampler (both with graphs): the same tokens for greedy and
+     for seeded sampled requests (the device sampler draws what the host one draws).
 Timing (CUDA events, after warmup): prefill of 2500 tokens, decode ms/step at batch 1 and 4
-with graphs on.
+with graphs on; then wall-clock ms per decode step (host work included) at batch 1, 2, 4, 8
+with the host sampler vs sampling inside the graph, greedy and sampled.
 
 Weights: built directly on the GPU (no disk), seeded. Residual-branch outputs are scaled
 down and lm_head is tied to a permutation of the embedding plus noise, so greedy choices
@@ -215,11 +218,82 @@ def decode_run(eng: LLMEngine, prompts: list[list[int]], steps: int):
     return toks, {k: torch.cat(v) for k, v in hid.items() if v}, times
 
 
+# ---------------------------------------------------------------------------------------
+# 4) host sampler vs sampling inside the graph
+
+SAMPLED = {"temperature": 0.7, "top_p": 0.8, "top_k": 100, "repetition_penalty": 1.05}
+
+
+@torch.no_grad()
+def wall_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, sampled: bool):
+    """Tokens per request and wall ms of every decode-only step (step() returns once the
+    step's ids are on the host, so this is the full per-step cost, host work included)."""
+    for i, p in enumerate(prompts):
+        extra = {**SAMPLED, "seed": 100 + i} if sampled else {}
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=steps, ignore_eos=True, **extra))
+    toks = {f"r{i}": [] for i in range(len(prompts))}
+    times = []
+    while eng.has_unfinished():
+        decode = all(s.num_computed >= s.num_prompt for s in eng.scheduler.running) and not (
+            eng.scheduler.waiting
+        )
+        t0 = time.perf_counter()
+        outs = eng.step()
+        if decode:
+            times.append((time.perf_counter() - t0) * 1e3)
+        for o in outs:
+            toks[o.request_id] += o.token_ids
+    return toks, times
+
+
+def sampler_comparison(model, device, kv_gib: float, steps: int) -> dict[str, float]:
+    print("4) host sampler vs in-graph sampler (graphs on, max_num_seqs 8)")
+    engines = {
+        mode: make_engine(model, device, kv_gib, max_num_seqs=8, device_sampling=mode == "graph")
+        for mode in ("host", "graph")
+    }
+    gen = torch.Generator().manual_seed(3)
+    rows = {}
+    for bs in (1, 2, 4, 8):
+        prompts = [
+            torch.randint(0, model.cfg.vocab_size, (int(n),), generator=gen).tolist()
+            for n in torch.randint(50, 400, (bs,), generator=gen)
+        ]
+        for sampled in (False, True):
+            res = {}
+            for mode, eng in engines.items():
+                wall_decode(eng, prompts, 4, sampled)  # warmup
+                res[mode] = wall_decode(eng, prompts, steps, sampled)
+            kind = "sampled" if sampled else "greedy"
+            check(
+                res["host"][0] == res["graph"][0],
+                f"host vs in-graph sampler, {kind}, batch {bs}",
+                f"tokens equal {res['host'][0] == res['graph'][0]}",
+            )
+            for mode, (_, times) in res.items():
+                rows[(bs, kind, mode)] = sorted(times)[len(times) // 2]
+    print("\n| batch | greedy, host | greedy, in graph | sampled, host | sampled, in graph |")
+    print("|---|---|---|---|---|")
+    for bs in (1, 2, 4, 8):
+        cells = [rows[(bs, k, m)] for k in ("greedy", "sampled") for m in ("host", "graph")]
+        print(f"| {bs} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    print(f"(wall ms per decode step, median of {steps} steps; sampled = {SAMPLED}, seeded)")
+    engines.clear()
+    torch.cuda.empty_cache()
+    return {
+        f"decode wall ms/step, batch {bs}, {k}, {m} sampler": rows[(bs, k, m)]
+        for bs in (1, 8)
+        for k in ("greedy", "sampled")
+        for m in ("host", "graph")
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=2500)
+    ap.add_argument("--sampler-steps", type=int, default=64, help="decode steps per timing")
     ap.add_argument(
         "--no-fuse", action="store_true", help="keep separate q/k/v and gate/up matmuls"
     )
@@ -287,6 +361,10 @@ def main() -> int:
         _, _, t = decode_run(eng_g, [p], 1)
         ms.append(t[0])
     timing[f"prefill {args.prefill} tokens, ms"] = sorted(ms)[1]
+
+    del eng_e
+    torch.cuda.empty_cache()
+    timing.update(sampler_comparison(model, device, args.kv_gib, args.sampler_steps))
 
     print("\n| metric | value |\n|---|---|")
     for k, v in timing.items():

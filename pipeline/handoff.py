@@ -29,8 +29,7 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a)
 
 
-def _image_input(pixels: list[np.ndarray], tgt_sizes: np.ndarray, content_hash: str
-                 ) -> ImageInput:
+def _image_input(pixels: list[np.ndarray], tgt_sizes: np.ndarray, content_hash: str) -> ImageInput:
     return ImageInput([_tensor(a) for a in pixels], _tensor(tgt_sizes), content_hash)
 
 
@@ -51,6 +50,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     repetition_penalty: float = 1.0
+    # The penalty sees generated ids only: those of the reference's earlier 10-token decode
+    # chunks, at most this many, plus the current chunk's (engine.sampling.penalty_history).
+    # None: every generated id (the reference's offline chat(), HF generate on embeddings).
+    repetition_window: int | None = 128
     max_tokens: int = 512
     stop_ids: tuple[int, ...] = (151704, 151645)
     ignore_eos: bool = False  # fixed-length benchmark mode: run exactly max_tokens
@@ -65,6 +68,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_window is not None and self.repetition_window < 1:
+            raise ValueError(
+                f"repetition_window must be >= 1 or None, got {self.repetition_window}"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -95,8 +102,11 @@ class ImageInput:
         return len(self.pixel_values)
 
     def __reduce__(self):
-        return _image_input, ([_numpy(t) for t in self.pixel_values], _numpy(self.tgt_sizes),
-                              self.content_hash)
+        return _image_input, (
+            [_numpy(t) for t in self.pixel_values],
+            _numpy(self.tgt_sizes),
+            self.content_hash,
+        )
 
 
 @dataclass

@@ -39,26 +39,43 @@ def _wav(seconds: float, freq: float) -> bytes:
 @pytest.fixture(scope="module")
 def engine_factory(tiny_source):
     def make(**kw) -> ThinkerEngine:
-        cfg = ThinkerEngineConfig(llm=EngineConfig(kv_cache_bytes=32 * 2**20, **kw.pop("llm", {})), **kw)
+        cfg = ThinkerEngineConfig(
+            llm=EngineConfig(kv_cache_bytes=32 * 2**20, **kw.pop("llm", {})), **kw
+        )
         return ThinkerEngine.from_source(tiny_source, cfg, device="cpu")
 
     return make
 
 
-def _request(engine, rid, image_seed=0, audio_freq=440.0, max_tokens=8, speech=True, text="What is it?"):
+def _request(
+    engine, rid, image_seed=0, audio_freq=440.0, max_tokens=8, speech=True, text="What is it?"
+):
     proc = Processor(engine.model.cfg, engine.tokenizer)
-    msgs = [{"role": "user", "content": [
-        {"type": "image", "data": _png(500, 700, image_seed)},
-        {"type": "audio", "data": _wav(2.0, audio_freq)},
-        {"type": "text", "text": text}]}]
-    return proc.build(msgs, speech_output=speech, request_id=rid,
-                      sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "data": _png(500, 700, image_seed)},
+                {"type": "audio", "data": _wav(2.0, audio_freq)},
+                {"type": "text", "text": text},
+            ],
+        }
+    ]
+    return proc.build(
+        msgs,
+        speech_output=speech,
+        request_id=rid,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def _run(engine, reqs):
     for r in reqs:
         engine.add_request(r)
-    out = {r.request_id: {"ids": [], "text": "", "spoken": [], "hidden": [], "reason": None} for r in reqs}
+    out = {
+        r.request_id: {"ids": [], "text": "", "spoken": [], "hidden": [], "reason": None}
+        for r in reqs
+    }
     while engine.has_unfinished():
         for d in engine.step():
             o = out[d.request_id]
@@ -117,16 +134,20 @@ def test_spoken_hidden_equals_dense_forward(engine_factory):
         for s, e in req.image_bounds:
             emb[s:e] = next(rows)
         for (s, e), (clip, first, n) in zip(req.audio_bounds, req.audio_segments):
-            emb[s:e] = aud[clip][first:first + n]
+            emb[s:e] = aud[clip][first : first + n]
         dense = model.llm(emb, torch.arange(len(ids)))  # no forward context: one causal seq
-        greedy = model.llm.compute_logits(dense[len(req.input_ids) - 1:-1]).argmax(-1)
+        greedy = model.llm.compute_logits(dense[len(req.input_ids) - 1 : -1]).argmax(-1)
     p = len(req.input_ids)
-    torch.testing.assert_close(out["hidden"], dense[p:p + len(out["spoken"])], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        out["hidden"], dense[p : p + len(out["spoken"])], atol=1e-4, rtol=1e-4
+    )
     assert greedy.tolist() == out["ids"]
 
 
 def test_encoder_cache_hit_equals_miss(engine_factory):
-    eng = engine_factory(encoder_cache_size=8)
+    # Prefix caching off: the repeat would take its media slots from the LLM's cache and
+    # never look the encoders' cache up (tests/test_prefix_cache.py covers that path).
+    eng = engine_factory(encoder_cache_size=8, llm={"enable_prefix_caching": False})
     first = _run(eng, [_request(eng, "x")])["x"]
     assert (eng.cache.hits, eng.cache.misses) == (0, 2)
     second = _run(eng, [_request(eng, "y")])["y"]
@@ -140,13 +161,25 @@ def test_encoder_cache_hit_equals_miss(engine_factory):
 
 def test_batched_requests_equal_each_alone(engine_factory):
     eng = engine_factory()
-    reqs = [_request(eng, f"r{i}", image_seed=i, audio_freq=300.0 + 100 * i, max_tokens=5 + i)
-            for i in range(3)]
+    reqs = [
+        _request(eng, f"r{i}", image_seed=i, audio_freq=300.0 + 100 * i, max_tokens=5 + i)
+        for i in range(3)
+    ]
     together = _run(eng, reqs)
     for i, r in enumerate(reqs):
         alone_eng = engine_factory()
-        alone = _run(alone_eng, [_request(alone_eng, r.request_id, image_seed=i,
-                                          audio_freq=300.0 + 100 * i, max_tokens=5 + i)])
+        alone = _run(
+            alone_eng,
+            [
+                _request(
+                    alone_eng,
+                    r.request_id,
+                    image_seed=i,
+                    audio_freq=300.0 + 100 * i,
+                    max_tokens=5 + i,
+                )
+            ],
+        )
         a, b = together[r.request_id], alone[r.request_id]
         assert a["ids"] == b["ids"], r.request_id
         torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-4, rtol=1e-4)
@@ -155,8 +188,12 @@ def test_batched_requests_equal_each_alone(engine_factory):
 def test_text_only_prompt_without_speech_has_no_spoken_span(engine_factory):
     eng = engine_factory()
     proc = Processor(eng.model.cfg, eng.tokenizer)
-    req = proc.build([{"role": "user", "content": "hello"}], speech_output=False, request_id="t",
-                     sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    req = proc.build(
+        [{"role": "user", "content": "hello"}],
+        speech_output=False,
+        request_id="t",
+        sampling=SamplingParams(max_tokens=4, ignore_eos=True),
+    )
     assert req.input_ids[-1] != eng.tokens.tts_bos
     out = _run(eng, [req])["t"]
     assert len(out["ids"]) == 4 and out["spoken"] == []
@@ -213,8 +250,9 @@ def test_uint8_strips_encode_like_normalized_float_strips(engine_factory):
 
     eng = engine_factory()
     images = _request(eng, "u", image_seed=3).images + _request(eng, "v", image_seed=4).images
-    floats = [replace(im, pixel_values=[normalize_pixels(s) for s in im.pixel_values])
-              for im in images]
+    floats = [
+        replace(im, pixel_values=[normalize_pixels(s) for s in im.pixel_values]) for im in images
+    ]
     assert images[0].pixel_values[0].dtype == torch.uint8
     got, ref = eng.model.encode_images(images, 2), eng.model.encode_images(floats, 2)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))

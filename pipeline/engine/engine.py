@@ -8,10 +8,20 @@
 Construction, in order: KV cache (sized from a byte budget or a block count) ->
 block manager + scheduler -> attention backend -> runner (+ CUDA graphs when enabled).
 The caller (a deployment) drives `step()` in a loop; nothing here blocks or spawns threads.
+
+Prefix caching (`enable_prefix_caching`, on by default): a request whose prompt starts
+with the tokens (and, at multimodal positions, the media content keys of `mm_spans`) of
+full blocks another request already computed reuses their K/V and computes only the rest.
+Cached and uncached prefill differ by float summation order only (the same as chunked
+prefill: tests/test_prefix_cache.py bounds it). A caller may leave out the embedding rows
+of spans it expects inside a cached prefix (`cached_prefix_len` says how far that is);
+should the prefix be evicted before the request runs, or the request be preempted, the
+engine asks `media_loader` for those rows before a step computes them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +31,11 @@ from pipeline.engine.graphs import DecodeGraphs, default_graph_sizes
 from pipeline.engine.kv_cache import BlockManager, KVCache, num_blocks_for_budget
 from pipeline.engine.runner import ModelRunner
 from pipeline.engine.sampling import make_generator
-from pipeline.engine.scheduler import Scheduler, Sequence
+from pipeline.engine.scheduler import MediaSpan, ScheduledSeq, Scheduler, Sequence, extend_hashes
 from pipeline.handoff import SamplingParams
+
+# (request id, spans without rows) -> one (end - start, H) tensor per span, in order
+MediaLoader = Callable[[str, list[MediaSpan]], list[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "torch" | "flashinfer" | "auto"
     cuda_graphs: bool = True  # capture decode graphs (CUDA + flashinfer only)
     graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 32, ... max_num_seqs
+    enable_prefix_caching: bool = True  # reuse K/V of cached full-block prompt prefixes
+    device_sampling: bool = True  # batched sampling on the device (False: the per-row host Sampler)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("torch", "flashinfer", "auto"):
@@ -63,6 +78,9 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int
+    prefix_cache_hits: int  # prompt tokens taken from the prefix cache at admission
+    prefix_cache_queries: int  # prompt tokens looked up at admission (the hit rate's base)
+    num_cached_blocks: int  # blocks holding a cached prefix (in use or evictable)
 
 
 class LLMEngine:
@@ -72,8 +90,10 @@ class LLMEngine:
         config: EngineConfig,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        media_loader: MediaLoader | None = None,
     ) -> None:
         self.config = config
+        self.media_loader = media_loader
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model
@@ -86,7 +106,9 @@ class LLMEngine:
         self.kv_cache = KVCache(cfg, num_blocks, config.block_size, dtype, self.device)
 
         # ===== Scheduler =====
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -115,7 +137,9 @@ class LLMEngine:
                 model, self.kv_cache, self.backend, sizes, cfg.head_dim**-0.5, dtype, self.device
             )
             graphs.capture()
-        self.runner = ModelRunner(model, self.kv_cache, self.backend, self.device, dtype, graphs)
+        self.runner = ModelRunner(
+            model, self.kv_cache, self.backend, self.device, dtype, graphs, config.device_sampling
+        )
 
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
@@ -134,7 +158,13 @@ class LLMEngine:
         mm_positions: torch.Tensor | None = None,
         mm_embeds: torch.Tensor | None = None,
         return_hidden: bool = False,
+        mm_spans: list[MediaSpan] | None = None,
     ) -> None:
+        """mm_positions / mm_embeds: rows replacing the token embeddings at those prompt
+        positions. mm_spans: the content keys of those rows, which makes blocks holding
+        them cacheable (without keys, caching stops at the first multimodal row). Every
+        row lies in a span, and a span has all its rows or none: a span without rows is
+        loaded through `media_loader` if a step has to compute it."""
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_ids:
@@ -151,6 +181,10 @@ class LLMEngine:
                 int(mm_positions.min()) < 0 or int(mm_positions.max()) >= len(prompt_ids)
             ):
                 raise ValueError("mm_positions must index the prompt")
+        spans = list(mm_spans or [])
+        missing = self._check_spans(spans, mm_positions, len(prompt_ids))
+        if missing and self.media_loader is None:
+            raise ValueError(f"{len(missing)} media spans have no rows and there is no loader")
         # A request that cannot fit even alone would preempt itself forever: refuse it now.
         need = self.block_manager.blocks_for(len(prompt_ids) + sampling.max_tokens)
         if need > self.block_manager.num_blocks:
@@ -166,9 +200,56 @@ class LLMEngine:
             mm_embeds=mm_embeds,
             return_hidden=return_hidden,
             generator=make_generator(sampling.seed, self.device),
+            mm_spans=spans,
+            mm_missing=missing,
         )
+        if mm_positions is not None and mm_positions.numel() and not spans:
+            seq.cacheable_until = int(mm_positions.min())
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    @staticmethod
+    def _check_spans(
+        spans: list[MediaSpan], positions: torch.Tensor | None, num_prompt: int
+    ) -> list[MediaSpan]:
+        """Validate `spans` against the rows given; return the spans without rows."""
+        prev_end = 0
+        for sp in spans:
+            if not (prev_end <= sp.start < sp.end <= num_prompt) or not sp.key:
+                raise ValueError(
+                    f"media span [{sp.start}, {sp.end}) key {sp.key!r}: spans must be sorted, "
+                    f"disjoint, non-empty, keyed and inside the prompt ({num_prompt} tokens)"
+                )
+            prev_end = sp.end
+        if not spans:
+            return []
+        pos = torch.sort(positions).values if positions is not None else torch.zeros(0)
+        missing, covered = [], 0
+        for sp in spans:
+            n = int(torch.searchsorted(pos, sp.end) - torch.searchsorted(pos, sp.start))
+            if n == 0:
+                missing.append(sp)
+            elif n != sp.end - sp.start:
+                raise ValueError(
+                    f"media span [{sp.start}, {sp.end}) has {n} of its {sp.end - sp.start} rows"
+                )
+            covered += n
+        if covered != pos.numel():
+            raise ValueError(f"{pos.numel() - covered} multimodal rows lie outside every span")
+        return missing
+
+    def cached_prefix_len(
+        self, prompt_ids: list[int], mm_spans: list[MediaSpan] | None = None
+    ) -> int:
+        """Prompt tokens that a request added now would take from the prefix cache (a
+        whole number of blocks, less than the prompt). A hint: blocks may be evicted before
+        the request is admitted."""
+        if not self.config.enable_prefix_caching or not prompt_ids:
+            return 0
+        bs = self.config.block_size
+        hashes: list[bytes] = []
+        extend_hashes(hashes, prompt_ids, mm_spans or [], bs, (len(prompt_ids) - 1) // bs)
+        return len(self.block_manager.match_prefix(hashes)) * bs
 
     def abort(self, request_id: str) -> bool:
         """Free the request's blocks now; the next step() reports it finished ("abort")."""
@@ -189,6 +270,9 @@ class LLMEngine:
         self._num_preemptions += len(plan.preempted)
         if plan.is_empty:
             return outputs
+        for s in plan.seqs:
+            if s.seq.mm_missing:
+                self._load_media(s)
         result = self.runner.run(plan)
         for up in self.scheduler.postprocess(plan, result.sampled):
             seq = up.seq
@@ -208,6 +292,28 @@ class LLMEngine:
             outputs.append(StepOutput(rid, [], h, False, None))
         return outputs
 
+    def _load_media(self, s: ScheduledSeq) -> None:
+        """Rows of the spans this step computes that the request left out (its cached
+        prefix was evicted, or it was preempted): loaded with every later missing span."""
+        seq = s.seq
+        hi = s.start + s.num_new
+        need = [sp for sp in seq.mm_missing if sp.end > s.start]
+        if not any(sp.start < hi for sp in need):
+            return
+        rows = self.media_loader(seq.request_id, need)
+        if len(rows) != len(need) or any(
+            r.shape[0] != sp.end - sp.start for r, sp in zip(rows, need)
+        ):
+            raise RuntimeError(f"media loader gave the wrong rows for {seq.request_id!r}")
+        pos = torch.cat([torch.arange(sp.start, sp.end) for sp in need])
+        emb = torch.cat([r.cpu() for r in rows])
+        if seq.mm_positions is not None:
+            pos = torch.cat([seq.mm_positions, pos])
+            emb = torch.cat([seq.mm_embeds, emb.to(seq.mm_embeds.dtype)])
+        order = torch.argsort(pos)
+        seq.mm_positions, seq.mm_embeds = pos[order], emb[order]
+        seq.mm_missing = [sp for sp in seq.mm_missing if sp.end <= s.start]
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -215,6 +321,9 @@ class LLMEngine:
             num_free_blocks=self.block_manager.num_free,
             num_total_blocks=self.block_manager.num_blocks,
             num_preemptions=self._num_preemptions,
+            prefix_cache_hits=self.scheduler.num_prefix_hits,
+            prefix_cache_queries=self.scheduler.num_prefix_queries,
+            num_cached_blocks=self.block_manager.num_cached,
         )
 
     def generate(

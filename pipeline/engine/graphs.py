@@ -1,26 +1,40 @@
 """CUDA graphs for pure-decode steps of the LLM, on the project's GraphRunner (pipeline/graphs.py).
 
-Contract (one graph per bucketed batch size, captured at start, largest first):
-- `GraphBuffers`: static input/output tensors sized for the largest bucket. A replay
-  copies the real rows in, pads the rest (token 0 at position 0 writing to the KV
-  cache's scratch slot, attending over the scratch block), replays, and reads
-  rows [:bs] back.
-- Attention metadata is not captured: before each replay the backend re-plans the
-  bucket's FlashInfer decode wrapper, whose indptr/indices/last-page buffers are static.
+Contract (one graph per bucketed batch size and sampler variant, captured at start, largest
+bucket first):
+- A graph computes `embed -> layers -> norm -> lm_head -> sample_batch` over static
+  buffers: the step's inputs (ids, positions, KV slots, FlashInfer's page table, every
+  row's sampling parameters and penalty history) live in one `Staging`, which the host
+  fills and uploads with one non-blocking copy; the noise rows are drawn on the device
+  before the replay; the outputs (hidden, logits, next ids) are static tensors read as
+  rows [:bs] (consume or copy them before the next replay).
+- Variants: `sampled=False` (penalty + argmax: every row greedy, the common case, and the
+  host sampler's logits) and `sampled=True` (the full sampler).
+- Padded rows up to the bucket: token 0 at position 0 writing to the KV cache's scratch
+  slot, attending over the scratch block, greedy with no penalty; their ids are ignored.
+- Attention metadata is not captured: before each replay the bucket's FlashInfer decode
+  wrapper is re-planned from the staged page table (pinned host indptr / last-page
+  lengths, device indices), so planning never waits for the GPU.
 - Only the FlashInfer backend is capturable (the torch backend syncs to read lengths).
 - Prefill and mixed steps, steps with multimodal rows, and batches above the largest
-  bucket run eagerly. `enforce_eager` in the engine config turns graphs off entirely.
+  bucket run eagerly. `cuda_graphs=False` in the engine config turns graphs off entirely.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pipeline.engine.attention import AttnMetadata, FlashInferAttention, ForwardBatch, forward_batch
 from pipeline.engine.kv_cache import KVCache
+from pipeline.engine.sampling import SamplingTensors, pack_rows, sample_batch, sampling_fields
 from pipeline.graphs import GraphRunner
+
+Fields = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 def default_graph_sizes(max_bs: int) -> tuple[int, ...]:
@@ -29,43 +43,94 @@ def default_graph_sizes(max_bs: int) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
-@dataclass
-class GraphBuffers:
-    input_ids: torch.Tensor  # (max_bs,) int64
-    positions: torch.Tensor  # (max_bs,) int64
-    slot_mapping: torch.Tensor  # (max_bs,) int64
-    hidden: torch.Tensor  # (max_bs, H) final-norm hidden of each row
-    logits: torch.Tensor  # (max_bs, V)
+class Staging:
+    """Named tensors that the host writes and the device reads: one host buffer (pinned on
+    CUDA) and one device buffer of the same layout.
 
-    @classmethod
-    def allocate(
-        cls, max_bs: int, hidden_size: int, vocab: int, dtype: torch.dtype, device: torch.device
-    ) -> GraphBuffers:
-        def z(*shape: int, dt: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dt, device=device)
+    A step writes its inputs through `host` (numpy views: cheap element writes), then
+    `upload()` copies the whole buffer with one non-blocking copy; the device reads `dev`
+    (torch views, fixed addresses: graph inputs). `host_t` are torch views of the host
+    buffer, for APIs that copy from pinned memory themselves. `mark_consumed()` records
+    the point after which the device no longer reads the host buffer, and
+    `wait_consumed()` waits for it before the host writes the next step's inputs (it has
+    long passed unless steps are launched ahead of the GPU)."""
 
-        return cls(
-            z(max_bs),
-            z(max_bs),
-            z(max_bs),
-            z(max_bs, hidden_size, dt=dtype),
-            z(max_bs, vocab, dt=dtype),
-        )
+    def __init__(self, fields: Fields, device: torch.device) -> None:
+        spans, end = {}, 0
+        for name, (dtype, shape) in fields.items():
+            lo = -(-end // 8) * 8  # every view 8-byte aligned
+            end = lo + dtype.itemsize * math.prod(shape)
+            spans[name] = (lo, end)
+        cuda = device.type == "cuda"
+        self._host = torch.zeros(end, dtype=torch.uint8, pin_memory=cuda)
+        self._dev = torch.zeros(end, dtype=torch.uint8, device=device)
+        self.host_t, self.dev, self.host = {}, {}, {}
+        for name, (dtype, shape) in fields.items():
+            lo, hi = spans[name]
+            self.host_t[name] = self._host[lo:hi].view(dtype).view(shape)
+            self.dev[name] = self._dev[lo:hi].view(dtype).view(shape)
+            self.host[name] = self.host_t[name].numpy()
+        self._consumed = torch.cuda.Event() if cuda else None
 
-    def copy_inputs(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int
-    ) -> None:
-        n = ids.numel()
-        self.input_ids[:n].copy_(ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slots, non_blocking=True)
-        self.input_ids[n:].zero_()
-        self.positions[n:].zero_()
-        self.slot_mapping[n:].fill_(pad_slot)
+    def upload(self) -> None:
+        self._dev.copy_(self._host, non_blocking=True)
+
+    def mark_consumed(self) -> None:
+        if self._consumed is not None:
+            self._consumed.record()
+
+    def wait_consumed(self) -> None:
+        if self._consumed is not None:
+            self._consumed.synchronize()
+
+
+def decode_fields(rows: int, max_pages: int) -> Fields:
+    """A decode step's inputs besides sampling: one token per row, FlashInfer's page table,
+    and the rows whose token is still pending on the host (filled from the device)."""
+    long, i32 = torch.int64, torch.int32
+    return {
+        "input_ids": (long, (rows,)),
+        "positions": (long, (rows,)),
+        "slot_mapping": (long, (rows,)),
+        "pending_rows": (long, (rows,)),
+        "pending_src": (long, (rows,)),
+        "kv_indptr": (i32, (rows + 1,)),
+        "kv_last_page_len": (i32, (rows,)),
+        "kv_indices": (i32, (max_pages,)),
+    }
+
+
+def page_table(
+    kv_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    scratch_block: int,
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    last_page_len: np.ndarray,
+) -> int:
+    """FlashInfer's CSR page table (`AttnMetadata.paged_csr`) written into the given arrays,
+    for len(indptr) - 1 rows: the real ones, then padded rows holding one token in the
+    scratch block. Returns the number of indices written."""
+    pad = len(indptr) - 1 - len(kv_lens)
+    pages = [(n + block_size - 1) // block_size for n in kv_lens]
+    indptr[0] = 0
+    np.cumsum(pages + [1] * pad, out=indptr[1:])
+    used = int(indptr[-1])
+    indices[:used] = np.fromiter(
+        itertools.chain(
+            itertools.chain.from_iterable(t[:p] for t, p in zip(block_tables, pages)),
+            [scratch_block] * pad,
+        ),
+        dtype=np.int32,
+        count=used,
+    )
+    last_page_len[:] = [n - (p - 1) * block_size for n, p in zip(kv_lens, pages)] + [1] * pad
+    return used
 
 
 class DecodeGraphs:
-    """Captures and replays the model's decode forward (embed -> layers -> norm -> lm_head)."""
+    """Captures and replays the model's decode step with sampling inside the graph."""
 
     def __init__(
         self,
@@ -86,12 +151,19 @@ class DecodeGraphs:
         self.scale = scale
         self.device = device
         cfg = model.cfg
-        self.buf = GraphBuffers.allocate(
-            self.sizes[-1], cfg.hidden_size, cfg.vocab_size, dtype, device
+        self.vocab = cfg.vocab_size
+        rows = self.sizes[-1]
+        self.staging = Staging(
+            {**decode_fields(rows, backend.max_num_pages), **sampling_fields(rows)}, device
         )
+        self.noise = torch.ones(rows, cfg.vocab_size, dtype=torch.float32, device=device)
+        self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=device)
+        self.logits = torch.zeros(rows, cfg.vocab_size, dtype=dtype, device=device)
+        self.next_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self._num_indices = 0
         # The step runs on buffers it owns (no graph inputs), so the runner's warm-up on its
         # side stream only writes the scratch KV slot.
-        self.runner = GraphRunner(max_graphs=len(self.sizes), warmup_iters=1)
+        self.runner = GraphRunner(max_graphs=2 * len(self.sizes), warmup_iters=1)
 
     @property
     def num_replays(self) -> int:
@@ -108,72 +180,117 @@ class DecodeGraphs:
                 return s
         return None
 
-    def padded_meta(
-        self, bs_real: int, bucket: int, kv_lens: list[int], block_tables: list[list[int]]
-    ) -> AttnMetadata:
-        """Decode metadata for `bucket` rows; pad rows attend over the scratch block."""
-        scratch = self.kv_cache.scratch_block
-        lens = list(kv_lens) + [1] * (bucket - bs_real)
-        tables = [list(t) for t in block_tables] + [[scratch]] * (bucket - bs_real)
-        width = max(len(t) for t in tables)
-        bt = torch.zeros(bucket, width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    def sampling_tensors(self, rows: int) -> SamplingTensors:
+        return SamplingTensors.view(self.staging.dev, self.noise, rows)
+
+    # -- one step: stage (host) -> upload -> [device fills] -> replay ---------------------
+    def stage(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        kv_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> int:
+        """Write a decode step's token inputs and page table for its bucket; returns the
+        bucket. The caller writes the sampling rows [0, bucket) (`pack_rows`) and then
+        calls `staging.upload()`. Waits first until the previous step's inputs were read."""
+        n = len(ids)
+        bucket = self.bucket(n)
+        assert bucket is not None, f"batch {n} exceeds the largest captured graph {self.max_bs}"
+        self.staging.wait_consumed()
+        h = self.staging.host
+        h["input_ids"][:n] = ids
+        h["positions"][:n] = positions
+        h["slot_mapping"][:n] = slots
+        h["input_ids"][n:bucket] = 0
+        h["positions"][n:bucket] = 0
+        h["slot_mapping"][n:bucket] = self.kv_cache.scratch_slot
+        self._num_indices = page_table(
+            kv_lens,
+            block_tables,
+            self.kv_cache.block_size,
+            self.kv_cache.scratch_block,
+            h["kv_indptr"][: bucket + 1],
+            h["kv_indices"],
+            h["kv_last_page_len"][:bucket],
+        )
+        return bucket
+
+    def fill_pending(self, count: int, prev_ids: torch.Tensor) -> None:
+        """After the upload: rows `pending_rows[:count]` take their token (and their penalty
+        history's newest id) from `prev_ids[pending_src[:count]]`, the ids the previous step
+        sampled, still on the device."""
+        d = self.staging.dev
+        rows = d["pending_rows"][:count]
+        vals = prev_ids.index_select(0, d["pending_src"][:count])
+        d["input_ids"].index_copy_(0, rows, vals)
+        d["history"][:, -1].index_copy_(0, rows, vals)
+
+    def replay(self, bucket: int, sampled: bool) -> None:
+        """Plan attention for the staged page table and replay the bucket's graph. Outputs:
+        `hidden`, `logits`, `next_ids` rows [:bucket]. The plan reads pinned host arrays
+        and device indices (the backend's `prepare` would copy pageable host tensors with
+        a blocking copy, which waits for the GPU to drain)."""
+        b, h = self.backend, self.staging.host_t
+        b.graph_decode_wrapper(bucket).plan(
+            h["kv_indptr"][: bucket + 1],
+            self.staging.dev["kv_indices"][: self._num_indices],
+            h["kv_last_page_len"][:bucket],
+            b.num_qo_heads,
+            b.num_kv_heads,
+            b.head_dim,
+            b.block_size,
+            q_data_type=b.dtype,
+            kv_data_type=b.dtype,
+            non_blocking=True,
+        )
+        self.staging.mark_consumed()
+        self.runner.run((bucket, sampled), (), fn=None)  # every graph was captured at start
+
+    # -- capture -------------------------------------------------------------------------
+    def _forward(self, bs: int, meta: AttnMetadata, sampled: bool) -> None:
+        d = self.staging.dev
+        fb = ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)
+        with forward_batch(fb):
+            h = self.model(self.model.embed(d["input_ids"][:bs]), d["positions"][:bs])
+        self.hidden[:bs].copy_(h)
+        logits = self.model.compute_logits(h)
+        self.logits[:bs].copy_(logits)
+        self.next_ids[:bs].copy_(sample_batch(logits, self.sampling_tensors(bs), sampled))
+
+    def _padding_meta(self, bs: int) -> AttnMetadata:
+        """Decode metadata of `bs` padded rows, for planning at capture."""
+        bt = torch.full((bs, 1), self.kv_cache.scratch_block, dtype=torch.int32)
         return AttnMetadata(
-            qo_indptr=torch.arange(bucket + 1, dtype=torch.int32),
-            kv_lens=torch.tensor(lens, dtype=torch.int32),
+            qo_indptr=torch.arange(bs + 1, dtype=torch.int32),
+            kv_lens=torch.ones(bs, dtype=torch.int32),
             block_tables=bt,  # only read on the host by FlashInfer's plan
             block_tables_cpu=bt,
-            slot_mapping=self.buf.slot_mapping[:bucket],
+            slot_mapping=self.staging.dev["slot_mapping"][:bs],
             is_decode=True,
             block_size=self.kv_cache.block_size,
         )
 
-    def _forward(self, bs: int, meta: AttnMetadata) -> None:
-        fb = ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)
-        with forward_batch(fb):
-            h = self.model(self.model.embed(self.buf.input_ids[:bs]), self.buf.positions[:bs])
-        self.buf.hidden[:bs].copy_(h)
-        self.buf.logits[:bs].copy_(self.model.compute_logits(h))
-
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (smaller ones reuse its pool memory)."""
+        """Capture both variants of every bucket, largest first (smaller ones reuse its
+        pool memory)."""
+        h = self.staging.host  # every row padding
+        h["input_ids"][:] = 0
+        h["positions"][:] = 0
+        h["slot_mapping"][:] = self.kv_cache.scratch_slot
+        pack_rows(h, [None] * self.max_bs, [()] * self.max_bs, self.vocab)
+        self.staging.upload()
         for bs in sorted(self.sizes, reverse=True):
-            meta = self.padded_meta(0, bs, [], [])
-            self.buf.copy_inputs(
-                self.buf.input_ids[:0],
-                self.buf.positions[:0],
-                self.buf.slot_mapping[:0],
-                self.kv_cache.scratch_slot,
-            )
+            meta = self._padding_meta(bs)
             self.backend.use_graph_wrapper(bs)
             try:
                 self.backend.prepare(meta)
-                self.runner.add(bs, lambda bs=bs, meta=meta: self._forward(bs, meta))
+                for sampled in (False, True):
+                    self.runner.add(
+                        (bs, sampled), lambda bs=bs, m=meta, s=sampled: self._forward(bs, m, s)
+                    )
             finally:
                 self.backend.use_graph_wrapper(None)
         torch.cuda.synchronize()
-
-    def replay(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        kv_lens: list[int],
-        block_tables: list[list[int]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one decode step of len(ids) sequences. Returns (hidden, logits) rows [:bs]
-        (views into the static buffers: consume or clone before the next replay)."""
-        bs = ids.numel()
-        bucket = self.bucket(bs)
-        assert bucket is not None, f"batch {bs} exceeds the largest captured graph {self.max_bs}"
-        self.buf.copy_inputs(ids, positions, slots, self.kv_cache.scratch_slot)
-        meta = self.padded_meta(bs, bucket, kv_lens, block_tables)
-        self.backend.use_graph_wrapper(bucket)
-        try:
-            self.backend.prepare(meta)
-        finally:
-            self.backend.use_graph_wrapper(None)
-        self.runner.run(bucket, (), fn=None)  # every bucket was captured at start
-        return self.buf.hidden[:bs], self.buf.logits[:bs]

@@ -1,16 +1,30 @@
 """Executes a `StepPlan` on the model.
 
-Steps of `ModelRunner.run(plan)`:
+`run(plan)` is `finish(launch(plan))`: `launch` enqueues the whole step on the device and
+returns; `finish` waits for the step's device->host copy (its sampled ids and hidden rows,
+one event) and returns them. Steps of `launch`:
   1. Flatten the plan: token ids, positions and KV slot ids of every scheduled token,
      plus per-sequence query offsets, KV lengths and block tables (`AttnMetadata`).
-  2. Pure decode steps with a captured graph size replay a CUDA graph (graphs.py).
+  2. Pure decode steps with a captured graph size replay a CUDA graph (graphs.py) that
+     samples inside the graph: the host only stages inputs, with no sync.
      Everything else runs eagerly:
   3. Embed the ids, then overwrite the rows at multimodal positions with the sequence's
      `mm_embeds` (only the rows inside this step's chunk).
   4. Plan attention once, run the model inside the scoped forward context.
-  5. Logits for the last row of every sequence that reached its last token; sample.
+  5. Logits for the last row of every sequence that reached its last token, sampled by
+     the same batched sampler (`sampling.sample_batch`), eagerly.
+  With `device_sampling=False` both paths sample row by row on the host instead
+  (`sampling.Sampler`, several syncs a row); the graphs then only provide the logits.
   6. Hidden rows for `return_hidden` sequences: the final-norm hidden state of every
      output token fed as input (one row per decode step), each returned once.
+
+Launching ahead. A caller may launch step N+1 before it finishes step N, so that the host
+plans N+1 while the GPU runs N, provided step N+1's inputs do not need step N's ids on the
+host: a sequence that samples in step N carries PENDING_ID as its last output id (the
+token step N is drawing), and the runner feeds that token, and the penalty history's
+newest id, from the ids step N left on the device. Device sampling only. A graph step's
+one wait is for the previous graph step's staged inputs to have been read (the first
+thing that step does on the GPU); eager steps still make blocking input copies.
 """
 
 from __future__ import annotations
@@ -20,16 +34,36 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.engine.attention import AttentionBackend, AttnMetadata, ForwardBatch, forward_batch
-from pipeline.engine.graphs import DecodeGraphs
+from pipeline.engine.graphs import DecodeGraphs, Staging
 from pipeline.engine.kv_cache import KVCache
-from pipeline.engine.sampling import Sampler
-from pipeline.engine.scheduler import ScheduledSeq, StepPlan
+from pipeline.engine.sampling import (
+    PENDING_ID,
+    Sampler,
+    SamplingTensors,
+    draw_noise,
+    pack_rows,
+    sample_batch,
+    sampling_fields,
+    widened_history,
+)
+from pipeline.engine.scheduler import ScheduledSeq, Sequence, StepPlan
 
 
 @dataclass
 class RunnerOutput:
     sampled: list[int]  # one id per plan entry with sample=True, in plan order
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> (n, H), CPU
+
+
+@dataclass
+class LaunchedStep:
+    """A step in flight: what `finish` reads once `done` has fired."""
+
+    ids: torch.Tensor | list[int]  # host copy of the device ids, or the host sampler's ids
+    keep: list[int] | None  # the entries of `ids` that are sampling plan entries (None: all)
+    hidden: torch.Tensor | None  # host copy of the hidden rows `spans` point into
+    spans: list[tuple[str, int, int]]  # request id, rows [start, end) of `hidden`
+    done: torch.cuda.Event | None  # the copies have landed (None: synchronous device)
 
 
 @dataclass
@@ -40,6 +74,7 @@ class _FlatBatch:
     qo_indptr: list[int]
     kv_lens: list[int]
     sample_rows: list[int]  # row index of the last token of each sampling sequence
+    pending: list[tuple[int, Sequence]]  # rows whose token is PENDING_ID, with their sequence
 
 
 class ModelRunner:
@@ -51,6 +86,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         graphs: DecodeGraphs | None = None,
+        device_sampling: bool = True,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -58,13 +94,22 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.graphs = graphs
+        self.device_sampling = device_sampling
         self.block_size = kv_cache.block_size
         self.scale = model.cfg.head_dim**-0.5
+        self.vocab = model.cfg.vocab_size
         self.sampler = Sampler()
+        self._cuda = device.type == "cuda"
+        # Eager steps' sampling rows (grown on demand; the graphs own theirs).
+        self._staging: Staging | None = None
+        self._noise: torch.Tensor | None = None
+        # The ids the last launched step sampled, on the device, and each sequence's row.
+        self._prev_ids: torch.Tensor | None = None
+        self._prev_rows: dict[Sequence, int] = {}
 
     # -- 1) flatten --------------------------------------------------------------------
     def _flatten(self, plan: StepPlan) -> _FlatBatch:
-        fb = _FlatBatch([], [], [], [0], [], [])
+        fb = _FlatBatch([], [], [], [0], [], [], [])
         bs = self.block_size
         for s in plan.seqs:
             seq = s.seq
@@ -74,6 +119,8 @@ class ModelRunner:
             fb.slots += [seq.block_table[p // bs] * bs + p % bs for p in range(lo, hi)]
             fb.qo_indptr.append(fb.qo_indptr[-1] + s.num_new)
             fb.kv_lens.append(hi)
+            if hi == seq.num_tokens and seq.output_ids and seq.output_ids[-1] == PENDING_ID:
+                fb.pending.append((fb.qo_indptr[-1] - 1, seq))
             if s.sample:
                 fb.sample_rows.append(fb.qo_indptr[-1] - 1)
         return fb
@@ -105,14 +152,27 @@ class ModelRunner:
             return None
         return pos[inside] - s.start, seq.mm_embeds[inside]
 
-    # -- run ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(self, plan: StepPlan) -> RunnerOutput:
-        fb = self._flatten(plan)
-        ids = torch.tensor(fb.ids, dtype=torch.long)
-        positions = torch.tensor(fb.positions, dtype=torch.long)
-        mm = [self._mm_rows(s) for s in plan.seqs]
+    def _pending_sources(self, fb: _FlatBatch) -> list[int]:
+        """Rows of `_prev_ids` holding the tokens of `fb.pending`."""
+        if fb.pending and not self.device_sampling:
+            raise RuntimeError("pending tokens need device sampling (device_sampling=True)")
+        try:
+            return [self._prev_rows[seq] for _, seq in fb.pending]
+        except KeyError as e:
+            raise RuntimeError(
+                f"sequence {e.args[0].request_id!r} has a pending token that the previous "
+                "launched step did not sample"
+            ) from None
 
+    # -- run ---------------------------------------------------------------------------
+    def run(self, plan: StepPlan) -> RunnerOutput:
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        fb = self._flatten(plan)
+        src = self._pending_sources(fb)
+        mm = [self._mm_rows(s) for s in plan.seqs]
         use_graph = (
             self.graphs is not None
             and plan.is_decode_only
@@ -120,46 +180,140 @@ class ModelRunner:
             and self.graphs.bucket(len(plan.seqs)) is not None
         )
         if use_graph:
-            # 2) CUDA graph: every row is a sampling row.
-            hidden, logits = self.graphs.replay(
-                ids.to(self.device),
-                positions.to(self.device),
-                torch.tensor(fb.slots, dtype=torch.long).to(self.device),
-                fb.kv_lens,
-                [s.seq.block_table for s in plan.seqs],
-            )
-            if not all(s.sample for s in plan.seqs):  # a 1-token recompute chunk samples nothing
-                logits = logits[[i for i, s in enumerate(plan.seqs) if s.sample]]
-        else:
-            # 3) embeddings with multimodal rows spliced in
-            embeds = self.model.embed(ids.to(self.device))  # (T, H)
-            for s, m, lo in zip(plan.seqs, mm, fb.qo_indptr):
-                if m is not None:
-                    rows, vals = m
-                    embeds[lo + rows.to(self.device)] = vals.to(self.device, embeds.dtype)
-            # 4) attention plan + model
-            meta = self._meta(plan, fb)
-            self.backend.prepare(meta)
-            with forward_batch(ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)):
-                hidden = self.model(embeds, positions.to(self.device))  # (T, H)
-            logits = None
+            return self._graph_step(plan, fb, src)
+        return self._eager_step(plan, fb, mm, src)
+
+    def finish(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's copy; its ids in plan order and its hidden rows."""
+        if step.done is not None:
+            step.done.synchronize()
+        ids = step.ids.tolist() if isinstance(step.ids, torch.Tensor) else step.ids
+        if step.keep is not None:
+            ids = [ids[i] for i in step.keep]
+        hidden = {rid: step.hidden[a:b].clone() for rid, a, b in step.spans}
+        return RunnerOutput(ids, hidden)
+
+    # -- 2) CUDA graph ---------------------------------------------------------------------
+    def _graph_step(self, plan: StepPlan, fb: _FlatBatch, src: list[int]) -> LaunchedStep:
+        g = self.graphs
+        n = len(plan.seqs)
+        bucket = g.stage(
+            fb.ids, fb.positions, fb.slots, fb.kv_lens, [s.seq.block_table for s in plan.seqs]
+        )
+        dev = self.device_sampling
+        params = [s.seq.sampling if s.sample and dev else None for s in plan.seqs]
+        outputs = [s.seq.output_ids for s in plan.seqs]
+        pad = bucket - n
+        host = g.staging.host
+        packed = pack_rows(host, params + [None] * pad, outputs + [()] * pad, self.vocab)
+        host["pending_rows"][: len(src)] = [row for row, _ in fb.pending]  # row == plan index
+        host["pending_src"][: len(src)] = src
+        g.staging.upload()
+        if src:
+            g.fill_pending(len(src), self._prev_ids)
+        draw_noise(g.noise, params, [s.seq.generator for s in plan.seqs])
+        g.replay(bucket, packed.sampled)
+
+        keep = [i for i, s in enumerate(plan.seqs) if s.sample]
+        spans = self._hidden_spans(plan, fb)
+        if not dev:
+            self._prev_ids, self._prev_rows = None, {}
+            ids = self._host_sample(g.logits[:n][keep], [plan.seqs[i] for i in keep])
+            return self._copy_out(ids, None, g.hidden[:n], spans, gather=False)
+        ids = g.next_ids[:n]
+        if packed.wide:  # a penalty history wider than the graph's: sample again, eagerly
+            t = g.sampling_tensors(n)
+            wide = widened_history(t.history, host["history"], packed.wide, self.vocab)
+            ids = sample_batch(g.logits[:n], t.with_history(wide), packed.sampled)
+        self._prev_ids, self._prev_rows = ids, {plan.seqs[i].seq: i for i in keep}
+        return self._copy_out(ids, None if len(keep) == n else keep, g.hidden[:n], spans, False)
+
+    # -- 3-5) eager --------------------------------------------------------------------
+    def _eager_step(
+        self,
+        plan: StepPlan,
+        fb: _FlatBatch,
+        mm: list[tuple[torch.Tensor, torch.Tensor] | None],
+        src: list[int],
+    ) -> LaunchedStep:
+        ids = torch.tensor(fb.ids, dtype=torch.long).to(self.device)
+        if src:
+            rows = torch.tensor([row for row, _ in fb.pending], device=self.device)
+            ids[rows] = self._prev_ids[torch.tensor(src, device=self.device)]
+        positions = torch.tensor(fb.positions, dtype=torch.long)
+        # 3) embeddings with multimodal rows spliced in
+        embeds = self.model.embed(ids)  # (T, H)
+        for s, m, lo in zip(plan.seqs, mm, fb.qo_indptr):
+            if m is not None:
+                rows, vals = m
+                embeds[lo + rows.to(self.device)] = vals.to(self.device, embeds.dtype)
+        # 4) attention plan + model
+        meta = self._meta(plan, fb)
+        self.backend.prepare(meta)
+        with forward_batch(ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)):
+            hidden = self.model(embeds, positions.to(self.device))  # (T, H)
+        spans = self._hidden_spans(plan, fb)
 
         # 5) sampling
         sampling = [s for s in plan.seqs if s.sample]
-        sampled: list[int] = []
-        if sampling:
-            if logits is None:
-                rows = torch.tensor(fb.sample_rows, device=self.device)
-                logits = self.model.compute_logits(hidden[rows])  # (N, V)
-            sampled = self.sampler(
-                logits,
-                [s.seq.sampling for s in sampling],
-                [s.seq.all_ids for s in sampling],
-                [s.seq.generator for s in sampling],
-            )
+        self._prev_ids, self._prev_rows = None, {}
+        if not sampling:
+            return self._copy_out([], None, hidden, spans, gather=True)
+        rows = torch.tensor(fb.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # (N, V)
+        if not self.device_sampling:
+            return self._copy_out(self._host_sample(logits, sampling), None, hidden, spans, True)
+        pending = {seq for _, seq in fb.pending}
+        newest = [j for j, s in enumerate(sampling) if s.seq in pending]
+        out = self._sample_eager(logits, sampling, ids[rows], newest)
+        self._prev_ids, self._prev_rows = out, {s.seq: j for j, s in enumerate(sampling)}
+        return self._copy_out(out, None, hidden, spans, gather=True)
 
-        # 6) hidden rows of output tokens fed as input, each emitted once
-        out = RunnerOutput(sampled)
+    def _sample_eager(
+        self,
+        logits: torch.Tensor,
+        sampling: list[ScheduledSeq],
+        last_ids: torch.Tensor,
+        newest: list[int],
+    ) -> torch.Tensor:
+        """`sample_batch` over the sampling rows. last_ids: each row's input token (its
+        sequence's newest id); `newest`: the rows whose newest id is pending on the host."""
+        n = len(sampling)
+        if self._noise is None or self._noise.shape[0] < n:
+            rows = 1 << (n - 1).bit_length()
+            self._staging = Staging(sampling_fields(rows), self.device)
+            self._noise = torch.ones(rows, self.vocab, dtype=torch.float32, device=self.device)
+        st = self._staging
+        params = [s.seq.sampling for s in sampling]
+        st.wait_consumed()
+        packed = pack_rows(st.host, params, [s.seq.output_ids for s in sampling], self.vocab)
+        st.upload()
+        st.mark_consumed()
+        t = SamplingTensors.view(st.dev, self._noise, n)
+        if newest:
+            j = torch.tensor(newest, device=self.device)
+            t.history[:, -1].index_copy_(0, j, last_ids[j])
+        draw_noise(self._noise, params, [s.seq.generator for s in sampling])
+        if packed.wide:
+            t = t.with_history(
+                widened_history(t.history, st.host["history"], packed.wide, self.vocab)
+            )
+        return sample_batch(logits, t, packed.sampled)
+
+    def _host_sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[int]:
+        return self.sampler(
+            logits,
+            [s.seq.sampling for s in sampling],
+            [s.seq.output_ids for s in sampling],  # the penalty counts generated ids only
+            [s.seq.generator for s in sampling],
+        )
+
+    # -- 6) outputs ----------------------------------------------------------------------
+    @staticmethod
+    def _hidden_spans(plan: StepPlan, fb: _FlatBatch) -> list[tuple[str, int, int]]:
+        """Flat rows [start, end) of the output tokens fed as input, per `return_hidden`
+        sequence, each emitted once."""
+        spans = []
         for s, lo in zip(plan.seqs, fb.qo_indptr):
             seq = s.seq
             if not seq.return_hidden:
@@ -167,8 +321,45 @@ class ModelRunner:
             first = max(s.start, seq.num_prompt, seq.num_hidden_emitted)
             last = s.start + s.num_new
             if first < last:
-                out.hidden[seq.request_id] = hidden[lo + first - s.start : lo + last - s.start].to(
-                    "cpu"
-                )
+                spans.append((seq.request_id, lo + first - s.start, lo + last - s.start))
                 seq.num_hidden_emitted = last
-        return out
+        return spans
+
+    def _copy_out(
+        self,
+        ids: torch.Tensor | list[int],
+        keep: list[int] | None,
+        hidden: torch.Tensor,
+        spans: list[tuple[str, int, int]],
+        gather: bool,
+    ) -> LaunchedStep:
+        """Enqueue the step's device->host copies (device ids, hidden rows) into pinned
+        memory, and the event that says they landed. gather=False copies the hidden rows
+        between the spans too (a few rows of a decode batch: no index tensor to build)."""
+        host_ids = ids
+        if isinstance(ids, torch.Tensor):
+            host_ids = self._host_like(ids)
+            host_ids.copy_(ids, non_blocking=True)
+        host_hidden = None
+        if spans:
+            if gather:
+                idx = [r for _, a, b in spans for r in range(a, b)]
+                rows = hidden.index_select(0, torch.tensor(idx, device=hidden.device))
+                starts = [0]
+                for _, a, b in spans:
+                    starts.append(starts[-1] + b - a)
+                spans = [(rid, lo, hi) for (rid, _, _), lo, hi in zip(spans, starts, starts[1:])]
+            else:
+                first = min(a for _, a, _ in spans)
+                rows = hidden[first : max(b for _, _, b in spans)]
+                spans = [(rid, a - first, b - first) for rid, a, b in spans]
+            host_hidden = self._host_like(rows)
+            host_hidden.copy_(rows, non_blocking=True)
+        done = None
+        if self._cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(host_ids, keep, host_hidden, spans, done)
+
+    def _host_like(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)

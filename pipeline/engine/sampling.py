@@ -1,17 +1,76 @@
 """Per-request sampling over a batch of logits rows.
 
 Order of operations for each row (HF `generate` order for these processors):
-  repetition penalty (over prompt + output ids) -> temperature -> top-k -> top-p -> draw.
+  repetition penalty -> temperature -> top-k -> top-p -> draw.
 Greedy rows (temperature 0) take the argmax of the penalized logits; with penalty 1 that
 is exactly argmax of the raw logits. Draws use the request's own torch.Generator when it
 asked for a seed, so a seeded request reproduces regardless of what it is batched with.
+
+Repetition penalty, as the reference's streaming chat computes it
+(`MiniCPMO.streaming_generate` driving `ChunkPrefillChunkGenerate.chunk_generate`, MiniCPM-o
+4.5 `modeling_minicpmo.py` / `utils.py`):
+  * only generated ids count, never the prompt: the reference passes this turn's generated
+    ids as `all_input_ids` (the offline `chat()` too: HF `generate` on `inputs_embeds`
+    starts `input_ids` empty);
+  * it decodes in chunks of 10 tokens, the first chunk 11 long, and a token inside a chunk
+    sees the last `PENALTY_WINDOW_SIZE` = 128 ids of the earlier chunks plus the ids of its
+    own chunk so far (`penalty_history`; `SamplingParams.repetition_window`, None = no
+    window, the offline rule);
+  * each distinct id is penalized once (`torch.unique` there, HF's processor likewise):
+    positive logits divided by the penalty, the others multiplied.
+
+Two samplers compute that rule:
+  * `Sampler`: per row on the host's schedule (a few host syncs a row), the reference path;
+  * `sample_batch`: the whole batch as one fixed sequence of tensor ops with no host sync,
+    so the decode CUDA graph can capture it. Its inputs are per-row tensors
+    (`SamplingTensors`) that `pack_rows` writes on the host and `draw_noise` fills on the
+    device. It computes the same function as `Sampler` bit for bit:
+      - penalty and temperature divide by float32 tensors in both (true division; a Python
+        scalar divisor would make CUDA multiply by its reciprocal instead);
+      - top-k's threshold is the k-th largest value either way; top-p sorts stably and sums
+        the mass in float64, where every prefix sum of float32 probabilities down to 2**-29
+        is exact, so the cut does not depend on the scan algorithm torch picks for a
+        batch size;
+      - the draw is the exponential race `argmax(probs / q)`, q ~ Exp(1), which is what
+        `torch.multinomial(probs, 1)` computes: `draw_noise` takes q from the row's own
+        generator exactly as multinomial would, so a seed draws the same token on either
+        path, whatever else is in the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
 import torch
 
 from pipeline.handoff import SamplingParams
+
+# The reference's streaming decode chunks: `generate_chunk_size` 10, and the first chunk
+# one longer (`chunk_size=generate_chunk_size + 1 * is_first_generate_chunk`).
+DECODE_CHUNK = 10
+FIRST_DECODE_CHUNK = DECODE_CHUNK + 1
+
+# An output id the host does not know yet: the token the step in flight is sampling. A step
+# launched before the previous one finished feeds it from the device (runner.py).
+PENDING_ID = -1
+
+# Ids per row of the batched sampler's penalty history (its static width in the decode
+# graphs). The last column is kept for a row's newest id while that is PENDING_ID on the
+# host; a row with more distinct ids than the other columns hold is sampled again, eagerly,
+# with a history built wide enough for that step (`widened_history`).
+HISTORY_WIDTH = 256
+
+
+def penalty_history(output_ids: Sequence[int], window: int | None) -> list[int]:
+    """The generated ids the penalty sees when sampling output token len(output_ids):
+    the ids before its decode chunk, the last `window` of them, then its chunk's own."""
+    n = len(output_ids)
+    if window is None or n < FIRST_DECODE_CHUNK:
+        return list(output_ids)
+    chunk_start = FIRST_DECODE_CHUNK + (n - FIRST_DECODE_CHUNK) // DECODE_CHUNK * DECODE_CHUNK
+    return list(output_ids[max(0, chunk_start - window) :])
 
 
 def apply_repetition_penalty(
@@ -24,7 +83,10 @@ def apply_repetition_penalty(
     out = logits.clone()
     ids = ids.unique()
     picked = out[ids]
-    out[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    # A tensor divisor divides exactly on every device, as the batched `penalize` does;
+    # CUDA would multiply by the reciprocal of a Python scalar (1 ulp apart at times).
+    pen = torch.full((), penalty, dtype=out.dtype, device=out.device)
+    out[ids] = torch.where(picked > 0, picked / pen, picked * pen)
     return out
 
 
@@ -41,8 +103,9 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     (the token that crosses p is kept; at least one token always survives)."""
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
-    probs = sorted_logits.softmax(-1)
+    # Ties in index order and an exact float64 mass: the same cut as `sample_batch`.
+    sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+    probs = sorted_logits.softmax(-1).double()
     # Drop a token when the mass strictly before it already reaches p.
     mass_before = probs.cumsum(-1) - probs
     drop_sorted = mass_before >= p
@@ -65,11 +128,13 @@ def sample_row(
     history: torch.Tensor,
     generator: torch.Generator | None,
 ) -> int:
-    """One token from one row of logits (V,). `history` = prompt + output ids (N,)."""
+    """One token from one row of logits (V,). `history`: the ids to penalize (N,), the
+    request's `penalty_history`."""
     logits = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
+    temperature = torch.full((), params.temperature, dtype=logits.dtype, device=logits.device)
+    logits = logits / temperature  # a tensor divisor, as for the penalty
     logits = top_k_mask(logits, params.top_k)
     logits = top_p_mask(logits, params.top_p)
     probs = logits.softmax(-1)
@@ -78,13 +143,14 @@ def sample_row(
 
 class Sampler:
     """Batch sampler. Rows that are all plain greedy share one argmax; the rest go row by
-    row (per-request penalty, temperature, top-k/p and generator)."""
+    row (per-request penalty, temperature, top-k/p and generator). `outputs[i]` are the ids
+    row i's request generated so far (no prompt ids)."""
 
     def __call__(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        histories: list[list[int]],
+        outputs: list[list[int]],
         generators: list[torch.Generator | None],
     ) -> list[int]:
         out: list[int | None] = [None] * len(params)
@@ -95,6 +161,154 @@ class Sampler:
                 out[i] = tok
         for i, p in enumerate(params):
             if out[i] is None:
-                hist = torch.tensor(histories[i], dtype=torch.long, device=logits.device)
+                hist = torch.tensor(
+                    penalty_history(outputs[i], p.repetition_window),
+                    dtype=torch.long,
+                    device=logits.device,
+                )
                 out[i] = sample_row(logits[i], p, hist, generators[i])
         return out  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------
+# The batched sampler: host packing, device noise, and the capturable step
+
+
+def sampling_fields(
+    rows: int, width: int = HISTORY_WIDTH
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The per-row inputs of `sample_batch` that the host writes (`pack_rows`)."""
+    return {
+        "greedy": (torch.bool, (rows,)),
+        "temperature": (torch.float32, (rows,)),
+        "top_k": (torch.int64, (rows,)),
+        "top_p": (torch.float64, (rows,)),
+        "penalty": (torch.float32, (rows,)),
+        "history": (torch.int64, (rows, width)),
+    }
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """The inputs of `sample_batch`, B rows on the device."""
+
+    greedy: torch.Tensor  # (B,) bool
+    temperature: torch.Tensor  # (B,) float32 (1 on greedy rows)
+    top_k: torch.Tensor  # (B,) int64: index of the k-th largest logit (V - 1: off)
+    top_p: torch.Tensor  # (B,) float64 (1: off)
+    penalty: torch.Tensor  # (B,) float32 (1: off)
+    history: torch.Tensor  # (B, W) int64: ids to penalize, padded with V
+    noise: torch.Tensor  # (B, V) float32: Exp(1) draws of the rows that sample
+
+    @classmethod
+    def view(
+        cls, fields: dict[str, torch.Tensor], noise: torch.Tensor, rows: int
+    ) -> SamplingTensors:
+        """Rows [:rows] of `sampling_fields` tensors and of a noise buffer."""
+        names = ("greedy", "temperature", "top_k", "top_p", "penalty", "history")
+        return cls(**{k: fields[k][:rows] for k in names}, noise=noise[:rows])
+
+    def with_history(self, history: torch.Tensor) -> SamplingTensors:
+        return replace(self, history=history)
+
+
+@dataclass
+class PackedRows:
+    sampled: bool  # some row draws (else the step only needs penalty + argmax)
+    wide: dict[int, list[int]]  # rows whose distinct history does not fit: all their ids
+
+
+def pack_rows(
+    host: dict[str, np.ndarray],
+    params: Sequence[SamplingParams | None],
+    outputs: Sequence[Sequence[int]],
+    vocab: int,
+) -> PackedRows:
+    """Write rows [0, len(params)) of the `sampling_fields` host arrays. None is a padded
+    row: greedy, no penalty. `outputs[i]`: the ids row i's request generated so far; the
+    last may be PENDING_ID, whose history column (the last) the device then fills."""
+    hist = host["history"]
+    width = hist.shape[1]
+    sampled, wide = False, {}
+    for i, p in enumerate(params):
+        hist[i] = vocab
+        draws = p is not None and not p.greedy
+        sampled |= draws
+        host["greedy"][i] = not draws
+        host["temperature"][i] = p.temperature if draws else 1.0
+        host["top_k"][i] = p.top_k - 1 if draws and 0 < p.top_k < vocab else vocab - 1
+        host["top_p"][i] = p.top_p if draws else 1.0
+        if p is None or p.repetition_penalty == 1.0:
+            host["penalty"][i] = 1.0
+            continue
+        host["penalty"][i] = p.repetition_penalty
+        ids = penalty_history(outputs[i], p.repetition_window)
+        if ids and ids[-1] == PENDING_ID:
+            ids.pop()
+        if len(ids) >= width:
+            ids = list(dict.fromkeys(ids))  # the penalty sees each distinct id once
+            if len(ids) >= width:
+                wide[i] = ids
+                ids = ids[: width - 1]
+        hist[i, : len(ids)] = ids
+    return PackedRows(sampled, wide)
+
+
+def widened_history(
+    history: torch.Tensor, host_history: np.ndarray, wide: dict[int, list[int]], vocab: int
+) -> torch.Tensor:
+    """A history wide enough for `wide`'s rows; the other rows and the last column (the
+    device-filled newest id) are taken from `history` (n, W) / its host copy."""
+    n, width = history.shape
+    out = torch.full((n, max(map(len, wide.values())) + 1), vocab, dtype=torch.long)
+    out[:, : width - 1] = torch.from_numpy(host_history[:n, : width - 1])
+    for i, ids in wide.items():
+        out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    out = out.to(history.device)
+    out[:, -1] = history[:, -1]
+    return out
+
+
+def draw_noise(
+    noise: torch.Tensor,
+    params: Sequence[SamplingParams | None],
+    generators: Sequence[torch.Generator | None],
+) -> None:
+    """Exp(1) draws for the rows that sample, from each request's generator (the default
+    one when it has none): the draws `torch.multinomial(probs, 1, generator=g)` makes."""
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if p is not None and not p.greedy:
+            noise[i].exponential_(generator=g)
+
+
+def penalize(x: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """`apply_repetition_penalty` per row: x (B, V) float32, history (B, W) ids padded with
+    V, penalty (B,). Each distinct id is marked once (column V is the padding's sink)."""
+    vocab = x.shape[-1]
+    seen = torch.zeros(x.shape[0], vocab + 1, dtype=torch.bool, device=x.device)
+    seen.scatter_(1, history, True)
+    pen = penalty[:, None]
+    return torch.where(seen[:, :vocab], torch.where(x > 0, x / pen, x * pen), x)
+
+
+def sample_batch(logits: torch.Tensor, t: SamplingTensors, sampled: bool = True) -> torch.Tensor:
+    """One id per row of logits (B, V): `Sampler`'s rule for every row at once, with no host
+    sync. sampled=False runs penalty + argmax only (every row greedy). Returns (B,) int64."""
+    x = penalize(logits.float(), t.history, t.penalty)
+    greedy_ids = x.argmax(-1)
+    if not sampled:
+        return greedy_ids
+    x = x / t.temperature[:, None]
+    # One sort serves both filters: top-k's threshold, then top-p's mass on the survivors.
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    kth = sorted_x.gather(1, t.top_k[:, None])
+    x = x.masked_fill(x < kth, float("-inf"))
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    probs = sorted_x.softmax(-1).double()
+    top_p = t.top_p[:, None]
+    drop_sorted = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    probs = x.masked_fill(drop, float("-inf")).softmax(-1)
+    drawn = (probs / t.noise).argmax(-1)
+    return torch.where(t.greedy, greedy_ids, drawn)

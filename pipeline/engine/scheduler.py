@@ -13,20 +13,32 @@ Policy of `schedule()`, under `max_num_seqs` and `max_num_batched_tokens`:
      it is preempted and the pass stops.
   2. Then waiting sequences, FIFO: admitted while the token budget, `max_num_seqs` and
      free blocks allow; a prompt longer than the remaining budget is chunked. The queue
-     head blocks everything behind it (no overtaking).
-`postprocess(plan, sampled)` advances the counts, appends sampled tokens, finishes
-sequences on a stop id or max_tokens, and frees their blocks.
+     head blocks everything behind it (no overtaking). With prefix caching, admission
+     first takes the longest run of cached full blocks matching the sequence's hash chain
+     (at most num_tokens - 1 tokens, so at least one token is computed and yields logits)
+     and starts computing after it: `num_computed` = the cached length.
+`postprocess(plan, sampled)` advances the counts, publishes every block that became full
+and computed to the prefix cache, appends sampled tokens, finishes sequences on a stop id
+or max_tokens, and frees their blocks.
+
+Blocks are published only once their K/V are written (after the step), never at
+allocation: a chunked prefill's later blocks do not exist yet when another sequence is
+admitted. A sequence never writes into a block it took from the cache: the cached length
+is a whole number of blocks, and computing starts in a fresh one.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
+import sys
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.engine.kv_cache import BlockManager
+from pipeline.engine.kv_cache import ROOT_HASH, BlockHash, BlockManager, hash_block
 from pipeline.handoff import SamplingParams
 
 
@@ -34,6 +46,41 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class MediaSpan:
+    """Prompt positions [start, end) filled by consecutive embedding rows of one media item.
+
+    `key` names those rows' content: position start + i holds row i of the rows `key`
+    names (e.g. "image:<content hash>:<first row>"). Two spans with equal keys must
+    carry equal rows; that is what lets their K/V be shared by the prefix cache."""
+
+    start: int
+    end: int
+    key: str
+
+
+def extend_hashes(
+    hashes: list[BlockHash],
+    token_ids: Seq[int],
+    spans: Seq[MediaSpan],
+    block_size: int,
+    num_blocks: int,
+) -> None:
+    """Extend the chain `hashes` (of the first len(hashes) blocks) to `num_blocks` full
+    blocks of `token_ids`; `spans` (sorted, disjoint) key the media rows inside them."""
+    ends = [sp.end for sp in spans]
+    for b in range(len(hashes), num_blocks):
+        lo, hi = b * block_size, (b + 1) * block_size
+        media = []
+        i = bisect.bisect_right(ends, lo)  # first span ending after lo
+        while i < len(spans) and spans[i].start < hi:
+            sp = spans[i]
+            a, z = max(sp.start, lo), min(sp.end, hi)
+            media.append((sp.key, a - sp.start, a - lo, z - a))
+            i += 1
+        hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, token_ids[lo:hi], media))
 
 
 @dataclass(eq=False)  # identity semantics: sequences hold tensors and are unique
@@ -47,6 +94,13 @@ class Sequence:
     # mm_positions[i] (sorted ascending). CPU tensors; the runner moves what it needs.
     mm_positions: torch.Tensor | None = None  # (P,) int64
     mm_embeds: torch.Tensor | None = None  # (P, H)
+    # Content keys of the multimodal rows (sorted, disjoint), for the prefix cache's hashes;
+    # `mm_missing` lists the spans whose rows are not in mm_embeds yet (left out because
+    # they were inside a cached prefix): the engine loads them before a step computes them.
+    mm_spans: list[MediaSpan] = field(default_factory=list)
+    mm_missing: list[MediaSpan] = field(default_factory=list)
+    # Blocks ending after this position hold rows with no content key: never cached.
+    cacheable_until: int = sys.maxsize
     return_hidden: bool = False
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
@@ -56,6 +110,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG (seeded sampling)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # chain of the first full blocks
+    num_cached_blocks: int = 0  # leading blocks taken from or published to the prefix cache
+    num_cached_tokens: int = 0  # prefix-cache hit of the last admission
 
     @property
     def num_prompt(self) -> int:
@@ -85,6 +142,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+    def prefix_hashes(self, block_size: int, num_blocks: int) -> list[BlockHash]:
+        """Hashes of the first `num_blocks` full blocks (computed once, then kept: the
+        tokens of a sequence only ever grow)."""
+        if len(self.block_hashes) < num_blocks:
+            ids = self.prompt_ids if num_blocks * block_size <= self.num_prompt else self.all_ids
+            extend_hashes(self.block_hashes, ids, self.mm_spans, block_size, num_blocks)
+        return self.block_hashes[:num_blocks]
 
 
 @dataclass
@@ -143,6 +208,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
+        self.num_prefix_queries = 0  # tokens of admitted sequences (readmissions count again)
+        self.num_prefix_hits = 0  # of those, tokens taken from the prefix cache
 
     # -- queue ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -172,6 +239,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
+        seq.num_cached_blocks = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -205,13 +273,23 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if plan.preempted:
                 break  # memory is short this step: do not admit what we just evicted
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            need = self.blocks.extra_blocks(seq.block_table, seq.num_computed + n)
+            seq = self.waiting[0]  # num_computed == 0, empty block table
+            hit = self._match_prefix(seq)
+            cached = len(hit) * self.blocks.block_size
+            n = min(seq.num_tokens - cached, budget)
+            # Fresh blocks for the computed part, plus the cached hits that leave the free
+            # pool (ref count 0 until now).
+            need = self.blocks.blocks_for(cached + n) - len(hit) + self.blocks.hit_cost(hit)
             if not self.blocks.can_allocate(need):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq.block_table, seq.num_computed + n)
+            self.blocks.take_cached(seq.block_table, hit)
+            seq.num_computed = seq.num_cached_tokens = cached
+            seq.num_cached_blocks = len(hit)
+            if self.blocks.enable_caching:
+                self.num_prefix_queries += seq.num_tokens
+                self.num_prefix_hits += cached
+            self.blocks.allocate(seq.block_table, cached + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             plan.seqs.append(
@@ -219,6 +297,28 @@ class Scheduler:
             )
             budget -= n
         return plan
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the longest matching prefix of `seq`, leaving at least its last
+        token to compute."""
+        if not self.blocks.enable_caching:
+            return []
+        bs = self.blocks.block_size
+        n = min((seq.num_tokens - 1) // bs, seq.cacheable_until // bs)
+        return self.blocks.match_prefix(seq.prefix_hashes(bs, n))
+
+    def _publish(self, seq: Sequence) -> None:
+        """Offer every block that is now full and computed to the prefix cache."""
+        if not self.blocks.enable_caching:
+            return
+        bs = self.blocks.block_size
+        n = min(seq.num_computed // bs, seq.cacheable_until // bs)
+        if n <= seq.num_cached_blocks:
+            return
+        hashes = seq.prefix_hashes(bs, n)
+        for i in range(seq.num_cached_blocks, n):
+            self.blocks.register(seq.block_table[i], hashes[i])
+        seq.num_cached_blocks = n
 
     # -- after the step ------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, sampled: list[int]) -> list[SeqUpdate]:
@@ -228,6 +328,7 @@ class Scheduler:
         for s in plan.seqs:
             seq = s.seq
             seq.num_computed = s.start + s.num_new
+            self._publish(seq)
             if not s.sample:
                 continue
             tok = int(next(it))

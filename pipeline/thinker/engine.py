@@ -4,7 +4,12 @@ states out.
 Each `step()`:
   1) admits new requests: their images and audio are encoded together, batched across
      all requests admitted in this step, with a content-hash LRU in front of the encoders;
-     the `<unk>` slots of each prompt get those rows (`mm_positions`, `mm_embeds`);
+     the `<unk>` slots of each prompt get those rows (`mm_positions`, `mm_embeds`), and
+     every slot run is keyed by its media's content hash (`MediaSpan`) so the LLM's
+     prefix cache can tell the same placeholders with other media apart. Media whose
+     slots all lie inside the prompt's cached prefix are not encoded at all (a follow-up
+     question about the same video computes only the new turn); should that prefix be
+     evicted before the request runs, the LLM engine calls back for the rows;
   2) runs one continuous-batching step of the LLM engine (prefill chunks + decodes);
   3) turns new ids into text deltas (no half UTF-8 characters) and pairs each spoken-span
      token with the hidden state computed when it was the input token (what the Talker
@@ -23,7 +28,8 @@ import torch
 
 from pipeline.checkpoint import ModelSource
 from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.handoff import ThinkerDelta, ThinkerRequest
+from pipeline.engine.scheduler import MediaSpan
+from pipeline.handoff import AudioInput, ImageInput, ThinkerDelta, ThinkerRequest
 from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from pipeline.utils import resolve_device, resolve_dtype
@@ -43,9 +49,13 @@ class ThinkerEngineConfig:
 
     def __post_init__(self) -> None:
         if self.vision_attn_backend not in ("eager", "sdpa", "flash"):
-            raise ValueError(f"vision_attn_backend must be eager|sdpa|flash, got {self.vision_attn_backend!r}")
+            raise ValueError(
+                f"vision_attn_backend must be eager|sdpa|flash, got {self.vision_attn_backend!r}"
+            )
         if self.encoder_cache_size < 0 or self.vision_batch_size < 1 or self.max_admit_per_step < 1:
-            raise ValueError("encoder_cache_size >= 0, vision_batch_size >= 1, max_admit_per_step >= 1")
+            raise ValueError(
+                "encoder_cache_size >= 0, vision_batch_size >= 1, max_admit_per_step >= 1"
+            )
 
 
 class EncoderCache:
@@ -80,12 +90,25 @@ class EncoderCache:
         return len(self._items)
 
 
+@dataclass(frozen=True, eq=False)
+class _Slot:
+    """One run of `<unk>` slots: rows [first_row, first_row + len) of `media`'s encoding."""
+
+    span: MediaSpan
+    media: ImageInput | AudioInput
+    first_row: int
+
+    def rows(self, encoded: torch.Tensor) -> torch.Tensor:
+        return encoded[self.first_row : self.first_row + self.span.end - self.span.start]
+
+
 @dataclass
 class _Stream:
     """Per-request decode state."""
 
     request: ThinkerRequest
     detok: IncrementalDetokenizer
+    slots: list[_Slot] = field(default_factory=list)  # media slot runs, in prompt order
     output_ids: list[int] = field(default_factory=list)
     span_start: int | None = None  # index into output_ids where the spoken span begins
     span_end: int | None = None  # index of the token that ended it
@@ -104,32 +127,49 @@ class ThinkerStats:
     encoder_cache_hits: int
     encoder_cache_misses: int
     encoder_cache_items: int
+    prefix_cache_hits: int  # prompt tokens whose K/V came from the LLM's prefix cache
+    prefix_cache_queries: int  # prompt tokens looked up
+    num_cached_blocks: int
+    media_skipped: int  # images / clips not encoded: all their slots inside a cached prefix
 
 
 class ThinkerEngine:
-    def __init__(self, model: ThinkerModel, tokenizer: TextTokenizer, config: ThinkerEngineConfig,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: ThinkerModel,
+        tokenizer: TextTokenizer,
+        config: ThinkerEngineConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.llm = LLMEngine(model.llm, config.llm, self.device, dtype)
+        self.llm = LLMEngine(model.llm, config.llm, self.device, dtype, self._load_media)
         self.cache = EncoderCache(config.encoder_cache_size)
         self.tokens = model.cfg.tokens
         self._pending: list[ThinkerRequest] = []
         self._streams: dict[str, _Stream] = {}
         self._aborted: list[ThinkerDelta] = []
+        self.media_skipped = 0
 
     @classmethod
-    def from_source(cls, source: ModelSource, config: ThinkerEngineConfig | None = None,
-                    device: str = "auto") -> "ThinkerEngine":
+    def from_source(
+        cls, source: ModelSource, config: ThinkerEngineConfig | None = None, device: str = "auto"
+    ) -> ThinkerEngine:
         config = config or ThinkerEngineConfig()
         dev = resolve_device(device)
         dtype = resolve_dtype(config.dtype, dev)
         # Compiling on the CPU only costs start-up time (minutes on 2 cores) for no gain.
-        model = ThinkerModel.load(source, dev, dtype, config.vision_attn_backend,
-                                  config.compile_mm_encoder and dev.type == "cuda")
+        model = ThinkerModel.load(
+            source,
+            dev,
+            dtype,
+            config.vision_attn_backend,
+            config.compile_mm_encoder and dev.type == "cuda",
+        )
         # After the weights are final: fusing makes the Linear weights views of fused tensors.
         if config.fuse_projections:
             model.llm.fuse_projections()
@@ -158,12 +198,16 @@ class ThinkerEngine:
         for i, p in enumerate(self._pending):
             if p.request_id == request_id:
                 del self._pending[i]
-                self._aborted.append(ThinkerDelta(request_id, [], finished=True, finish_reason="abort"))
+                self._aborted.append(
+                    ThinkerDelta(request_id, [], finished=True, finish_reason="abort")
+                )
                 return True
         if request_id in self._streams:
             del self._streams[request_id]
             if not self.llm.abort(request_id):
-                self._aborted.append(ThinkerDelta(request_id, [], finished=True, finish_reason="abort"))
+                self._aborted.append(
+                    ThinkerDelta(request_id, [], finished=True, finish_reason="abort")
+                )
             return True
         return False
 
@@ -175,85 +219,153 @@ class ThinkerEngine:
         deltas, self._aborted = self._aborted, []
         if self._pending:
             admit = self._pending[: self.config.max_admit_per_step]
-            self._pending = self._pending[len(admit):]
+            self._pending = self._pending[len(admit) :]
             self._admit(admit)
         for out in self.llm.step():
             st = self._streams.get(out.request_id)
             if st is None:  # aborted by us: the LLM engine's own abort notice
                 if out.finish_reason == "abort":
-                    deltas.append(ThinkerDelta(out.request_id, [], finished=True, finish_reason="abort"))
+                    deltas.append(
+                        ThinkerDelta(out.request_id, [], finished=True, finish_reason="abort")
+                    )
                 continue
-            deltas.append(self._delta(st, out.token_ids, out.hidden, out.finished, out.finish_reason))
+            deltas.append(
+                self._delta(st, out.token_ids, out.hidden, out.finished, out.finish_reason)
+            )
             if out.finished:
                 del self._streams[out.request_id]
         return deltas
 
     def _admit(self, reqs: list[ThinkerRequest]) -> None:
-        # 1) encode what the cache does not hold, all admitted requests in one batch each
+        # 1) media to encode: those with a slot past the prompt's cached prefix
         admitted = time.time()
-        have: dict[str, torch.Tensor] = {}
-        images, audios = {}, {}
-        for r in reqs:
-            for key, item, todo in [(im.content_hash, im, images) for im in r.images] + \
-                                   [(a.content_hash, a, audios) for a in r.audios]:
-                if key in have or key in todo:
-                    continue
-                hit = self.cache.get(key)
-                if hit is None:
-                    todo[key] = item
-                else:
-                    have[key] = hit
-        if images:
-            have.update(zip(images, self.model.encode_images(list(images.values()), self.config.vision_batch_size)))
-        vision_end = _synced_time(self.device) if images else admitted
-        if audios:
-            have.update(zip(audios, self.model.encode_audios(list(audios.values()))))
-        audio_end = _synced_time(self.device) if audios else vision_end
-        for key in list(images) + list(audios):
-            self.cache.put(key, have[key])
+        slots = [self._media_slots(r) for r in reqs]
+        needed: list[set[str]] = []
+        images: dict[str, ImageInput] = {}
+        audios: dict[str, AudioInput] = {}
+        for r, sl in zip(reqs, slots):
+            hit = self.llm.cached_prefix_len(r.input_ids, [x.span for x in sl]) if sl else 0
+            keys = set()
+            for x in sl:
+                if x.span.end > hit:
+                    keys.add(x.media.content_hash)
+                    todo = images if isinstance(x.media, ImageInput) else audios
+                    todo[x.media.content_hash] = x.media
+            self.media_skipped += len({x.media.content_hash for x in sl} - keys)
+            needed.append(keys)
+        have, vision_end, audio_end = self._encode(images, audios, admitted)
 
         # 2) splice rows into each prompt and hand it to the LLM engine
-        for r in reqs:
-            positions, embeds = [], []
-            slice_rows = [have[im.content_hash] for im in r.images]
-            q = self.model.cfg.query_num
-            per_slice = [x[i * q:(i + 1) * q] for x, im in zip(slice_rows, r.images) for i in range(im.num_slices)]
-            for (start, end), x in zip(r.image_bounds, per_slice):
-                positions.append(torch.arange(start, end))
-                embeds.append(x)
-            clip_rows = [have[a.content_hash] for a in r.audios]
-            for (start, end), (clip, first, n) in zip(r.audio_bounds, r.audio_segments):
-                positions.append(torch.arange(start, end))
-                embeds.append(clip_rows[clip][first:first + n])
-            mm_pos = torch.cat(positions) if positions else None
-            mm_emb = torch.cat(embeds).to(self.dtype) if embeds else None
+        for r, sl, keys in zip(reqs, slots, needed):
+            loaded = [x for x in sl if x.media.content_hash in keys]
+            mm_pos = mm_emb = None
+            if loaded:
+                mm_pos = torch.cat([torch.arange(x.span.start, x.span.end) for x in loaded])
+                mm_emb = torch.cat([x.rows(have[x.media.content_hash]) for x in loaded])
+                mm_emb = mm_emb.to(self.dtype)
             if mm_emb is not None and mm_emb.shape[0] != mm_pos.numel():
-                raise ValueError(f"request {r.request_id}: {mm_pos.numel()} media slots, {mm_emb.shape[0]} embeddings")
-            self.llm.add_request(r.request_id, r.input_ids, r.sampling, mm_pos, mm_emb, r.return_hidden)
-            st = _Stream(r, IncrementalDetokenizer(self.tokenizer),
-                         marks={"admitted": admitted, "vision_end": vision_end, "audio_end": audio_end})
+                raise ValueError(
+                    f"request {r.request_id}: {mm_pos.numel()} media slots, "
+                    f"{mm_emb.shape[0]} embeddings"
+                )
+            self.llm.add_request(
+                r.request_id,
+                r.input_ids,
+                r.sampling,
+                mm_pos,
+                mm_emb,
+                r.return_hidden,
+                mm_spans=[x.span for x in sl],
+            )
+            st = _Stream(
+                r,
+                IncrementalDetokenizer(self.tokenizer),
+                slots=sl,
+                marks={"admitted": admitted, "vision_end": vision_end, "audio_end": audio_end},
+            )
             if r.input_ids[-1] == self.tokens.tts_bos:
                 st.span_start = 0
             self._streams[r.request_id] = st
 
-    def _delta(self, st: _Stream, new_ids: list[int], hidden: torch.Tensor | None,
-               finished: bool, reason: str | None) -> ThinkerDelta:
+    def _media_slots(self, r: ThinkerRequest) -> list[_Slot]:
+        """Every `<unk>` run of the prompt with the media rows that fill it, in prompt order.
+        The key names the rows by content: same media bytes and options -> same rows."""
+        q = self.model.cfg.query_num
+        slots, bounds = [], iter(r.image_bounds)
+        for im in r.images:
+            for j in range(im.num_slices):
+                s, e = next(bounds)
+                slots.append(_Slot(MediaSpan(s, e, f"image:{im.content_hash}:{j * q}"), im, j * q))
+        for (s, e), (clip, first, _) in zip(r.audio_bounds, r.audio_segments):
+            a = r.audios[clip]
+            slots.append(_Slot(MediaSpan(s, e, f"audio:{a.content_hash}:{first}"), a, first))
+        return sorted(slots, key=lambda x: x.span.start)
+
+    def _encode(
+        self, images: dict[str, ImageInput], audios: dict[str, AudioInput], start: float
+    ) -> tuple[dict[str, torch.Tensor], float, float]:
+        """Encoder outputs by content hash (cache first), with the vision / audio end times."""
+        have: dict[str, torch.Tensor] = {}
+        for key in list(images) + list(audios):
+            hit = self.cache.get(key)
+            if hit is not None:
+                have[key] = hit
+        todo_images = {k: v for k, v in images.items() if k not in have}
+        todo_audios = {k: v for k, v in audios.items() if k not in have}
+        if todo_images:
+            rows = self.model.encode_images(
+                list(todo_images.values()), self.config.vision_batch_size
+            )
+            have.update(zip(todo_images, rows))
+        vision_end = _synced_time(self.device) if todo_images else start
+        if todo_audios:
+            have.update(zip(todo_audios, self.model.encode_audios(list(todo_audios.values()))))
+        audio_end = _synced_time(self.device) if todo_audios else vision_end
+        for key in list(todo_images) + list(todo_audios):
+            self.cache.put(key, have[key])
+        return have, vision_end, audio_end
+
+    def _load_media(self, request_id: str, spans: list[MediaSpan]) -> list[torch.Tensor]:
+        """The LLM engine's callback for rows left out at admission (their cached prefix
+        was evicted before the request ran, or it was preempted and must recompute)."""
+        by_span = {x.span: x for x in self._streams[request_id].slots}
+        slots = [by_span[sp] for sp in spans]
+        images = {x.media.content_hash: x.media for x in slots if isinstance(x.media, ImageInput)}
+        audios = {x.media.content_hash: x.media for x in slots if isinstance(x.media, AudioInput)}
+        have, _, _ = self._encode(images, audios, time.time())
+        return [x.rows(have[x.media.content_hash]).to(self.dtype) for x in slots]
+
+    def _delta(
+        self,
+        st: _Stream,
+        new_ids: list[int],
+        hidden: torch.Tensor | None,
+        finished: bool,
+        reason: str | None,
+    ) -> ThinkerDelta:
         tk = self.tokens
         for t in new_ids:
             i = len(st.output_ids)
             st.output_ids.append(t)
             if st.span_start is None and t == tk.tts_bos:
                 st.span_start = i + 1
-            elif st.span_start is not None and st.span_end is None and i >= st.span_start \
-                    and t in (tk.tts_eos, tk.im_end):
+            elif (
+                st.span_start is not None
+                and st.span_end is None
+                and i >= st.span_start
+                and t in (tk.tts_eos, tk.im_end)
+            ):
                 st.span_end = i
         spoken_ids: list[int] = []
         spoken_rows: list[torch.Tensor] = []
         if hidden is not None:
             for j in range(hidden.shape[0]):
                 i = st.num_hidden + j  # output index whose input-step hidden this is
-                in_span = (st.span_start is not None and i >= st.span_start
-                           and (st.span_end is None or i < st.span_end))
+                in_span = (
+                    st.span_start is not None
+                    and i >= st.span_start
+                    and (st.span_end is None or i < st.span_end)
+                )
                 if in_span:
                     spoken_ids.append(st.output_ids[i])
                     spoken_rows.append(hidden[j])
@@ -294,15 +406,26 @@ class ThinkerEngine:
                 raise ValueError(f"image slot [{s}, {e}) holds {e - s} tokens, expected {q}")
         for (s, e), (clip, _, n) in zip(req.audio_bounds, req.audio_segments):
             if e - s != n or not 0 <= clip < len(req.audios):
-                raise ValueError(f"audio slot [{s}, {e}) does not match segment of clip {clip} ({n} tokens)")
+                raise ValueError(
+                    f"audio slot [{s}, {e}) does not match segment of clip {clip} ({n} tokens)"
+                )
 
     def stats(self) -> ThinkerStats:
         s = self.llm.stats()
         return ThinkerStats(
-            num_waiting_encode=len(self._pending), num_running=s.num_running, num_waiting=s.num_waiting,
-            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
-            num_preemptions=s.num_preemptions, encoder_cache_hits=self.cache.hits,
-            encoder_cache_misses=self.cache.misses, encoder_cache_items=len(self.cache),
+            num_waiting_encode=len(self._pending),
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks,
+            num_preemptions=s.num_preemptions,
+            encoder_cache_hits=self.cache.hits,
+            encoder_cache_misses=self.cache.misses,
+            encoder_cache_items=len(self.cache),
+            prefix_cache_hits=s.prefix_cache_hits,
+            prefix_cache_queries=s.prefix_cache_queries,
+            num_cached_blocks=s.num_cached_blocks,
+            media_skipped=self.media_skipped,
         )
 
 

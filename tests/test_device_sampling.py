@@ -1,0 +1,603 @@
+"""The batched device sampler (`sampling.sample_batch`) against the per-row host `Sampler`.
+
+Claims tested here, on CPU unless marked:
+  * the same ids as the host sampler, row for row and step after step, for greedy rows
+    (bit-exact penalized argmax) and for sampled rows (the same generator draws, the same
+    probabilities), with ties in bf16 logits and live top-k / top-p / penalty cuts;
+  * its draws follow the filtered distribution (chi-square, fixed seed: deterministic);
+  * a seeded row's ids do not depend on its batch mates or its row;
+  * the engine with device sampling == the engine with host sampling, token for token, over
+    long runs with batching, chunked prefill and penalty histories wider than the graph's;
+  * the runner's launch-ahead contract (PENDING_ID tokens fed from the device);
+  * CUDA: the decode graph with in-graph sampling == eager, greedy and seeded.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import pipeline.engine.graphs as graphs_module
+from pipeline.config import LLMConfig
+from pipeline.engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
+from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.engine.graphs import DecodeGraphs, Staging, decode_fields, page_table
+from pipeline.engine.sampling import (
+    HISTORY_WIDTH,
+    PENDING_ID,
+    Sampler,
+    SamplingTensors,
+    apply_repetition_penalty,
+    draw_noise,
+    make_generator,
+    pack_rows,
+    penalize,
+    sample_batch,
+    sampling_fields,
+    top_k_mask,
+    top_p_mask,
+    widened_history,
+)
+from pipeline.engine.scheduler import StepPlan
+from pipeline.handoff import SamplingParams
+from pipeline.thinker.llm import Qwen3LM
+
+CPU = torch.device("cpu")
+
+
+def batched(logits, params, outputs, generators) -> list[int]:
+    """`sample_batch` over rows, through the same packing / noise steps the runner uses."""
+    n, vocab = logits.shape
+    st = Staging(sampling_fields(n), logits.device)
+    noise = torch.ones(n, vocab, device=logits.device)
+    packed = pack_rows(st.host, params, outputs, vocab)
+    st.upload()
+    t = SamplingTensors.view(st.dev, noise, n)
+    draw_noise(noise, params, generators)
+    if packed.wide:
+        t = t.with_history(widened_history(t.history, st.host["history"], packed.wide, vocab))
+    return sample_batch(logits, t, packed.sampled).tolist()
+
+
+MIX = [
+    SamplingParams(),
+    SamplingParams(repetition_penalty=1.3),
+    SamplingParams(repetition_penalty=2.0, repetition_window=None),
+    SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, seed=1),
+    SamplingParams(temperature=1.0, seed=2),
+    SamplingParams(temperature=1.3, top_k=5, seed=3),
+    SamplingParams(temperature=0.9, top_p=0.5, repetition_penalty=1.5, repetition_window=7),
+    SamplingParams(temperature=1.0, top_p=0.95, top_k=0),  # unseeded: the default generator
+]
+
+
+def test_batched_equals_host_sampler_row_by_row():
+    """Both samplers over the same generated histories for 80 steps: the same ids, and the
+    generators end in the same state (the same draws were taken)."""
+    vocab, steps = 500, 80
+    g = torch.Generator().manual_seed(0)
+    gens = {k: [make_generator(p.seed, "cpu") for p in MIX] for k in ("host", "batch")}
+    outputs: list[list[int]] = [[] for _ in MIX]
+    sampled_rows = set()
+    for step in range(steps):
+        # bf16 logits, as the model returns them: many exact ties across 500 entries
+        logits = (torch.randn(len(MIX), vocab, generator=g) * 3).bfloat16()
+        torch.manual_seed(1000 + step)
+        want = Sampler()(logits, MIX, outputs, gens["host"])
+        torch.manual_seed(1000 + step)
+        got = batched(logits, MIX, outputs, gens["batch"])
+        assert got == want, f"step {step}"
+        for i, tok in enumerate(want):
+            outputs[i].append(tok)
+            if not MIX[i].greedy and tok != int(logits[i].argmax()):
+                sampled_rows.add(i)
+    for a, b in zip(gens["host"], gens["batch"]):
+        if a is not None:
+            assert torch.equal(a.get_state(), b.get_state())
+    assert sampled_rows == {i for i, p in enumerate(MIX) if not p.greedy}  # it really draws
+    assert len(set(outputs[2])) > 50  # penalized greedy moves off the argmax
+
+
+def test_top_p_boundary_and_ties_agree():
+    """Top-p cutting inside runs of tied values, and mass landing exactly on p (8 equal
+    logits: every probability is exactly 1/8): both samplers cut at the same token."""
+    runs = [
+        (torch.tensor([2.0] * 8 + [1.0] * 8 + [0.0] * 48), (0.25, 0.5, 0.5 + 1e-9, 0.73, 0.999)),
+        (torch.zeros(8), (0.125, 0.25, 0.5, 0.625, 0.875)),
+    ]
+    rows = 32
+    for base, ps in runs:
+        for p in ps:
+            for temp in (1.0, 0.5):
+                params = [SamplingParams(temperature=temp, top_p=p, seed=s) for s in range(rows)]
+                logits = base.expand(rows, base.numel()).clone()
+                outs = [[]] * rows
+                want = Sampler()(
+                    logits, params, outs, [make_generator(s, "cpu") for s in range(rows)]
+                )
+                got = batched(logits, params, outs, [make_generator(s, "cpu") for s in range(rows)])
+                assert got == want, (p, temp)
+    # the exact case really sits on the boundary: p = 1/2 keeps 4 of the 8
+    kept = torch.isfinite(top_p_mask(torch.zeros(8), 0.5)).sum()
+    assert kept == 4
+
+
+# ---------------------------------------------------------------------------------------
+# Distribution
+
+
+def _target_probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch.Tensor:
+    """The host rule's probabilities in float64 (the exact distribution to draw from)."""
+    x = apply_repetition_penalty(
+        logits.float(), torch.tensor(history, dtype=torch.long), p.repetition_penalty
+    )
+    x = x / p.temperature
+    x = top_p_mask(top_k_mask(x, p.top_k), p.top_p)
+    return x.double().softmax(-1)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.6, top_k=12),
+        SamplingParams(temperature=1.2, top_p=0.7),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.4),
+    ],
+)
+def test_draws_follow_the_filtered_distribution(params):
+    vocab, rows, rounds = 40, 2000, 20
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(5))
+    history = [3, 7, 7, 11, 0]
+    probs = _target_probs(logits, params, history)
+    g = torch.Generator().manual_seed(1234)  # one stream for every row: deterministic
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for _ in range(rounds):
+        ids = batched(logits.expand(rows, vocab), [params] * rows, [history] * rows, [g] * rows)
+        counts += torch.bincount(torch.tensor(ids), minlength=vocab).double()
+    n = rows * rounds
+    support = probs > 0
+    assert counts[~support].sum() == 0  # nothing outside the filtered set
+    expected = probs[support] * n
+    chi2 = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = int(support.sum()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), chi2 / 2))
+    assert p_value > 1e-3, f"chi2 {chi2:.1f} on {dof} dof, p {p_value:.2e}"
+    assert dof >= 4  # the filters leave a real distribution to test
+
+
+# ---------------------------------------------------------------------------------------
+# Batch composition
+
+
+def test_seeded_row_independent_of_batch_mates_and_position():
+    vocab, steps = 300, 40
+    g = torch.Generator().manual_seed(9)
+    table = torch.randn(steps, vocab, generator=g)
+    sp = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=77)
+    runs = []
+    for mates, where in ((0, 0), (3, 0), (5, 2), (7, 7)):
+        rng = random.Random(mates)
+        gen = make_generator(77, "cpu")
+        out: list[int] = []
+        for step in range(steps):
+            n = mates + 1
+            logits = torch.randn(n, vocab, generator=g)
+            logits[where] = table[step]
+            params = [MIX[rng.randrange(len(MIX))] for _ in range(n)]
+            params[where] = sp
+            gens = [make_generator(p.seed, "cpu") for p in params]
+            gens[where] = gen
+            outs = [[rng.randrange(vocab) for _ in range(rng.randrange(30))] for _ in range(n)]
+            outs[where] = out
+            out.append(batched(logits, params, outs, gens)[where])
+        runs.append(out)
+    assert all(r == runs[0] for r in runs)
+    assert len(set(runs[0])) > 5
+
+
+# ---------------------------------------------------------------------------------------
+# Penalty rows wider than the graph's history
+
+
+def test_wide_history_penalizes_every_distinct_id():
+    vocab = 1000
+    out = list(range(600)) + list(range(300))  # 600 distinct ids, window None: all count
+    params = SamplingParams(repetition_penalty=1.7, repetition_window=None)
+    st = Staging(sampling_fields(2), CPU)
+    packed = pack_rows(st.host, [params, None], [out, []], vocab)
+    assert list(packed.wide) == [0]
+    st.upload()
+    hist = widened_history(st.dev["history"][:2], st.host["history"], packed.wide, vocab)
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    got = penalize(logits, hist, st.dev["penalty"][:2])
+    assert torch.equal(got[0], apply_repetition_penalty(logits[0], torch.tensor(out), 1.7))
+    assert torch.equal(got[1], logits[1])
+    # A history that fits after de-duplication stays in the regular width.
+    packed = pack_rows(st.host, [params], [list(range(100)) * 5], vocab)
+    assert not packed.wide and HISTORY_WIDTH > 100
+
+
+def test_pending_newest_id_is_left_for_the_device():
+    st = Staging(sampling_fields(1), CPU)
+    params = SamplingParams(repetition_penalty=1.5)
+    pack_rows(st.host, [params], [[5, 6, PENDING_ID]], 50)
+    row = st.host["history"][0].tolist()
+    assert row[:2] == [5, 6] and set(row[2:]) == {50}  # column W-1 padded: the device fills it
+
+
+# ---------------------------------------------------------------------------------------
+# The engine: device sampling == host sampling
+
+CFG = LLMConfig(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+)
+
+
+def _randomize(m: Qwen3LM, std: float) -> Qwen3LM:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, std) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen3LM:
+    torch.manual_seed(0)
+    return _randomize(Qwen3LM(CFG), 0.2)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
+
+
+REQUESTS = {
+    "greedy": (_prompt(9, 1), SamplingParams(max_tokens=200, stop_ids=())),
+    "pen": (_prompt(30, 2), SamplingParams(max_tokens=200, stop_ids=(), repetition_penalty=1.8)),
+    # window None over 300 tokens: more distinct ids than the regular history holds
+    "pen_all": (
+        _prompt(17, 3),
+        SamplingParams(max_tokens=300, stop_ids=(), repetition_penalty=3.0, repetition_window=None),
+    ),
+    "sampled": (
+        _prompt(21, 4),
+        SamplingParams(
+            temperature=0.8,
+            top_k=50,
+            top_p=0.9,
+            repetition_penalty=1.2,
+            max_tokens=150,
+            stop_ids=(),
+            seed=11,
+        ),
+    ),
+    "hot": (_prompt(5, 5), SamplingParams(temperature=1.5, max_tokens=120, stop_ids=(), seed=12)),
+}
+ARRIVAL = {"greedy": 0, "pen": 0, "pen_all": 1, "sampled": 3, "hot": 8}
+
+
+def _engine(model, **kw) -> LLMEngine:
+    base = {
+        "num_blocks": 512,
+        "block_size": 4,
+        "attention_backend": "torch",
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 16,  # prompts chunk; decode and prefill rows share steps
+    }
+    return LLMEngine(model, EngineConfig(**{**base, **kw}))
+
+
+def _staggered(eng: LLMEngine, requests=REQUESTS, arrival=ARRIVAL) -> dict[str, list[int]]:
+    got = {rid: [] for rid in requests}
+    step = 0
+    while step <= max(arrival.values()) or eng.has_unfinished():
+        for rid, (prompt, sp) in requests.items():
+            if arrival[rid] == step:
+                eng.add_request(rid, prompt, sp)
+        for o in eng.step():
+            got[o.request_id] += o.token_ids
+        step += 1
+    return got
+
+
+def test_engine_device_sampling_equals_host_sampling(model):
+    torch.manual_seed(0)
+    host = _staggered(_engine(model, device_sampling=False))
+    torch.manual_seed(0)
+    dev = _staggered(_engine(model, device_sampling=True))
+    for rid in REQUESTS:
+        assert dev[rid] == host[rid], rid
+    assert len(set(host["pen_all"])) >= HISTORY_WIDTH  # the wide-history path ran
+    assert len(set(host["sampled"])) > 20 and host["greedy"] != host["pen"]
+
+
+# ---------------------------------------------------------------------------------------
+# Launching ahead: the runner side of overlapped scheduling
+
+
+def overlapped(eng: LLMEngine, requests, arrival) -> dict[str, list[int]]:
+    """Drive the engine's scheduler and runner with a step always in flight: step N+1 is
+    scheduled and launched before step N's ids reach the host. This is the bookkeeping
+    the scheduler would take over: at launch, advance `num_computed` and append a
+    PENDING_ID output for every sampling sequence; at finish, write the ids in, then
+    stop / length checks (a sequence that stopped drops the extra token of the step
+    launched after it)."""
+    sched, runner = eng.scheduler, eng.runner
+    got = {rid: [] for rid in requests}
+    inflight = None  # (plan, launched step, [(seq, index of its pending output)])
+    step = 0
+    while step <= max(arrival.values()) or sched.has_unfinished() or inflight:
+        for rid, (prompt, sp) in requests.items():
+            if arrival[rid] == step:
+                eng.add_request(rid, prompt, sp)
+        step += 1
+        plan = sched.schedule() if sched.has_unfinished() else StepPlan()
+        launched = None
+        if not plan.is_empty:
+            launched = (plan, runner.launch(plan), [])
+            for s in plan.seqs:
+                s.seq.num_computed = s.start + s.num_new
+                if s.sample:
+                    launched[2].append((s.seq, len(s.seq.output_ids)))
+                    s.seq.output_ids.append(PENDING_ID)
+        if inflight is not None:
+            _, prev, pending = inflight
+            for (seq, i), tok in zip(pending, runner.finish(prev).sampled):
+                if seq.is_finished or seq.output_ids[i] != PENDING_ID:
+                    continue  # stopped before this step: its token is dropped
+                seq.output_ids[i] = tok
+                got[seq.request_id].append(tok)
+                sp = seq.sampling
+                stop = not sp.ignore_eos and tok in sp.stop_ids
+                if stop or i + 1 >= sp.max_tokens:
+                    del seq.output_ids[i + 1 :]
+                    sched._finish(seq, "stop" if stop else "length")
+        inflight = launched
+    return got
+
+
+def test_launch_ahead_equals_synchronous(model):
+    reqs = {k: v for k, v in REQUESTS.items() if k != "hot"}  # every sampled one seeded
+    arrival = {k: ARRIVAL[k] for k in reqs}
+    sync = _staggered(_engine(model), reqs, arrival)
+    ahead = overlapped(_engine(model), reqs, arrival)
+    for rid in reqs:
+        assert ahead[rid] == sync[rid], rid
+
+
+def test_pending_token_must_come_from_the_previous_step(model):
+    for device_sampling, match in ((True, "did not sample"), (False, "need device sampling")):
+        eng = _engine(model, device_sampling=device_sampling)
+        eng.add_request("a", _prompt(5, 1), SamplingParams(max_tokens=4, stop_ids=()))
+        eng.step()  # 'a' sampled its first token
+        eng.add_request("b", _prompt(5, 2), SamplingParams(max_tokens=4, stop_ids=()))
+        eng._seqs["b"].output_ids.append(PENDING_ID)  # but 'b' was not in that step
+        with pytest.raises(RuntimeError, match=match):
+            eng.runner.launch(eng.scheduler.schedule())
+
+
+def test_staged_page_table_equals_paged_csr():
+    """The decode graphs plan from a page table written on the host into pinned staging;
+    it must be the CSR FlashInfer gets from `AttnMetadata.paged_csr` for the padded batch."""
+    block, scratch, bucket = 4, 99, 8
+    kv_lens = [1, 4, 5, 17, 30]
+    rng = random.Random(0)
+    tables = [rng.sample(range(60), -(-n // block) + rng.randrange(2)) for n in kv_lens]
+    st = Staging(decode_fields(bucket, 128), CPU)
+    h = st.host
+    used = page_table(
+        kv_lens, tables, block, scratch, h["kv_indptr"], h["kv_indices"], h["kv_last_page_len"]
+    )
+    padded = tables + [[scratch]] * (bucket - len(tables))
+    width = max(map(len, padded))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in padded], dtype=torch.int32)
+    lens = torch.tensor(kv_lens + [1] * (bucket - len(kv_lens)), dtype=torch.int32)
+    meta = AttnMetadata(
+        torch.arange(bucket + 1, dtype=torch.int32), lens, bt, bt, torch.zeros(0), True, block
+    )
+    indptr, indices, last = meta.paged_csr()
+    assert h["kv_indptr"].tolist() == indptr.tolist()
+    assert h["kv_indices"][:used].tolist() == indices.tolist()
+    assert h["kv_last_page_len"].tolist() == last.tolist()
+
+
+# ---------------------------------------------------------------------------------------
+# The decode-graph step's host side, on CPU: every buffer, staging, page table, pending fill
+# and in-graph sampler as on CUDA; only the capture (a direct call) and FlashInfer's kernel
+# (the torch backend over the page table the step planned) are replaced.
+
+
+class _DirectRunner:
+    """GraphRunner's interface; `run` calls the step instead of replaying a capture."""
+
+    def __init__(self, max_graphs: int, warmup_iters: int) -> None:
+        self.fns, self.replays = {}, 0
+
+    def add(self, key, fn, example=()) -> None:
+        self.fns[key] = fn
+
+    def run(self, key, inputs, fn=None) -> None:
+        self.fns[key]()
+        self.replays += 1
+
+
+class _PlannedTorchAttention(FlashInferAttention):
+    """Attends with the torch backend over the CSR page table last planned."""
+
+    def __init__(self, cfg: LLMConfig, max_num_pages: int, block_size: int) -> None:
+        self.num_qo_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.block_size, self.max_num_pages = cfg.head_dim, block_size, max_num_pages
+        self.dtype, self.csr = torch.float32, None
+
+    def graph_decode_wrapper(self, bs: int):
+        owner = self
+
+        class Wrapper:
+            def plan(self, indptr, indices, last, *args, **kwargs) -> None:
+                owner.csr = (indptr.clone(), indices.clone(), last.clone())
+
+        return Wrapper()
+
+    def use_graph_wrapper(self, bs: int | None) -> None:
+        pass
+
+    def prepare(self, meta: AttnMetadata) -> None:
+        self.csr = meta.paged_csr()
+
+    def forward(self, kv, q, k, v, meta, scale):
+        indptr, indices, last = self.csr
+        pages = (indptr[1:] - indptr[:-1]).tolist()
+        bt = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+        for b, (lo, n) in enumerate(zip(indptr.tolist(), pages)):
+            bt[b, :n] = indices[lo : lo + n]
+        lens = (torch.tensor(pages) - 1) * self.block_size + last
+        planned = AttnMetadata(
+            torch.arange(len(pages) + 1), lens, bt, bt, meta.slot_mapping, True, self.block_size
+        )
+        return TorchAttention().forward(kv, q, k, v, planned, scale)
+
+
+def _cpu_graph_engine(model, monkeypatch, **kw) -> LLMEngine:
+    monkeypatch.setattr(graphs_module, "GraphRunner", _DirectRunner)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    eng = _engine(model, **kw)
+    backend = _PlannedTorchAttention(CFG, eng.kv_cache.num_blocks + 1, eng.kv_cache.block_size)
+    g = DecodeGraphs(
+        model, eng.kv_cache, backend, (1, 2, 4), CFG.head_dim**-0.5, torch.float32, CPU
+    )
+    g.capture()
+    eng.runner.graphs = g
+    return eng
+
+
+def test_graph_step_host_side_on_cpu(model, monkeypatch):
+    torch.manual_seed(0)
+    ref = _staggered(_engine(model, device_sampling=False))
+    for device_sampling in (True, False):
+        torch.manual_seed(0)
+        eng = _cpu_graph_engine(model, monkeypatch, device_sampling=device_sampling)
+        got = _staggered(eng)
+        assert eng.runner.graphs.num_replays > 250
+        for rid in REQUESTS:
+            assert got[rid] == ref[rid], (device_sampling, rid)
+    reqs = {k: v for k, v in REQUESTS.items() if k != "hot"}
+    ahead = overlapped(_cpu_graph_engine(model, monkeypatch), reqs, {k: ARRIVAL[k] for k in reqs})
+    for rid in reqs:
+        assert ahead[rid] == ref[rid], ("launch ahead", rid)
+    # hidden rows of decode steps come back through the graph's pinned copy
+    rows = {}
+    for eng in (_cpu_graph_engine(model, monkeypatch), _engine(model)):
+        eng.add_request("h", _prompt(13, 9), REQUESTS["sampled"][1], return_hidden=True)
+        hid = []
+        while eng.has_unfinished():
+            hid += [o.hidden for o in eng.step() if o.hidden is not None]
+        rows[eng.uses_cuda_graphs] = torch.cat(hid)
+    assert rows[True].shape[0] == REQUESTS["sampled"][1].max_tokens - 1
+    assert torch.equal(rows[True], rows[False])
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA: the decode graph with in-graph sampling
+
+
+def _has_flashinfer() -> bool:
+    from pipeline.engine.attention import flashinfer_available
+
+    return torch.cuda.is_available() and flashinfer_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_flashinfer(), reason="needs CUDA and flashinfer")
+@torch.no_grad()
+def test_graph_sampling_matches_eager_on_cuda():
+    cfg = LLMConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(0)
+    m = _randomize(Qwen3LM(cfg), 0.2).to("cuda", torch.bfloat16)
+    reqs = {k: v for k, v in REQUESTS.items() if k != "hot"}
+    arrival = {k: ARRIVAL[k] for k in reqs}
+    outs = {}
+    for graphs, device_sampling in ((False, False), (False, True), (True, True), (True, False)):
+        eng = LLMEngine(
+            m,
+            EngineConfig(
+                num_blocks=256,
+                block_size=16,
+                attention_backend="flashinfer",
+                cuda_graphs=graphs,
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                device_sampling=device_sampling,
+            ),
+            "cuda",
+            torch.bfloat16,
+        )
+        assert eng.uses_cuda_graphs == graphs
+        replays = eng.runner.graphs.num_replays if graphs else 0
+        outs[(graphs, device_sampling)] = _staggered(eng, reqs, arrival)
+        if graphs:
+            assert eng.runner.graphs.num_replays - replays > 200  # decode ran as graphs
+    ref = outs[(False, False)]  # eager, host sampler
+    for key, got in outs.items():
+        for rid in reqs:
+            assert got[rid] == ref[rid], (key, rid)
+    eng = LLMEngine(
+        m,
+        EngineConfig(
+            num_blocks=256,
+            block_size=16,
+            attention_backend="flashinfer",
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+        ),
+        "cuda",
+        torch.bfloat16,
+    )
+    ahead = overlapped(eng, reqs, arrival)  # pending tokens fed inside graph steps
+    for rid in reqs:
+        assert ahead[rid] == ref[rid], ("launch ahead", rid)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_sampler_on_cuda_equals_host_and_alone():
+    """At the Thinker's vocabulary size, on the GPU's kernels: every row of a batch draws
+    what the host sampler draws, and what it draws alone (bucket 1)."""
+    vocab, steps = 151936, 12
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gens = {k: [make_generator(p.seed, "cuda") for p in MIX] for k in ("host", "batch")}
+    alone = [make_generator(p.seed, "cuda") for p in MIX]
+    outputs: list[list[int]] = [[] for _ in MIX]
+    for step in range(steps):
+        logits = (torch.randn(len(MIX), vocab, generator=g, device="cuda") * 3).bfloat16()
+        torch.manual_seed(step)
+        want = Sampler()(logits, MIX, outputs, gens["host"])
+        torch.manual_seed(step)
+        got = batched(logits, MIX, outputs, gens["batch"])
+        assert got == want, f"step {step}"
+        for i, p in enumerate(MIX):
+            if p.seed is not None or p.greedy:
+                one = batched(logits[i : i + 1], [p], [outputs[i]], [alone[i]])
+                assert one == [want[i]], f"step {step}, row {i} alone"
+        for i, tok in enumerate(want):
+            outputs[i].append(tok)
