@@ -11,6 +11,13 @@ the Daily-Omni "minicpm-interleave" bench mode ports:
    No audio stream -> vision only (segments None), as the reference degrades; an audio
    stream that decodes to 0 samples is refused (EmptyMediaError), like an empty audio part.
 
+Decoding reads every video packet first (no pixels), ranks the shown ones by pts (frame i of
+step 2 is the i-th frame a full decode returns) and decodes only what the picked frames need:
+from the latest keyframe at or before each pick (runs side by side on threads, each with its
+own decoder), skipping H.264's non-reference frames that are not picks. The frames are the
+full decode's, bit for bit; streams where that cannot be shown from the packets and the
+frames (no or repeated pts, other codecs, decode errors, ...) are decoded in full as before.
+
 Frame size limits (pixels, aspect ratio) are checked on the stream's width x height before
 anything is decoded, and again on each kept frame (a stream may change resolution).
 
@@ -20,10 +27,13 @@ Each frame is later processed as ONE unsliced image (max_slice_nums 1, 64 tokens
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import av
@@ -49,6 +59,17 @@ from pipeline.processing.image import MAX_ASPECT_RATIO, check_aspect_ratio, proc
 from pipeline.processing.template import AudioPart, ImagePart, OmniPart
 
 MIN_SEGMENT_SAMPLES = 1600
+
+# Codecs whose container keyframes reset the decoder's references, so decoding may start at
+# one: every frame from it on decodes to the same pixels as from the stream's start (its
+# open-GOP leading pictures excepted, see `_plan_runs`). Other codecs decode from the start.
+SEEK_CODECS = frozenset({"h264", "hevc", "mpeg4", "mpeg2video", "vp8", "vp9"})
+# Codecs where skip_frame NONREF drops only frames no other frame predicts from (H.264:
+# nal_ref_idc 0). HEVC is not here: its NONREF skips sub-layer non-reference pictures, which
+# a higher temporal layer may still reference.
+SKIP_NONREF_CODECS = frozenset({"h264"})
+# Threads that decode one video's runs (stretches that each start at a keyframe) side by side.
+DECODE_WORKERS = min(8, os.cpu_count() or 1)
 
 
 @dataclass
@@ -143,12 +164,17 @@ def decode_video(
     max_pixels: int = 4096 * 4096,
     max_aspect_ratio: float = MAX_ASPECT_RATIO,
     with_audio: bool = True,
+    full_decode: bool = False,
 ) -> DecodedVideo:
     """Video bytes -> DecodedVideo: at most max_frames frames, 1 fps for short clips.
 
     Raises NoVideoStreamError, MediaTooLargeError (longer than max_seconds, or frames over
     max_pixels), AspectRatioError (frames over max_aspect_ratio), CorruptMediaError /
     UnsupportedMediaError, EmptyMediaError (no frames, or an audio track of 0 samples).
+
+    Only the packets the picked frames need are decoded (`_decode_picked`); full_decode=True
+    decodes every frame up to the last pick instead (the same frames, bit for bit: the
+    reference the tests and bench/video_decode.py compare against).
     """
     if not data:
         raise EmptyMediaError("video part is empty (0 bytes)")
@@ -168,10 +194,16 @@ def decode_video(
         if stream.width > 0 and stream.height > 0:
             _check_frame_size(stream.width, stream.height, max_pixels, max_aspect_ratio)
         timestamps, indices, duration = sample_timestamps(n, fps, max_frames)
-        frames = _decode_frames(
-            container, stream, indices,
-            lambda w, h: _check_frame_size(w, h, max_pixels, max_aspect_ratio),
+
+        def check_size(w: int, h: int) -> None:
+            _check_frame_size(w, h, max_pixels, max_aspect_ratio)
+
+        frames = (
+            None if full_decode else _decode_picked(data, container, stream, indices, check_size)
         )
+    if frames is None:  # the plain path: every frame up to the last pick, in order
+        with _open(data) as container:
+            frames = _decode_frames(container, container.streams.video[0], indices, check_size)
     if not frames:
         raise EmptyMediaError("video stream decodes to 0 frames")
 
@@ -179,6 +211,7 @@ def decode_video(
     if with_audio:
         with _open(data) as container:
             if container.streams.audio:
+                _demux_only(container, container.streams.audio[0])
                 try:
                     samples = decode_av_audio(container, max_seconds)
                 except av.FFmpegError as e:
@@ -205,15 +238,168 @@ def frame_rgb(frame: av.VideoFrame) -> Image.Image:
     return Image.fromarray(frame.to_ndarray(format="rgb24"))
 
 
+def _demux_only(container: av.container.InputContainer, stream: av.stream.Stream) -> None:
+    """Make the demuxer skip every other stream's packets instead of reading them."""
+    for other in container.streams:
+        if other.index != stream.index:
+            other.discard = av.stream.Discard.all
+
+
+def _plan_runs(
+    packets: list[av.Packet], indices: list[int]
+) -> tuple[list[tuple[int, int]], list[int]] | None:
+    """(runs, pts of each pick): the packet ranges [first, last] (decode order) to decode, each
+    from a fresh decoder, so that every pick's packet and all it references are decoded.
+
+    Frame index i is the i-th frame a full decode returns; the decoder returns frames in
+    presentation order, so that is the i-th smallest pts among the packets it shows (a packet
+    flagged discard, e.g. before an MP4 edit list's start, decodes but is not shown). None when
+    that cannot be read off the packets: a packet without pts, or two with the same.
+    """
+    pts = [p.pts for p in packets]
+    if not pts or None in pts or len(set(pts)) < len(pts):
+        return None
+    shown = sorted((p.pts, j) for j, p in enumerate(packets) if not p.is_discard)
+    if not shown:
+        return None
+    picks = [shown[min(i, len(shown) - 1)] for i in indices]  # past the end: the last frame
+    # A run starts at packet 0 (as a full decode does) or at a keyframe that no later packet
+    # precedes in presentation order: such a later packet is an open-GOP leading picture,
+    # which may reference frames before the keyframe.
+    starts, low = [0], math.inf
+    for j in range(len(packets) - 1, 0, -1):
+        low = min(low, pts[j])
+        if packets[j].is_keyframe and pts[j] == low:
+            starts.append(j)
+    starts.sort()
+    runs: list[tuple[int, int]] = []
+    for j in sorted({d for _, d in picks}):
+        first = starts[bisect.bisect_right(starts, j) - 1]
+        if runs and first <= runs[-1][1] + 1:  # the run already passes this start: go on
+            runs[-1] = (runs[-1][0], j)
+        else:
+            runs.append((first, j))
+    return runs, [t for t, _ in picks]
+
+
+def _decode_picked(
+    data: bytes,
+    container: av.container.InputContainer,
+    stream: av.video.stream.VideoStream,
+    indices: list[int],
+    check_size: Callable[[int, int], None],
+    workers: int = DECODE_WORKERS,
+) -> list[Image.Image] | None:
+    """The frames at `indices` (as `_decode_frames` gives them), decoding only the packets they
+    need: from the latest usable keyframe at or before each pick, and for H.264 without the
+    non-reference frames that are not picks. Runs that start at their own keyframe decode side
+    by side on up to `workers` threads, each with its own decoder (a decode from the start
+    spreads over frame threads; one from many keyframes would otherwise not), and the picks
+    convert to RGB on the same threads.
+
+    None when this stream does not allow it (codec outside SEEK_CODECS, packets without
+    distinct pts, a decode error, a frame the decoder returns out of the expected order): the
+    caller then decodes every frame."""
+    if stream.codec_context.name not in SEEK_CODECS:
+        return None
+    _demux_only(container, stream)
+    try:
+        packets = [p for p in container.demux(stream) if p.size]
+    except av.FFmpegError:
+        return None
+    plan = _plan_runs(packets, indices)
+    if plan is None:
+        return None
+    runs, pick_pts = plan
+    wanted = set(pick_pts)
+    groups = _split_runs(runs, workers)
+    threads = 0 if len(groups) == 1 else max(1, (os.cpu_count() or 1) // len(groups))
+
+    def decode_group(group: list[tuple[int, int]]) -> dict[int, av.VideoFrame] | None:
+        if len(groups) == 1:
+            return _decode_runs(stream, packets, group, wanted, threads)
+        try:
+            with av.open(io.BytesIO(data), mode="r") as own:  # a decoder of its own
+                return _decode_runs(own.streams.video[0], packets, group, wanted, threads)
+        except av.FFmpegError:
+            return None
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="video-decode") as pool:
+        parts = list(pool.map(decode_group, groups))
+        if any(part is None for part in parts):
+            return None
+        got = {t: f for part in parts for t, f in part.items()}
+        if not wanted <= got.keys():
+            return None
+        for t in pick_pts:  # in pick order, as the plain path checks them
+            check_size(got[t].width, got[t].height)
+        unique = list(dict.fromkeys(pick_pts))  # RGB conversion releases the GIL too
+        images = dict(zip(unique, pool.map(frame_rgb, [got[t] for t in unique]), strict=True))
+    return [images[t] for t in pick_pts]
+
+
+def _split_runs(runs: list[tuple[int, int]], k: int) -> list[list[tuple[int, int]]]:
+    """runs in at most k consecutive groups of about as many packets each."""
+    total = sum(b - a + 1 for a, b in runs)
+    groups: list[list[tuple[int, int]]] = [[]]
+    done = 0
+    for a, b in runs:
+        if groups[-1] and len(groups) < k and done >= total * len(groups) / k:
+            groups.append([])
+        groups[-1].append((a, b))
+        done += b - a + 1
+    return groups
+
+
+def _decode_runs(
+    stream: av.video.stream.VideoStream,
+    packets: list[av.Packet],
+    runs: list[tuple[int, int]],
+    wanted: set[int],
+    threads: int,
+) -> dict[int, av.VideoFrame] | None:
+    """{pts: frame} of the wanted frames in `runs`, each run decoded from a flushed decoder.
+
+    None on a decode error, or when the run's frames show that packets and frames do not
+    pair one to one as `_plan_runs` counts them: a frame out of pts order or with a pts no
+    sent packet has, a packet without a frame (an invisible VP8/VP9 frame; checked where no
+    frame is skipped), an interlaced frame (its fields may come in two packets)."""
+    ctx = stream.codec_context
+    stream.thread_type = "AUTO"
+    ctx.thread_count = threads  # 0: FFmpeg's choice (cores + 1, at most 16)
+    skip_nonref = ctx.name in SKIP_NONREF_CODECS
+    got: dict[int, av.VideoFrame] = {}
+    try:
+        for first, last in runs:
+            sent = {p.pts for p in packets[first : last + 1] if not p.is_discard}
+            prev, shown = -math.inf, 0
+            for p in [*packets[first : last + 1], None]:  # None drains the reorder buffer
+                if skip_nonref and p is not None:  # a pick may itself be a non-reference frame
+                    ctx.skip_frame = "DEFAULT" if p.pts in wanted else "NONREF"
+                for f in ctx.decode(p):
+                    if f.pts not in sent or f.pts <= prev or f.interlaced_frame:
+                        return None
+                    prev, shown = f.pts, shown + 1
+                    if f.pts in wanted:  # only picks are held: the decoder reuses the others
+                        got[f.pts] = f
+            ctx.flush_buffers()
+            if not skip_nonref and shown != len(sent):
+                return None
+    except av.FFmpegError:
+        return None
+    return got
+
+
 def _decode_frames(
     container: av.container.InputContainer,
     stream: av.video.stream.VideoStream,
     indices: list[int],
     check_size: Callable[[int, int], None],
 ) -> list[Image.Image]:
-    """Decode in order, keeping the wanted frame indices (repeats allowed); when the stream
-    has fewer frames than its metadata claims, later picks reuse the last decoded frame.
-    `check_size(w, h)` runs on every kept frame before it is converted."""
+    """The plain path: decode every frame in order up to the last pick, keeping the wanted
+    frame indices (repeats allowed); when the stream has fewer frames than its metadata
+    claims, later picks reuse the last decoded frame. `check_size(w, h)` runs on every kept
+    frame before it is converted."""
     wanted = set(indices)
     last_needed = max(indices)
     stream.thread_type = "AUTO"

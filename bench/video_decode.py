@@ -1,0 +1,193 @@
+"""CPU timing of video decoding: only the packets the picked frames need vs every frame.
+
+    python -m bench.video_decode [--iters 5] [--quick] [--max-frames 64]
+
+Builds synthetic MP4 clips in a temp dir (libx264 with x264's default B frames, AAC stereo
+44.1 kHz; a panned smooth texture, a moving disk and a little grain, so P/B frames cost
+something) and times `decode_video` on each, the median of --iters interleaved runs, wall
+and process CPU time (all threads): `full_decode=True` (every frame up to the last pick, the
+old path) against the default (`_decode_picked`), video alone and with the audio track.
+Each clip's frames and audio are checked equal bit for bit first; exits 1 when they are
+not. "packets" is how many video packets each path sends to a decoder (the new path's H.264
+decoder then skips the non-reference ones that are not picks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import av
+import numpy as np
+
+from pipeline.processing import video as V
+
+SR = 44100
+
+
+@dataclass(frozen=True)
+class Clip:
+    seconds: float
+    fps: int
+    gop: int
+    width: int
+    height: int
+    preset: str = "medium"  # x264's
+
+    @property
+    def name(self) -> str:
+        p = "" if self.preset == "medium" else f" {self.preset}"
+        return f"{self.width}x{self.height} {self.fps}fps gop{self.gop}{p} {self.seconds:g}s"
+
+
+CLIPS = [
+    Clip(30, 5, 250, 448, 448, "veryfast"),  # the app bench's (bench/datasets.py) encoding
+    Clip(30, 5, 250, 448, 448),
+    Clip(30, 30, 30, 448, 448),
+    Clip(30, 30, 250, 448, 448),
+    Clip(60, 30, 250, 448, 448),
+    Clip(30, 30, 30, 1280, 720),
+    Clip(30, 30, 250, 1280, 720),
+    Clip(60, 30, 250, 1280, 720),
+]
+QUICK = [CLIPS[0], CLIPS[2], CLIPS[3]]
+
+
+def make_clip(clip: Clip, path: str, seed: int = 0) -> None:
+    """Write `clip` as an MP4 (h264 yuv420p + AAC) to path."""
+    rng = np.random.default_rng(seed)
+    w, h = clip.width, clip.height
+    # A smooth texture twice the frame size, panned across over the clip.
+    coarse = rng.integers(0, 256, (h // 16 + 2, w // 16 + 2, 3), dtype=np.uint8)
+    tex = np.asarray(
+        av.VideoFrame.from_ndarray(np.ascontiguousarray(coarse), format="rgb24")
+        .reformat(width=2 * w, height=2 * h, interpolation="BICUBIC")
+        .to_ndarray(format="rgb24")
+    )
+    yy, xx = np.mgrid[0:h, 0:w]
+    n = round(clip.seconds * clip.fps)
+    with av.open(path, "w", format="mp4") as c:
+        v = c.add_stream(
+            "libx264", rate=clip.fps, options={"g": str(clip.gop), "preset": clip.preset}
+        )
+        v.width, v.height, v.pix_fmt = w, h, "yuv420p"
+        a = c.add_stream("aac", rate=SR, layout="stereo")
+        for i in range(n):
+            u = i / max(n - 1, 1)
+            x0, y0 = int(u * w), int(0.5 * u * h)
+            img = tex[y0 : y0 + h, x0 : x0 + w].astype(np.int16)
+            cx, cy = w * (0.5 + 0.35 * np.cos(6 * u)), h * (0.5 + 0.35 * np.sin(9 * u))
+            img[(xx - cx) ** 2 + (yy - cy) ** 2 < (h / 8) ** 2] = (230, 60, 40)
+            img += rng.integers(-3, 4, img.shape, dtype=np.int16)
+            frame = av.VideoFrame.from_ndarray(img.clip(0, 255).astype(np.uint8), format="rgb24")
+            for p in v.encode(frame):
+                c.mux(p)
+        for p in v.encode(None):
+            c.mux(p)
+        t = np.arange(int(clip.seconds * SR)) / SR
+        tone = 0.2 * np.sin(2 * np.pi * 440 * t) + 0.02 * rng.standard_normal(t.size)
+        x = np.stack([tone, tone[::-1]]).astype(np.float32)
+        for s in range(0, x.shape[1], 1024):
+            f = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(x[:, s : s + 1024]), format="fltp", layout="stereo"
+            )
+            f.sample_rate = SR
+            for p in a.encode(f):
+                c.mux(p)
+        for p in a.encode(None):
+            c.mux(p)
+
+
+def packets_sent(data: bytes, max_frames: int) -> tuple[int, int]:
+    """(packets the new path sends to a decoder, packets up to the last pick's pts: about what
+    the plain path decodes before it stops)."""
+    with av.open(io.BytesIO(data)) as c:
+        s = c.streams.video[0]
+        n, fps = V._probe(s, c)
+        _, indices, _ = V.sample_timestamps(n, fps, max_frames)
+        packets = [p for p in c.demux(s) if p.size]
+    plan = V._plan_runs(packets, indices)
+    if plan is None:
+        return len(packets), len(packets)
+    runs, pick_pts = plan
+    last = max(pick_pts)  # the plain path stops once the last pick is out
+    return sum(b - a + 1 for a, b in runs), sum(p.pts <= last for p in packets)
+
+
+def timings(
+    data: bytes, max_frames: int, iters: int
+) -> dict[tuple[bool, bool], tuple[float, float]]:
+    """{(full_decode, with_audio): (median wall ms, median CPU ms of all threads)}; the four
+    variants run interleaved, so a busy machine slows them alike."""
+    keys = [(fd, au) for fd in (True, False) for au in (False, True)]
+    wall: dict[tuple[bool, bool], list[float]] = {k: [] for k in keys}
+    cpu: dict[tuple[bool, bool], list[float]] = {k: [] for k in keys}
+    for it in range(iters + 1):  # the first round warms up
+        for fd, au in keys:
+            t, c = time.perf_counter(), time.process_time()
+            V.decode_video(data, max_frames=max_frames, with_audio=au, full_decode=fd)
+            if it:
+                wall[fd, au].append((time.perf_counter() - t) * 1e3)
+                cpu[fd, au].append((time.process_time() - c) * 1e3)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in keys}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--max-frames", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="three 448x448 30 s clips only")
+    args = ap.parse_args()
+    clips = QUICK if args.quick else CLIPS
+    print(
+        f"PyAV {av.__version__}, {os.cpu_count()} CPUs, max_frames {args.max_frames}, "
+        f"median of {args.iters}"
+    )
+    header = (
+        "| clip | packets new/full | video full ms wall / CPU | video new ms wall / CPU "
+        "| speedup wall / CPU | +audio full ms wall | +audio new ms wall |"
+    )
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for clip in clips:
+            path = os.path.join(tmp, "clip.mp4")
+            make_clip(clip, path)
+            with open(path, "rb") as f:
+                data = f.read()
+            mf = args.max_frames
+            new = V.decode_video(data, max_frames=mf)
+            old = V.decode_video(data, max_frames=mf, full_decode=True)
+            same = new.timestamps == old.timestamps and all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(new.frames, old.frames, strict=True)
+            )
+            same = same and all(
+                np.array_equal(a, b)
+                for a, b in zip(new.audio_segments or [], old.audio_segments or [], strict=True)
+            )
+            if not same:
+                print(f"| {clip.name} | FRAMES DIFFER |")
+                ok = False
+                continue
+            sent, full = packets_sent(data, mf)
+            t = timings(data, mf, args.iters)
+            (fw, fc), (nw, nc) = t[True, False], t[False, False]
+            print(
+                f"| {clip.name} | {sent}/{full} | {fw:.1f} / {fc:.1f} | {nw:.1f} / {nc:.1f} "
+                f"| {fw / nw:.1f}x / {fc / nc:.1f}x | {t[True, True][0]:.1f} "
+                f"| {t[False, True][0]:.1f} |",
+                flush=True,
+            )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
