@@ -24,6 +24,7 @@ Needs Ray Serve importable (on the GPU machine: `source .gpu/ray/device-env.sh`)
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -138,8 +139,12 @@ class Code2WavShare:
         self.srv, self.rows, self._start = srv, {}, None
 
     def _snapshot(self) -> tuple[float, dict[str, float]]:
+        # called on the load generator's event loop, where a handle's blocking `result()` is
+        # refused: ask from a worker thread (the loop waits; no request is in flight then)
         h = self.srv.serve.get_deployment_handle("Code2Wav", app_name="omniray")
-        return time.perf_counter(), h.stats.remote().result().get("engine", {})
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stats = pool.submit(lambda: h.stats.remote().result()).result()
+        return time.perf_counter(), stats.get("engine", {})
 
     def __call__(self, c: int, phase: str) -> None:
         if phase == "start":
