@@ -81,6 +81,10 @@ class LimitSettings(_Settings):
     max_json_depth: int = Field(64, ge=4, description="nesting depth of a request body, checked before parsing")
     max_ref_audio_seconds: float = Field(30.0, gt=0)
     max_voices: int = Field(64, ge=1, description="stored voices (POST /v1/audio/voices)")
+    media_cache_bytes: int = Field(512 * 1024**2, ge=0, description=(
+        "processed media (image slices, audio features, a video's frames and segments) kept "
+        "by content hash, so a follow-up turn re-sending the same media skips decoding it; "
+        "LRU by tensor bytes; 0 = off"))
 
 
 class TimeoutSettings(_Settings):

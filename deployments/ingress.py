@@ -10,14 +10,16 @@ Handle (other Ray apps): `serve.get_app_handle("omniray").options(stream=True)
     window, every stage's stats and the app's invariants (`idle`, `leaks`).
 
 The ingress validates, loads media (data: / allowed file:// / allowed hosts), runs the
-Processor (chat template, image slices, audio features) off the event loop, then hands
-the turn to TurnRunner (window + stages). Every bad request is a 4xx in the OpenAI error
-shape before any stage is touched.
+Processor (chat template, image slices, audio features) off the event loop, keeping what
+it made of each media part in a MediaCache (a follow-up turn re-sends the conversation's
+media), then hands the turn to TurnRunner (window + stages). Every bad request is a 4xx
+in the OpenAI error shape before any stage is touched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -66,6 +68,7 @@ class IngressServer:
     def __init__(self, app: AppConfig | dict, thinker: Any, talker: Any, code2wav: Any, *,
                  source: Any = None):
         from pipeline.checkpoint import ModelSource, cache_dir, default_checkpoint
+        from pipeline.processing.media_cache import MediaCache
         from pipeline.processing.processor import MediaLimits, Processor
         from pipeline.tokenizer import TextTokenizer
 
@@ -75,8 +78,11 @@ class IngressServer:
         tokenizer = TextTokenizer.from_dir(source.path or default_checkpoint())
         lim = cfg.limits
         limits = MediaLimits(**{k: getattr(lim, k) for k in MediaLimits.__dataclass_fields__})
+        # A follow-up turn re-sends the conversation's media: keep what processing made of it.
+        self.media_cache = MediaCache(lim.media_cache_bytes)
         self.processor = Processor(source.config.thinker, tokenizer, limits,
-                                   special_tokens_in_text=cfg.special_tokens_in_text)
+                                   special_tokens_in_text=cfg.special_tokens_in_text,
+                                   media_cache=self.media_cache)
         self.media = MediaLoader(allowed_dir=cfg.allowed_local_media_path,
                                  allowed_hosts=cfg.allowed_media_hosts,
                                  max_bytes=lim.max_media_bytes,
@@ -115,9 +121,9 @@ class IngressServer:
         self.metrics.outcome("rejected", refusal_reason(e))
 
     async def stats(self) -> dict[str, Any]:
-        """The window, every stage's stats, and the app's invariants: `idle` (no turn in
-        flight and every stage holds nothing) and `leaks` (accounting that does not add up;
-        empty unless something is broken)."""
+        """The window, the processed-media cache, every stage's stats, and the app's
+        invariants: `idle` (no turn in flight and every stage holds nothing) and `leaks`
+        (accounting that does not add up; empty unless something is broken)."""
         async def one(handle: Any) -> dict[str, Any]:
             try:
                 return await asyncio.wait_for(handle.stats.remote(), self.cfg.timeouts.open_s)
@@ -137,7 +143,11 @@ class IngressServer:
         idle = (not in_flight and window["active"] == 0 and window["waiting"] == 0
                 and all(st.get("idle", False) for st in stages.values()))
         return {"window": window, "turns": {"in_flight": len(in_flight), "speech": speech},
-                "stages": stages, "idle": idle, "leaks": leaks}
+                "media_cache": self.media_cache_stats(), "stages": stages, "idle": idle,
+                "leaks": leaks}
+
+    def media_cache_stats(self) -> dict[str, int]:
+        return dataclasses.asdict(self.media_cache.stats())
 
     async def reset_window_peaks(self) -> None:
         self.window.reset_peaks()
@@ -161,7 +171,10 @@ class IngressServer:
         if req.speech and (req.ref_audio is not None or self._stored_voice(req)):
             await self.require_voices("ref_audio" if req.ref_audio is not None else "audio.voice")
         # Decoding and feature extraction are CPU work: keep them off the event loop.
-        turn = await asyncio.to_thread(self._prepare, req, rid)
+        try:
+            turn = await asyncio.to_thread(self._prepare, req, rid)
+        finally:  # on the event loop: the metrics' running totals are updated by one thread
+            self.metrics.media_cache(self.media_cache_stats())
         turn.arrival, turn.prepared = arrival, time.time()
         return turn
 
@@ -304,7 +317,7 @@ class IngressServer:
         try:  # the stage forgets its prompt and template; a stage that is down has none
             await asyncio.wait_for(self.stages.code2wav.forget_voice.remote(info.id),
                                    self.cfg.timeouts.abort_s)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110
             pass
         return info
 

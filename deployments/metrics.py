@@ -8,6 +8,9 @@ Per app (ingress):  omniray_requests_total{outcome}  ok | error | timeout | canc
                     omniray_ttft_seconds, omniray_first_audio_seconds, omniray_rtf,
                     omniray_audio_seconds_total, omniray_window_active,
                     omniray_window_waiting
+                    omniray_stage_cache_hits_total{stage="ingress",cache="media"} and
+                    omniray_stage_stat{stage="ingress",name="media_cache_*"} (misses,
+                        bytes, entries, evictions of the processed-media cache)
 Per stage:          omniray_stage_step_seconds{stage}, omniray_stage_batch_size{stage},
                     omniray_stage_queue_depth{stage},
                     omniray_stage_active_streams{stage} (turns holding state in the stage),
@@ -139,6 +142,12 @@ class AppMetrics:
         self.window_active = _metric(Gauge, "omniray_window_active", "turns in the GPU stages")
         self.window_waiting = _metric(Gauge, "omniray_window_waiting", "turns waiting FIFO")
         self.window(0, 0)  # a fresh process exports its own (empty) window at once
+        self._ingress = StageMetrics("ingress")  # the stage families, for the media cache
+
+    def media_cache(self, stats: dict[str, int]) -> None:
+        """Running totals of the processed-media cache (called from one thread)."""
+        self._ingress.record_stats({f"media_cache_{k}": v for k, v in stats.items()
+                                    if k != "capacity_bytes"})
 
     def outcome(self, outcome: str, reason: str | None = None) -> None:
         self.requests.inc(1, tags={"outcome": outcome})

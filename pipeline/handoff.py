@@ -58,6 +58,11 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = (151704, 151645)
     ignore_eos: bool = False  # fixed-length benchmark mode: run exactly max_tokens
     seed: int | None = None
+    # Ids whose logits are set to -inf before anything else, at every step (greedy rows
+    # too): the reference's streaming decode bans the tokenizer's punctuation list and
+    # `bad_token_ids` while it speaks (`ChunkPrefillChunkGenerate.chunk_generate`;
+    # processing.template.spoken_banned_ids). Stored sorted and de-duplicated.
+    banned_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -76,6 +81,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
+        if not all(isinstance(i, int) and i >= 0 for i in self.banned_ids):
+            raise ValueError("banned_ids must be token ids (ints >= 0)")
+        # frozen: normalized once, here
+        object.__setattr__(self, "banned_ids", tuple(sorted(set(self.banned_ids))))
 
     @property
     def greedy(self) -> bool:

@@ -120,10 +120,21 @@ class TextTokenizer:
                      True: _CUT_SPECIALS if known and specials_cuttable else None}
         self._bytes_per_token = self._max_token_bytes(spec) if known else None
         self._shrink = _NORMALIZER_SHRINK.get(norm_type, 1)
+        # tokenizer_config.json's `bad_token_ids` (the reference tokenizer's attribute of that
+        # name), set by from_dir: what the reference's streaming decode bans while speaking.
+        self.bad_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "TextTokenizer":
-        path = Path(path)
+    def from_dir(cls, path: str | Path) -> TextTokenizer:
+        tok = cls._from_dir(Path(path))
+        config = Path(path) / "tokenizer_config.json"
+        if config.is_file():
+            bad = json.loads(config.read_text()).get("bad_token_ids") or ()
+            tok.bad_token_ids = tuple(int(i) for i in bad)
+        return tok
+
+    @classmethod
+    def _from_dir(cls, path: Path) -> TextTokenizer:
         tj = path / "tokenizer.json"
         if tj.is_file():
             return cls(Tokenizer.from_file(str(tj)))

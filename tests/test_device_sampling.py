@@ -2,8 +2,9 @@
 
 Claims tested here, on CPU unless marked:
   * the same ids as the host sampler, row for row and step after step, for greedy rows
-    (bit-exact penalized argmax) and for sampled rows (the same generator draws, the same
-    probabilities), with ties in bf16 logits and live top-k / top-p / penalty cuts;
+    (bit-exact banned and penalized argmax) and for sampled rows (the same generator draws,
+    the same probabilities), with ties in bf16 logits and live bans / top-k / top-p /
+    penalty cuts; top-p at an exact tie keeps the token, as the reference does;
   * its draws follow the filtered distribution (chi-square, fixed seed: deterministic);
   * a seeded row's ids do not depend on its batch mates or its row;
   * the engine with device sampling == the engine with host sampling, token for token, over
@@ -29,7 +30,9 @@ from pipeline.engine.sampling import (
     PENDING_ID,
     Sampler,
     SamplingTensors,
+    apply_bans,
     apply_repetition_penalty,
+    ban,
     draw_noise,
     make_generator,
     pack_rows,
@@ -50,7 +53,7 @@ CPU = torch.device("cpu")
 def batched(logits, params, outputs, generators) -> list[int]:
     """`sample_batch` over rows, through the same packing / noise steps the runner uses."""
     n, vocab = logits.shape
-    st = Staging(sampling_fields(n), logits.device)
+    st = Staging(sampling_fields(n, vocab), logits.device)
     noise = torch.ones(n, vocab, device=logits.device)
     packed = pack_rows(st.host, params, outputs, vocab)
     st.upload()
@@ -70,7 +73,17 @@ MIX = [
     SamplingParams(temperature=1.3, top_k=5, seed=3),
     SamplingParams(temperature=0.9, top_p=0.5, repetition_penalty=1.5, repetition_window=7),
     SamplingParams(temperature=1.0, top_p=0.95, top_k=0),  # unseeded: the default generator
+    SamplingParams(banned_ids=tuple(range(3, 300, 5))),  # greedy with bans only
+    SamplingParams(
+        temperature=1.2,
+        top_p=0.9,
+        top_k=40,
+        repetition_penalty=1.1,
+        banned_ids=(0, 7, 8, *range(64, 300, 4)),  # byte edges of the bitmask rows
+        seed=4,
+    ),
 ]
+BANNED_ROWS = [i for i, p in enumerate(MIX) if p.banned_ids]
 
 
 def test_batched_equals_host_sampler_row_by_row():
@@ -80,7 +93,7 @@ def test_batched_equals_host_sampler_row_by_row():
     g = torch.Generator().manual_seed(0)
     gens = {k: [make_generator(p.seed, "cpu") for p in MIX] for k in ("host", "batch")}
     outputs: list[list[int]] = [[] for _ in MIX]
-    sampled_rows = set()
+    sampled_rows, ban_live = set(), set()
     for step in range(steps):
         # bf16 logits, as the model returns them: many exact ties across 500 entries
         logits = (torch.randn(len(MIX), vocab, generator=g) * 3).bfloat16()
@@ -93,6 +106,11 @@ def test_batched_equals_host_sampler_row_by_row():
             outputs[i].append(tok)
             if not MIX[i].greedy and tok != int(logits[i].argmax()):
                 sampled_rows.add(i)
+            if int(logits[i].argmax()) in MIX[i].banned_ids:
+                ban_live.add(i)
+    for i in BANNED_ROWS:
+        assert not set(outputs[i]) & set(MIX[i].banned_ids), i
+    assert ban_live == set(BANNED_ROWS)  # the ban moved the pick off the raw argmax
     for a, b in zip(gens["host"], gens["batch"]):
         if a is not None:
             assert torch.equal(a.get_state(), b.get_state())
@@ -102,7 +120,8 @@ def test_batched_equals_host_sampler_row_by_row():
 
 def test_top_p_boundary_and_ties_agree():
     """Top-p cutting inside runs of tied values, and mass landing exactly on p (8 equal
-    logits: every probability is exactly 1/8): both samplers cut at the same token."""
+    logits: every probability is exactly 1/8): both samplers cut at the same token, the
+    reference's (the token whose mass before equals p stays)."""
     runs = [
         (torch.tensor([2.0] * 8 + [1.0] * 8 + [0.0] * 48), (0.25, 0.5, 0.5 + 1e-9, 0.73, 0.999)),
         (torch.zeros(8), (0.125, 0.25, 0.5, 0.625, 0.875)),
@@ -119,9 +138,33 @@ def test_top_p_boundary_and_ties_agree():
                 )
                 got = batched(logits, params, outs, [make_generator(s, "cpu") for s in range(rows)])
                 assert got == want, (p, temp)
-    # the exact case really sits on the boundary: p = 1/2 keeps 4 of the 8
+    # the exact case really sits on the boundary: p = 1/2 keeps 5 of the 8 (mass 1/2 before
+    # the 5th), and so does the batched sampler
     kept = torch.isfinite(top_p_mask(torch.zeros(8), 0.5)).sum()
-    assert kept == 4
+    assert kept == 5
+    rows = 64
+    params = [SamplingParams(temperature=1.0, top_p=0.5, seed=s) for s in range(rows)]
+    zeros = torch.zeros(rows, 8)
+    got = batched(zeros, params, [[]] * rows, [make_generator(s, "cpu") for s in range(rows)])
+    assert set(got) == {0, 1, 2, 3, 4}
+
+
+def test_bitmask_bans_equal_the_host_index_fill():
+    """`ban` over bitmask rows == `apply_bans` per row, at byte edges and the last id of a
+    vocabulary that is not a multiple of 8; rows without bans (and padded rows) untouched."""
+    vocab = 203
+    sets = [(0,), (7, 8, 15, 16), (202,), tuple(range(0, 203, 3)), ()]
+    params = [SamplingParams(banned_ids=b) for b in sets] + [None]
+    st = Staging(sampling_fields(len(params), vocab), CPU)
+    pack_rows(st.host, params, [[]] * len(params), vocab)
+    st.upload()
+    x = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(2))
+    got = ban(x, st.dev["banned"])
+    for i, b in enumerate(sets):
+        assert torch.equal(got[i], apply_bans(x[i], b)), b
+    assert torch.equal(got[-1], x[-1])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        pack_rows(st.host, [SamplingParams(banned_ids=(vocab,))], [[]], vocab)
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,7 +249,7 @@ def test_wide_history_penalizes_every_distinct_id():
     vocab = 1000
     out = list(range(600)) + list(range(300))  # 600 distinct ids, window None: all count
     params = SamplingParams(repetition_penalty=1.7, repetition_window=None)
-    st = Staging(sampling_fields(2), CPU)
+    st = Staging(sampling_fields(2, vocab), CPU)
     packed = pack_rows(st.host, [params, None], [out, []], vocab)
     assert list(packed.wide) == [0]
     st.upload()
@@ -221,7 +264,7 @@ def test_wide_history_penalizes_every_distinct_id():
 
 
 def test_pending_newest_id_is_left_for_the_device():
-    st = Staging(sampling_fields(1), CPU)
+    st = Staging(sampling_fields(1, 50), CPU)
     params = SamplingParams(repetition_penalty=1.5)
     pack_rows(st.host, [params], [[5, 6, PENDING_ID]], 50)
     row = st.host["history"][0].tolist()
@@ -283,8 +326,33 @@ REQUESTS = {
         ),
     ),
     "hot": (_prompt(5, 5), SamplingParams(temperature=1.5, max_tokens=120, stop_ids=(), seed=12)),
+    # bans, greedy (every even id) and sampled (every third id)
+    "ban_greedy": (
+        _prompt(11, 6),
+        SamplingParams(max_tokens=100, stop_ids=(), banned_ids=tuple(range(0, 1000, 2))),
+    ),
+    "ban_sampled": (
+        _prompt(14, 7),
+        SamplingParams(
+            temperature=0.9,
+            top_k=30,
+            top_p=0.9,
+            max_tokens=100,
+            stop_ids=(),
+            seed=13,
+            banned_ids=tuple(range(0, 1000, 3)),
+        ),
+    ),
 }
-ARRIVAL = {"greedy": 0, "pen": 0, "pen_all": 1, "sampled": 3, "hot": 8}
+ARRIVAL = {
+    "greedy": 0,
+    "pen": 0,
+    "pen_all": 1,
+    "sampled": 3,
+    "hot": 8,
+    "ban_greedy": 2,
+    "ban_sampled": 5,
+}
 
 
 def _engine(model, **kw) -> LLMEngine:
@@ -319,6 +387,8 @@ def test_engine_device_sampling_equals_host_sampling(model):
     for rid in REQUESTS:
         assert dev[rid] == host[rid], rid
     assert len(set(host["pen_all"])) >= HISTORY_WIDTH  # the wide-history path ran
+    for rid in ("ban_greedy", "ban_sampled"):
+        assert not set(host[rid]) & set(REQUESTS[rid][1].banned_ids), rid
     assert len(set(host["sampled"])) > 20 and host["greedy"] != host["pen"]
 
 

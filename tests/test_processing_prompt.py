@@ -49,7 +49,10 @@ def tokenize_whole(s: str) -> list[int]:
     return ids
 
 
-GEN = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+THINK_OFF = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# The generation prompt of the reference's streamed decode (`streaming_generate`'s
+# `bos_input` with use_tts_template=True): <|tts_bos|> with or without speech output.
+GEN = THINK_OFF + "<|tts_bos|>"
 UNK64 = "<unk>" * 64
 
 
@@ -98,10 +101,10 @@ def test_text_only():
 def test_speech_output_and_thinking():
     req = proc().build([{"role": "user", "content": "Hi"}], speech_output=True)
     assert req.input_ids[-1] == TOK.tts_bos and req.return_hidden
-    assert req.input_ids == tokenize_whole("<|im_start|>user\nHi<|im_end|>\n" + GEN + "<|tts_bos|>")
+    assert req.input_ids == tokenize_whole("<|im_start|>user\nHi<|im_end|>\n" + GEN)
     req = proc().build([{"role": "user", "content": "Hi"}], enable_thinking=True)
     assert req.input_ids == tokenize_whole(
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<|tts_bos|>"
     )
 
 
@@ -195,7 +198,7 @@ def _reference_chat_prompt(
     with "\n"; then the ChatML chat template with thinking off."""
     joiner = "" if omni_mode or stream_input else "\n"
     out = "".join(f"<|im_start|>{role}\n{joiner.join(items)}<|im_end|>\n" for role, items in msgs)
-    return out + GEN + ("<|tts_bos|>" if tts else "")
+    return out + THINK_OFF + ("<|tts_bos|>" if tts else "")
 
 
 @pytest.mark.parametrize("with_video", [False, True])
@@ -236,9 +239,7 @@ def test_video_omni_packing_order():
     req = proc().build(msgs, speech_output=True)
     # frame i then audio i, no separators inside the omni block nor before the text
     sec = lambda n: "<image>" + UNK64 + "</image><|audio_start|>" + "<unk>" * n + "<|audio_end|>"
-    expected = (
-        "<|im_start|>user\n" + sec(10) + sec(10) + sec(5) + "Q?<|im_end|>\n" + GEN + "<|tts_bos|>"
-    )
+    expected = "<|im_start|>user\n" + sec(10) + sec(10) + sec(5) + "Q?<|im_end|>\n" + GEN
     assert req.input_ids == tokenize_whole(expected)
     assert len(req.images) == 3 and all(im.num_slices == 1 for im in req.images)
     assert len(req.audios) == 3 and req.audio_segments == [(0, 0, 10), (1, 0, 10), (2, 0, 5)]
@@ -332,3 +333,85 @@ def test_parallel_part_decoding_equals_in_order():
         Processor(ThinkerConfig(), ByteTokenizer(), decode_workers=4).build(
             [{"role": "user", "content": bad}]
         )
+
+
+# ---------------------------------------------------------------------------------------
+# The streamed chat's generation prompt and its bans (MiniCPMO.streaming_generate driving
+# ChunkPrefillChunkGenerate.chunk_generate, as the demo's chat server calls them)
+
+
+def _reference_streamed_prompt(user_items: list[str], think: bool = False) -> str:
+    """streaming_prefill of one user message, then streaming_generate's `bos_input`:
+    "<|im_start|>user\\n" + content (left open), then "<|im_end|>\\n<|im_start|>assistant\\n"
+    + the think block (thinking off) + "<|tts_bos|>" (use_tts_template=True, the default,
+    which the demo's chat passes whether it generates audio or not). Content items are
+    joined with "\\n", chat()'s joiner outside omni / stream-input mode."""
+    prefill = "<|im_start|>user\n" + "\n".join(user_items)
+    bos = "<|im_end|>\n<|im_start|>assistant\n" + ("" if think else "<think>\n\n</think>\n\n")
+    return prefill + bos + "<|tts_bos|>"
+
+
+@pytest.mark.parametrize("audio_in", [False, True])
+def test_streamed_prompt_is_the_same_for_text_and_speech_output(audio_in):
+    content = [MediaBytes("audio", _wav(1.5)), "What did I say?"] if audio_in else ["Hi"]
+    msgs = [{"role": "user", "content": content}]
+    items = [_reference_audio_placeholder(24000, False), "What did I say?"] if audio_in else ["Hi"]
+    for think in (False, True):
+        ref = tokenize_whole(_reference_streamed_prompt(items, think))
+        text = proc().build(msgs, enable_thinking=think)
+        speech = proc().build(msgs, speech_output=True, enable_thinking=think)
+        assert text.input_ids == speech.input_ids == ref
+        assert text.input_ids[-1] == TOK.tts_bos
+        assert not text.return_hidden and speech.return_hidden
+
+
+# The reference's list (`ChunkPrefillChunkGenerate.__init__`, MiniCPM-o 4.5 utils.py).
+REFERENCE_FORBIDDEN = [":", "：", "；", "#", "“", "”", "‘", "’", "@", "*", "【", "】", "「", "」",
+                       "(", ")", "（", "）", "[", "]", "&", "/", "$"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """The embedded default's tokenizer files, with `bad_token_ids` in tokenizer_config.json
+    as the release has them (a few of its ids, and a repeat of a punctuation id)."""
+    import json
+
+    from pipeline.checkpoint import write_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path, vocab_size=151748)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["bad_token_ids"] = [7, 8, 94, 95, 198, 151560]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_speech_output_bans_what_the_reference_bans(tokenizer_dir):
+    transformers = pytest.importorskip("transformers")
+    from pipeline.processing.template import SPOKEN_FORBIDDEN_TOKENS
+    from pipeline.tokenizer import TextTokenizer
+
+    assert list(SPOKEN_FORBIDDEN_TOKENS) == REFERENCE_FORBIDDEN
+    tok = TextTokenizer.from_dir(tokenizer_dir)
+    assert tok.bad_token_ids == (7, 8, 94, 95, 198, 151560)
+    # The reference: tokenizer.convert_tokens_to_ids on each string (<unk> when it is not a
+    # vocabulary string), then `extend(tokenizer.bad_token_ids)`.
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_dir / "tokenizer.json"), unk_token="<unk>"
+    )
+    want = set(hf.convert_tokens_to_ids(REFERENCE_FORBIDDEN)) | set(tok.bad_token_ids)
+    assert TOK.unk in want and {25, 7, 8} <= want  # ':' '(' ')' are byte-level vocab strings
+    p = Processor(ThinkerConfig(), tok)
+    msgs = [{"role": "user", "content": "Hi"}]
+    speech = p.build(msgs, speech_output=True, sampling=SamplingParams(banned_ids=(5, 3)))
+    assert speech.sampling.banned_ids == tuple(sorted(want | {3, 5}))  # the caller's kept too
+    # Text-only output: no bans (the demo's chat: suppress_forbidden_tokens=generate_audio).
+    assert p.build(msgs).sampling.banned_ids == ()
+    assert p.build(msgs, sampling=SamplingParams(banned_ids=(9,))).sampling.banned_ids == (9,)
+
+
+def test_banned_ids_are_validated_and_normalized():
+    assert SamplingParams(banned_ids=(9, 2, 9, 4)).banned_ids == (2, 4, 9)
+    for bad in ((-1,), (1.5,), ("3",)):
+        with pytest.raises(ValueError, match="banned_ids"):
+            SamplingParams(banned_ids=bad)

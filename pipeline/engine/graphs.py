@@ -154,7 +154,8 @@ class DecodeGraphs:
         self.vocab = cfg.vocab_size
         rows = self.sizes[-1]
         self.staging = Staging(
-            {**decode_fields(rows, backend.max_num_pages), **sampling_fields(rows)}, device
+            {**decode_fields(rows, backend.max_num_pages), **sampling_fields(rows, self.vocab)},
+            device,
         )
         self.noise = torch.ones(rows, cfg.vocab_size, dtype=torch.float32, device=device)
         self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=device)

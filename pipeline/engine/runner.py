@@ -281,7 +281,7 @@ class ModelRunner:
         n = len(sampling)
         if self._noise is None or self._noise.shape[0] < n:
             rows = 1 << (n - 1).bit_length()
-            self._staging = Staging(sampling_fields(rows), self.device)
+            self._staging = Staging(sampling_fields(rows, self.vocab), self.device)
             self._noise = torch.ones(rows, self.vocab, dtype=torch.float32, device=self.device)
         st = self._staging
         params = [s.seq.sampling for s in sampling]

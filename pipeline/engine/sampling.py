@@ -1,10 +1,22 @@
 """Per-request sampling over a batch of logits rows.
 
-Order of operations for each row (HF `generate` order for these processors):
-  repetition penalty -> temperature -> top-k -> top-p -> draw.
-Greedy rows (temperature 0) take the argmax of the penalized logits; with penalty 1 that
-is exactly argmax of the raw logits. Draws use the request's own torch.Generator when it
-asked for a seed, so a seeded request reproduces regardless of what it is batched with.
+Order of operations for each row, the reference streaming decode's
+(`ChunkPrefillChunkGenerate.chunk_generate`, MiniCPM-o 4.5 `utils.py`):
+  banned ids -> repetition penalty -> temperature -> top-k -> top-p -> draw.
+Greedy rows (temperature 0) take the argmax of the banned and penalized logits; with no
+bans and penalty 1 that is exactly argmax of the raw logits. Draws use the request's own
+torch.Generator when it asked for a seed, so a seeded request reproduces regardless of
+what it is batched with.
+
+Banned ids (`SamplingParams.banned_ids`): their logits become -inf first, on every step,
+greedy rows included; the penalty then leaves them -inf (-inf * penalty). The reference
+does this with `suppress_forbidden_tokens` while it speaks.
+
+Top-p, the reference's own rule (not HF's `TopPLogitsWarper`): sort descending, cumulative
+probability `c`, drop a token when the mass strictly before it is over p (`c > p` shifted
+right by one; the first token always stays). Mass exactly equal to p keeps the token, where
+HF's ascending `cumsum <= 1 - p` drops it. The reference compares its float32 sums with
+p rounded to float32 (a Python float against a float32 tensor), so p is rounded likewise.
 
 Repetition penalty, as the reference's streaming chat computes it
 (`MiniCPMO.streaming_generate` driving `ChunkPrefillChunkGenerate.chunk_generate`, MiniCPM-o
@@ -27,6 +39,7 @@ Two samplers compute that rule:
     device. It computes the same function as `Sampler` bit for bit:
       - penalty and temperature divide by float32 tensors in both (true division; a Python
         scalar divisor would make CUDA multiply by its reciprocal instead);
+      - the bans are -inf in both (an index fill on the host, a bitmask row in the batch);
       - top-k's threshold is the k-th largest value either way; top-p sorts stably and sums
         the mass in float64, where every prefix sum of float32 probabilities down to 2**-29
         is exact, so the cut does not depend on the scan algorithm torch picks for a
@@ -73,6 +86,43 @@ def penalty_history(output_ids: Sequence[int], window: int | None) -> list[int]:
     return list(output_ids[max(0, chunk_start - window) :])
 
 
+# Host copies of the banned sets, keyed by the identity of a request's `banned_ids` tuple
+# (each request carries its own after unpickling): hashing ~1,800 ids every step would cost
+# more than the lookup saves. The entry keeps the tuple alive, so its id is not reused.
+_BANNED_CACHE_SIZE = 1024
+_banned_cache: dict[int, tuple[tuple[int, ...], int, np.ndarray, np.ndarray]] = {}
+
+
+def _banned(ids: tuple[int, ...], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids as int64, the little-endian bitmask of `vocab` bits) of a banned set."""
+    hit = _banned_cache.get(id(ids))
+    if hit is not None and hit[0] is ids and hit[1] == vocab:
+        return hit[2], hit[3]
+    index = np.array(ids, dtype=np.int64)
+    if index.size and (index.min() < 0 or index.max() >= vocab):
+        raise ValueError(f"banned id {int(index.max())} is outside the vocabulary of {vocab}")
+    mask = np.zeros(vocab, dtype=bool)
+    mask[index] = True
+    bits = np.packbits(mask, bitorder="little")
+    if len(_banned_cache) >= _BANNED_CACHE_SIZE:
+        _banned_cache.pop(next(iter(_banned_cache)))  # the oldest entry
+    _banned_cache[id(ids)] = (ids, vocab, index, bits)
+    return index, bits
+
+
+def apply_bans(logits: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
+    """logits (V,) with every id of `ids` at -inf (a new tensor when there is one)."""
+    if not ids:
+        return logits
+    index = torch.from_numpy(_banned(ids, logits.shape[-1])[0]).to(logits.device)
+    return logits.index_fill(-1, index, float("-inf"))
+
+
+def top_p_threshold(p: float) -> float:
+    """p as the reference compares it: rounded to float32 (see the module docstring)."""
+    return float(np.float32(p))
+
+
 def apply_repetition_penalty(
     logits: torch.Tensor, ids: torch.Tensor, penalty: float
 ) -> torch.Tensor:
@@ -99,16 +149,16 @@ def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus: keep the smallest set of top tokens whose probability sum reaches p
-    (the token that crosses p is kept; at least one token always survives)."""
+    """Nucleus, the reference's rule: keep the top tokens until the mass before a token is
+    over p (a token whose mass before equals p stays; the first token always does)."""
+    p = top_p_threshold(p)
     if p >= 1.0:
         return logits
     # Ties in index order and an exact float64 mass: the same cut as `sample_batch`.
     sorted_logits, order = torch.sort(logits, descending=True, stable=True)
     probs = sorted_logits.softmax(-1).double()
-    # Drop a token when the mass strictly before it already reaches p.
     mass_before = probs.cumsum(-1) - probs
-    drop_sorted = mass_before >= p
+    drop_sorted = mass_before > p
     drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
@@ -130,7 +180,8 @@ def sample_row(
 ) -> int:
     """One token from one row of logits (V,). `history`: the ids to penalize (N,), the
     request's `penalty_history`."""
-    logits = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
+    logits = apply_bans(logits.float(), params.banned_ids)
+    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
     if params.greedy:
         return int(torch.argmax(logits))
     temperature = torch.full((), params.temperature, dtype=logits.dtype, device=logits.device)
@@ -142,9 +193,9 @@ def sample_row(
 
 
 class Sampler:
-    """Batch sampler. Rows that are all plain greedy share one argmax; the rest go row by
-    row (per-request penalty, temperature, top-k/p and generator). `outputs[i]` are the ids
-    row i's request generated so far (no prompt ids)."""
+    """Batch sampler. Rows that are all plain greedy (no bans, no penalty) share one argmax;
+    the rest go row by row (per-request bans, penalty, temperature, top-k/p and generator).
+    `outputs[i]` are the ids row i's request generated so far (no prompt ids)."""
 
     def __call__(
         self,
@@ -154,7 +205,11 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> list[int]:
         out: list[int | None] = [None] * len(params)
-        plain = [i for i, p in enumerate(params) if p.greedy and p.repetition_penalty == 1.0]
+        plain = [
+            i
+            for i, p in enumerate(params)
+            if p.greedy and p.repetition_penalty == 1.0 and not p.banned_ids
+        ]
         if plain:
             idx = torch.tensor(plain, device=logits.device)
             for i, tok in zip(plain, torch.argmax(logits[idx], dim=-1).tolist()):
@@ -175,7 +230,7 @@ class Sampler:
 
 
 def sampling_fields(
-    rows: int, width: int = HISTORY_WIDTH
+    rows: int, vocab: int, width: int = HISTORY_WIDTH
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The per-row inputs of `sample_batch` that the host writes (`pack_rows`)."""
     return {
@@ -185,6 +240,9 @@ def sampling_fields(
         "top_p": (torch.float64, (rows,)),
         "penalty": (torch.float32, (rows,)),
         "history": (torch.int64, (rows, width)),
+        # One bit per vocabulary id (little-endian bytes): any banned set fits, in V / 8
+        # bytes a row (19 KB at the Thinker's 151,748), where an id list would need a cap.
+        "banned": (torch.uint8, (rows, -(-vocab // 8))),
     }
 
 
@@ -198,6 +256,7 @@ class SamplingTensors:
     top_p: torch.Tensor  # (B,) float64 (1: off)
     penalty: torch.Tensor  # (B,) float32 (1: off)
     history: torch.Tensor  # (B, W) int64: ids to penalize, padded with V
+    banned: torch.Tensor  # (B, ceil(V / 8)) uint8: bit v % 8 of byte v // 8 bans id v
     noise: torch.Tensor  # (B, V) float32: Exp(1) draws of the rows that sample
 
     @classmethod
@@ -205,7 +264,7 @@ class SamplingTensors:
         cls, fields: dict[str, torch.Tensor], noise: torch.Tensor, rows: int
     ) -> SamplingTensors:
         """Rows [:rows] of `sampling_fields` tensors and of a noise buffer."""
-        names = ("greedy", "temperature", "top_k", "top_p", "penalty", "history")
+        names = ("greedy", "temperature", "top_k", "top_p", "penalty", "history", "banned")
         return cls(**{k: fields[k][:rows] for k in names}, noise=noise[:rows])
 
     def with_history(self, history: torch.Tensor) -> SamplingTensors:
@@ -229,15 +288,18 @@ def pack_rows(
     last may be PENDING_ID, whose history column (the last) the device then fills."""
     hist = host["history"]
     width = hist.shape[1]
+    host["banned"][: len(params)] = 0
     sampled, wide = False, {}
     for i, p in enumerate(params):
         hist[i] = vocab
+        if p is not None and p.banned_ids:
+            host["banned"][i] = _banned(p.banned_ids, vocab)[1]
         draws = p is not None and not p.greedy
         sampled |= draws
         host["greedy"][i] = not draws
         host["temperature"][i] = p.temperature if draws else 1.0
         host["top_k"][i] = p.top_k - 1 if draws and 0 < p.top_k < vocab else vocab - 1
-        host["top_p"][i] = p.top_p if draws else 1.0
+        host["top_p"][i] = top_p_threshold(p.top_p) if draws else 1.0
         if p is None or p.repetition_penalty == 1.0:
             host["penalty"][i] = 1.0
             continue
@@ -291,10 +353,18 @@ def penalize(x: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> t
     return torch.where(seen[:, :vocab], torch.where(x > 0, x / pen, x * pen), x)
 
 
+def ban(x: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """`apply_bans` per row: x (B, V), banned (B, ceil(V / 8)) bitmask rows."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
+    bits = (banned[:, :, None] >> shifts) & 1  # (B, ceil(V / 8), 8): bit j of byte b = id 8b + j
+    return x.masked_fill(bits.flatten(1)[:, : x.shape[-1]].bool(), float("-inf"))
+
+
 def sample_batch(logits: torch.Tensor, t: SamplingTensors, sampled: bool = True) -> torch.Tensor:
     """One id per row of logits (B, V): `Sampler`'s rule for every row at once, with no host
-    sync. sampled=False runs penalty + argmax only (every row greedy). Returns (B,) int64."""
-    x = penalize(logits.float(), t.history, t.penalty)
+    sync. sampled=False runs bans + penalty + argmax only (every row greedy). Returns (B,)
+    int64."""
+    x = penalize(ban(logits.float(), t.banned), t.history, t.penalty)
     greedy_ids = x.argmax(-1)
     if not sampled:
         return greedy_ids
@@ -306,7 +376,7 @@ def sample_batch(logits: torch.Tensor, t: SamplingTensors, sampled: bool = True)
     sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     probs = sorted_x.softmax(-1).double()
     top_p = t.top_p[:, None]
-    drop_sorted = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
+    drop_sorted = (probs.cumsum(-1) - probs > top_p) & (top_p < 1.0)
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
     probs = x.masked_fill(drop, float("-inf")).softmax(-1)

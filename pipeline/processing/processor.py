@@ -7,7 +7,8 @@ Stages per request (each check before the costlier stage it protects):
 2. count the prompt before decoding anything (`count_prompt_tokens`): the text runs with an
    early-stopping counter, each image from its header, audio / video at their minimum;
    a lower bound, so over `max_prompt_tokens` is a refusal nothing later could undo
-3. decode and process each media part (image.py / audio.py / video.py)
+3. decode and process each media part (image.py / audio.py / video.py), or take it from
+   the MediaCache when the same bytes were processed with the same options before
 4. count vision items (images + video frames) against `max_images`
 5. build the ChatML prompt (template.py), check `max_prompt_tokens` exactly
 6. wrap everything into a ThinkerRequest (handoff.py)
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
 
 from pipeline.config import ThinkerConfig
-from pipeline.handoff import SamplingParams, ThinkerRequest
+from pipeline.handoff import AudioInput, SamplingParams, ThinkerRequest
 from pipeline.processing.audio import clip_num_tokens, decode_audio, process_audio
 from pipeline.processing.errors import (
     InvalidMessageError,
@@ -36,12 +38,14 @@ from pipeline.processing.errors import (
 )
 from pipeline.processing.image import (
     MAX_ASPECT_RATIO,
+    ProcessedImage,
     decode_image,
     get_sliced_grid,
     image_content_hash,
     open_image,
     process_image,
 )
+from pipeline.processing.media_cache import MediaCache
 from pipeline.processing.template import (
     ROLES,
     AudioPart,
@@ -53,10 +57,12 @@ from pipeline.processing.template import (
     TextPart,
     build_prompt,
     count_prompt_tokens,
+    spoken_banned_ids,
 )
 from pipeline.processing.video import decode_video, pack_omni
 
 MEDIA_KINDS = ("image", "audio", "video")
+T = TypeVar("T")
 
 
 class Tokenizer(Protocol):
@@ -129,6 +135,8 @@ class Processor:
                    could otherwise close its turn and open a system one (`<|im_end|>
                    <|im_start|>system`) or forge media slots (`<image>`, `<unk>`); on only
                    for trusted deployments.
+    media_cache:   processed media by content hash and options (see `_cached`), so a
+                   follow-up turn that re-sends a video does not decode it again; None = off.
     """
 
     def __init__(
@@ -141,6 +149,7 @@ class Processor:
         merge_video_audio: bool = False,
         decode_workers: int = 4,
         special_tokens_in_text: bool = False,
+        media_cache: MediaCache | None = None,
     ):
         self.cfg = thinker_cfg
         self.tokenizer = tokenizer
@@ -152,6 +161,13 @@ class Processor:
         self._encode = functools.partial(tokenizer.encode, special_tokens=special_tokens_in_text)
         self._count = functools.partial(tokenizer.count, special_tokens=special_tokens_in_text)
         self._pool: ThreadPoolExecutor | None = None  # made on first use
+        vocab, bad = getattr(tokenizer, "vocab", {}), getattr(tokenizer, "bad_token_ids", ())
+        self._spoken_banned = spoken_banned_ids(vocab, thinker_cfg.tokens.unk, bad)
+        self.media_cache = media_cache
+        # Every Processor-wide input of the decoders: the limits (frame count, durations and
+        # sizes: they pick frames or refuse), the slicing geometry, the video audio layout.
+        # Options applied after decoding (chunked_audio, use_image_id) are not in the key.
+        self._cache_options = (limits, thinker_cfg.slicing, merge_video_audio)
 
     def build(
         self,
@@ -166,7 +182,9 @@ class Processor:
     ) -> ThinkerRequest:
         """Messages -> ThinkerRequest.
 
-        speech_output:   end the prompt with <|tts_bos|> and ask for spoken-span hidden states
+        speech_output:   ask for spoken-span hidden states and ban what the reference bans while
+                         speaking (template.spoken_banned_ids); every prompt ends with
+                         <|tts_bos|>, as the reference's streamed decode starts (template.py)
         max_slice_nums / use_image_id: request-wide image options (vLLM's mm_processor_kwargs;
             Daily-Omni's interleaved frames use 1 / False); a part's own max_slice_nums wins
         """
@@ -174,7 +192,7 @@ class Processor:
         self._check_vision_count(sum(_count_raw_images(m) for m in messages))
         opts = _ImageOptions(max_slice_nums, use_image_id)
         raw = [self._normalize(i, m) for i, m in enumerate(messages)]
-        self._check_prompt_bound(raw, opts, enable_thinking, speech_output)
+        self._check_prompt_bound(raw, opts, enable_thinking)
         decoded = [self._decode_message(m, opts) for m in raw]
         self._check_vision_count(sum(_count_vision(m) for m in decoded))
         prompt = build_prompt(
@@ -183,7 +201,7 @@ class Processor:
             self._encode,
             query_num=self.cfg.query_num,
             enable_thinking=enable_thinking,
-            use_tts_template=speech_output,
+            use_tts_template=True,
             stream_input=self.chunked_audio,
         )
         # The exact check: the bound above counted audio and video at their minimum.
@@ -200,9 +218,15 @@ class Processor:
             audios=prompt.audios,
             audio_bounds=prompt.audio_bounds,
             audio_segments=prompt.audio_segments,
-            sampling=sampling if sampling is not None else SamplingParams(),
+            sampling=self._sampling(sampling, speech_output),
             return_hidden=speech_output,
         )
+
+    def _sampling(self, sampling: SamplingParams | None, speech_output: bool) -> SamplingParams:
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not speech_output:
+            return sampling
+        return replace(sampling, banned_ids=sampling.banned_ids + self._spoken_banned)
 
     def _check_vision_count(self, n: int) -> None:
         if n > self.limits.max_images:
@@ -211,7 +235,7 @@ class Processor:
             )
 
     def _check_prompt_bound(
-        self, raw: list[Message], opts: _ImageOptions, enable_thinking: bool, speech_output: bool
+        self, raw: list[Message], opts: _ImageOptions, enable_thinking: bool
     ) -> None:
         """Refuse before any tokenizing of megabytes or media decoding when even a lower
         bound of the prompt's length is over max_prompt_tokens. The bound is exact for
@@ -233,7 +257,7 @@ class Processor:
             limit=limit,
             query_num=self.cfg.query_num,
             enable_thinking=enable_thinking,
-            use_tts_template=speech_output,
+            use_tts_template=True,
             stream_input=self.chunked_audio,
         )
         if n > limit:
@@ -335,12 +359,31 @@ class Processor:
     def _decode(self, p: Part | MediaBytes, opts: _ImageOptions) -> Part:
         if not isinstance(p, MediaBytes):
             return p
-        lim = self.limits
         if p.kind == "image":
             return self._image(p, opts)
         if p.kind == "audio":
-            clip = process_audio(decode_audio(p.data, max_seconds=lim.max_audio_seconds))
+            clip = self._cached(p, lambda: self._audio(p))
             return AudioPart(clip, clip_num_tokens(clip), chunked=self.chunked_audio)
+        digest = hashlib.sha256(p.data).hexdigest()  # also the frames' encoder-cache base
+        return self._cached(p, lambda: self._video(p, digest), digest=digest)
+
+    def _cached(
+        self, p: MediaBytes, build: Callable[[], T], *options: Hashable, digest: str = ""
+    ) -> T:
+        """build(), or a copy of what it returned for the same bytes and options before.
+        The key: kind, the bytes' sha256, the Processor-wide decoder inputs and the part's
+        own (`options`: an image's max_slice_nums). A refusal raises and is not stored."""
+        if self.media_cache is None or not self.media_cache.enabled:
+            return build()
+        digest = digest or hashlib.sha256(p.data).hexdigest()
+        key = (p.kind, digest, self._cache_options, options)
+        return self.media_cache.get_or_build(key, build)
+
+    def _audio(self, p: MediaBytes) -> AudioInput:
+        return process_audio(decode_audio(p.data, max_seconds=self.limits.max_audio_seconds))
+
+    def _video(self, p: MediaBytes, digest: str) -> OmniPart:
+        lim = self.limits
         video = decode_video(
             p.data,
             max_frames=lim.max_video_frames,
@@ -348,8 +391,7 @@ class Processor:
             max_pixels=lim.max_image_pixels,
             max_aspect_ratio=lim.max_image_aspect_ratio,
         )
-        base = hashlib.sha256(p.data).hexdigest()
-        return pack_omni(video, self.cfg.slicing, base, merge_audio=self.merge_video_audio)
+        return pack_omni(video, self.cfg.slicing, digest, merge_audio=self.merge_video_audio)
 
     def _max_slices(self, p: MediaBytes, opts: _ImageOptions) -> int:
         slicing = self.cfg.slicing
@@ -369,13 +411,16 @@ class Processor:
 
     def _image(self, p: MediaBytes, opts: _ImageOptions) -> ImagePart:
         max_slices = self._max_slices(p, opts)
+        processed = self._cached(p, lambda: self._slice_image(p, max_slices), max_slices)
+        return ImagePart(processed, use_image_id=self._use_image_id(opts))
+
+    def _slice_image(self, p: MediaBytes, max_slices: int) -> ProcessedImage:
         lim = self.limits
         img = decode_image(
             p.data, max_pixels=lim.max_image_pixels, max_aspect_ratio=lim.max_image_aspect_ratio
         )
         content_hash = image_content_hash(p.data, self.cfg.slicing, max_slices)
-        processed = process_image(img, self.cfg.slicing, content_hash, max_slice_nums=max_slices)
-        return ImagePart(processed, use_image_id=self._use_image_id(opts))
+        return process_image(img, self.cfg.slicing, content_hash, max_slice_nums=max_slices)
 
 
 def _check_text(text: str, where: str) -> None:

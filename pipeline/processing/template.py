@@ -4,7 +4,13 @@ Layout (MiniCPM-o 4.5 `tokenizer_config.json` chat template, spec 1.7):
     <|im_start|>{role}\n{content}<|im_end|>\n            per message
     <|im_start|>assistant\n                               generation prompt
       + <think>\n\n</think>\n\n                           when thinking is disabled (default)
-      + <|tts_bos|>                                       when speech output is requested
+      + <|tts_bos|>                                       with use_tts_template
+The Processor always asks for <|tts_bos|>, text-only replies included: the reference's
+streamed chat decodes after `<|im_end|>\n<|im_start|>assistant\n` + the think block +
+`<|tts_bos|>` whether or not it speaks (`MiniCPMO.streaming_generate`'s `bos_input`,
+`use_tts_template=True`, which the demo's chat server passes for text and speech alike).
+The offline `chat()` rule (<|tts_bos|> only when some message holds audio) applies to its
+HF `generate` path, not to the streamed one.
 Content parts of a message are joined as the reference `MiniCPMO.chat()` joins them: with
 "" in every message when the call is `omni_mode` (here: any message holds a video) or
 `stream_input` (here: chunked audio placeholders), otherwise with "\n".
@@ -28,7 +34,7 @@ so a request over the token limit is refused before its text is tokenized or med
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pipeline.config import SpecialTokens
@@ -38,6 +44,27 @@ from pipeline.processing.errors import InvalidMessageError
 from pipeline.processing.image import ProcessedImage
 
 ROLES = ("system", "user", "assistant")
+
+# Tokens the reference's streaming decode never samples while it speaks
+# (`ChunkPrefillChunkGenerate.forbidden_tokens`, MiniCPM-o 4.5 `utils.py`): marks a voice
+# cannot say. Looked up as `tokenizer.convert_tokens_to_ids` does, as raw vocabulary
+# strings: the full-width ones are not byte-level BPE strings, so they resolve to <unk>.
+SPOKEN_FORBIDDEN_TOKENS = (
+    ":", "：", "；", "#", "“", "”", "‘", "’", "@", "*", "【", "】", "「", "」",
+    "(", ")", "（", "）", "[", "]", "&", "/", "$",
+)  # fmt: skip
+
+
+def spoken_banned_ids(
+    vocab: Mapping[str, int], unk_id: int, bad_token_ids: Iterable[int] = ()
+) -> tuple[int, ...]:
+    """The ids the reference bans at every step of a spoken reply, sorted: each of
+    SPOKEN_FORBIDDEN_TOKENS' vocabulary id (<unk> when it has none), plus the tokenizer's
+    `bad_token_ids` (tokenizer_config.json). The demo's chat server bans them only when it
+    generates audio (`suppress_forbidden_tokens=generate_audio`), the Processor likewise."""
+    ids = {vocab.get(t, unk_id) for t in SPOKEN_FORBIDDEN_TOKENS}
+    ids.update(int(i) for i in bad_token_ids)
+    return tuple(sorted(ids))
 
 
 # ---------------------------------------------------------------------------------------
