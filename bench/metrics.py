@@ -7,6 +7,9 @@ The definitions follow `vllm bench serve --omni` so our numbers compare with the
 - Audio RTF: (last audio event - request send) / audio seconds. Queueing, TTFT and TTFP are
   all inside the numerator, so RTF at c=4 also measures how long a request waited.
 - E2E latency: request send -> end of the stream.
+- Max ITL: per request, the largest gap between two consecutive text events (after the
+  first): how long its decode was held up at worst, e.g. by another request's encoders
+  and prefill. Summarized over requests like the latencies.
 - Request throughput: completed requests / round wall time.
 - Audio throughput: sum of audio seconds / round wall time.
 
@@ -18,6 +21,7 @@ percentiles; throughputs are computed per round and their median is reported.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import struct
 from dataclasses import dataclass, field
@@ -165,6 +169,14 @@ class RequestRecord:
         return (e2e - ttft) / (n - 1)
 
     @property
+    def max_itl(self) -> float | None:
+        """Largest gap between two consecutive text events; None with fewer than two."""
+        ev = self.text_events
+        if len(ev) < 2:
+            return None
+        return max(b - a for a, b in itertools.pairwise(ev))
+
+    @property
     def correct(self) -> bool | None:
         if self.answer is None:
             return None
@@ -199,6 +211,7 @@ class RequestRecord:
             "audio_latency": self.audio_latency,
             "rtf": self.rtf,
             "tpot": self.tpot,
+            "max_itl": self.max_itl,
             "text_events": [t - t0 for t in self.text_events],
             "audio_events": [[e.t - t0, e.seconds] for e in self.audio_events],
             "text": self.text,
@@ -323,6 +336,7 @@ LATENCY_METRICS: dict[str, tuple[str, float]] = {
     "e2el_ms": ("e2e", 1e3),
     "audio_rtf": ("rtf", 1.0),
     "tpot_ms": ("tpot", 1e3),
+    "max_itl_ms": ("max_itl", 1e3),
     "audio_duration_s": ("audio_seconds", 1.0),
 }
 

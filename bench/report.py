@@ -159,7 +159,14 @@ _COLUMNS: list[tuple[str, str, int]] = [
     ("TTFP ms", "audio_ttfp_ms", 1),
     ("RTF", "audio_rtf", 3),
     ("E2E ms", "e2el_ms", 1),
+    ("max ITL ms", "max_itl_ms", 1),  # per request's largest text gap; not a headline figure
 ]
+
+
+def _figures(summary: dict[str, Any]) -> dict[str, float]:
+    """The table's figures: the headline plus the median of the per-request max ITL."""
+    itl = summary.get("max_itl_ms", {}).get("median", float("nan"))
+    return {**headline(summary), "max_itl_ms": itl}
 
 
 def _render(rows: list[list[str]], header: list[str]) -> str:
@@ -181,11 +188,11 @@ def format_table(run: dict[str, Any], baseline: dict[str, Any] | None = None) ->
     rows: list[list[str]] = []
     for key in sorted(run["summaries"], key=int):
         s = run["summaries"][key]
-        h = headline(s)
+        h = _figures(s)
         row = [key]
         for _, k, dg in _COLUMNS:
             cell = _fmt(h[k], dg)
-            if k in ("ttft_ms", "audio_ttfp_ms", "e2el_ms", "audio_rtf"):
+            if k in ("ttft_ms", "audio_ttfp_ms", "e2el_ms", "audio_rtf", "max_itl_ms"):
                 p90 = s.get(k, {}).get("p90")
                 if p90 is not None and math.isfinite(p90):
                     cell += f" ({_fmt(p90, dg)})"
@@ -196,7 +203,7 @@ def format_table(run: dict[str, Any], baseline: dict[str, Any] | None = None) ->
         rows.append(row)
         b, bc = baseline_summary(baseline, int(key))
         if b is not None:
-            bh = headline(b)
+            bh = _figures(b)
             rrow = [f"/b{bc}"]
             for _, k, _ in _COLUMNS:
                 rrow.append(_fmt_ratio(ratio(h[k], bh[k])))

@@ -144,6 +144,24 @@ def test_summarize_exact_values():
     assert list(s["stages_ms"]) == ["queue", "code2wav"]
 
 
+def test_max_inter_token_gap_per_request_and_in_the_table():
+    from bench.report import format_table
+
+    a = _rec(0, 0.0, 0.1, 0.2, [(0.4, 1.0)], 0.5)
+    a.text_events = [0.1, 0.15, 0.4, 0.45]  # gaps .05, .25, .05: held up once
+    b = _rec(1, 1.0, 0.1, 0.2, [(0.4, 1.0)], 0.5)
+    b.text_events = [1.1, 1.2, 1.3]
+    one = _rec(2, 2.0, 0.1, 0.2, [(0.4, 1.0)], 0.5)  # a single text event: no gap
+    assert a.max_itl == pytest.approx(0.25) and b.max_itl == pytest.approx(0.1)
+    assert one.max_itl is None and a.timeline(0.0)["max_itl"] == pytest.approx(0.25)
+    s = summarize([RoundResult(3, 0, 0.0, 3.0, [a, b, one])], percentiles=(50, 90))
+    assert s["max_itl_ms"]["max"] == pytest.approx(250.0)
+    assert s["max_itl_ms"]["median"] == pytest.approx(175.0)  # two requests with gaps
+    table = format_table({"label": "t", "summaries": {"3": s}})
+    header, _, row = table.splitlines()[1:4]
+    assert "max ITL ms" in header and "175.0 (" in row
+
+
 # ----------------------------------------------------------------------------- fake server
 
 
@@ -167,6 +185,7 @@ def test_metrics_match_scripted_server():
         # RTF is (last audio event - send) / audio seconds, queueing included
         assert r.rtf == pytest.approx((r.audio_events[-1].t - r.t_send) / 2.28, rel=1e-12)
         assert r.text == "B." and len(r.text_events) == 2
+        assert r.max_itl == pytest.approx(r.text_events[1] - r.text_events[0])
         assert r.usage["completion_tokens"] == 8
         assert r.timings is not None and r.stage_durations()["code2wav"] > 0
     s = summarize(res[1]["rounds"])

@@ -17,10 +17,20 @@ prefill: tests/test_prefix_cache.py bounds it). A caller may leave out the embed
 of spans it expects inside a cached prefix (`cached_prefix_len` says how far that is);
 should the prefix be evicted before the request runs, or the request be preempted, the
 engine asks `media_loader` for those rows before a step computes them.
+
+Per-step bound: a step computes every running decode plus at most
+`max_prefill_tokens_per_step` prompt tokens (chunks), within `max_num_batched_tokens`, so a
+new prompt delays the running decodes by one bounded step, not by its whole prefill (a step
+with no running decode is bound by `max_num_batched_tokens` only: nobody waits on it). A caller
+whose media are still being encoded adds the request with `num_ready` (positions whose rows
+exist) and hands the later rows over with `supply_media` as they come; steps compute up to
+`num_ready` only, so prefill chunks start before the last media row exists.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +41,14 @@ from pipeline.engine.graphs import DecodeGraphs, default_graph_sizes
 from pipeline.engine.kv_cache import BlockManager, KVCache, num_blocks_for_budget
 from pipeline.engine.runner import ModelRunner
 from pipeline.engine.sampling import make_generator
-from pipeline.engine.scheduler import MediaSpan, ScheduledSeq, Scheduler, Sequence, extend_hashes
+from pipeline.engine.scheduler import (
+    MediaSpan,
+    ScheduledSeq,
+    Scheduler,
+    Sequence,
+    StepPlan,
+    extend_hashes,
+)
 from pipeline.handoff import SamplingParams
 
 # (request id, spans without rows) -> one (end - start, H) tensor per span, in order
@@ -42,6 +59,10 @@ MediaLoader = Callable[[str, list[MediaSpan]], list[torch.Tensor]]
 class EngineConfig:
     max_num_seqs: int = 8  # running sequences per step
     max_num_batched_tokens: int = 8192  # tokens computed per step (prefill chunking limit)
+    # Prompt tokens (chunks of more than one token) per step, on top of the decodes: bounds
+    # how long a new prompt holds up the running decodes (~25 ms of prefill on an H200 for
+    # the Thinker). None = max_num_batched_tokens.
+    max_prefill_tokens_per_step: int | None = 1024
     block_size: int = 16  # tokens per KV block (FlashInfer page size)
     kv_cache_bytes: int | None = 4 * 1024**3  # KV budget; ignored when num_blocks is set
     num_blocks: int | None = None  # explicit block count (tests)
@@ -58,6 +79,8 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
+            raise ValueError("max_prefill_tokens_per_step must be >= 1 (or None)")
         if self.num_blocks is None and self.kv_cache_bytes is None:
             raise ValueError("set kv_cache_bytes or num_blocks")
 
@@ -81,6 +104,12 @@ class EngineStats:
     prefix_cache_hits: int  # prompt tokens taken from the prefix cache at admission
     prefix_cache_queries: int  # prompt tokens looked up at admission (the hit rate's base)
     num_cached_blocks: int  # blocks holding a cached prefix (in use or evictable)
+    # Per-step work, the largest seen: prompt tokens of one step that fed running decodes,
+    # and the most consecutive steps a decoding sequence (one with an output token to
+    # feed) was left out of.
+    max_step_prefill_tokens: int = 0
+    max_decode_wait_steps: int = 0
+    max_step_ms: float = 0.0  # the longest step() (wall time, device work included)
 
 
 class LLMEngine:
@@ -110,7 +139,10 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_prefill_tokens_per_step,
         )
 
         # ===== Attention backend =====
@@ -144,6 +176,10 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
         self._num_preemptions = 0
+        self._decode_waits: dict[str, int] = {}  # steps since a decoding sequence's last token
+        self._max_step_prefill = 0
+        self._max_decode_wait = 0
+        self._max_step_ms = 0.0
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -159,12 +195,15 @@ class LLMEngine:
         mm_embeds: torch.Tensor | None = None,
         return_hidden: bool = False,
         mm_spans: list[MediaSpan] | None = None,
+        num_ready: int | None = None,
     ) -> None:
         """mm_positions / mm_embeds: rows replacing the token embeddings at those prompt
         positions. mm_spans: the content keys of those rows, which makes blocks holding
         them cacheable (without keys, caching stops at the first multimodal row). Every
         row lies in a span, and a span has all its rows or none: a span without rows is
-        loaded through `media_loader` if a step has to compute it."""
+        loaded through `media_loader` if a step has to compute it, unless it starts at or
+        after `num_ready` (None: all). Positions from `num_ready` on wait for
+        `supply_media`."""
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_ids:
@@ -183,7 +222,10 @@ class LLMEngine:
                 raise ValueError("mm_positions must index the prompt")
         spans = list(mm_spans or [])
         missing = self._check_spans(spans, mm_positions, len(prompt_ids))
-        if missing and self.media_loader is None:
+        if num_ready is not None and num_ready < 0:
+            raise ValueError(f"num_ready must be >= 0, got {num_ready}")
+        ready = sys.maxsize if num_ready is None else num_ready
+        if any(sp.start < ready for sp in missing) and self.media_loader is None:
             raise ValueError(f"{len(missing)} media spans have no rows and there is no loader")
         # A request that cannot fit even alone would preempt itself forever: refuse it now.
         need = self.block_manager.blocks_for(len(prompt_ids) + sampling.max_tokens)
@@ -202,6 +244,7 @@ class LLMEngine:
             generator=make_generator(sampling.seed, self.device),
             mm_spans=spans,
             mm_missing=missing,
+            num_ready=ready,
         )
         if mm_positions is not None and mm_positions.numel() and not spans:
             seq.cacheable_until = int(mm_positions.min())
@@ -251,6 +294,32 @@ class LLMEngine:
         extend_hashes(hashes, prompt_ids, mm_spans or [], bs, (len(prompt_ids) - 1) // bs)
         return len(self.block_manager.match_prefix(hashes)) * bs
 
+    def supply_media(
+        self,
+        request_id: str,
+        spans: list[MediaSpan],
+        rows: list[torch.Tensor],
+        num_ready: int | None = None,
+    ) -> None:
+        """Rows of spans the request was added without (one (end - start, H) tensor per span),
+        and how far its prompt is now ready (None: all of it)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"no request {request_id!r}")
+        if any(sp not in seq.mm_missing for sp in spans):
+            raise ValueError(f"request {request_id!r}: media spans supplied twice or not its own")
+        if len(rows) != len(spans) or any(
+            r.shape[0] != sp.end - sp.start for r, sp in zip(rows, spans)
+        ):
+            raise ValueError(f"request {request_id!r}: rows do not match the spans")
+        ready = sys.maxsize if num_ready is None else max(num_ready, seq.num_ready)
+        left = [sp for sp in seq.mm_missing if sp not in spans]
+        if any(sp.start < ready for sp in left) and self.media_loader is None:
+            raise ValueError(f"request {request_id!r}: spans before num_ready have no rows")
+        if spans:
+            self._merge_rows(seq, spans, rows)
+        seq.num_ready = ready
+
     def abort(self, request_id: str) -> bool:
         """Free the request's blocks now; the next step() reports it finished ("abort")."""
         seq = self.scheduler.abort(request_id)
@@ -263,11 +332,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
+    def has_decodes(self) -> bool:
+        """A running request waits for its next token: the next step is on its clock."""
+        return self.scheduler.has_decodes()
+
     # -- stepping ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
         self._num_preemptions += len(plan.preempted)
+        self._track_waits(plan)
         if plan.is_empty:
             return outputs
         for s in plan.seqs:
@@ -290,14 +365,31 @@ class LLMEngine:
         # Hidden rows of sequences that computed without sampling (recompute chunks).
         for rid, h in result.hidden.items():
             outputs.append(StepOutput(rid, [], h, False, None))
+        self._max_step_ms = max(self._max_step_ms, 1e3 * (time.perf_counter() - t0))
         return outputs
+
+    def _track_waits(self, plan: StepPlan) -> None:
+        """Per-step work stats: prompt tokens of a step with decodes, and for every running
+        sequence that has an output token to feed, how many steps in a row it was left out."""
+        if any(s.is_decode for s in plan.seqs):
+            prefill = sum(s.num_new for s in plan.seqs if s.num_new > 1)
+            self._max_step_prefill = max(self._max_step_prefill, prefill)
+        fed = {id(s.seq) for s in plan.seqs}
+        waits: dict[str, int] = {}
+        for seq in self.scheduler.running:
+            if seq.output_ids and seq.num_uncomputed == 1:  # a decode, scheduled or not
+                w = 0 if id(seq) in fed else self._decode_waits.get(seq.request_id, 0) + 1
+                waits[seq.request_id] = w
+                self._max_decode_wait = max(self._max_decode_wait, w)
+        self._decode_waits = waits
 
     def _load_media(self, s: ScheduledSeq) -> None:
         """Rows of the spans this step computes that the request left out (its cached
         prefix was evicted, or it was preempted): loaded with every later missing span."""
         seq = s.seq
         hi = s.start + s.num_new
-        need = [sp for sp in seq.mm_missing if sp.end > s.start]
+        # Spans from num_ready on are not the loader's: their rows come by supply_media.
+        need = [sp for sp in seq.mm_missing if sp.end > s.start and sp.start < seq.num_ready]
         if not any(sp.start < hi for sp in need):
             return
         rows = self.media_loader(seq.request_id, need)
@@ -305,14 +397,22 @@ class LLMEngine:
             r.shape[0] != sp.end - sp.start for r, sp in zip(rows, need)
         ):
             raise RuntimeError(f"media loader gave the wrong rows for {seq.request_id!r}")
-        pos = torch.cat([torch.arange(sp.start, sp.end) for sp in need])
-        emb = torch.cat([r.cpu() for r in rows])
+        self._merge_rows(seq, need, rows)
+
+    @staticmethod
+    def _merge_rows(seq: Sequence, spans: list[MediaSpan], rows: list[torch.Tensor]) -> None:
+        """Put the rows of `spans` (missing until now) into the sequence's multimodal rows,
+        on the device they already are (encoder outputs stay where the encoder left them)."""
+        pos = torch.cat([torch.arange(sp.start, sp.end) for sp in spans])
+        dev = rows[0].device if seq.mm_embeds is None else seq.mm_embeds.device
+        emb = torch.cat([r.to(dev) for r in rows])
         if seq.mm_positions is not None:
             pos = torch.cat([seq.mm_positions, pos])
             emb = torch.cat([seq.mm_embeds, emb.to(seq.mm_embeds.dtype)])
         order = torch.argsort(pos)
-        seq.mm_positions, seq.mm_embeds = pos[order], emb[order]
-        seq.mm_missing = [sp for sp in seq.mm_missing if sp.end <= s.start]
+        seq.mm_positions, seq.mm_embeds = pos[order], emb[order.to(emb.device)]
+        done = set(spans)
+        seq.mm_missing = [sp for sp in seq.mm_missing if sp not in done]
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -324,6 +424,9 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.num_prefix_hits,
             prefix_cache_queries=self.scheduler.num_prefix_queries,
             num_cached_blocks=self.block_manager.num_cached,
+            max_step_prefill_tokens=self._max_step_prefill,
+            max_decode_wait_steps=self._max_decode_wait,
+            max_step_ms=self._max_step_ms,
         )
 
     def generate(

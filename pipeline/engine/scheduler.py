@@ -6,8 +6,12 @@ are already in the cache (`num_computed`). A step schedules, per sequence, the n
 preemption, or a single decode token. There is no separate prefill/decode phase, so one
 step mixes them. A sequence samples a token when the step reaches its last token.
 
-Policy of `schedule()`, under `max_num_seqs` and `max_num_batched_tokens`:
-  1. Running sequences first, oldest first. One that needs more blocks than are free
+Policy of `schedule()`, under `max_num_seqs`, `max_num_batched_tokens` and
+`max_prefill_tokens` (tokens of every share but single-token ones: decodes and last chunks;
+it binds steps with a running decode only, the ones somebody waits on):
+  1. Running sequences first, oldest first. Every running decode gets its token: budget for
+     the decodes behind a prefill chunk is held back before the chunk is sized, so a long
+     prompt never pushes a running decode out of a step. One that needs more blocks than are free
      preempts the newest running sequence (its blocks are freed, it goes back to the head
      of the waiting queue and is recomputed later), repeatedly; if it is itself the newest,
      it is preempted and the pass stops.
@@ -17,6 +21,9 @@ Policy of `schedule()`, under `max_num_seqs` and `max_num_batched_tokens`:
      first takes the longest run of cached full blocks matching the sequence's hash chain
      (at most num_tokens - 1 tokens, so at least one token is computed and yields logits)
      and starts computing after it: `num_computed` = the cached length.
+No share computes at or past `Sequence.num_ready`: the positions whose input embeddings do
+not exist yet (media still being encoded). A sequence with nothing ready waits; at the head
+of the waiting queue it holds the queue.
 `postprocess(plan, sampled)` advances the counts, publishes every block that became full
 and computed to the prefix cache, appends sampled tokens, finishes sequences on a stop id
 or max_tokens, and frees their blocks.
@@ -101,6 +108,9 @@ class Sequence:
     mm_missing: list[MediaSpan] = field(default_factory=list)
     # Blocks ending after this position hold rows with no content key: never cached.
     cacheable_until: int = sys.maxsize
+    # Positions [0, num_ready) have their input rows; a step computes nothing past it (the
+    # caller raises it as its encoders finish the media of later positions).
+    num_ready: int = sys.maxsize
     return_hidden: bool = False
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
@@ -201,11 +211,16 @@ class SeqUpdate:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_tokens: int | None = None,
     ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens = max_prefill_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_prefix_queries = 0  # tokens of admitted sequences (readmissions count again)
@@ -215,6 +230,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+
+    def has_decodes(self) -> bool:
+        """Some running sequence has an output token to feed: it waits for the next step."""
+        return any(s.output_ids and _ready(s) - s.num_computed == 1 for s in self.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -244,15 +263,32 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    @staticmethod
+    def _share(seq: Sequence, start: int, budget: int, prefill: int) -> int:
+        """Tokens `seq` computes this step from `start`: all it has left, cut to what is
+        ready, the token budget and (for more than one token) the prefill budget."""
+        n = _ready(seq) - start
+        return min(n, budget) if n <= 1 else min(n, budget, prefill)
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
+        # The prefill bound is there for running decodes: a step with none (nobody waits on
+        # it) takes as many prompt tokens as the token budget allows.
+        prefill = self.max_prefill_tokens if self.has_decodes() else budget
 
         # 1) Running sequences, oldest first; make blocks by preempting the newest.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            # Hold back one token for every single-token share behind this one.
+            later = sum(1 for s in self.running[i + 1 :] if _ready(s) - s.num_computed == 1)
+            n = self._share(seq, seq.num_computed, budget, prefill)
+            if n > 1:
+                n = min(n, max(budget - later, 1))
+            if n <= 0:
+                i += 1  # nothing ready to compute (media still encoding)
+                continue
             need = self.blocks.extra_blocks(seq.block_table, seq.num_computed + n)
             while not self.blocks.can_allocate(need) and self.running[-1] is not seq:
                 victim = self.running[-1]
@@ -267,6 +303,8 @@ class Scheduler:
                 ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
             )
             budget -= n
+            if n > 1:
+                prefill -= n
             i += 1
 
         # 2) Waiting sequences, FIFO (a preempted one was put back at the head).
@@ -276,7 +314,9 @@ class Scheduler:
             seq = self.waiting[0]  # num_computed == 0, empty block table
             hit = self._match_prefix(seq)
             cached = len(hit) * self.blocks.block_size
-            n = min(seq.num_tokens - cached, budget)
+            n = self._share(seq, cached, budget, prefill)
+            if n <= 0:
+                break  # its first rows are still being encoded: the queue waits with it
             # Fresh blocks for the computed part, plus the cached hits that leave the free
             # pool (ref count 0 until now).
             need = self.blocks.blocks_for(cached + n) - len(hit) + self.blocks.hit_cost(hit)
@@ -296,6 +336,8 @@ class Scheduler:
                 ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
             )
             budget -= n
+            if n > 1:
+                prefill -= n
         return plan
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
@@ -346,3 +388,8 @@ class Scheduler:
         seq.finish_reason = reason
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
+
+
+def _ready(seq: Sequence) -> int:
+    """Tokens of `seq` that a step may compute up to."""
+    return min(seq.num_tokens, seq.num_ready)

@@ -2,16 +2,22 @@
 states out.
 
 Each `step()`:
-  1) admits new requests: their images and audio are encoded together, batched across
-     all requests admitted in this step, with a content-hash LRU in front of the encoders;
-     the `<unk>` slots of each prompt get those rows (`mm_positions`, `mm_embeds`), and
-     every slot run is keyed by its media's content hash (`MediaSpan`) so the LLM's
-     prefix cache can tell the same placeholders with other media apart. Media whose
-     slots all lie inside the prompt's cached prefix are not encoded at all (a follow-up
-     question about the same video computes only the new turn); should that prefix be
-     evicted before the request runs, the LLM engine calls back for the rows;
-  2) runs one continuous-batching step of the LLM engine (prefill chunks + decodes);
-  3) turns new ids into text deltas (no half UTF-8 characters) and pairs each spoken-span
+  1) admits new requests to the LLM engine at once, with every `<unk>` slot run keyed by
+     its media's content hash (`MediaSpan`) so the LLM's prefix cache can tell the same
+     placeholders with other media apart. Media whose slots all lie inside the prompt's
+     cached prefix are not encoded at all (a follow-up question about the same video
+     computes only the new turn); should that prefix be evicted before the request runs,
+     the LLM engine calls back for the rows;
+  2) encodes at most `max_encoder_items_per_step` of the admitted requests' media (while a
+     decode is running; all of them otherwise) (FIFO over
+     requests, each request's media in prompt order, a content-hash LRU in front of the
+     encoders, the chosen images batched in one vision pass and the clips in one audio
+     pass) and hands their rows to the LLM engine, which computes each prompt only up to
+     its first slot still waiting for rows: a request's prefill chunks start while its
+     later frames are being encoded;
+  3) runs one continuous-batching step of the LLM engine (every running decode + at most
+     `max_prefill_tokens_per_step` prompt tokens);
+  4) turns new ids into text deltas (no half UTF-8 characters) and pairs each spoken-span
      token with the hidden state computed when it was the input token (what the Talker
      conditions on: spec section 2.2).
 
@@ -20,6 +26,7 @@ Synchronous and single-threaded: the deployment drives it in a loop.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,7 +51,16 @@ class ThinkerEngineConfig:
     compile_llm_ops: bool = True  # torch.compile the LLM's norm/RoPE/SwiGLU helpers (CUDA only)
     encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
     vision_batch_size: int = 16  # slices per vision forward
-    max_admit_per_step: int = 8  # requests whose media are encoded in one step
+    max_admit_per_step: int = 8  # requests admitted (handed to the encoders and LLM) per step
+    # Encoder work per step, in items: one item = one vision slice (448x448, ~2.4 ms on an
+    # H200) or `audio_seconds_per_item` seconds of one audio clip (~0.5 ms/s). An image or a
+    # clip is never split across steps (a clip's rows come from one encoder pass over all
+    # of it), so a step takes whole media while they fit, and always at least one. 10 items
+    # ~ 25 ms: the most a running decode waits for a new request's encoders. Binds only
+    # steps with a running decode (with none, all admitted media go in one batch, as with
+    # 0 = no limit: every admitted request's media in the step that admits it).
+    max_encoder_items_per_step: int = 10
+    audio_seconds_per_item: float = 5.0
     dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
 
     def __post_init__(self) -> None:
@@ -56,6 +72,8 @@ class ThinkerEngineConfig:
             raise ValueError(
                 "encoder_cache_size >= 0, vision_batch_size >= 1, max_admit_per_step >= 1"
             )
+        if self.max_encoder_items_per_step < 0 or self.audio_seconds_per_item <= 0:
+            raise ValueError("max_encoder_items_per_step >= 0, audio_seconds_per_item > 0")
 
 
 class EncoderCache:
@@ -89,6 +107,9 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, key: str) -> bool:  # a peek: no hit/miss counted, no reordering
+        return key in self._items
+
 
 @dataclass(frozen=True, eq=False)
 class _Slot:
@@ -109,16 +130,18 @@ class _Stream:
     request: ThinkerRequest
     detok: IncrementalDetokenizer
     slots: list[_Slot] = field(default_factory=list)  # media slot runs, in prompt order
+    todo: list[ImageInput | AudioInput] = field(default_factory=list)  # to encode, in order
     output_ids: list[int] = field(default_factory=list)
     span_start: int | None = None  # index into output_ids where the spoken span begins
     span_end: int | None = None  # index of the token that ended it
     num_hidden: int = 0  # output tokens whose hidden rows have been seen
     marks: dict[str, float] = field(default_factory=dict)  # wall-clock stage marks
+    last_token_t: float | None = None  # perf_counter time of the last delta with tokens
 
 
 @dataclass(frozen=True)
 class ThinkerStats:
-    num_waiting_encode: int
+    num_waiting_encode: int  # requests not admitted yet (those encoding count in the LLM's)
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -131,6 +154,12 @@ class ThinkerStats:
     prefix_cache_queries: int  # prompt tokens looked up
     num_cached_blocks: int
     media_skipped: int  # images / clips not encoded: all their slots inside a cached prefix
+    # Per-step work, the largest seen (what bounds how long a running decode waits):
+    max_step_encoder_items: int  # encoder items of one step with a running decode
+    max_step_prefill_tokens: int  # prompt tokens of one LLM step with running decodes
+    max_decode_wait_steps: int  # most steps in a row a running decode got no token (0: none)
+    max_step_ms: float  # the longest step(): encoders + LLM step
+    max_decode_gap_ms: float  # the longest time between two token deltas of one request
 
 
 class ThinkerEngine:
@@ -154,6 +183,9 @@ class ThinkerEngine:
         self._streams: dict[str, _Stream] = {}
         self._aborted: list[ThinkerDelta] = []
         self.media_skipped = 0
+        self._max_step_items = 0
+        self._max_step_ms = 0.0
+        self._max_gap_ms = 0.0
 
     @classmethod
     def from_source(
@@ -216,11 +248,13 @@ class ThinkerEngine:
 
     # -- stepping ----------------------------------------------------------------------
     def step(self) -> list[ThinkerDelta]:
+        t0 = time.perf_counter()
         deltas, self._aborted = self._aborted, []
         if self._pending:
             admit = self._pending[: self.config.max_admit_per_step]
             self._pending = self._pending[len(admit) :]
             self._admit(admit)
+        self._encode_step()
         for out in self.llm.step():
             st = self._streams.get(out.request_id)
             if st is None:  # aborted by us: the LLM engine's own abort notice
@@ -229,63 +263,114 @@ class ThinkerEngine:
                         ThinkerDelta(out.request_id, [], finished=True, finish_reason="abort")
                     )
                 continue
+            if out.token_ids:
+                now = time.perf_counter()
+                if st.last_token_t is not None:
+                    self._max_gap_ms = max(self._max_gap_ms, 1e3 * (now - st.last_token_t))
+                st.last_token_t = now
             deltas.append(
                 self._delta(st, out.token_ids, out.hidden, out.finished, out.finish_reason)
             )
             if out.finished:
                 del self._streams[out.request_id]
+        self._max_step_ms = max(self._max_step_ms, 1e3 * (time.perf_counter() - t0))
         return deltas
 
     def _admit(self, reqs: list[ThinkerRequest]) -> None:
-        # 1) media to encode: those with a slot past the prompt's cached prefix
+        """Hand each request to the LLM engine with no media rows yet; `_encode_step` supplies
+        them. Media with a slot past the prompt's cached prefix are queued for encoding."""
         admitted = time.time()
-        slots = [self._media_slots(r) for r in reqs]
-        needed: list[set[str]] = []
-        images: dict[str, ImageInput] = {}
-        audios: dict[str, AudioInput] = {}
-        for r, sl in zip(reqs, slots):
+        for r in reqs:
+            sl = self._media_slots(r)
             hit = self.llm.cached_prefix_len(r.input_ids, [x.span for x in sl]) if sl else 0
-            keys = set()
-            for x in sl:
+            todo: dict[str, ImageInput | AudioInput] = {}
+            for x in sl:  # in prompt order: media by their first slot
                 if x.span.end > hit:
-                    keys.add(x.media.content_hash)
-                    todo = images if isinstance(x.media, ImageInput) else audios
-                    todo[x.media.content_hash] = x.media
-            self.media_skipped += len({x.media.content_hash for x in sl} - keys)
-            needed.append(keys)
-        have, vision_end, audio_end = self._encode(images, audios, admitted)
-
-        # 2) splice rows into each prompt and hand it to the LLM engine
-        for r, sl, keys in zip(reqs, slots, needed):
-            loaded = [x for x in sl if x.media.content_hash in keys]
-            mm_pos = mm_emb = None
-            if loaded:
-                mm_pos = torch.cat([torch.arange(x.span.start, x.span.end) for x in loaded])
-                mm_emb = torch.cat([x.rows(have[x.media.content_hash]) for x in loaded])
-                mm_emb = mm_emb.to(self.dtype)
-            if mm_emb is not None and mm_emb.shape[0] != mm_pos.numel():
-                raise ValueError(
-                    f"request {r.request_id}: {mm_pos.numel()} media slots, "
-                    f"{mm_emb.shape[0]} embeddings"
-                )
-            self.llm.add_request(
-                r.request_id,
-                r.input_ids,
-                r.sampling,
-                mm_pos,
-                mm_emb,
-                r.return_hidden,
-                mm_spans=[x.span for x in sl],
-            )
+                    todo.setdefault(x.media.content_hash, x.media)
+            self.media_skipped += len({x.media.content_hash for x in sl} - set(todo))
             st = _Stream(
                 r,
                 IncrementalDetokenizer(self.tokenizer),
                 slots=sl,
-                marks={"admitted": admitted, "vision_end": vision_end, "audio_end": audio_end},
+                todo=list(todo.values()),
+                marks={"admitted": admitted},
             )
+            self._mark_done(st, admitted, admitted)
             if r.input_ids[-1] == self.tokens.tts_bos:
                 st.span_start = 0
+            self.llm.add_request(
+                r.request_id,
+                r.input_ids,
+                r.sampling,
+                return_hidden=r.return_hidden,
+                mm_spans=[x.span for x in sl],
+                num_ready=self._num_ready(st),
+            )
             self._streams[r.request_id] = st
+
+    def _item_cost(self, media: ImageInput | AudioInput) -> int:
+        if isinstance(media, ImageInput):
+            return media.num_slices
+        seconds = media.num_frames / 100  # mel frames are 10 ms
+        return max(1, math.ceil(seconds / self.config.audio_seconds_per_item))
+
+    def _encode_step(self) -> None:
+        """Encode the next media of the admitted requests, at most the step's budget of
+        items (FIFO: requests in admission order, media in prompt order, no overtaking;
+        media already encoded or in the encoder cache cost nothing), and hand every
+        request the rows of its media that now exist."""
+        # The budget is there for running decodes: with none, nobody waits on this step.
+        decoding = self.llm.has_decodes()
+        budget = self.config.max_encoder_items_per_step if decoding else 0
+        images: dict[str, ImageInput] = {}
+        audios: dict[str, AudioInput] = {}
+        used = 0
+        full = False
+        for st in self._streams.values():
+            for m in st.todo:
+                key = m.content_hash
+                free = key in images or key in audios or key in self.cache
+                cost = 0 if free else self._item_cost(m)
+                if budget and used and used + cost > budget:
+                    full = True
+                    break
+                used += cost
+                if isinstance(m, ImageInput):
+                    images[key] = m
+                else:
+                    audios[key] = m
+            if full:
+                break
+        if not images and not audios:
+            return
+        if decoding:
+            self._max_step_items = max(self._max_step_items, used)
+        have, vision_end, audio_end = self._encode(images, audios, time.time())
+        for rid, st in self._streams.items():
+            done = [m for m in st.todo if m.content_hash in have]
+            if not done:
+                continue
+            keys = {m.content_hash for m in done}
+            st.todo = [m for m in st.todo if m.content_hash not in keys]
+            sl = [x for x in st.slots if x.media.content_hash in keys]
+            rows = [x.rows(have[x.media.content_hash]).to(self.dtype) for x in sl]
+            self.llm.supply_media(rid, [x.span for x in sl], rows, self._num_ready(st))
+            self._mark_done(st, vision_end, audio_end)
+
+    @staticmethod
+    def _num_ready(st: _Stream) -> int | None:
+        """Prompt positions before the first slot whose media is still to encode."""
+        keys = {m.content_hash for m in st.todo}
+        return min((x.span.start for x in st.slots if x.media.content_hash in keys), default=None)
+
+    @staticmethod
+    def _mark_done(st: _Stream, vision_end: float, audio_end: float) -> None:
+        """Stage marks once a request's last image / last media left the encoders (kept in
+        order: the audio mark never precedes the vision mark)."""
+        if "vision_end" not in st.marks and not any(isinstance(m, ImageInput) for m in st.todo):
+            st.marks["vision_end"] = vision_end
+        if "audio_end" not in st.marks and not st.todo:
+            st.marks["audio_end"] = max(audio_end, st.marks["vision_end"])
 
     def _media_slots(self, r: ThinkerRequest) -> list[_Slot]:
         """Every `<unk>` run of the prompt with the media rows that fill it, in prompt order.
@@ -426,6 +511,11 @@ class ThinkerEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             num_cached_blocks=s.num_cached_blocks,
             media_skipped=self.media_skipped,
+            max_step_encoder_items=self._max_step_items,
+            max_step_prefill_tokens=s.max_step_prefill_tokens,
+            max_decode_wait_steps=s.max_decode_wait_steps,
+            max_step_ms=self._max_step_ms,
+            max_decode_gap_ms=self._max_gap_ms,
         )
 
 
