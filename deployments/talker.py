@@ -10,6 +10,7 @@ ingress turns into the turn's error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -49,6 +50,9 @@ def make_talker_engine(source: Any, config: Any, device: str) -> Any:
 
     cfg = source.config.talker
     dtype = resolve_dtype("auto", device)  # bf16 on CUDA, fp32 on CPU
+    if torch.device(device).type != "cuda" and getattr(config, "talker_compile", False):
+        # Inductor on CPU needs a C++ compiler and minutes of start-up; the knob is for GPUs
+        config = dataclasses.replace(config, talker_compile=False)
     model = TalkerModel(cfg)
     load_into(model, load_part(source.tensors, "tts.", talker_schema(cfg), "cpu", torch.float32),
               "talker")

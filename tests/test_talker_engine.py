@@ -535,3 +535,13 @@ def test_fused_engine_codes_against_plain_over_300_codes(compiled, temperature):
         assert diff <= bound * scale, f"compiled logits off by {diff:.3e} at |logits| {scale:.2f}"
         if not torch.equal(plain_codes[active], comp_codes[active]):
             break  # the streams part here: later logits belong to other code histories
+
+
+def test_cpu_replica_drops_talker_compile(tiny_source):
+    """The deployment builds a CPU replica without Inductor (a C++ toolchain and minutes of
+    start-up); the fused path itself stays as configured."""
+    from deployments.talker import make_talker_engine
+
+    eng = make_talker_engine(
+        tiny_source, TalkerEngineConfig(talker_fused=True, talker_compile=True), "cpu")
+    assert eng.config.talker_fused and not eng.config.talker_compile
