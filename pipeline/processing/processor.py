@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -161,6 +162,7 @@ class Processor:
         self._encode = functools.partial(tokenizer.encode, special_tokens=special_tokens_in_text)
         self._count = functools.partial(tokenizer.count, special_tokens=special_tokens_in_text)
         self._pool: ThreadPoolExecutor | None = None  # made on first use
+        self._pool_lock = threading.Lock()  # builds run on several ingress threads at once
         vocab, bad = getattr(tokenizer, "vocab", {}), getattr(tokenizer, "bad_token_ids", ())
         self._spoken_banned = spoken_banned_ids(vocab, thinker_cfg.tokens.unk, bad)
         self.media_cache = media_cache
@@ -351,8 +353,9 @@ class Processor:
         content = m.content
         if self.decode_workers <= 1 or sum(isinstance(p, MediaBytes) for p in content) < 2:
             return Message(m.role, [self._decode(p, opts) for p in content])
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.decode_workers, thread_name_prefix="decode")
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.decode_workers, thread_name_prefix="decode")
         futures = [self._pool.submit(self._decode, p, opts) for p in content]
         return Message(m.role, [f.result() for f in futures])  # the first bad part raises
 
