@@ -19,6 +19,7 @@ import random
 
 import pytest
 import torch
+from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm, tiny_llm_config  # tests/ is on sys.path
 
 import pipeline.engine.graphs as graphs_module
 from pipeline.config import LLMConfig
@@ -274,30 +275,12 @@ def test_pending_newest_id_is_left_for_the_device():
 # ---------------------------------------------------------------------------------------
 # The engine: device sampling == host sampling
 
-CFG = LLMConfig(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    rope_theta=10000.0,
-)
-
-
-def _randomize(m: Qwen3LM, std: float) -> Qwen3LM:
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, std) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    return m.eval()
+CFG = tiny_llm_config()
 
 
 @pytest.fixture(scope="module")
 def model() -> Qwen3LM:
-    torch.manual_seed(0)
-    return _randomize(Qwen3LM(CFG), 0.2)
+    return random_lm(CFG)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -581,29 +564,11 @@ def test_graph_step_host_side_on_cpu(model, monkeypatch):
 # CUDA: the decode graph with in-graph sampling
 
 
-def _has_flashinfer() -> bool:
-    from pipeline.engine.attention import flashinfer_available
-
-    return torch.cuda.is_available() and flashinfer_available()
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_flashinfer(), reason="needs CUDA and flashinfer")
+@pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
 @torch.no_grad()
 def test_graph_sampling_matches_eager_on_cuda():
-    cfg = LLMConfig(
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-    )
-    torch.manual_seed(0)
-    m = _randomize(Qwen3LM(cfg), 0.2).to("cuda", torch.bfloat16)
+    m = random_lm(CUDA_LLM).to("cuda", torch.bfloat16)
     reqs = {k: v for k, v in REQUESTS.items() if k != "hot"}
     arrival = {k: ARRIVAL[k] for k in reqs}
     outs = {}

@@ -7,35 +7,20 @@ import random
 
 import pytest
 import torch
+from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm, tiny_llm_config  # tests/ is on sys.path
 
-from pipeline.config import LLMConfig
 from pipeline.engine.attention import AttnMetadata, TorchAttention
 from pipeline.engine.engine import EngineConfig, LLMEngine
 from pipeline.handoff import SamplingParams
 from pipeline.thinker.llm import Qwen3LM
 
-CFG = LLMConfig(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    rope_theta=10000.0,
-)
+CFG = tiny_llm_config()
 GREEDY = SamplingParams(max_tokens=12, stop_ids=())
 
 
 @pytest.fixture(scope="module")
 def model() -> Qwen3LM:
-    torch.manual_seed(0)
-    m = Qwen3LM(CFG).eval()
-    with torch.no_grad():
-        for p in m.parameters():  # larger weights: logits far apart, greedy is stable
-            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    return m
+    return random_lm(CFG)
 
 
 def _engine(model, **kw) -> LLMEngine:
@@ -273,31 +258,10 @@ def test_engine_seeded_sampling_and_stop(model):
 # CUDA: FlashInfer and CUDA graphs vs the torch backend (bench/gpu_llm.py does full size)
 
 
-def _has_flashinfer() -> bool:
-    from pipeline.engine.attention import flashinfer_available
-
-    return torch.cuda.is_available() and flashinfer_available()
-
-
-@pytest.mark.skipif(not _has_flashinfer(), reason="needs CUDA and flashinfer")
+@pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
 @torch.no_grad()
 def test_flashinfer_and_graphs_match_torch_backend_on_cuda():
-    cfg = LLMConfig(
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-    )
-    torch.manual_seed(0)
-    m = Qwen3LM(cfg)
-    for p in m.parameters():
-        p.data.normal_(0, 0.2) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
-    m = m.to("cuda", torch.bfloat16).eval()
+    m = random_lm(CUDA_LLM).to("cuda", torch.bfloat16)
     prompts = {f"r{i}": _prompt(n, 50 + i) for i, n in enumerate((5, 40, 17))}
     sp = SamplingParams(max_tokens=10, stop_ids=())
     outs = {}

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
+from _tiny_lm import random_lm, tiny_llm_config  # tests/ is on sys.path
 
-from pipeline.config import LLMConfig
 from pipeline.engine.engine import EngineConfig, LLMEngine
 from pipeline.engine.graphs import Staging
 from pipeline.engine.sampling import (
@@ -344,27 +344,12 @@ def test_penalty_applies_once_per_distinct_id():
 # ---------------------------------------------------------------------------------------
 # The engine penalizes generated ids only (never the prompt), through the window
 
-TINY = LLMConfig(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    rope_theta=10000.0,
-)
+TINY = tiny_llm_config(vocab_size=64, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
 def tiny_lm() -> Qwen3LM:
-    torch.manual_seed(0)
-    m = Qwen3LM(TINY).eval()
-    with torch.no_grad():
-        for p in m.parameters():  # larger weights: logits far apart, greedy is stable
-            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    return m
+    return random_lm(TINY, std=0.3)
 
 
 def _dense_next_logits(model: Qwen3LM, prompt: list[int]):

@@ -16,10 +16,10 @@ import random
 
 import pytest
 import torch
+from _tiny_lm import has_flashinfer, random_lm, tiny_llm_config  # tests/ is on sys.path
 from test_thinker import _png, _wav  # tests/ is on sys.path
 from test_thinker import _run as run_thinker
 
-from pipeline.config import LLMConfig
 from pipeline.engine.engine import EngineConfig, LLMEngine
 from pipeline.engine.kv_cache import BlockManager, hash_block
 from pipeline.engine.scheduler import MediaSpan, Scheduler, Sequence
@@ -27,17 +27,7 @@ from pipeline.handoff import SamplingParams
 from pipeline.processing.processor import Processor
 from pipeline.thinker.llm import Qwen3LM
 
-CFG = LLMConfig(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    rope_theta=10000.0,
-)
+CFG = tiny_llm_config()
 GREEDY = SamplingParams(max_tokens=10, stop_ids=())
 FP32_ATOL = 1e-5  # the chunked-prefill bound of tests/test_engine.py
 BF16_ATOL = 1 / 32  # one bf16 ulp at |logit| in [4, 8)
@@ -45,12 +35,7 @@ BF16_ATOL = 1 / 32  # one bf16 ulp at |logit| in [4, 8)
 
 @pytest.fixture(scope="module")
 def model() -> Qwen3LM:
-    torch.manual_seed(0)
-    m = Qwen3LM(CFG).eval()
-    with torch.no_grad():
-        for p in m.parameters():  # larger weights: logits far apart, greedy is stable
-            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    return m
+    return random_lm(CFG)
 
 
 def _engine(model, dtype=torch.float32, device="cpu", loader=None, **kw) -> LLMEngine:
@@ -575,31 +560,11 @@ def test_media_left_out_then_evicted_is_encoded_on_demand(thinker_factory, monke
 # CUDA: FlashInfer paged prefill over a cached prefix (kv_len > q_len)
 
 
-def _has_flashinfer() -> bool:
-    from pipeline.engine.attention import flashinfer_available
-
-    return torch.cuda.is_available() and flashinfer_available()
-
-
-@pytest.mark.skipif(not _has_flashinfer(), reason="needs CUDA and flashinfer")
+@pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
 @torch.no_grad()
 def test_flashinfer_cached_prefill_matches_uncached_on_cuda():
-    cfg = LLMConfig(
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-    )
-    torch.manual_seed(0)
-    m = Qwen3LM(cfg)
-    for p in m.parameters():
-        p.data.normal_(0, 0.2) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
-    m = m.to("cuda", torch.bfloat16).eval()
+    m = random_lm(tiny_llm_config(hidden_size=256, intermediate_size=512, head_dim=128,
+                                  max_position_embeddings=2048)).to("cuda", torch.bfloat16)
     logits = _Logits()
     kw = {"block_size": 16, "attention_backend": "flashinfer", "max_num_seqs": 4}
     for graphs in (False, True):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_lm import random_lm, tiny_llm_config  # tests/ is on sys.path
 from test_thinker import _png, _wav  # tests/ is on sys.path
 
-from pipeline.config import LLMConfig
 from pipeline.engine.engine import EngineConfig, LLMEngine
 from pipeline.engine.kv_cache import BlockManager
 from pipeline.engine.scheduler import Scheduler, Sequence
@@ -97,27 +97,12 @@ def test_nothing_is_computed_past_num_ready():
 # ---------------------------------------------------------------------------------------
 # LLM engine (tiny Qwen3, fp32, torch backend)
 
-CFG = LLMConfig(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    rope_theta=10000.0,
-)
+CFG = tiny_llm_config()
 
 
 @pytest.fixture(scope="module")
 def model() -> Qwen3LM:
-    torch.manual_seed(0)
-    m = Qwen3LM(CFG).eval()
-    with torch.no_grad():
-        for p in m.parameters():  # larger weights: logits far apart, greedy is stable
-            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    return m
+    return random_lm(CFG)
 
 
 def _engine(model, **kw) -> LLMEngine:
