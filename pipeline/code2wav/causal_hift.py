@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from pipeline.code2wav.hift import Snake
+from pipeline.code2wav.hift import ResBlock
 from pipeline.config import HiFTConfig
 
 
@@ -110,23 +110,17 @@ class CausalDownsample(_Conv):
         return self.conv(F.pad(x, (self.rate - 1, 0)))
 
 
-class CausalResBlock(nn.Module):
+class CausalResBlock(ResBlock):
+    """hift.py's ResBlock with left-causal convs; `history` = the frames of left context its
+    convs read."""
+
     def __init__(self, channels: int, kernel: int, dilations: Sequence[int]):
-        super().__init__()
-        self.convs1 = nn.ModuleList(
-            [weight_norm(CausalConv1d(channels, channels, kernel, d)) for d in dilations]
-        )
-        self.convs2 = nn.ModuleList(
-            [weight_norm(CausalConv1d(channels, channels, kernel)) for _ in dilations]
-        )
-        self.activations1 = nn.ModuleList([Snake(channels) for _ in dilations])
-        self.activations2 = nn.ModuleList([Snake(channels) for _ in dilations])
+        super().__init__(channels, kernel, dilations)
         self.history = sum(c.pad for c in (*self.convs1, *self.convs2))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = c2(a2(c1(a1(x)))) + x
-        return x
+    @staticmethod
+    def conv(channels: int, kernel: int, dilation: int = 1) -> CausalConv1d:
+        return CausalConv1d(channels, channels, kernel, dilation)
 
 
 class CausalF0Predictor(nn.Module):

@@ -50,21 +50,18 @@ class ResBlock(nn.Module):
     def __init__(self, channels: int, kernel: int, dilations: Sequence[int]):
         super().__init__()
         self.convs1 = nn.ModuleList(
-            [
-                weight_norm(
-                    nn.Conv1d(channels, channels, kernel, dilation=d, padding=_pad(kernel, d))
-                )
-                for d in dilations
-            ]
+            [weight_norm(self.conv(channels, kernel, d)) for d in dilations]
         )
-        self.convs2 = nn.ModuleList(
-            [
-                weight_norm(nn.Conv1d(channels, channels, kernel, padding=_pad(kernel)))
-                for _ in dilations
-            ]
-        )
+        self.convs2 = nn.ModuleList([weight_norm(self.conv(channels, kernel)) for _ in dilations])
         self.activations1 = nn.ModuleList([Snake(channels) for _ in dilations])
         self.activations2 = nn.ModuleList([Snake(channels) for _ in dilations])
+
+    @staticmethod
+    def conv(channels: int, kernel: int, dilation: int = 1) -> nn.Conv1d:
+        """A same-length conv (the causal vocoder's block overrides it with a causal one)."""
+        return nn.Conv1d(
+            channels, channels, kernel, dilation=dilation, padding=_pad(kernel, dilation)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
