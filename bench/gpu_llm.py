@@ -153,6 +153,9 @@ def make_engine(model, device, kv_gib, **kw) -> LLMEngine:
         "kv_cache_bytes": int(kv_gib * 1024**3),
         "attention_backend": "flashinfer",
         "cuda_graphs": True,
+        # the timings repeat one prompt: cold prefills, not prefix-cache hits
+        # (bench/gpu_followup.py measures the cache)
+        "enable_prefix_caching": False,
     }
     return LLMEngine(model, EngineConfig(**{**base, **kw}), device, torch.bfloat16)
 

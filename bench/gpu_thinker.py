@@ -80,7 +80,9 @@ def main() -> int:
         _sync = lambda: None  # noqa: E731
     t0 = time.perf_counter()
     source = ModelSource.open(args.model)
-    cfg = ThinkerEngineConfig(llm=EngineConfig(max_num_seqs=8, kv_cache_bytes=8 * 2**30),
+    # repeated prompts must measure cold prefills (bench/gpu_followup.py measures the cache)
+    cfg = ThinkerEngineConfig(llm=EngineConfig(max_num_seqs=8, kv_cache_bytes=8 * 2**30,
+                                               enable_prefix_caching=False),
                               vision_attn_backend="sdpa", compile_mm_encoder=True,
                               encoder_cache_size=0)
     eng = ThinkerEngine.from_source(source, cfg, args.device)
