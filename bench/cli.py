@@ -95,7 +95,8 @@ def add_data_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--pack", choices=["video", "interleave"], default="video",
                    help="video: video_url + audio part (server packs 1 fps pairs); "
                         "interleave: client sends 1 fps JPEG + 1 s wav pairs")
-    g.add_argument("--input-mode", choices=["all", "visual", "audio"], default="all")
+    g.add_argument("--input-mode", choices=["all", "visual", "audio", "text"], default="all",
+                   help="text: the question alone, no media (speech still asked for)")
     g.add_argument("--audio-style", choices=["input_audio", "audio_url"], default="input_audio")
     g.add_argument("--max-pairs", type=int, default=64)
     g.add_argument("--media", choices=["data", "file"], default="data",

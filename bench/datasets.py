@@ -213,7 +213,8 @@ def item_messages(
 ) -> list[dict[str, Any]]:
     """Chat messages for one item (see the module docstring for `pack`).
 
-    input_mode: "all" (video + audio), "visual" (video only) or "audio" (audio only).
+    input_mode: "all" (video + audio), "visual" (video only), "audio" (audio only) or "text"
+    (the question alone: a text prompt that still asks for speech).
     transport (pack "video" only): "data" inlines the files as base64 data: URIs; "file" sends
     file:// URLs of the absolute paths (video_url + audio_url), as vLLM's bench does by
     default; the server must share the file system and allow the folder.
@@ -221,7 +222,7 @@ def item_messages(
     if transport not in ("data", "file"):
         raise ValueError(f"unknown transport {transport!r}")
     use_v, use_a = input_mode in ("all", "visual"), input_mode in ("all", "audio")
-    if not (use_v or use_a):
+    if not (use_v or use_a or input_mode == "text"):
         raise ValueError(f"unknown input_mode {input_mode!r}")
     parts: list[dict[str, Any]] = []
     if pack == "video" and transport == "file":

@@ -12,7 +12,9 @@ each started in-process on one Ray instance (no `serve run` per variant, no Ray 
 Phases (each one app at a time; the app is deleted before the next starts, so they never share
 the GPU):
   main         `--config` (serve_config.yaml) with `model` set: c in --concurrency, the run's
-               JSON, report and plots under <out>/main (ratios against <out>/baseline if there)
+               JSON, report and plots under <out>/main (ratios against <out>/baseline if there);
+               then, on the same app, the questions alone (no media, speech still asked for)
+               at --text-concurrency, under <out>/text
   baseline     `--baseline-config` (bench/baseline_config.yaml) at --baseline-concurrency
   attribution  A = `--config`, then one B per --knob (bench.attribution's override syntax),
                each at --attr-concurrency; table under <out>/attribution
@@ -175,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-concurrency", default="1")
     ap.add_argument("--baseline-num-prompts", type=int, default=None)
     ap.add_argument("--baseline-rounds", type=int, default=None)
+    ap.add_argument("--text-concurrency", default="",
+                    help="main phase: also run the questions alone (no media) at these c")
     ap.add_argument("--knob", action="append", default=[])
     ap.add_argument("--attr-concurrency", default="4")
     ap.add_argument("--attr-num-prompts", type=int, default=None)
@@ -218,11 +222,24 @@ def main(argv: list[str] | None = None) -> int:
                               on_rounds=per_c)
                 (out / "main").mkdir(parents=True, exist_ok=True)
                 (out / "main" / "code2wav.json").write_text(json.dumps(per_c.rows, indent=1))
+                text_run = None
+                if args.text_concurrency:
+                    text_specs = load_specs(argparse.Namespace(**{**vars(args),
+                                                                  "input_mode": "text"}))
+                    text_run = execute(text_specs, client_options(args, url),
+                                       bench_config(args, _ints(args.text_concurrency)),
+                                       label="omniray text-only",
+                                       config={"serve_config": args.config, **vars(args),
+                                               "input_mode": "text"})
             base_path = out / "baseline" / "run.json"
             baseline = load_run(base_path) if base_path.exists() else None
             print(write_outputs(run, out / "main", baseline, plots=not args.no_plots,
                                 targets=True), flush=True)
             failed += _failed(run)
+            if text_run is not None:
+                print(write_outputs(text_run, out / "text", None, plots=not args.no_plots),
+                      flush=True)
+                failed += _failed(text_run)
         if "attribution" in phases and args.knob:
             cfg = bench_config(args, _ints(args.attr_concurrency))
             cfg = replace(cfg, num_prompts=args.attr_num_prompts or cfg.num_prompts,

@@ -14,6 +14,9 @@ Timing (CUDA events, after warmup): prefill of 2500 tokens, decode ms/step at ba
 with graphs on; then wall-clock ms per decode step (host work included) at batch 1, 2, 4, 8
 with the host sampler vs sampling inside the graph, greedy and sampled.
 
+--profile: only a torch.profiler table of one graphed decode step (in-graph sampler) at
+batch 1 and 8: kernel count, kernel time and the top kernels.
+
 Weights: built directly on the GPU (no disk), seeded. Residual-branch outputs are scaled
 down and lm_head is tied to a permutation of the embedding plus noise, so greedy choices
 have clear margins: eager and graph runs then must agree token for token, and any
@@ -291,6 +294,32 @@ def sampler_comparison(model, device, kv_gib: float, steps: int) -> dict[str, fl
     }
 
 
+@torch.no_grad()
+def profile_decode(model, device, kv_gib: float) -> None:
+    from bench.gpu_talker import kernel_table
+
+    print("profile: one graphed decode step (in-graph sampler; kernel time in ms)")
+    eng = make_engine(model, device, kv_gib, max_num_seqs=8, device_sampling=True)
+    gen = torch.Generator().manual_seed(4)
+    for bs in (1, 8):
+        for i in range(bs):
+            prompt = torch.randint(0, model.cfg.vocab_size, (300,), generator=gen).tolist()
+            eng.add_request(f"p{bs}-{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True,
+                                                                **SAMPLED, seed=i))
+        for _ in range(8):  # prefill, then decode steps (FlashInfer JIT, graph warm-up)
+            eng.step()
+        t0 = time.perf_counter()
+        for _ in range(8):
+            eng.step()
+        wall = (time.perf_counter() - t0) / 8 * 1e3
+        n, ms, top = kernel_table(eng.step)
+        print(f"  B{bs}: {n} kernels, {ms:.3f} ms of kernels, {wall:.2f} ms wall a step")
+        for name, us, count in top:
+            print(f"    {us / 1e3:7.3f} ms {count:5d}x  {name}")
+        while eng.has_unfinished():
+            eng.step()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv-gib", type=float, default=4.0)
@@ -301,6 +330,7 @@ def main() -> int:
         "--no-fuse", action="store_true", help="keep separate q/k/v and gate/up matmuls"
     )
     ap.add_argument("--no-compile", action="store_true", help="eager elementwise helpers")
+    ap.add_argument("--profile", action="store_true", help="only the decode-step profile")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -317,6 +347,9 @@ def main() -> int:
     print(
         f"serving transforms: fuse_projections={not args.no_fuse} compile_ops={not args.no_compile}"
     )
+    if args.profile:
+        profile_decode(model, device, args.kv_gib)
+        return 0
     backend_parity(model, device, args.kv_gib)
 
     print("3) CUDA-graph decode vs eager (flashinfer)")

@@ -97,6 +97,9 @@ def test_video_pack_sends_whole_files_as_data_uris(sample):
     assert alt[0]["content"][0]["audio_url"]["url"].startswith("data:audio/wav;base64,")
     vis = item_messages(a, pack="video", input_mode="visual")
     assert [p["type"] for p in vis[0]["content"]] == ["video_url", "text"]
+    for pack in ("video", "interleave"):
+        txt = item_messages(a, pack=pack, input_mode="text")[0]["content"]
+        assert [p["type"] for p in txt] == ["text"] and a.question in txt[0]["text"]
     files = item_messages(a, pack="video", transport="file")[0]["content"]
     assert [p["type"] for p in files] == ["video_url", "audio_url", "text"]
     assert files[0]["video_url"]["url"] == a.video_path.resolve().as_uri()
