@@ -61,8 +61,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # tokens computed per step (prefill chunking limit)
     # Prompt tokens (chunks of more than one token) per step, on top of the decodes: bounds
     # how long a new prompt holds up the running decodes (~25 ms of prefill on an H200 for
-    # the Thinker). None = max_num_batched_tokens.
-    max_prefill_tokens_per_step: int | None = 1024
+    # the Thinker). None = max_num_batched_tokens (the default: mixed prefill + decode steps
+    # run without the decode graph, so more of them cost more than the bound saves).
+    max_prefill_tokens_per_step: int | None = None
     block_size: int = 16  # tokens per KV block (FlashInfer page size)
     kv_cache_bytes: int | None = 4 * 1024**3  # KV budget; ignored when num_blocks is set
     num_blocks: int | None = None  # explicit block count (tests)
