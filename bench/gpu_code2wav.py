@@ -32,6 +32,7 @@ from pipeline.code2wav.assets import random_code2wav, random_vocoder
 from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from pipeline.code2wav.voice import VoicePrompt
 from pipeline.config import Code2WavConfig
+from pipeline.handoff import CodeChunk
 
 FAST = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True,
                             token2wav_hift_cuda_graph=True)
@@ -64,11 +65,11 @@ def play(engine, schedule, voices) -> dict[str, list[np.ndarray]]:
     for rnd in schedule:
         for sid, piece, final, first in rnd:
             if first:
-                engine.open_stream(sid, voices[int(sid[1:]) % len(voices)])
+                engine.open(sid, voices[int(sid[1:]) % len(voices)])
                 out[sid] = []
-            engine.push_codes(sid, piece, final)
-        for sid, pcm, _ in engine.step():
-            out[sid].append(pcm)
+            engine.feed(sid, CodeChunk(sid, tuple(piece), final))
+        for chunk in engine.step():
+            out[chunk.request_id].append(chunk.pcm)
     for sid, pcm in engine.drain().items():
         out[sid].extend(pcm)
     return out
@@ -109,14 +110,15 @@ def steady_step_ms(engine, v, b: int, iters: int, seed: int) -> tuple[float, flo
     """(step wall ms, flow device ms) with b streams each a full chunk ready, past trimming."""
     ids = [f"t{seed}_{i}" for i in range(b)]
     for sid in ids:
-        engine.open_stream(sid, v)
-        engine.push_codes(sid, [4218] * 3)
+        engine.open(sid, v)
+        engine.feed(sid, CodeChunk(sid, (4218,) * 3, False))
     k = 0
 
     def feed():
         nonlocal k
         for sid in ids:
-            engine.push_codes(sid, codes(seed * 1000 + k, engine.cfg.chunk_size))
+            chunk = codes(seed * 1000 + k, engine.cfg.chunk_size)
+            engine.feed(sid, CodeChunk(sid, tuple(chunk), False))
             k += 1
 
     for _ in range(5):  # growth, trimming, captures
@@ -148,7 +150,7 @@ def steady_step_ms(engine, v, b: int, iters: int, seed: int) -> tuple[float, flo
         engine._flow_slots = original
         flows = [s.elapsed_time(e) for s, e in events]
     for sid in ids:
-        engine.close_stream(sid)
+        engine.abort(sid)
     return float(np.median(walls)), float(np.median(flows)) if flows else float("nan")
 
 
@@ -157,12 +159,12 @@ def first_chunk_ms(engine, v, iters: int) -> float:
     for i in range(iters):
         sid = f"first{i}"
         t0 = time.perf_counter()
-        engine.open_stream(sid, v)
-        engine.push_codes(sid, codes(i, 28))
+        engine.open(sid, v)
+        engine.feed(sid, CodeChunk(sid, tuple(codes(i, 28)), False))
         engine.step()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000)
-        engine.close_stream(sid)
+        engine.abort(sid)
     return float(np.median(times))
 
 
@@ -172,11 +174,11 @@ def profile(engine, v, b: int) -> dict:
 
     ids = [f"p{b}_{i}" for i in range(b)]
     for sid in ids:
-        engine.open_stream(sid, v)
-        engine.push_codes(sid, [4218] * 3)
+        engine.open(sid, v)
+        engine.feed(sid, CodeChunk(sid, (4218,) * 3, False))
     for k in range(6):
         for sid in ids:
-            engine.push_codes(sid, codes(k, 25))
+            engine.feed(sid, CodeChunk(sid, tuple(codes(k, 25)), False))
         if k < 5:
             engine.step()
     torch.cuda.synchronize()
@@ -184,7 +186,7 @@ def profile(engine, v, b: int) -> dict:
         engine.step()
         torch.cuda.synchronize()
     for sid in ids:
-        engine.close_stream(sid)
+        engine.abort(sid)
     kernels: Counter = Counter()
     calls: Counter = Counter()
     for e in p.events():

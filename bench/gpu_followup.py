@@ -45,8 +45,8 @@ def main() -> None:
                            sampling=SamplingParams(max_tokens=1, ignore_eos=True))
             sync()
             t = time.perf_counter()
-            eng.add_request(r)
-            while eng.has_unfinished():
+            eng.open(r.request_id, r)
+            while eng.has_work():
                 eng.step()
             sync()
             return 1000 * (time.perf_counter() - t), r.num_prompt_tokens
@@ -60,8 +60,8 @@ def main() -> None:
             s = eng.stats()
             print(f"prefix caching {'on' if caching else 'off'}, iter {i}: first turn {cold:.1f} ms "
                   f"({n0} tokens), follow-up {warm:.1f} ms ({n1} tokens); cache hits "
-                  f"{s.prefix_cache_hits}/{s.prefix_cache_queries} tokens, media skipped "
-                  f"{s.media_skipped}", flush=True)
+                  f"{s['prefix_cache_hits']}/{s['prefix_cache_queries']} tokens, media skipped "
+                  f"{s['media_skipped']}", flush=True)
         del eng
         if cuda:
             torch.cuda.empty_cache()

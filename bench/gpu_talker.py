@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from bench.cuda_timing import cuda_ms
 from pipeline.config import TalkerConfig
 from pipeline.graphs import GraphRunner
+from pipeline.handoff import SpokenChunk, TalkerSpec
 from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.graphs import bucket_up
@@ -179,10 +180,10 @@ def run_batch(engine: TalkerEngine, batch: int, args, replay: bool = False) -> d
     ids = [f"b{batch}s{i}" for i in range(batch)]
     length = 1 + args.warmup + args.steps
     for i, sid in enumerate(ids):
-        engine.open(sid, seed=1000 + i, max_codes=length + 64)
+        engine.open(sid, TalkerSpec(seed=1000 + i, max_codes=length + 64))
         prompt_ids = torch.randint(0, 151000, (args.prompt,), generator=g)
         hidden = torch.randn(args.prompt, cfg.llm_dim, generator=g)
-        engine.feed_text(sid, prompt_ids, hidden, text_finished=True)
+        engine.feed(sid, SpokenChunk(prompt_ids, hidden, True))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     engine.step()  # prefill + first code of every stream
@@ -216,7 +217,7 @@ def run_batch(engine: TalkerEngine, batch: int, args, replay: bool = False) -> d
         out["gpu_step_ms"] = cuda_ms(graph.replay, args.replays, warmup=0)
         out["gpu_code_ms"] = out["gpu_step_ms"] / batch
     for sid in ids:
-        engine.close(sid)
+        engine.abort(sid)
     return out
 
 
@@ -336,10 +337,10 @@ def profile_batch(engine: TalkerEngine, batch: int, args, variant: str) -> None:
     ids = [f"p{i}" for i in range(batch)]
     g = torch.Generator().manual_seed(2)
     for i, sid in enumerate(ids):
-        engine.open(sid, seed=i, max_codes=10_000)
+        engine.open(sid, TalkerSpec(seed=i, max_codes=10_000))
         ids_in = torch.randint(0, 151000, (args.prompt,), generator=g)
         hidden = torch.randn(args.prompt, engine.cfg.llm_dim, generator=g)
-        engine.feed_text(sid, ids_in, hidden, text_finished=True)
+        engine.feed(sid, SpokenChunk(ids_in, hidden, True))
     for _ in range(5):
         engine.step()
     rows = bucket_up(batch, engine.config.graph_batch_sizes)
@@ -354,7 +355,7 @@ def profile_batch(engine: TalkerEngine, batch: int, args, variant: str) -> None:
         for name, us, count in top:
             print(f"      {us / 1e3:7.3f} ms {count:5d}x  {name}")
     for sid in ids:  # the eager step decoded behind the engine's back: done with these
-        engine.close(sid)
+        engine.abort(sid)
 
 
 # ---------------------------------------------------------------------------------------

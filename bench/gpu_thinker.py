@@ -104,8 +104,8 @@ def main() -> int:
     def run(reqs) -> dict[str, list[int]]:
         out = {r.request_id: [] for r in reqs}
         for r in reqs:
-            eng.add_request(r)
-        while eng.has_unfinished():
+            eng.open(r.request_id, r)
+        while eng.has_work():
             for d in eng.step():
                 out[d.request_id] += d.token_ids
         return out
@@ -120,7 +120,7 @@ def main() -> int:
     res["vision_ms_per_frame"] = res["vision_ms"] / len(req.images)
     res["audio_ms"] = _sync_ms(lambda: model.encode_audios(req.audios), args.iters)
 
-    # server-side TTFT: add_request -> first sampled token (encoders + prefill)
+    # server-side TTFT: open -> first sampled token (encoders + prefill)
     ttfts = []
     for i in range(args.iters):
         r = build(f"t{i}", 1)
@@ -135,12 +135,12 @@ def main() -> int:
     for bs in (1, 4):
         reqs = [build(f"d{bs}_{j}", args.decode + 1) for j in range(bs)]
         for r in reqs:
-            eng.add_request(r)
-        while eng.stats().num_waiting_encode or eng.stats().num_waiting or \
+            eng.open(r.request_id, r)
+        while eng.stats()["num_waiting_encode"] or eng.stats()["num_waiting"] or \
                 any(s.output_ids == [] for s in eng._streams.values()):
             eng.step()
         steps = []
-        while eng.has_unfinished():
+        while eng.has_work():
             _sync()
             t = time.perf_counter()
             eng.step()

@@ -2,16 +2,17 @@
 
 Per turn: the ingress holds `stream(rid, voice)` open, which clones the voice's initial
 state and then yields AudioPiece (float32 24 kHz PCM, in order) until `is_last`; the Talker
-calls `push(rid, codes, final)` as chunks arrive. Ready chunks of several streams are
-decoded in one engine step (batched across streams). Stored voices (`register_voice`) keep
-their prompt and pin their template; `voice_support()` says whether reference voices can be
-built at all (the checkpoint's voice front end).
+calls `push(rid, codes, final)` as chunks arrive (fed to the engine as a CodeChunk). Ready
+chunks of several streams are decoded in one engine step (batched across streams). Voices
+are resolved here into the engine's VoicePrompt: None is the default voice, a waveform is
+reference audio, a stored voice (`register_voice`) keeps its prompt and pins its template;
+`voice_support()` says whether reference voices can be built at all (the checkpoint's voice
+front end).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,107 +34,15 @@ from deployments.stage import (
     next_item,
     stage_init,
     stage_stats,
-    stats_dict,
 )
+from pipeline.handoff import CodeChunk, PcmChunk
+
+VOICE_RATE = 16000  # the ingress decodes reference audio to 16 kHz mono
 
 
-def _route(out: Any, step_start: float = 0.0) -> tuple[str, AudioPiece]:
-    stream_id, pcm, is_last = out
-    pcm = pcm.detach().float().cpu().numpy() if hasattr(pcm, "detach") else np.asarray(pcm)
-    return stream_id, AudioPiece(pcm.reshape(-1).astype(np.float32, copy=False), bool(is_last),
-                                 step_start, time.time())
-
-
-class RealCode2Wav:
-    """The real engine behind the `from_source(source, config, device)` protocol, plus the
-    voice handling the engine leaves to its caller: None = the checkpoint's default voice,
-    a waveform = reference audio through the voice front-end (cached by content)."""
-
-    @staticmethod
-    def from_source(source: Any, config: Any, device: str) -> Any:
-        import torch
-
-        from pipeline.code2wav.assets import load_code2wav, token2wav_dir
-        from pipeline.code2wav.engine import Code2WavEngine
-        from pipeline.code2wav.voice import VoiceCache
-
-        # fp32 on every device: the reference runs the flow and HiFT in fp32, and a lower
-        # precision would change the audio.
-        if source.path is None:  # random-full: full-size random flow + HiFT, default voice
-            from pipeline.code2wav.assets import random_code2wav, random_vocoder
-
-            c2w_cfg = source.config.code2wav
-            flow, _ = random_code2wav(c2w_cfg, seed=0)
-            hift = random_vocoder(c2w_cfg, 0, "minicpmo-utils-1.0.7")  # the causal one, as released
-            flow, hift = flow.to(device), hift.to(device)
-            voice_dir = source.tokenizer_dir  # the tiny default's assets: same voice format
-        else:
-            flow, hift, c2w_cfg = load_code2wav(source.path, device, torch.float32)
-            voice_dir = source.path
-        voices = VoiceCache(token2wav_dir(voice_dir))
-        if torch.device(device).type != "cuda" and config.token2wav_compile_estimator:
-            # Inductor on CPU needs a C++ compiler and minutes of start-up; the knob is for GPUs
-            config = dataclasses.replace(config, token2wav_compile_estimator=False)
-        engine = Code2WavEngine(flow, hift, c2w_cfg, config, voices=voices)
-        engine.warmup()  # default voice's template; CFM graph captures before the first request
-        return _VoicedEngine(engine, voices)
-
-    @staticmethod
-    def config_class() -> Any:
-        from pipeline.code2wav.engine import Code2WavEngineConfig
-
-        return Code2WavEngineConfig
-
-
-class _VoicedEngine:
-    """Turns `open_stream(rid, None | waveform | NamedVoice)` into the engine's VoicePrompt
-    call."""
-
-    VOICE_RATE = 16000  # the ingress decodes reference audio to 16 kHz mono
-
-    def __init__(self, engine: Any, voices: Any):
-        self.engine, self.voices = engine, voices
-        self.named: dict[str, Any] = {}  # voice id -> VoicePrompt
-
-    def prompt(self, voice: Any) -> Any:
-        if voice is None:
-            return self.voices.default()
-        if isinstance(voice, NamedVoice):
-            prompt = self.named.get(voice.voice_id)
-            if prompt is None:
-                prompt = self.voices.from_audio(voice.samples, self.VOICE_RATE)
-                self.named[voice.voice_id] = prompt
-                self.engine.pin_voice(prompt)
-            return prompt
-        return self.voices.from_audio(voice, self.VOICE_RATE)
-
-    def open_stream(self, stream_id: str, voice: Any) -> None:
-        self.engine.open_stream(stream_id, self.prompt(voice))
-
-    def prepare_voice(self, voice: NamedVoice) -> None:
-        self.prompt(voice)
-
-    def forget_voice(self, voice_id: str) -> None:
-        prompt = self.named.pop(voice_id, None)
-        if prompt is not None:
-            self.engine.unpin_voice(prompt)
-
-    def voice_support(self) -> str | None:
-        try:
-            self.voices.frontend()
-        except Exception as e:  # noqa: BLE001 - the reason is what the client is told
-            return f"{type(e).__name__}: {e}"
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def has_work(self) -> bool:
-        return self.engine.has_work()
-
-    def stats(self) -> dict[str, Any]:
-        return {"streams": len(self.engine.streams), "named_voices": len(self.named),
-                **dict(self.engine.counters)}
+def _route(out: PcmChunk, step_start: float = 0.0) -> tuple[str, AudioPiece]:
+    pcm = out.pcm.reshape(-1).astype(np.float32, copy=False)
+    return out.request_id, AudioPiece(pcm, out.finished, step_start, time.time())
 
 
 class Code2WavServer:
@@ -142,24 +51,47 @@ class Code2WavServer:
 
         cfg = AppConfig.model_validate(app)
         source = source or ModelSource.open(cfg.model)
-        config_cls = None if engine_cls else RealCode2Wav.config_class()
+        if engine_cls is None:
+            from pipeline.code2wav.engine import Code2WavEngine
+
+            engine_cls = Code2WavEngine
         with stage_init(cfg, "code2wav") as device:
-            self.engine = build_engine(engine_cls or RealCode2Wav, source, cfg.code2wav.engine,
-                                       device, config_cls)
+            self.engine = build_engine(engine_cls, source, cfg.code2wav.engine, device)
         self.metrics = StageMetrics("code2wav")
-        self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
-        self.loop = EngineLoop(self.engine, name="code2wav",
-                               route=lambda out: _route(out, self.loop.step_started_at),
-                               on_step=self.metrics.on_step, on_streams=self.metrics.streams,
-                               on_failure=self._close_all, scope=engine_scope(cfg, "code2wav"))
+        self.metrics.engine_stats = self.engine.stats
+        self.loop = EngineLoop(
+            self.engine,
+            name="code2wav",
+            route=lambda out: _route(out, self.loop.step_started_at),
+            on_step=self.metrics.on_step,
+            on_streams=self.metrics.streams,
+            on_failure=self._abort_all,
+            scope=engine_scope(cfg, "code2wav"),
+        )
         self.timeouts = cfg.timeouts
         self._pushed: dict[str, int] = {}  # codes received per open stream
         self._aborted = Tombstones()
         self._talker_spans: dict[str, list[tuple[float, float]]] = {}
+        self._named: dict[str, Any] = {}  # stored voice id -> its prompt (worker thread only)
 
-    def _close_all(self, engine: Any, _: BaseException) -> None:
+    def _abort_all(self, engine: Any, _: BaseException) -> None:
         for rid in self.loop.open_keys:
-            engine.close_stream(rid)
+            engine.abort(rid)
+
+    def _prompt(self, engine: Any, voice: Any) -> Any:
+        """The engine's voice spec for None (the default voice), a 16 kHz waveform (reference
+        audio, cached by content in the engine's VoiceCache) or a NamedVoice (built once,
+        its template pinned). Runs on the worker thread."""
+        if voice is None:
+            return None
+        if isinstance(voice, NamedVoice):
+            prompt = self._named.get(voice.voice_id)
+            if prompt is None:
+                prompt = engine.voices.from_audio(voice.samples, VOICE_RATE)
+                self._named[voice.voice_id] = prompt
+                engine.pin_voice(prompt)
+            return prompt
+        return engine.voices.from_audio(voice, VOICE_RATE)
 
     async def stream(self, rid: str, voice: Any = None) -> AsyncIterator[Any]:
         """One turn's audio: Opened once the stream holds its voice state, then AudioPiece
@@ -178,10 +110,14 @@ class Code2WavServer:
                 self.loop.post(self._open_default(rid, asyncio.get_running_loop()))
             else:
                 try:
-                    await self.loop.call(lambda e: e.open_stream(rid, voice))
+                    await self.loop.call(lambda e: e.open(rid, self._prompt(e, voice)))
                 except Exception as e:  # noqa: BLE001 - the front end refused this voice
-                    yield StageFailure("code2wav", f"the voice could not be used: "
-                                       f"{error_line(e)}", 400, "voice_error")
+                    yield StageFailure(
+                        "code2wav",
+                        f"the voice could not be used: {error_line(e)}",
+                        400,
+                        "voice_error",
+                    )
                     return
             if rid in self._aborted:  # aborted while the engine was opening it
                 return
@@ -192,25 +128,34 @@ class Code2WavServer:
                 if isinstance(item, AudioPiece):
                     item.talker_spans = self._talker_spans.pop(rid, [])
                 yield item
-                if isinstance(item, StageFailure) or (isinstance(item, AudioPiece)
-                                                      and item.is_last):
+                if isinstance(item, StageFailure) or (
+                    isinstance(item, AudioPiece) and item.is_last
+                ):
                     return
         finally:
             self._release(rid)
 
     def _open_default(self, rid: str, aloop: asyncio.AbstractEventLoop):
-        def open_stream(engine: Any) -> None:  # worker thread, before any push of rid
+        def open_default(engine: Any) -> None:  # worker thread, before any push of rid
             try:
-                engine.open_stream(rid, None)
+                engine.open(rid, None)
             except Exception as e:
-                aloop.call_soon_threadsafe(self.loop.deliver, rid, StageFailure(
-                    "code2wav", f"could not open the stream: {type(e).__name__}: {e}"))
+                aloop.call_soon_threadsafe(
+                    self.loop.deliver,
+                    rid,
+                    StageFailure("code2wav", f"could not open the stream: {type(e).__name__}: {e}"),
+                )
                 raise
 
-        return open_stream
+        return open_default
 
-    async def push(self, rid: str, codes: np.ndarray, final: bool,
-                   talker_spans: list[tuple[float, float]] | None = None) -> bool:
+    async def push(
+        self,
+        rid: str,
+        codes: np.ndarray,
+        final: bool,
+        talker_spans: list[tuple[float, float]] | None = None,
+    ) -> bool:
         """Codes (n,) int64 of stream `rid`, in order; False if the stream is gone.
         `talker_spans`: the Talker's (start, end) per chunk, handed on with the audio."""
         if rid not in self._pushed:
@@ -222,32 +167,43 @@ class Code2WavServer:
             # Nothing was spoken: end the stream without running the engine.
             self.loop.deliver(rid, AudioPiece(np.zeros(0, np.float32), True))
             return True
-        await self.loop.call(lambda e: e.push_codes(rid, codes.tolist(), final))
+        chunk = CodeChunk(rid, tuple(codes.tolist()), final)
+        await self.loop.call(lambda e: e.feed(rid, chunk))
         return True
 
     async def voice_support(self) -> str | None:
         """None when reference voices can be built; otherwise why not (e.g. the checkpoint
         has no voice front end)."""
-        return await self.loop.call(
-            lambda e: e.voice_support() if hasattr(e, "voice_support") else None)
+
+        def support(engine: Any) -> str | None:
+            try:
+                engine.voices.frontend()
+            except Exception as e:  # noqa: BLE001 - the reason is what the client is told
+                return f"{type(e).__name__}: {e}"
+            return None
+
+        return await self.loop.call(support)
 
     async def register_voice(self, voice_id: str, samples: np.ndarray) -> None:
         """Build a stored voice's prompt and template now, so its first turn pays nothing and
         a clip the front end refuses is refused at upload."""
         voice = NamedVoice(voice_id, np.asarray(samples, dtype=np.float32))
-        await self.loop.call(lambda e: e.prepare_voice(voice) if hasattr(e, "prepare_voice")
-                             else None)
+        await self.loop.call(lambda e: self._prompt(e, voice))
 
     async def forget_voice(self, voice_id: str) -> None:
-        await self.loop.call(lambda e: e.forget_voice(voice_id) if hasattr(e, "forget_voice")
-                             else None)
+        def forget(engine: Any) -> None:
+            prompt = self._named.pop(voice_id, None)
+            if prompt is not None:
+                engine.unpin_voice(prompt)
+
+        await self.loop.call(forget)
 
     def _release(self, rid: str) -> None:
         self._talker_spans.pop(rid, None)
         had = self._pushed.pop(rid, None) is not None
         if had or self.loop.is_open(rid):
             self.loop.close(rid)
-            self.loop.post(lambda e: e.close_stream(rid))
+            self.loop.post(lambda e: e.abort(rid))
 
     async def abort(self, rid: str) -> None:
         self._aborted.add(rid)
@@ -257,15 +213,21 @@ class Code2WavServer:
         self._release(rid)
 
     async def stats(self) -> dict[str, Any]:
-        engine = await self.loop.call(
-            lambda e: stats_dict(e.stats()) if hasattr(e, "stats") else {})
+        engine = await self.loop.call(lambda e: e.stats())
         open_ = len(self.loop.open_keys)
-        streams = engine.get("streams", 0)
+        streams = int(engine["open_streams"])
         leaks = []
         if len(self._pushed) > open_:
             leaks.append(f"{len(self._pushed)} push records for {open_} open streams")
-        return stage_stats(self.loop, self.timeouts.wedge_s, engine, streams, leaks,
-                           streams=len(self._pushed))
+        return stage_stats(
+            self.loop,
+            self.timeouts.wedge_s,
+            engine,
+            streams,
+            leaks,
+            streams=len(self._pushed),
+            named_voices=len(self._named),
+        )
 
     def check_health(self) -> None:
         check_loop_health(self.loop, self.timeouts.wedge_s)

@@ -5,12 +5,14 @@ would stall every other call. Why one loop per engine: requests that arrive whil
 runs are added before the next one, so concurrent calls batch together (continuous
 batching) without any waiting policy here.
 
-Contract with the engine (all calls happen on the worker thread only, so engines need no
-locks): `step() -> list[output]` and a `busy(engine)` test (default `has_unfinished()`);
-everything else is sent as a command (`call` / `post`). Outputs are routed by `route(output) -> (key, item)` to the
-asyncio queue registered for that key; items for unknown keys (aborted requests) are
-dropped. If `step()` raises, every open queue receives a `StageFailure` and `on_failure`
-(e.g. abort everything) runs on the worker thread, so the next request starts clean.
+Contract with the engine: the StageEngine protocol (pipeline/stage_engine.py). The loop
+itself calls only `has_work()` and `step()`; everything else (open, feed, abort, stats) is
+sent as a command (`call` / `post`), so every engine call happens on the worker thread and
+engines need no locks. Outputs are routed by `route(output) -> (key, item)` (default: the
+output's `request_id`, the output itself) to the asyncio queue registered for that key;
+items for unknown keys (aborted requests) are dropped. If `step()` raises, every open queue
+receives a `StageFailure` and `on_failure` (e.g. abort everything) runs on the worker
+thread, so the next request starts clean.
 
 `health(wedge_s)` tells a live loop from a wedged one: the worker thread died, or one step
 or command has run longer than `wedge_s`. Stages report it through Serve's `check_health`
@@ -35,21 +37,15 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.handoff import StageFailure
+from pipeline.stage_engine import StageEngine, StageOutput
+
+__all__ = ["EngineLoop", "StageFailure", "StepRecord"]
+
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # wake-up period of an idle worker (only to notice `stop()`)
 EMPTY_STEP_BACKOFF_S = 0.002  # a step with no output while streams wait for input
-
-
-@dataclass
-class StageFailure:
-    """Delivered to a request's queue when the engine step that served it raised (or a
-    stage could not serve the turn). `status` is the HTTP-like status the turn ends with."""
-
-    stage: str
-    message: str
-    status: int = 500
-    reason: str = "stage_error"
 
 
 @dataclass
@@ -61,18 +57,9 @@ class StepRecord:
     queued_commands: int
 
 
-def engine_busy(engine: Any) -> bool:
-    """True while a step would do work: `has_work` (property or method) if the engine has
-    one, else `has_unfinished()`. Streams that only wait for input must not count."""
-    has_work = getattr(type(engine), "has_work", None)
-    if has_work is not None:
-        value = engine.has_work
-        return bool(value() if callable(value) else value)
-    return bool(engine.has_unfinished())
-
-
-def _settle(fut: Future | None, *, result: Any = None,
-            exception: BaseException | None = None) -> bool:
+def _settle(
+    fut: Future | None, *, result: Any = None, exception: BaseException | None = None
+) -> bool:
     """Complete a caller's future unless it was cancelled; True if someone got it."""
     if fut is None or not fut.set_running_or_notify_cancel():
         return False
@@ -86,13 +73,12 @@ def _settle(fut: Future | None, *, result: Any = None,
 class EngineLoop:
     def __init__(
         self,
-        engine: Any,
+        engine: StageEngine,
         *,
         name: str,
-        route: Callable[[Any], tuple[str, Any]],
+        route: Callable[[StageOutput], tuple[str, Any]] = lambda out: (out.request_id, out),
         on_step: Callable[[StepRecord], None] | None = None,
-        on_failure: Callable[[Any, BaseException], None] | None = None,
-        busy: Callable[[Any], bool] | None = None,
+        on_failure: Callable[[StageEngine, BaseException], None] | None = None,
         on_streams: Callable[[int], None] | None = None,
         scope: Callable[[], AbstractContextManager] | None = None,
     ):
@@ -101,7 +87,6 @@ class EngineLoop:
         self._route = route
         self._on_step = on_step
         self._on_failure = on_failure
-        self._busy = busy or engine_busy
         self._on_streams = on_streams  # told the number of open keys when it changes
         self._scope = scope  # held by the worker thread for its whole life
         self._commands: queue.Queue[tuple[Callable, Future | None]] = queue.Queue()
@@ -120,8 +105,9 @@ class EngineLoop:
     def _ensure_started(self) -> None:
         if self._thread is None:
             self._aloop = asyncio.get_running_loop()
-            self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"{self.name}-engine", daemon=True
+            )
             self._thread.start()
 
     def open(self, key: str) -> asyncio.Queue:
@@ -152,14 +138,14 @@ class EngineLoop:
     def open_keys(self) -> list[str]:
         return list(self._queues)
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[StageEngine], Any]) -> Any:
         """Run `fn(engine)` on the worker thread between steps; return its result."""
         self._ensure_started()
         fut: Future = Future()
         self._commands.put((fn, fut))
         return await asyncio.wrap_future(fut)
 
-    def post(self, fn: Callable[[Any], Any]) -> None:
+    def post(self, fn: Callable[[StageEngine], Any]) -> None:
         """Fire-and-forget `fn(engine)` (errors are logged)."""
         self._commands.put((fn, None))
 
@@ -174,8 +160,10 @@ class EngineLoop:
             return f"{self.name} engine thread died"
         since = self._busy_since
         if since and time.monotonic() - since > wedge_s:
-            return (f"{self.name} engine is stuck: one {self._busy_what} has run for "
-                    f"{time.monotonic() - since:.0f} s (limit {wedge_s:g} s)")
+            return (
+                f"{self.name} engine is stuck: one {self._busy_what} has run for "
+                f"{time.monotonic() - since:.0f} s (limit {wedge_s:g} s)"
+            )
         return None
 
     def stop(self) -> None:
@@ -245,12 +233,12 @@ class EngineLoop:
 
     def _iterate(self, idle_streak: bool) -> bool:
         """Commands, then one step if there is work; returns whether the step was idle."""
-        if not self._busy(self.engine):
+        if not self.engine.has_work():
             self._run_commands(block=True, timeout=IDLE_POLL_S)
             return False
         # Streams waiting for input: don't spin; wait briefly for a command instead.
         n_cmds = self._run_commands(block=idle_streak, timeout=EMPTY_STEP_BACKOFF_S)
-        if not self._busy(self.engine):
+        if not self.engine.has_work():
             return False
         self.step_started_at = time.time()  # wall clock, read by route() for timings
         t0 = time.perf_counter()

@@ -75,8 +75,9 @@ class Heartbeat:
     stage: str
 
 
-async def next_item(q: asyncio.Queue, loop: Any, stage: str, heartbeat_s: float,
-                    wedge_s: float) -> Any:
+async def next_item(
+    q: asyncio.Queue, loop: Any, stage: str, heartbeat_s: float, wedge_s: float
+) -> Any:
     """The next item of a stream's queue, or a Heartbeat (StageFailure if the engine loop is
     wedged) when nothing comes within `heartbeat_s`."""
     if not q.empty():  # the common case while streaming: no timer, no task
@@ -198,8 +199,13 @@ def mps_control(pipe_dir: str) -> tuple[bool, str]:
 def _nvidia_smi(query: str, gpu: str, exe: str, timeout_s: float) -> list[str] | None:
     """One CSV query's lines, or None when nvidia-smi is missing, fails or does not answer."""
     try:
-        out = subprocess.run([exe, query, "-i", gpu, "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=timeout_s, check=False)
+        out = subprocess.run(
+            [exe, query, "-i", gpu, "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
@@ -207,9 +213,13 @@ def _nvidia_smi(query: str, gpu: str, exe: str, timeout_s: float) -> list[str] |
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
-def detect_gpu_sharing(requested: str, env: Mapping[str, str] = os.environ, *,
-                       nvidia_smi: str = "nvidia-smi",
-                       timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> dict[str, Any]:
+def detect_gpu_sharing(
+    requested: str,
+    env: Mapping[str, str] = os.environ,
+    *,
+    nvidia_smi: str = "nvidia-smi",
+    timeout_s: float = NVIDIA_SMI_TIMEOUT_S,
+) -> dict[str, Any]:
     """How this process shares its GPU, found without starting or changing anything.
 
     `mode` is mps when an MPS control daemon answers on this process's pipe directory (the
@@ -224,19 +234,31 @@ def detect_gpu_sharing(requested: str, env: Mapping[str, str] = os.environ, *,
     listed = None if apps is None else any("nvidia-cuda-mps-server" in a for a in apps)
     warning = None
     if requested == "mps" and not up:
-        hint = (" (an MPS server is listed on this GPU: does CUDA_MPS_PIPE_DIRECTORY match the "
-                "daemon's?)" if listed else "")
-        warning = (f"gpu_sharing is mps but no MPS daemon found: {where}{hint}; this stage "
-                   f"time-slices the GPU with the other processes (an operator starts one "
-                   f"with `nvidia-cuda-mps-control -d` before Ray)")
+        hint = (
+            " (an MPS server is listed on this GPU: does CUDA_MPS_PIPE_DIRECTORY match the "
+            "daemon's?)"
+            if listed
+            else ""
+        )
+        warning = (
+            f"gpu_sharing is mps but no MPS daemon found: {where}{hint}; this stage "
+            f"time-slices the GPU with the other processes (an operator starts one "
+            f"with `nvidia-cuda-mps-control -d` before Ray)"
+        )
     elif requested != "mps" and up:
-        warning = (f"an MPS daemon answers at {where}: this stage runs as an MPS client "
-                   f"although gpu_sharing is {requested}")
-    return {"requested": requested, "mode": "mps" if up else "timeslice",
-            "mps_control": where if up else None,
-            "mps_thread_percentage": env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
-            "compute_mode": compute_mode[0] if compute_mode else None,
-            "mps_server_listed": listed, "warning": warning}
+        warning = (
+            f"an MPS daemon answers at {where}: this stage runs as an MPS client "
+            f"although gpu_sharing is {requested}"
+        )
+    return {
+        "requested": requested,
+        "mode": "mps" if up else "timeslice",
+        "mps_control": where if up else None,
+        "mps_thread_percentage": env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+        "compute_mode": compute_mode[0] if compute_mode else None,
+        "mps_server_listed": listed,
+        "warning": warning,
+    }
 
 
 @functools.cache
@@ -287,19 +309,26 @@ def device_memory() -> dict[str, float]:
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return {}
-    return {"gpu_allocated_gib": torch.cuda.memory_allocated() / GIB,
-            "gpu_reserved_gib": torch.cuda.memory_reserved() / GIB,
-            "gpu_peak_gib": torch.cuda.max_memory_allocated() / GIB}
+    return {
+        "gpu_allocated_gib": torch.cuda.memory_allocated() / GIB,
+        "gpu_reserved_gib": torch.cuda.memory_reserved() / GIB,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated() / GIB,
+    }
 
 
-def build_engine(engine_cls: Any, source: Any, engine_kwargs: dict[str, Any], device: str,
-                 config_cls: Any = None) -> Any:
+def build_engine(
+    engine_cls: Any, source: Any, engine_kwargs: dict[str, Any], device: str, config_cls: Any = None
+) -> Any:
     """`engine_cls.from_source(source, config, device)`, the config validated from the
-    stage's `engine:` settings (unknown keys fail here, at startup, with the key named).
-    Without a config class (fakes), the settings dict is passed as is."""
-    config_cls = config_cls or getattr(engine_cls, "config_cls", None)
-    config = dict(engine_kwargs) if config_cls is None else dataclass_from_dict(
-        config_cls, engine_kwargs, engine_cls.__name__)
+    stage's `engine:` settings (unknown keys fail here, at startup, with the key named) as
+    `config_cls` (default: the engine class's own). With none (fakes: `config_cls = None`),
+    the settings dict is passed as is."""
+    config_cls = config_cls or engine_cls.config_cls
+    config = (
+        dict(engine_kwargs)
+        if config_cls is None
+        else dataclass_from_dict(config_cls, engine_kwargs, engine_cls.__name__)
+    )
     return engine_cls.from_source(source, config, device)
 
 
@@ -322,8 +351,9 @@ def dataclass_from_dict(cls: Any, values: dict[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
-def stage_stats(loop: Any, wedge_s: float, engine: dict[str, Any], held: int,
-                leaks: list[str], **extra: Any) -> dict[str, Any]:
+def stage_stats(
+    loop: Any, wedge_s: float, engine: dict[str, Any], held: int, leaks: list[str], **extra: Any
+) -> dict[str, Any]:
     """What every stage's `stats()` reports: its open streams, the engine's stats, and the
     invariants: `idle` (no stream open and the engine holds nothing: `held` == 0), `leaks`
     (accounting that does not add up: `leaks` from the stage, plus an engine holding more
@@ -332,10 +362,19 @@ def stage_stats(loop: Any, wedge_s: float, engine: dict[str, Any], held: int,
     open_ = len(loop.open_keys)
     if held > open_:
         leaks = [f"engine holds {held} streams but {open_} are open", *leaks]
-    return {"open": open_, **extra, "steps": loop.steps, "failures": loop.failures,
-            "engine": engine, "idle": open_ == 0 and held == 0, "leaks": leaks,
-            "health": loop.health(wedge_s), "pid": os.getpid(),
-            "gpu_sharing": _GPU_SHARING.get(loop.name), **device_memory()}
+    return {
+        "open": open_,
+        **extra,
+        "steps": loop.steps,
+        "failures": loop.failures,
+        "engine": engine,
+        "idle": open_ == 0 and held == 0,
+        "leaks": leaks,
+        "health": loop.health(wedge_s),
+        "pid": os.getpid(),
+        "gpu_sharing": _GPU_SHARING.get(loop.name),
+        **device_memory(),
+    }
 
 
 def check_loop_health(loop: Any, wedge_s: float) -> None:
@@ -344,14 +383,6 @@ def check_loop_health(loop: Any, wedge_s: float) -> None:
     problem = loop.health(wedge_s)
     if problem:
         raise RuntimeError(problem)
-
-
-def stats_dict(stats: Any) -> dict[str, Any]:
-    if stats is None:
-        return {}
-    if dataclasses.is_dataclass(stats):
-        return dataclasses.asdict(stats)
-    return dict(stats)
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,9 +399,15 @@ class Forwarder:
     the stream's owner ends the turn instead of waiting for chunks that will never come.
     """
 
-    def __init__(self, send: Callable[[list[Any], bool], Awaitable[Any]], *, name: str,
-                 hold: bool = False, timeout_s: float | None = None,
-                 on_error: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self,
+        send: Callable[[list[Any], bool], Awaitable[Any]],
+        *,
+        name: str,
+        hold: bool = False,
+        timeout_s: float | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ):
         self._send = send
         self._name = name
         self._hold = hold
@@ -418,8 +455,9 @@ class Forwarder:
                 except Exception as e:  # noqa: BLE001 - the next stage died, refused or hung
                     if isinstance(e, asyncio.TimeoutError):
                         e = TimeoutError(f"no answer within {self._timeout_s:g} s")
-                    log.warning("%s: forwarding failed (%s); stream dropped", self._name,
-                                error_line(e))
+                    log.warning(
+                        "%s: forwarding failed (%s); stream dropped", self._name, error_line(e)
+                    )
                     if self._on_error is not None:
                         self._on_error(e)
                     return

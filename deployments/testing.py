@@ -1,4 +1,5 @@
-"""Test support: small fake engines with the real engines' protocols, and an in-process
+"""Test support: small fake engines of the StageEngine protocol (pipeline/stage_engine.py),
+and an in-process
 stand-in for DeploymentHandle so the whole app runs without Ray (as Ray Serve LLM ships
 its MockVLLMEngine). Fakes are deterministic and cheap:
 
@@ -7,7 +8,8 @@ its MockVLLMEngine). Fakes are deterministic and cheap:
 - FakeTalkerEngine:  3 codes per spoken id; 25-code chunks (+3 lookahead), like TalkerEngine.
 - FakeCode2WavEngine: 960 samples (40 ms at 24 kHz) per code of one continuous sine, so a
   stream's pieces join without a seam; `fail_on_step=N` raises once at the N-th step;
-  `reject_voices` refuses reference audio as a checkpoint without the voice models does.
+  `reject_voices` refuses reference audio as a checkpoint without the voice models does
+  (its `voices` stand in for the VoiceCache).
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from pipeline.handoff import ThinkerDelta, ThinkerRequest
+from pipeline.handoff import CodeChunk, PcmChunk, SpokenChunk, ThinkerDelta, ThinkerRequest
 
 REPLY = "Hello there! This reply comes from the fake thinker engine."
 
@@ -40,14 +43,17 @@ class FakeThinkerEngine:
     def from_source(cls, source: Any, config: dict, device: str) -> FakeThinkerEngine:
         return cls(**config)
 
-    def add_request(self, req: ThinkerRequest) -> None:
-        self.running[req.request_id] = (req, 0)
+    def open(self, rid: str, spec: ThinkerRequest) -> None:
+        self.running[rid] = (spec, 0)
 
-    def abort(self, request_id: str) -> bool:
-        self.aborted += request_id in self.running
-        return self.running.pop(request_id, None) is not None
+    def feed(self, rid: str, msg: Any) -> None:
+        raise ValueError("the Thinker takes its whole prompt at open()")
 
-    def has_unfinished(self) -> bool:
+    def abort(self, rid: str) -> None:
+        self.aborted += rid in self.running
+        self.running.pop(rid, None)
+
+    def has_work(self) -> bool:
         return bool(self.running)
 
     def step(self) -> list[ThinkerDelta]:
@@ -61,29 +67,36 @@ class FakeThinkerEngine:
             kw = {}
             if req.return_hidden:
                 g = torch.Generator().manual_seed(n)
-                kw = {"spoken_ids": [1000 + n],
-                      "spoken_hidden": torch.randn(1, self.hidden_size, generator=g)}
-            out.append(ThinkerDelta(
-                rid, [1000 + n], self.words[n - 1], finished=done,
-                finish_reason=("length" if n >= req.sampling.max_tokens else "stop") if done else None,
-                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=n, **kw))
+                kw = {
+                    "spoken_ids": [1000 + n],
+                    "spoken_hidden": torch.randn(1, self.hidden_size, generator=g),
+                }
+            out.append(
+                ThinkerDelta(
+                    rid,
+                    [1000 + n],
+                    self.words[n - 1],
+                    finished=done,
+                    finish_reason=("length" if n >= req.sampling.max_tokens else "stop")
+                    if done
+                    else None,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_output_tokens=n,
+                    **kw,
+                )
+            )
             if done:
                 del self.running[rid]
             else:
                 self.running[rid] = (req, n)
         return out
 
-    def stats(self) -> dict[str, int]:
-        return {"num_running": len(self.running), "num_waiting": 0}
-
-
-@dataclass(frozen=True)
-class FakeCodeChunk:
-    stream_id: str
-    codes: tuple[int, ...]
-    finished: bool
-    lookahead: tuple[int, ...] = ()
-    index: int = 0
+    def stats(self) -> dict[str, float]:
+        return {
+            "open_streams": len(self.running),
+            "num_running": len(self.running),
+            "num_waiting": 0,
+        }
 
 
 class FakeTalkerEngine:
@@ -99,26 +112,31 @@ class FakeTalkerEngine:
     def from_source(cls, source: Any, config: dict, device: str) -> FakeTalkerEngine:
         return cls(**config)
 
-    def open(self, stream_id: str, mode: str | None = None, seed: int | None = None,
-             max_codes: int | None = None) -> None:
-        if stream_id in self.streams:
-            raise ValueError(f"stream {stream_id!r} is already open")
-        self.streams[stream_id] = {"pending": 0, "codes": [], "released": 0, "sent": 0,
-                                   "finished": False, "text_done": False, "done_sent": False}
+    def open(self, rid: str, spec: Any = None) -> None:
+        if rid in self.streams:
+            raise ValueError(f"stream {rid!r} is already open")
+        self.streams[rid] = {
+            "pending": 0,
+            "codes": [],
+            "released": 0,
+            "sent": 0,
+            "finished": False,
+            "text_done": False,
+            "done_sent": False,
+        }
 
-    def feed_text(self, stream_id: str, ids: Any, hidden: torch.Tensor,
-                  text_finished: bool = False) -> None:
-        s = self.streams[stream_id]
-        assert hidden.shape[0] == len(ids)
-        s["pending"] += len(ids)
-        s["text_done"] = text_finished
+    def feed(self, rid: str, msg: SpokenChunk) -> None:
+        s = self.streams[rid]
+        assert (0 if msg.hidden is None else msg.hidden.shape[0]) == len(msg.ids)
+        s["pending"] += len(msg.ids)
+        s["text_done"] = msg.finished
 
-    @property
     def has_work(self) -> bool:
-        return any(s["pending"] or (s["text_done"] and not s["done_sent"])
-                   for s in self.streams.values())
+        return any(
+            s["pending"] or (s["text_done"] and not s["done_sent"]) for s in self.streams.values()
+        )
 
-    def step(self) -> list[FakeCodeChunk]:
+    def step(self) -> list[CodeChunk]:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         out = []
@@ -131,22 +149,46 @@ class FakeTalkerEngine:
                 s["finished"] = True
             while len(s["codes"]) - s["released"] >= self.CHUNK + self.AHEAD:
                 a = s["released"]
-                out.append(FakeCodeChunk(sid, tuple(s["codes"][a:a + self.CHUNK]), False,
-                                         tuple(s["codes"][a + self.CHUNK:a + self.CHUNK + self.AHEAD]),
-                                         s["sent"]))
+                out.append(
+                    CodeChunk(
+                        sid,
+                        tuple(s["codes"][a : a + self.CHUNK]),
+                        False,
+                        tuple(s["codes"][a + self.CHUNK : a + self.CHUNK + self.AHEAD]),
+                        s["sent"],
+                    )
+                )
                 s["released"] += self.CHUNK
                 s["sent"] += 1
             if s["finished"] and not s["done_sent"]:
-                out.append(FakeCodeChunk(sid, tuple(s["codes"][s["released"]:]), True, (), s["sent"]))
+                out.append(CodeChunk(sid, tuple(s["codes"][s["released"] :]), True, (), s["sent"]))
                 s["released"] = len(s["codes"])
                 s["done_sent"] = True
         return out
 
-    def close(self, stream_id: str) -> None:
-        self.streams.pop(stream_id, None)
+    def abort(self, rid: str) -> None:
+        self.streams.pop(rid, None)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         return {"open_streams": len(self.streams)}
+
+
+class FakeVoices:
+    """The VoiceCache calls the Code2Wav deployment makes; a prompt is a content key."""
+
+    def __init__(self, reject: bool = False):
+        self.reject = reject
+
+    def default(self) -> str:
+        return "default"
+
+    def from_audio(self, samples: np.ndarray, sample_rate: int) -> str:
+        if self.reject:
+            raise FileNotFoundError("missing voice front-end models")
+        return f"audio:{zlib.crc32(np.asarray(samples).tobytes())}"
+
+    def frontend(self) -> None:
+        """Reference audio is refused per request (at open), as the real cache does."""
 
 
 class FakeCode2WavEngine:
@@ -155,36 +197,44 @@ class FakeCode2WavEngine:
     CHUNK = 25
     FREQ_HZ = 220.0
 
-    def __init__(self, step_delay_s: float = 0.0, fail_on_step: int = 0,
-                 reject_voices: bool = False):
+    def __init__(
+        self, step_delay_s: float = 0.0, fail_on_step: int = 0, reject_voices: bool = False
+    ):
         self.step_delay_s = step_delay_s
         self.fail_on_step = fail_on_step
-        self.reject_voices = reject_voices  # like a checkpoint without the voice front-end
+        self.voices = FakeVoices(reject_voices)  # like a checkpoint without the voice front-end
+        self.pinned: set[str] = set()
         self.steps = 0
         self.streams: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeCode2WavEngine:
-        return cls(**config)
+        # the app's fast-path defaults name the real engine's knobs: nothing to a fake
+        return cls(**{k: v for k, v in config.items() if not k.startswith("token2wav_")})
 
-    def open_stream(self, stream_id: str, voice: Any = None) -> None:
-        if stream_id in self.streams:
-            raise ValueError(f"stream {stream_id!r} is already open")
-        if voice is not None and self.reject_voices:
-            raise FileNotFoundError("missing voice front-end models")
-        self.streams[stream_id] = {"pending": 0, "final": False, "done": False, "t": 0}
+    def pin_voice(self, voice: str) -> None:
+        self.pinned.add(voice)
 
-    def push_codes(self, stream_id: str, codes: Any, final: bool) -> None:
-        s = self.streams[stream_id]
-        s["pending"] += len(codes)
-        s["final"] = final
+    def unpin_voice(self, voice: str) -> None:
+        self.pinned.discard(voice)
 
-    @property
+    def open(self, rid: str, spec: str | None = None) -> None:
+        if rid in self.streams:
+            raise ValueError(f"stream {rid!r} is already open")
+        self.streams[rid] = {"pending": 0, "final": False, "done": False, "t": 0}
+
+    def feed(self, rid: str, msg: CodeChunk) -> None:
+        s = self.streams[rid]
+        s["pending"] += len(msg.codes)
+        s["final"] = msg.finished
+
     def has_work(self) -> bool:
-        return any(not s["done"] and (s["pending"] >= self.CHUNK or s["final"])
-                   for s in self.streams.values())
+        return any(
+            not s["done"] and (s["pending"] >= self.CHUNK or s["final"])
+            for s in self.streams.values()
+        )
 
-    def step(self) -> list[tuple[str, np.ndarray, bool]]:
+    def step(self) -> list[PcmChunk]:
         self.steps += 1
         if self.fail_on_step and self.steps == self.fail_on_step:
             raise RuntimeError("injected Code2Wav fault")
@@ -201,15 +251,15 @@ class FakeCode2WavEngine:
                 t = s["t"] + np.arange(n * self.SAMPLES_PER_CODE)
                 s["t"] += n * self.SAMPLES_PER_CODE
                 pcm = (0.5 * np.sin(2 * math.pi * self.FREQ_HZ * t / 24000)).astype(np.float32)
-                out.append((sid, pcm, last))
+                out.append(PcmChunk(sid, pcm, last))
                 s["done"] = last
         return out
 
-    def close_stream(self, stream_id: str) -> None:
-        self.streams.pop(stream_id, None)
+    def abort(self, rid: str) -> None:
+        self.streams.pop(rid, None)
 
-    def stats(self) -> dict[str, int]:
-        return {"streams": len(self.streams)}
+    def stats(self) -> dict[str, float]:
+        return {"open_streams": len(self.streams)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -301,9 +351,14 @@ class LocalApp:
     code2wav: Any
 
 
-def build_local_app(cfg: dict, source: Any, *, thinker_engine_cls: Any = FakeThinkerEngine,
-                    talker_engine_cls: Any = FakeTalkerEngine,
-                    code2wav_engine_cls: Any = FakeCode2WavEngine) -> LocalApp:
+def build_local_app(
+    cfg: dict,
+    source: Any,
+    *,
+    thinker_engine_cls: Any = FakeThinkerEngine,
+    talker_engine_cls: Any = FakeTalkerEngine,
+    code2wav_engine_cls: Any = FakeCode2WavEngine,
+) -> LocalApp:
     """The four servers in this process, wired with LocalHandles (call inside a loop)."""
     from deployments.code2wav import Code2WavServer
     from deployments.ingress import IngressServer
@@ -313,6 +368,7 @@ def build_local_app(cfg: dict, source: Any, *, thinker_engine_cls: Any = FakeThi
     c2w = Code2WavServer(cfg, engine_cls=code2wav_engine_cls, source=source)
     talker = TalkerServer(cfg, LocalHandle(c2w), engine_cls=talker_engine_cls, source=source)
     thinker = ThinkerServer(cfg, LocalHandle(talker), engine_cls=thinker_engine_cls, source=source)
-    ingress = IngressServer(cfg, LocalHandle(thinker), LocalHandle(talker), LocalHandle(c2w),
-                            source=source)
+    ingress = IngressServer(
+        cfg, LocalHandle(thinker), LocalHandle(talker), LocalHandle(c2w), source=source
+    )
     return LocalApp(ingress, thinker, talker, c2w)

@@ -29,19 +29,18 @@ from deployments.stage import (
     next_item,
     stage_init,
     stage_stats,
-    stats_dict,
 )
 
 
-def _real_engine() -> tuple[Any, Any]:
-    from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
-
-    return ThinkerEngine, ThinkerEngineConfig
-
-
 class ThinkerServer:
-    def __init__(self, app: AppConfig | dict, talker: Any = None, *, engine_cls: Any = None,
-                 source: Any = None):
+    def __init__(
+        self,
+        app: AppConfig | dict,
+        talker: Any = None,
+        *,
+        engine_cls: Any = None,
+        source: Any = None,
+    ):
         from pipeline.checkpoint import ModelSource
 
         cfg = AppConfig.model_validate(app)
@@ -49,18 +48,23 @@ class ThinkerServer:
         with stage_init(cfg, "thinker") as device:
             settings = dict(cfg.thinker.engine)
             if engine_cls is None:
-                engine_cls, config_cls = _real_engine()
+                from pipeline.thinker.engine import ThinkerEngine
+
+                engine_cls = ThinkerEngine
                 kv = cfg.thinker.kv_cache_gib if device == "cuda" else cfg.thinker.cpu_kv_cache_gib
                 if kv is not None:  # one config for GPU and CPU: the budget follows the device
                     settings["llm"] = {"kv_cache_bytes": int(kv * GIB), **settings.get("llm", {})}
-            else:
-                config_cls = None
-            self.engine = build_engine(engine_cls, source, settings, device, config_cls)
+            self.engine = build_engine(engine_cls, source, settings, device)
         self.metrics = StageMetrics("thinker")
-        self.metrics.engine_stats = lambda: stats_dict(self.engine.stats())
-        self.loop = EngineLoop(self.engine, name="thinker", route=lambda d: (d.request_id, d),
-                               on_step=self.metrics.on_step, on_streams=self.metrics.streams,
-                               on_failure=self._abort_all, scope=engine_scope(cfg, "thinker"))
+        self.metrics.engine_stats = self.engine.stats
+        self.loop = EngineLoop(
+            self.engine,
+            name="thinker",
+            on_step=self.metrics.on_step,
+            on_streams=self.metrics.streams,
+            on_failure=self._abort_all,
+            scope=engine_scope(cfg, "thinker"),
+        )
         self.talker = talker
         self.full_span = cfg.talker_mode == "full_span"
         self.timeouts = cfg.timeouts
@@ -78,7 +82,7 @@ class ThinkerServer:
         t = self.timeouts
         try:
             try:
-                await self.loop.call(lambda e: e.add_request(req))
+                await self.loop.call(lambda e: e.open(rid, req))
             except ValueError as e:  # the engine refused this request (e.g. over the context)
                 yield StageFailure("thinker", str(e), 400, "invalid_request")
                 return
@@ -100,7 +104,7 @@ class ThinkerServer:
                     out.text += d.text
                     out.prompt_tokens = d.num_prompt_tokens or out.prompt_tokens
                     out.completion_tokens = d.num_output_tokens or out.completion_tokens
-                    if getattr(d, "timings", None):
+                    if d.timings:
                         out.timings = {**(out.timings or {}), **d.timings}
                     if d.finished:
                         out.finished, out.finish_reason, finished = True, d.finish_reason, True
@@ -119,14 +123,27 @@ class ThinkerServer:
         async def send(chunks: list[tuple[list[int], np.ndarray]], final: bool) -> None:
             ids = [i for c, _ in chunks for i in c]
             hidden = np.concatenate([h for _, h in chunks]) if chunks else None
-            await self.talker.feed.remote(rid, ids, hidden, final)
+            if not await self.talker.feed.remote(rid, ids, hidden, final):
+                raise RuntimeError(f"Talker has no stream {rid!r} (closed or restarted)")
 
         def failed(e: BaseException) -> None:
-            self.loop.deliver(rid, StageFailure("talker", f"could not take the spoken text: "
-                                                f"{error_line(e)}", 503, "stage_unavailable"))
+            self.loop.deliver(
+                rid,
+                StageFailure(
+                    "talker",
+                    f"could not take the spoken text: {error_line(e)}",
+                    503,
+                    "stage_unavailable",
+                ),
+            )
 
-        fwd = Forwarder(send, name=f"thinker->talker {rid}", hold=self.full_span,
-                        timeout_s=self.timeouts.hop_s, on_error=failed)
+        fwd = Forwarder(
+            send,
+            name=f"thinker->talker {rid}",
+            hold=self.full_span,
+            timeout_s=self.timeouts.hop_s,
+            on_error=failed,
+        )
         self._forwarders[rid] = fwd
         return fwd
 
@@ -139,17 +156,18 @@ class ThinkerServer:
             await self.loop.call(lambda e: e.abort(rid))
 
     async def stats(self) -> dict[str, Any]:
-        engine = await self.loop.call(lambda e: stats_dict(e.stats()))
+        engine = await self.loop.call(lambda e: e.stats())
         open_ = len(self.loop.open_keys)
-        held = sum(engine.get(k, 0) for k in ("num_waiting_encode", "num_running", "num_waiting"))
+        held = int(engine["open_streams"])
         leaks = []
         if len(self._forwarders) > open_:
             leaks.append(f"{len(self._forwarders)} forwarders for {open_} open calls")
         total = engine.get("num_total_blocks")
         if not held and total is not None and engine.get("num_free_blocks") != total:
             leaks.append(f"{total - engine['num_free_blocks']} KV blocks in use with no request")
-        return stage_stats(self.loop, self.timeouts.wedge_s, engine, held, leaks,
-                           forwarders=len(self._forwarders))
+        return stage_stats(
+            self.loop, self.timeouts.wedge_s, engine, held, leaks, forwarders=len(self._forwarders)
+        )
 
     def check_health(self) -> None:
         check_loop_health(self.loop, self.timeouts.wedge_s)

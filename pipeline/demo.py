@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(e - s for s, e in req.audio_bounds)} audio tokens]", file=sys.stderr)
 
     t1 = time.perf_counter()
-    engine.add_request(req)
+    engine.open(req.request_id, req)
     first = None
     spoken = 0
-    while engine.has_unfinished():
+    while engine.has_work():
         for d in engine.step():
             if d.text:
                 first = first or time.perf_counter()

@@ -2,7 +2,15 @@
 
 Ingress (processing) -> Thinker:   ThinkerRequest (token ids + media tensors + sampling)
 Thinker -> caller, every step:     ThinkerDelta (new ids, text, spoken-span hidden states)
-Thinker -> Talker -> Code2Wav:     SpokenChunk, CodeChunk (later stages)
+Thinker -> Talker:                 SpokenChunk (spoken ids + their hidden states), on a
+                                   stream opened with a TalkerSpec (mode, seed, limits)
+Talker -> Code2Wav:                CodeChunk (speech codes, in order)
+Code2Wav -> caller:                PcmChunk (24 kHz float32 PCM)
+Any stage -> downstream:           StageFailure (the stage cannot serve the turn)
+
+The outputs of a stage's `step()` (ThinkerDelta, CodeChunk, PcmChunk) all name their
+stream (`request_id`) and say whether it is the stream's last (`finished`): see
+pipeline/stage_engine.py.
 
 Tensors here are CPU tensors; the engines move them to their device. ImageInput and
 AudioInput pickle their tensors as numpy arrays, which Ray moves out of band and maps
@@ -188,3 +196,74 @@ class ThinkerDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class TalkerSpec:
+    """How a Talker stream decodes (`TalkerEngine.open`).
+
+    mode:      "full_span" | "streaming"; None = the engine's configured mode
+    seed:      the stream's sampling seed; None = a random one
+    max_codes: fixed-length benchmark mode for random-weight checkpoints (whose EOS is
+               arbitrary): EOS masked, the stream ends after exactly this many codes
+    """
+
+    mode: str | None = None
+    seed: int | None = None
+    max_codes: int | None = None
+
+
+@dataclass
+class SpokenChunk:
+    """Thinker -> Talker: the next ids of the spoken span and their hidden states.
+
+    ids:      (n,) Thinker token ids
+    hidden:   (n, llm_dim) final-norm hidden states at the steps where those ids were the
+              input token; None only with no ids (a bare end of the text)
+    finished: the spoken text is complete (pass it with the last ids)
+    """
+
+    ids: list[int]
+    hidden: torch.Tensor | None
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class CodeChunk:
+    """Talker -> Code2Wav: speech codes of one stream, in order.
+
+    codes:     new codes (the Talker releases 25, or the rest on the last chunk; may be empty)
+    finished:  last chunk of the stream
+    lookahead: the codes that follow (3, already known; they open the next chunk too)
+    index:     0, 1, 2, ... per stream
+    started_at / released_at: wall clock (time.time()) from the previous chunk's release (the
+               first unit's start for chunk 0) to this one's: the Talker's share of the chunk
+    """
+
+    request_id: str
+    codes: tuple[int, ...]
+    finished: bool
+    lookahead: tuple[int, ...] = ()
+    index: int = 0
+    started_at: float = field(default=0.0, compare=False)  # measurements, not content
+    released_at: float = field(default=0.0, compare=False)
+
+
+@dataclass
+class PcmChunk:
+    """Code2Wav -> caller: one decoded chunk of a stream, mono float32 (N,) at 24 kHz."""
+
+    request_id: str
+    pcm: np.ndarray
+    finished: bool
+
+
+@dataclass
+class StageFailure:
+    """Delivered to a request's stream when the engine step that served it raised (or a
+    stage could not serve the turn). `status` is the HTTP-like status the turn ends with."""
+
+    stage: str
+    message: str
+    status: int = 500
+    reason: str = "stage_error"

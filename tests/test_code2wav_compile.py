@@ -155,7 +155,7 @@ def test_compiled_slot_pool_matches_eager(ckpt, voice):
             _assert_close(torch.from_numpy(a[sid]), torch.from_numpy(b[sid]), sid)
         for eng in (eager, compiled):
             for sid in list(eng.streams):
-                eng.close_stream(sid)
+                eng.abort(sid)
     assert compiled.counters["batch_size_3"] == 3
     # slot_pre and slot_post, plus the plain path's block graph built by setup_cache
     assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])

@@ -23,6 +23,7 @@ from pipeline.code2wav.voice import (
     whisper_log_mel,
 )
 from pipeline.config import code2wav_config_from_yaml
+from pipeline.handoff import CodeChunk
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +69,10 @@ def test_assets_round_trip(ckpt, model, voice):
     assert all(torch.equal(a[k], b[k]) for k in a)
     # decode one chunk end to end
     eng = Code2WavEngine(flow, hift, cfg)
-    eng.open_stream("s", voice)
-    eng.push_codes("s", _codes(0, 25))
-    ((sid, pcm, last),) = eng.step()
+    eng.open("s", voice)
+    eng.feed("s", CodeChunk("s", tuple(_codes(0, 25)), False))
+    (chunk,) = eng.step()
+    sid, pcm, last = chunk.request_id, chunk.pcm, chunk.finished
     # [MU7]: 160 ms of zeros, then the causal vocoder's first 42 frames
     assert sid == "s" and not last and pcm.shape == (24000,) and np.isfinite(pcm).all()
     assert not pcm[:3840].any() and np.abs(pcm).max() > 0
@@ -167,14 +169,15 @@ def _run(
 ) -> dict[str, np.ndarray]:
     """Open streams, push each stream's pieces one per round, step after each round."""
     for sid in feeds:
-        engine.open_stream(sid, voice)
+        engine.open(sid, voice)
     pieces: dict[str, list[np.ndarray]] = {sid: [] for sid in feeds}
     for rnd in range(max(len(f) for f in feeds.values())):
         for sid, f in feeds.items():
             if rnd < len(f):
-                engine.push_codes(sid, *f[rnd])
-        for sid, pcm, _ in engine.step():
-            pieces[sid].append(pcm)
+                codes, final = f[rnd]
+                engine.feed(sid, CodeChunk(sid, tuple(codes), final))
+        for chunk in engine.step():
+            pieces[chunk.request_id].append(chunk.pcm)
     for sid, pcm in engine.drain().items():
         pieces[sid].extend(pcm)
     return {sid: np.concatenate(p) for sid, p in pieces.items()}
@@ -320,16 +323,16 @@ def test_engine_batch_wait_coalesces_with_injected_clock(model, voice):
     eng = Code2WavEngine(
         flow, hift, cfg, Code2WavEngineConfig(code2wav_batch_wait_ms=50), clock=clock
     )
-    eng.open_stream("a", voice)
-    eng.open_stream("b", voice)
-    eng.push_codes("a", _codes(1, 25))
-    eng.push_codes("b", _codes(2, 23))  # 2 codes short: close
+    eng.open("a", voice)
+    eng.open("b", voice)
+    eng.feed("a", CodeChunk("a", tuple(_codes(1, 25)), False))
+    eng.feed("b", CodeChunk("b", tuple(_codes(2, 23)), False))  # 2 codes short: close
     assert eng.step() == []  # a waits for b
-    eng.push_codes("b", _codes(3, 2))
+    eng.feed("b", CodeChunk("b", tuple(_codes(3, 2)), False))
     out = eng.step()
-    assert [sid for sid, _, _ in out] == ["a", "b"] and eng.counters["batch_size_2"] == 1
-    eng.push_codes("a", _codes(4, 25))  # b is far from its next window: no wait
-    assert [sid for sid, _, _ in eng.step()] == ["a"]
+    assert [c.request_id for c in out] == ["a", "b"] and eng.counters["batch_size_2"] == 1
+    eng.feed("a", CodeChunk("a", tuple(_codes(4, 25)), False))  # b is far from its next window: no wait
+    assert [c.request_id for c in eng.step()] == ["a"]
 
 
 def _tiny_onnx_front_ends(folder: Path) -> None:
@@ -407,10 +410,10 @@ def test_reference_audio_voice_through_onnx_front_ends(ckpt, model, tmp_path):
     assert abs(v1.prompt_tokens.shape[1] - 25 * 1.5) <= 1  # 25 Hz codes of 1.5 s
     flow, hift, cfg = model
     eng = Code2WavEngine(flow, hift, cfg, voices=cache)
-    eng.open_stream("ref", v1)
-    eng.open_stream("default")
-    eng.push_codes("ref", _codes(5, 10), final=True)
-    eng.push_codes("default", _codes(5, 10), final=True)
+    eng.open("ref", v1)
+    eng.open("default")
+    eng.feed("ref", CodeChunk("ref", tuple(_codes(5, 10)), True))
+    eng.feed("default", CodeChunk("default", tuple(_codes(5, 10)), True))
     out = eng.drain()
     assert len(np.concatenate(out["ref"])) == len(np.concatenate(out["default"])) == 2 * 13 * 480
 

@@ -20,6 +20,7 @@ from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from pipeline.code2wav.flow import HISTORY_FRAMES, FlowCache
 from pipeline.code2wav.slots import Row
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
+from pipeline.handoff import CodeChunk
 
 SLOTS = Code2WavEngineConfig(token2wav_slot_pool=True)
 
@@ -70,14 +71,14 @@ def _play(engine, rounds, voice_of, close_after=None):
     for r, rnd in enumerate(rounds):
         for sid, codes, final, first in rnd:
             if first:
-                engine.open_stream(sid, voice_of(sid))
+                engine.open(sid, voice_of(sid))
                 out[sid] = []
             if sid in engine.streams:
-                engine.push_codes(sid, codes, final)
-        for sid, pcm, _ in engine.step():
-            out[sid].append(pcm)
+                engine.feed(sid, CodeChunk(sid, tuple(codes), final))
+        for chunk in engine.step():
+            out[chunk.request_id].append(chunk.pcm)
         if close_after is not None and r == close_after[1]:
-            engine.close_stream(close_after[0])
+            engine.abort(close_after[0])
     for sid, pcm in engine.drain().items():
         out[sid].extend(pcm)
     return out
@@ -196,13 +197,13 @@ def test_abort_frees_only_its_slot(model, voices):
     ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of, close_after=("s1", 8))
     eng = Code2WavEngine(flow, hift, cfg, SLOTS)
     slot_of = {}
-    original_open = eng.open_stream
+    original_open = eng.open
 
     def open_stream(sid, voice):
         original_open(sid, voice)
         slot_of[sid] = eng.streams[sid].slot
 
-    eng.open_stream = open_stream
+    eng.open = open_stream
     got = _play(eng, rounds, voice_of, close_after=("s1", 8))
     assert slot_of["s3"] == slot_of["s1"]  # the freed slot was reused
     assert len(got["s1"]) < len(got["s0"])

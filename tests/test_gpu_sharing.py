@@ -315,7 +315,7 @@ def test_engine_loop_runs_in_its_scope():
             entered.append("out")
 
     class Idle:
-        def has_unfinished(self) -> bool:
+        def has_work(self) -> bool:
             return False
 
     async def main():
@@ -359,7 +359,7 @@ def test_engine_thread_runs_on_the_stages_stream(priority):
     cfg = cuda_config(priority)
 
     class Idle:
-        def has_unfinished(self) -> bool:
+        def has_work(self) -> bool:
             return False
 
     async def main():
@@ -427,6 +427,7 @@ def test_work_and_graphs_on_the_high_priority_stream_are_bit_identical():
 def test_talker_codes_on_the_high_priority_stream_equal_the_default_stream():
     from test_talker_engine import all_codes, make_talker, run, spoken, tiny_cfg
 
+    from pipeline.handoff import SpokenChunk, TalkerSpec
     from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
 
     cfg = tiny_cfg(max_new_tokens=60, min_new_tokens=10)
@@ -438,10 +439,10 @@ def test_talker_codes_on_the_high_priority_stream_equal_the_default_stream():
                 talker, TalkerEngineConfig(max_streams=4, cuda_graphs=True, max_seq_len=512)
             )
             for i in range(3):
-                engine.open(f"s{i}", mode="streaming", seed=i)
+                engine.open(f"s{i}", TalkerSpec(mode="streaming", seed=i))
                 ids, hidden = spoken(20 + 5 * i, cfg, seed=i)
-                engine.feed_text(f"s{i}", ids, hidden, text_finished=True)
+                engine.feed(f"s{i}", SpokenChunk(ids, hidden, True))
             out = run(engine, ["s0", "s1", "s2"])
-            assert engine.stats().graph_replays > 0
+            assert engine.stats()["graph_replays"] > 0
         codes.append({k: all_codes(v) for k, v in out.items()})
     assert codes[0] == codes[1]

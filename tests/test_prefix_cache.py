@@ -493,8 +493,9 @@ def test_follow_up_about_the_same_media_runs_no_encoder(thinker_factory, monkeyp
     got = _run_thinker(eng, [follow])["q2"]
     st = eng.stats()
     assert (calls.images, calls.audios) == (1, 1)  # both media inside the cached prefix
-    assert st.media_skipped == 2 and st.prefix_cache_hits - before.prefix_cache_hits >= last_media
-    assert st.num_free_blocks == st.num_total_blocks
+    assert st["media_skipped"] == 2
+    assert st["prefix_cache_hits"] - before["prefix_cache_hits"] >= last_media
+    assert st["num_free_blocks"] == st["num_total_blocks"]
     off = thinker_factory(enable_prefix_caching=False)
     _same(got, _run_thinker(off, [_turns(off, "q2", follow_up="And the sound?")])["q2"])
 
@@ -526,7 +527,7 @@ def test_other_media_behind_the_same_placeholders_is_encoded(thinker_factory, mo
     assert other.input_ids == first.input_ids
     before = eng.stats()
     got = _run_thinker(eng, [other])["o"]
-    hit = eng.stats().prefix_cache_hits - before.prefix_cache_hits
+    hit = eng.stats()["prefix_cache_hits"] - before["prefix_cache_hits"]
     assert hit <= other.image_bounds[0][0]  # nothing from the first image on is shared
     assert (calls.images, calls.audios) == (2, 2)  # the clip comes after the new image
     off = thinker_factory(enable_prefix_caching=False)
@@ -550,10 +551,10 @@ def test_media_left_out_then_evicted_is_encoded_on_demand(thinker_factory, monke
     long.sampling = SamplingParams(max_tokens=room, ignore_eos=True)
     got = _run_thinker(eng, [long, _turns(eng, "y")])["y"]  # y waits: max_num_seqs 1
     st = eng.stats()
-    assert st.media_skipped == 2 and eng.llm.block_manager.num_evictions > 0
+    assert st["media_skipped"] == 2 and eng.llm.block_manager.num_evictions > 0
     assert (calls.images, calls.audios) == (2, 2)  # x at admission, y on demand
     _same(got, ref)
-    assert st.num_free_blocks == st.num_total_blocks
+    assert st["num_free_blocks"] == st["num_total_blocks"]
 
 
 # ---------------------------------------------------------------------------------------

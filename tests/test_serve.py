@@ -147,7 +147,7 @@ def _all_free(app: str = APP) -> tuple[bool, dict]:
     free = (st["idle"] and not st["leaks"] and th["forwarders"] == 0
             and eng.get("num_free_blocks") == eng.get("num_total_blocks")
             and tk["engine"]["open_streams"] == 0 and tk["engine"]["unaccounted_slots"] == 0
-            and cw["engine"]["streams"] == 0 and st["window"]["active"] == 0)
+            and cw["engine"]["open_streams"] == 0 and st["window"]["active"] == 0)
     return free, st
 
 

@@ -17,8 +17,9 @@ from test_talker_model import hf_llama
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from pipeline.config import TalkerConfig, talker_config_from_hf
+from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec
 from pipeline.presets import tiny_hf_config
-from pipeline.talker.engine import CodeChunk, TalkerEngine, TalkerEngineConfig
+from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.model import TalkerModel
 from pipeline.talker.sampling import TalkerSamplingParams
@@ -167,7 +168,7 @@ def run(
     out: dict[str, list[CodeChunk]] = {s: [] for s in stream_ids}
     for _ in range(max_steps):
         for chunk in engine.step():
-            out[chunk.stream_id].append(chunk)
+            out[chunk.request_id].append(chunk)
         if all(c and c[-1].finished for c in out.values()):
             return out
     raise AssertionError("streams did not finish")
@@ -192,10 +193,10 @@ def test_full_span_matches_reference_generate(fused):
     engine = TalkerEngine(
         talker, TalkerEngineConfig(max_streams=2, mode="full_span", talker_fused=fused)
     )
-    engine.open("a", seed=11)
-    engine.feed_text("a", ids[:9], hidden[:9])
+    engine.open("a", TalkerSpec(seed=11))
+    engine.feed("a", SpokenChunk(ids[:9], hidden[:9]))
     assert engine.step() == []  # full_span waits for the whole span
-    engine.feed_text("a", ids[9:], hidden[9:], text_finished=True)
+    engine.feed("a", SpokenChunk(ids[9:], hidden[9:], True))
     got = all_codes(run(engine, ["a"])["a"])
     with torch.no_grad():
         expected = ref.full_span(ref.condition(ids, hidden), seed=11)
@@ -209,9 +210,9 @@ def test_full_span_matches_reference_generate(fused):
 def test_full_span_eos_mask_and_max_length(eos_bias, expected_len):
     cfg = tiny_cfg(max_new_tokens=60)  # min_new_tokens stays 50
     engine = TalkerEngine(make_talker(cfg, eos_bias), TalkerEngineConfig(max_streams=1))
-    engine.open("a", mode="full_span", seed=0)
+    engine.open("a", TalkerSpec(mode="full_span", seed=0))
     ids, hidden = spoken(5, cfg, seed=0)
-    engine.feed_text("a", ids, hidden, text_finished=True)
+    engine.feed("a", SpokenChunk(ids, hidden, True))
     codes = all_codes(run(engine, ["a"])["a"])
     # EOS is masked for draws 0..49, so an always-EOS model stops at exactly 50 codes; a
     # never-EOS one makes 60 draws and, like the reference, drops the one at the cap.
@@ -222,9 +223,9 @@ def test_full_span_eos_mask_and_max_length(eos_bias, expected_len):
 def test_chunks_of_25_released_with_3_lookahead():
     cfg = tiny_cfg(max_new_tokens=60)
     engine = TalkerEngine(make_talker(cfg, -1e4), TalkerEngineConfig(max_streams=2))
-    engine.open("a", mode="full_span", seed=3)
+    engine.open("a", TalkerSpec(mode="full_span", seed=3))
     ids, hidden = spoken(4, cfg, seed=1)
-    engine.feed_text("a", ids, hidden, text_finished=True)
+    engine.feed("a", SpokenChunk(ids, hidden, True))
     released_at = []  # (number of codes when released, chunk)
     for _ in range(100):
         for chunk in engine.step():
@@ -256,21 +257,21 @@ def test_streaming_matches_reference_generate_with_buffer(fused):
 
     # Stream A: 7 rows (too few to start), then the other 20 with the end of text:
     # chunks [0:10], [10:20] and the last [20:27] (+ text_eos).
-    engine.open("A", mode="streaming", seed=21)
-    engine.feed_text("A", ids[:7], hidden[:7])
+    engine.open("A", TalkerSpec(mode="streaming", seed=21))
+    engine.feed("A", SpokenChunk(ids[:7], hidden[:7]))
     assert engine.step() == [] and engine._streams["A"].started_units == 0
-    engine.feed_text("A", ids[7:], hidden[7:], text_finished=True)
+    engine.feed("A", SpokenChunk(ids[7:], hidden[7:], True))
     # Stream B: 20 rows; the end of text arrives after both chunks started, so the last
     # chunk is empty: [text_eos, audio_bos] only.
-    engine.open("B", mode="streaming", seed=22)
-    engine.feed_text("B", ids[:20], hidden[:20])
+    engine.open("B", TalkerSpec(mode="streaming", seed=22))
+    engine.feed("B", SpokenChunk(ids[:20], hidden[:20]))
     chunks: dict[str, list[CodeChunk]] = {"A": [], "B": []}
     for _ in range(500):
         for c in engine.step():
-            chunks[c.stream_id].append(c)
+            chunks[c.request_id].append(c)
         b = engine._streams["B"]
         if b.started_units == 2 and not b.text_finished:
-            engine.feed_text("B", ids[:0], hidden[:0], text_finished=True)
+            engine.feed("B", SpokenChunk(ids[:0], hidden[:0], True))
         if all(v and v[-1].finished for v in chunks.values()):
             break
     with torch.no_grad():
@@ -291,9 +292,9 @@ def test_streaming_matches_reference_generate_with_buffer(fused):
 def test_streaming_eos_at_every_chunk_start_flushes_empty_final_chunk():
     cfg = tiny_cfg()
     engine = TalkerEngine(make_talker(cfg, 100.0), TalkerEngineConfig(max_streams=1))
-    engine.open("s", mode="streaming", seed=0)
+    engine.open("s", TalkerSpec(mode="streaming", seed=0))
     ids, hidden = spoken(25, cfg, seed=2)
-    engine.feed_text("s", ids, hidden, text_finished=True)
+    engine.feed("s", SpokenChunk(ids, hidden, True))
     chunks = run(engine, ["s"])["s"]
     assert chunks == [CodeChunk("s", (), True, (), 0)]
     assert engine._streams["s"].started_units == 3  # 10 + 10 + 5 rows, no minimum in streaming
@@ -313,15 +314,15 @@ def test_batched_decode_equals_one_stream_at_a_time():
     alone = {}
     for sid, mode, seed, n in plan:
         engine = TalkerEngine(talker, econf)
-        engine.open(sid, mode=mode, seed=seed)
-        engine.feed_text(sid, *data[sid], text_finished=True)
+        engine.open(sid, TalkerSpec(mode=mode, seed=seed))
+        engine.feed(sid, SpokenChunk(*data[sid], True))
         alone[sid] = run(engine, [sid])[sid]
 
     # Together: staggered starts, and text arriving in pieces while others decode.
     engine = TalkerEngine(talker, econf)
     together: dict[str, list[CodeChunk]] = {sid: [] for sid, *_ in plan}
     for sid, mode, seed, _ in plan:
-        engine.open(sid, mode=mode, seed=seed)
+        engine.open(sid, TalkerSpec(mode=mode, seed=seed))
     for step in range(2000):
         for sid, _, _, n in plan:
             ids, hidden = data[sid]
@@ -329,15 +330,16 @@ def test_batched_decode_equals_one_stream_at_a_time():
             piece = {0: 0, 3: 1, 9: 2}.get(step - (5 if sid == "s2" else 0))
             if piece is not None:
                 lo, hi = cuts[piece], cuts[piece + 1]
-                engine.feed_text(sid, ids[lo:hi], hidden[lo:hi], text_finished=piece == 2)
+                engine.feed(sid, SpokenChunk(ids[lo:hi], hidden[lo:hi], piece == 2))
         for c in engine.step():
-            together[c.stream_id].append(c)
+            together[c.request_id].append(c)
         if all(v and v[-1].finished for v in together.values()):
             break
     stats = engine.stats()
-    assert stats.prefills == sum(e.started_units for e in engine._streams.values())
-    assert stats.codes == sum(len(all_codes(c)) for c in together.values())
-    assert stats.free_slots == 4 and stats.decoding_streams == 0 and stats.graph_replays == 0
+    assert stats["prefills"] == sum(e.started_units for e in engine._streams.values())
+    assert stats["codes"] == sum(len(all_codes(c)) for c in together.values())
+    assert stats["free_slots"] == 4 and stats["decoding_streams"] == 0
+    assert stats["graph_replays"] == 0
     for sid, chunks in together.items():
         assert [c.codes for c in chunks] == [c.codes for c in alone[sid]], sid
         assert chunks == alone[sid], sid
@@ -346,31 +348,31 @@ def test_batched_decode_equals_one_stream_at_a_time():
 def test_slots_open_close_and_errors():
     cfg = tiny_cfg(max_new_tokens=30, min_new_tokens=0)
     engine = TalkerEngine(make_talker(cfg, 0.0), TalkerEngineConfig(max_streams=2, max_seq_len=64))
-    assert engine.step() == [] and not engine.has_work
-    engine.open("a", seed=1)
-    engine.open("b", mode="full_span", seed=2)
+    assert engine.step() == [] and not engine.has_work()
+    engine.open("a", TalkerSpec(seed=1))
+    engine.open("b", TalkerSpec(mode="full_span", seed=2))
     with pytest.raises(RuntimeError, match="no free Talker slot"):
         engine.open("c")
     with pytest.raises(ValueError, match="already open"):
         engine.open("a")
     ids, hidden = spoken(70, cfg, seed=0)
     with pytest.raises(ValueError, match="does not fit"):
-        engine.feed_text("b", ids, hidden, text_finished=True)
-    engine.close("b")  # cancel: slot 1 comes back
-    engine.open("c", mode="full_span", seed=3)
+        engine.feed("b", SpokenChunk(ids, hidden, True))
+    engine.abort("b")  # cancel: slot 1 comes back
+    engine.open("c", TalkerSpec(mode="full_span", seed=3))
     assert engine._streams["c"].slot == 1
-    engine.feed_text("a", ids[:10], hidden[:10])
+    engine.feed("a", SpokenChunk(ids[:10], hidden[:10]))
     engine.step()
     assert engine._streams["a"].decoding
-    engine.close("a")  # cancel mid-decode
+    engine.abort("a")  # cancel mid-decode
     assert engine.num_free_slots == 1 and not engine._active.any()
-    engine.feed_text("c", ids[:3], hidden[:3], text_finished=True)
+    engine.feed("c", SpokenChunk(ids[:3], hidden[:3], True))
     chunks = run(engine, ["c"])["c"]
     assert chunks[-1].finished and engine.num_free_slots == 2  # finished streams free the slot
     with pytest.raises(ValueError, match="already finished"):
-        engine.feed_text("c", ids[:1], hidden[:1])
-    engine.close("c")
-    engine.close("c")  # idempotent
+        engine.feed("c", SpokenChunk(ids[:1], hidden[:1]))
+    engine.abort("c")
+    engine.abort("c")  # idempotent
 
 
 def test_engine_config_resolution():
@@ -424,12 +426,12 @@ def test_cuda_graph_decode_matches_eager(variant):
         assert (engine.graphs is not None) == graphs
         assert isinstance(engine.decoder, FusedTalker) == (variant != "plain")
         for i, mode in enumerate(["streaming", "full_span", "streaming"]):
-            engine.open(f"s{i}", mode=mode, seed=i)
+            engine.open(f"s{i}", TalkerSpec(mode=mode, seed=i))
             ids, hidden = spoken(24 + 7 * i, cfg, seed=i)
-            engine.feed_text(f"s{i}", ids, hidden, text_finished=True)
+            engine.feed(f"s{i}", SpokenChunk(ids, hidden, True))
         results.append(run(engine, ["s0", "s1", "s2"]))
         if graphs and steps == 1:
-            assert engine.stats().graph_replays == engine.stats().steps > 0
+            assert engine.stats()["graph_replays"] == engine.stats()["steps"] > 0
     assert results[0] == results[1] == results[2]
 
 
@@ -439,15 +441,15 @@ def test_fixed_code_count_ignores_eos(mode):
     released as 25 + 25 + 7 for 57, and the stream ends even with text still coming."""
     cfg = tiny_cfg()
     engine = TalkerEngine(make_talker(cfg, eos_bias=100.0), TalkerEngineConfig(max_streams=1))
-    engine.open("a", mode=mode, seed=0, max_codes=57)
+    engine.open("a", TalkerSpec(mode=mode, seed=0, max_codes=57))
     ids, hidden = spoken(12, cfg, seed=2)
-    engine.feed_text("a", ids, hidden, text_finished=(mode == "full_span"))
+    engine.feed("a", SpokenChunk(ids, hidden, (mode == "full_span")))
     chunks = run(engine, ["a"])["a"]
     assert [len(c.codes) for c in chunks] == [25, 25, 7]
     assert cfg.eos_code not in all_codes(chunks)
     assert engine.num_free_slots == 1
     with pytest.raises(ValueError, match="max_codes"):
-        engine.open("b", max_codes=0)
+        engine.open("b", TalkerSpec(max_codes=0))
 
 
 @pytest.mark.parametrize("steps", [3, 4])
@@ -469,13 +471,13 @@ def test_decode_groups_equal_one_step_at_a_time(steps):
             talker, TalkerEngineConfig(max_streams=4, streaming_chunk_max_codes=20, decode_steps=k)
         )
         for sid, mode, seed, n, max_codes in plan:
-            engine.open(sid, mode=mode, seed=seed, max_codes=max_codes)
-            engine.feed_text(sid, *spoken(n, cfg, seed=seed), text_finished=True)
+            engine.open(sid, TalkerSpec(mode=mode, seed=seed, max_codes=max_codes))
+            engine.feed(sid, SpokenChunk(*spoken(n, cfg, seed=seed), True))
         results.append(run(engine, [p[0] for p in plan]))
         engines.append(engine)
     assert results[0] == results[1]
     one, grouped = engines
-    assert grouped.rewinds > 0 and grouped.stats().codes == one.stats().codes
+    assert grouped.rewinds > 0 and grouped.stats()["codes"] == one.stats()["codes"]
     assert len(all_codes(results[1]["x1"])) == 30
 
 
@@ -517,9 +519,9 @@ def test_fused_engine_codes_against_plain_over_300_codes(compiled, temperature):
         )
         engine.sampler = recorder = RecordingSampler(engine.sampler)
         for i in range(3):
-            engine.open(f"s{i}", seed=100 + i, max_codes=300)
-            engine.feed_text(f"s{i}", *spoken(20 + 5 * i, cfg, seed=i), text_finished=True)
-        while engine.has_work:
+            engine.open(f"s{i}", TalkerSpec(seed=100 + i, max_codes=300))
+            engine.feed(f"s{i}", SpokenChunk(*spoken(20 + 5 * i, cfg, seed=i), True))
+        while engine.has_work():
             engine.step()
         codes.append([engine.stream_codes(f"s{i}") for i in range(3)])
         calls.append(recorder.calls)
@@ -538,10 +540,8 @@ def test_fused_engine_codes_against_plain_over_300_codes(compiled, temperature):
 
 
 def test_cpu_replica_drops_talker_compile(tiny_source):
-    """The deployment builds a CPU replica without Inductor (a C++ toolchain and minutes of
-    start-up); the fused path itself stays as configured."""
-    from deployments.talker import make_talker_engine
-
-    eng = make_talker_engine(
+    """A CPU replica is built without Inductor (a C++ toolchain and minutes of start-up);
+    the fused path itself stays as configured."""
+    eng = TalkerEngine.from_source(
         tiny_source, TalkerEngineConfig(talker_fused=True, talker_compile=True), "cpu")
     assert eng.config.talker_fused and not eng.config.talker_compile

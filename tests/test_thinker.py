@@ -71,12 +71,12 @@ def _request(
 
 def _run(engine, reqs):
     for r in reqs:
-        engine.add_request(r)
+        engine.open(r.request_id, r)
     out = {
         r.request_id: {"ids": [], "text": "", "spoken": [], "hidden": [], "reason": None}
         for r in reqs
     }
-    while engine.has_unfinished():
+    while engine.has_work():
         for d in engine.step():
             o = out[d.request_id]
             o["ids"] += d.token_ids
@@ -102,14 +102,14 @@ def test_multimodal_request_streams_text_and_spoken_hidden(engine_factory):
     # back on a length stop) comes with its hidden state.
     assert out["spoken"] == out["ids"][:-1]
     assert out["hidden"].shape == (9, eng.model.cfg.llm.hidden_size)
-    assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
+    assert eng.stats()["num_free_blocks"] == eng.stats()["num_total_blocks"]
 
 
 def test_stage_marks_on_first_and_last_delta(engine_factory):
     eng = engine_factory()
-    eng.add_request(_request(eng, "m", max_tokens=4))
+    eng.open("m", _request(eng, "m", max_tokens=4))
     marks = []
-    while eng.has_unfinished():
+    while eng.has_work():
         marks += [d.timings for d in eng.step() if d.timings]
     assert len(marks) == 2  # first token, last token
     first, last = marks
@@ -203,36 +203,40 @@ def test_text_only_prompt_without_speech_has_no_spoken_span(engine_factory):
 
 def test_abort_frees_everything(engine_factory):
     eng = engine_factory()
-    total = eng.stats().num_total_blocks
-    eng.add_request(_request(eng, "p", max_tokens=50))
-    eng.add_request(_request(eng, "q", max_tokens=50))
+    total = eng.stats()["num_total_blocks"]
+    eng.open("p", _request(eng, "p", max_tokens=50))
+    eng.open("q", _request(eng, "q", max_tokens=50))
     eng.step()
     eng.step()
-    assert eng.stats().num_free_blocks < total
-    assert eng.abort("p") and eng.abort("q") and not eng.abort("nope")
-    assert eng.stats().num_free_blocks == total
-    finals = [d for d in eng.step() if d.finished]
-    assert sorted(d.request_id for d in finals) == ["p", "q"]
-    assert all(d.finish_reason == "abort" for d in finals)
-    assert not eng.has_unfinished()
+    assert eng.stats()["num_free_blocks"] < total
+    eng.abort("p")
+    eng.abort("q")
+    eng.abort("nope")  # unknown: nothing happens
+    assert eng.stats()["num_free_blocks"] == total and eng.stats()["open_streams"] == 0
+    assert eng.step() == []  # nothing more comes for an aborted request
+    assert not eng.has_work()
     # Aborting a request that is still waiting for its encoders.
-    eng.add_request(_request(eng, "w"))
-    assert eng.abort("w")
-    assert [d.finish_reason for d in eng.step()] == ["abort"]
+    eng.open("w", _request(eng, "w"))
+    eng.abort("w")
+    assert not eng.has_work() and eng.step() == []
 
 
 def test_bad_requests_are_refused(engine_factory):
     eng = engine_factory()
     req = _request(eng, "b")
     with pytest.raises(ValueError, match="context"):
-        eng.add_request(type(req)(**{**req.__dict__, "sampling": SamplingParams(max_tokens=10**6)}))
+        eng.open("b", type(req)(**{**req.__dict__, "sampling": SamplingParams(max_tokens=10**6)}))
     s, e = req.image_bounds[0]
     bad = type(req)(**{**req.__dict__, "image_bounds": [(s, e - 1)] + req.image_bounds[1:]})
     with pytest.raises(ValueError, match="image slot"):
-        eng.add_request(bad)
-    eng.add_request(req)
+        eng.open("b", bad)
+    eng.open("b", req)
     with pytest.raises(ValueError, match="duplicate"):
-        eng.add_request(req)
+        eng.open("b", req)
+    with pytest.raises(ValueError, match="opened as"):
+        eng.open("other", req)
+    with pytest.raises(ValueError, match="whole prompt"):
+        eng.feed("b", None)
 
 
 def test_fused_projections_equal_separate(engine_factory):

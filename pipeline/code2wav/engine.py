@@ -1,11 +1,13 @@
 """Code2WavEngine: many concurrent code streams -> 24 kHz PCM chunks, batched across streams.
 
-    engine.open_stream("s1", voice)           # template state per voice (cloned, or rebuilt)
-    engine.push_codes("s1", codes, final)     # Talker output as it arrives
-    for sid, pcm, is_last in engine.step():   # decode every ready chunk, coalesced by shape
+The StageEngine protocol (pipeline/stage_engine.py):
+
+    engine.open("s1", voice)                        # template state per voice (cloned, or rebuilt)
+    engine.feed("s1", CodeChunk("s1", codes, final)) # Talker output as it arrives
+    for chunk in engine.step():                     # PcmChunk: every ready chunk, coalesced by shape
         ...
-    engine.close_stream("s1")
-    engine.warmup()                           # at deployment start: template + graph captures
+    engine.abort("s1")                              # frees the stream's state and slot
+    engine.warmup()                                 # at deployment start: template + graph captures
 
 Two decoding paths:
   plain (default)   : streams whose next chunks have equal shapes batch together and run
@@ -36,9 +38,9 @@ from __future__ import annotations
 import time
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -63,6 +65,7 @@ from pipeline.code2wav.stream import (
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
 from pipeline.config import Code2WavConfig
 from pipeline.graphs import GraphRunner
+from pipeline.handoff import CodeChunk, PcmChunk
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ class _Stream:
 
 
 class Code2WavEngine:
+    """Implements StageEngine; see the module docstring."""
+
+    config_cls = Code2WavEngineConfig
+
     def __init__(
         self,
         flow: Flow,
@@ -118,7 +125,7 @@ class Code2WavEngine:
         voices: VoiceCache | None = None,
     ):
         self.flow, self.hift, self.cfg, self.ecfg = flow, hift, cfg, engine_cfg
-        self.voices = voices  # default voice + reference-audio LRU (open_stream(voice=None))
+        self.voices = voices  # default voice + reference-audio LRU (open(rid, None))
         self.device = next(flow.parameters()).device
         self.crossfade = Crossfade(cfg.mel_overlap_frames * cfg.hift.hop_length, self.device)
         if engine_cfg.token2wav_precision == "bf16":
@@ -134,20 +141,29 @@ class Code2WavEngine:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
         if engine_cfg.token2wav_cfm_cuda_graph and not engine_cfg.token2wav_slot_pool:
-            raise ValueError("token2wav_cfm_cuda_graph captures the slot-pool step: "
-                             "turn token2wav_slot_pool on")
-        self.graph_sizes = tuple(sorted(
-            engine_cfg.graph_batch_sizes or range(1, engine_cfg.max_batch_size + 1)))
+            raise ValueError(
+                "token2wav_cfm_cuda_graph captures the slot-pool step: turn token2wav_slot_pool on"
+            )
+        self.graph_sizes = tuple(
+            sorted(engine_cfg.graph_batch_sizes or range(1, engine_cfg.max_batch_size + 1))
+        )
         if self.graph_sizes[-1] < engine_cfg.max_batch_size:
             raise ValueError("graph_batch_sizes must include a size >= max_batch_size")
         self.pool = (
-            FlowSlotPool(flow, engine_cfg.max_streams, engine_cfg.slot_prompt_frames,
-                         self.device, next(flow.parameters()).dtype)
-            if engine_cfg.token2wav_slot_pool else None
+            FlowSlotPool(
+                flow,
+                engine_cfg.max_streams,
+                engine_cfg.slot_prompt_frames,
+                self.device,
+                next(flow.parameters()).dtype,
+            )
+            if engine_cfg.token2wav_slot_pool
+            else None
         )
         self.graphs = (
             GraphRunner(engine_cfg.max_graphs)
-            if engine_cfg.token2wav_cfm_cuda_graph and cuda else None
+            if engine_cfg.token2wav_cfm_cuda_graph and cuda
+            else None
         )
         if isinstance(hift, CausalHiFT):  # set either way: engines may share the module
             hift.gemm_convs(engine_cfg.token2wav_vocoder_gemm_convs)
@@ -157,7 +173,8 @@ class Code2WavEngine:
             self.hift_graphs = runner(hift, self.graph_sizes, engine_cfg.max_graphs)
         self.time_table = self._time_table()
         self.batcher = ChunkBatcher(
-            engine_cfg.code2wav_batch_wait_ms, engine_cfg.max_batch_size, clock)
+            engine_cfg.code2wav_batch_wait_ms, engine_cfg.max_batch_size, clock
+        )
         self.streams: OrderedDict[str, _Stream] = OrderedDict()
         self.templates: OrderedDict[str, StreamState] = OrderedDict()
         self.pinned: set[str] = set()  # voice keys whose template the LRU never evicts
@@ -168,8 +185,38 @@ class Code2WavEngine:
         step (or a graph)."""
         with torch.inference_mode():
             t_emb, dt = self.flow.decoder.time_table(
-                self.device, next(self.flow.parameters()).dtype)
+                self.device, next(self.flow.parameters()).dtype
+            )
         return t_emb.clone(), dt.clone()
+
+    @classmethod
+    def from_source(
+        cls, source: Any, config: Code2WavEngineConfig | None = None, device: str = "cpu"
+    ) -> Code2WavEngine:
+        """The engine of a ModelSource's token2wav (a random full-size flow + the causal
+        vocoder for a source without files), with its VoiceCache, warmed up."""
+        from pipeline.code2wav.assets import load_code2wav, token2wav_dir
+
+        config = config or Code2WavEngineConfig()
+        # fp32 on every device: the reference runs the flow and HiFT in fp32, and a lower
+        # precision would change the audio.
+        if source.path is None:  # random-full: full-size random flow + HiFT, default voice
+            from pipeline.code2wav.assets import random_code2wav, random_vocoder
+
+            c2w_cfg = source.config.code2wav
+            flow, _ = random_code2wav(c2w_cfg, seed=0)
+            hift = random_vocoder(c2w_cfg, 0, "minicpmo-utils-1.0.7")  # the causal one, as released
+            flow, hift = flow.to(device), hift.to(device)
+            voice_dir = source.tokenizer_dir  # the tiny default's assets: same voice format
+        else:
+            flow, hift, c2w_cfg = load_code2wav(source.path, device, torch.float32)
+            voice_dir = source.path
+        if torch.device(device).type != "cuda" and config.token2wav_compile_estimator:
+            # Inductor on CPU needs a C++ compiler and minutes of start-up; the knob is for GPUs
+            config = replace(config, token2wav_compile_estimator=False)
+        engine = cls(flow, hift, c2w_cfg, config, voices=VoiceCache(token2wav_dir(voice_dir)))
+        engine.warmup()  # default voice's template; CFM graph captures before the first request
+        return engine
 
     # -- streams -----------------------------------------------------------------------
 
@@ -213,15 +260,21 @@ class Code2WavEngine:
         v = voice.to(self.device)
         dtype = next(self.flow.parameters()).dtype
         return initial_state(
-            self.flow, self.cfg, v.prompt_tokens, v.prompt_mel.to(dtype), v.spk_emb.to(dtype),
-            reference=self.ecfg.token2wav_reference, vocoder=self.hift,
+            self.flow,
+            self.cfg,
+            v.prompt_tokens,
+            v.prompt_mel.to(dtype),
+            v.spk_emb.to(dtype),
+            reference=self.ecfg.token2wav_reference,
+            vocoder=self.hift,
         )
 
-    def open_stream(self, stream_id: str, voice: VoicePrompt | None = None) -> None:
-        """Start a turn. `voice` None = the checkpoint's default voice (needs `voices`); for a
-        request's reference audio pass `engine.voices.from_audio(wav, sample_rate)`."""
-        if stream_id in self.streams:
-            raise ValueError(f"stream {stream_id!r} is already open")
+    def open(self, rid: str, spec: VoicePrompt | None = None) -> None:
+        """Start a turn in voice `spec`: None = the checkpoint's default voice (needs
+        `voices`); for a request's reference audio pass `engine.voices.from_audio(wav, rate)`."""
+        if rid in self.streams:
+            raise ValueError(f"stream {rid!r} is already open")
+        voice = spec
         if voice is None:
             if self.voices is None:
                 raise ValueError(
@@ -231,7 +284,7 @@ class Code2WavEngine:
         state = self.initial_state(voice)
         if self.ecfg.hift_seed is not None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(self.ecfg.hift_seed * 1_000_003 + zlib.crc32(stream_id.encode()))
+            gen.manual_seed(self.ecfg.hift_seed * 1_000_003 + zlib.crc32(rid.encode()))
             state.generator = gen
         slot = None
         fits = self.pool is not None and state.prompt_frames <= self.pool.max_prompt_frames
@@ -241,19 +294,34 @@ class Code2WavEngine:
         elif self.pool is not None:
             # a voice prompt longer than the pool holds, or every slot taken: plain path
             self.counters["streams_unslotted"] += 1
-        self.streams[stream_id] = _Stream(state, CodeCursor.start(self.cfg), slot)
+        self.streams[rid] = _Stream(state, CodeCursor.start(self.cfg), slot)
         self.counters["streams_opened"] += 1
 
-    def push_codes(self, stream_id: str, codes: Sequence[int], final: bool = False) -> None:
-        self.streams[stream_id].cursor.push(codes, final)
+    def feed(self, rid: str, msg: CodeChunk) -> None:
+        """The stream's next codes, in order (`msg.finished`: no more will come)."""
+        s = self.streams.get(rid)
+        if s is None:
+            raise KeyError(f"no Code2Wav stream {rid!r}")
+        if msg.request_id != rid:
+            raise ValueError(f"codes of stream {msg.request_id!r} fed to {rid!r}")
+        s.cursor.push(list(msg.codes), msg.finished)
 
-    def close_stream(self, stream_id: str) -> None:
-        s = self.streams.pop(stream_id, None)
+    def abort(self, rid: str) -> None:
+        s = self.streams.pop(rid, None)
         if s is not None and s.slot is not None:
             self.pool.release(s.slot)
 
     def has_work(self) -> bool:
         return any(s.cursor.next_chunk(self.cfg) is not None for s in self.streams.values())
+
+    def stats(self) -> dict[str, float]:
+        """Open streams, free slot-pool slots (-1 without the pool), and the counters."""
+        return {
+            "open_streams": len(self.streams),
+            "free_slots": len(self.pool.free) if self.pool is not None else -1,
+            "voice_templates": len(self.templates),
+            **self.counters,
+        }
 
     # -- decoding ------------------------------------------------------------------------
 
@@ -266,9 +334,9 @@ class Code2WavEngine:
         key = ("slots",) if s.slot is not None and codes else s.state.shape_key(len(codes), last)
         return codes, last, key
 
-    def step(self) -> list[tuple[str, np.ndarray, bool]]:
-        """Decode every chunk the batcher releases now. Returns (stream_id, pcm float32 (N,),
-        is_last) in batch order; each stream contributes at most one chunk per step."""
+    def step(self) -> list[PcmChunk]:
+        """Decode every chunk the batcher releases now, in batch order; each stream
+        contributes at most one chunk per step."""
         ready, near, pending = [], Counter(), {}
         window = self.cfg.chunk_size + self.cfg.pre_lookahead
         for sid, s in self.streams.items():
@@ -297,7 +365,7 @@ class Code2WavEngine:
                 if last and stream.slot is not None:  # nothing of the stream is read again
                     self.pool.release(stream.slot)
                     stream.slot = None
-                out.append((sid, pcm, last))
+                out.append(PcmChunk(sid, pcm, last))
             self.counters["batches"] += 1
             self.counters["chunks"] += len(ids)
             self.counters[f"batch_size_{len(ids)}"] += 1
@@ -318,8 +386,14 @@ class Code2WavEngine:
         ).reshape(len(ids), -1)
         states = [self.streams[i].state for i in ids]
         speech, new_states = stream_step(
-            self.flow, self.hift_graphs or self.hift, self.cfg, states, tokens, last,
-            self.crossfade, time_table=self.time_table,
+            self.flow,
+            self.hift_graphs or self.hift,
+            self.cfg,
+            states,
+            tokens,
+            last,
+            self.crossfade,
+            time_table=self.time_table,
         )
         pcm = speech.float().cpu().numpy()
         for sid, st in zip(ids, new_states):
@@ -332,8 +406,12 @@ class Code2WavEngine:
         rows = [Row(s.slot, pending[i][0], pending[i][1]) for i, s in zip(ids, streams)]
         size = next(b for b in self.graph_sizes if b >= len(rows))
         plan = self.pool.plan(rows, size if self.graphs is not None else len(rows))
-        spk = torch.zeros(len(plan.tokens), self.cfg.spk_embed_dim, device=self.device,
-                          dtype=streams[0].state.spk.dtype)
+        spk = torch.zeros(
+            len(plan.tokens),
+            self.cfg.spk_embed_dim,
+            device=self.device,
+            dtype=streams[0].state.spk.dtype,
+        )
         spk[: len(rows)] = torch.cat([s.state.spk for s in streams])
         mel = self._flow_slots(plan, spk)
         self.pool.commit(plan)
@@ -344,9 +422,14 @@ class Code2WavEngine:
         voiced = []  # every group's vocoder enqueued before the first copy to the host
         for (frames, *_), members in groups.items():
             last = rows[members[0]].last
-            speech, states = vocode(self.hift_graphs or self.hift, self.cfg,
-                                    [streams[r].state for r in members],
-                                    mel[members, :, :frames], last, self.crossfade)
+            speech, states = vocode(
+                self.hift_graphs or self.hift,
+                self.cfg,
+                [streams[r].state for r in members],
+                mel[members, :, :frames],
+                last,
+                self.crossfade,
+            )
             voiced.append((members, speech, states, last))
         out = {}
         for members, speech, states, last in voiced:
@@ -366,14 +449,18 @@ class Code2WavEngine:
 
         def run(tokens, spk, *tensors):
             return self.flow.forward_slots(
-                tokens, spk, self.pool.pool, unflatten(plan.index, tensors), self.time_table)
+                tokens, spk, self.pool.pool, unflatten(plan.index, tensors), self.time_table
+            )
 
         key = (len(plan.tokens), plan.index.dit.window)
         example = None
         if key not in self.graphs:  # capture on padding rows: the warm-up runs write nothing
             blank = self.pool.blank_plan(*key)
-            example = [blank.tokens.to(self.device), torch.zeros_like(spk),
-                       *flatten(index_to(blank.index, self.device))]
+            example = [
+                blank.tokens.to(self.device),
+                torch.zeros_like(spk),
+                *flatten(index_to(blank.index, self.device)),
+            ]
         with torch.inference_mode():
             mel = self.graphs.run(key, [plan.tokens, spk, *flatten(plan.index)], run, example)
         return mel.clone()
@@ -400,15 +487,15 @@ class Code2WavEngine:
         for b in sizes:
             ids = [f"__warmup_{b}_{i}" for i in range(b)]
             for sid in ids:
-                self.open_stream(sid, voice)
+                self.open(sid, voice)
             try:
                 for _ in range(self.ecfg.warmup_chunks):
                     for sid in ids:
-                        self.push_codes(sid, silence)
+                        self.feed(sid, CodeChunk(sid, tuple(silence), False))
                     self.drain()
             finally:
                 for sid in ids:
-                    self.close_stream(sid)
+                    self.abort(sid)
         self.counters["warmup_streams"] += sum(sizes)
 
     def drain(self, max_steps: int = 10_000) -> dict[str, list[np.ndarray]]:
@@ -417,6 +504,6 @@ class Code2WavEngine:
         for _ in range(max_steps):
             if not self.has_work():
                 break
-            for sid, pcm, _ in self.step():
-                pieces.setdefault(sid, []).append(pcm)
+            for chunk in self.step():
+                pieces.setdefault(chunk.request_id, []).append(chunk.pcm)
         return pieces

@@ -1,9 +1,9 @@
 """TalkerEngine: many Talker streams decoded together, one code per stream per step.
 
-Per stream (one slot = one KV-cache row + one sampler-state row):
-  open(stream_id, mode, seed)   reserve a slot; a torch.Generator seeded per request
-  feed_text(ids, hidden, text_finished)
-                                condition rows c_i (Talker dtype) are built at once
+The StageEngine protocol (pipeline/stage_engine.py), per stream (one slot = one KV-cache
+row + one sampler-state row):
+  open(rid, TalkerSpec)         reserve a slot; a torch.Generator seeded per request
+  feed(rid, SpokenChunk)        condition rows c_i (Talker dtype) are built at once
   step()                        1. one batched decode over the slots that are decoding
                                    (CUDA graph per (rows, read_len) bucket, or eager); with
                                    `decode_steps` k > 1, k steps per call (see the config)
@@ -11,7 +11,7 @@ Per stream (one slot = one KV-cache row + one sampler-state row):
                                    (eager, one stream at a time) and draw its first code
                                 3. release 25-code chunks once 25 + 3 lookahead codes exist;
                                    the last chunk flushes the rest (finished=True)
-  close(stream_id)              free the slot (also cancels a running stream)
+  abort(rid)                    free the slot (also cancels a running stream)
 
 A "unit" is what the reference decodes from one prompt:
   full_span   the whole spoken span: prompt [c_1..c_n, text_eos, audio_bos] once the text is
@@ -26,14 +26,14 @@ A "unit" is what the reference decodes from one prompt:
               recompute). A chunk ends on EOS (not emitted) or after 500 draws; the stream
               ends with its last chunk. No EOS mask. A chunk starts as soon as 10 text rows
               are waiting; the last chunk takes the rest (0..10) once the text is finished,
-              so feeders should pass text_finished together with the last ids.
+              so feeders should mark the SpokenChunk with the last ids `finished`.
 The repetition penalty sees the stream's last 16 codes across chunks; a stream's first
 draw is temperature-only.
 
 Prefill and decode run on the plain model (model.py) or, with `talker_fused`, on the fused
 forward over the same weights (fused.py, optionally compiled: `talker_compile`).
 
-Not thread-safe: one caller drives open/feed_text/step/close.
+Not thread-safe: one caller drives open/feed/step/abort.
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ from __future__ import annotations
 import heapq
 import secrets
 import time
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
 
 import torch
 
 from pipeline.config import TalkerConfig
 from pipeline.graphs import GraphRunner
+from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.graphs import bucket_up, power_of_two_buckets
 from pipeline.talker.model import TalkerKVCache, TalkerModel
@@ -135,29 +136,9 @@ class TalkerEngineConfig:
 
 
 @dataclass(frozen=True)
-class CodeChunk:
-    """Codes released for one stream.
-
-    codes:     new codes, in order (25, or the rest on the last chunk; may be empty then)
-    lookahead: the codes that follow (3, already known; they open the next chunk too)
-    finished:  last chunk of the stream
-    index:     0, 1, 2, ... per stream
-    started_at / released_at: wall clock (time.time()) from the previous chunk's release (the
-               first unit's start for chunk 0) to this one's: the Talker's share of the chunk
-    """
-
-    stream_id: str
-    codes: tuple[int, ...]
-    finished: bool
-    lookahead: tuple[int, ...] = ()
-    index: int = 0
-    started_at: float = field(default=0.0, compare=False)  # measurements, not content
-    released_at: float = field(default=0.0, compare=False)
-
-
-@dataclass(frozen=True)
 class TalkerStats:
-    """Counters since the engine was built, plus the current occupancy."""
+    """`TalkerEngine.stats()`, as a dict of these fields: counters since the engine was
+    built, plus the current occupancy."""
 
     open_streams: int
     decoding_streams: int
@@ -196,7 +177,9 @@ class _Stream:
 
 
 class TalkerEngine:
-    """Batched Talker decode over slots. See the module docstring for the step."""
+    """Batched Talker decode over slots; implements StageEngine. See the module docstring."""
+
+    config_cls = TalkerEngineConfig
 
     def __init__(self, model: TalkerModel, config: TalkerEngineConfig | None = None) -> None:
         self.model = model.eval()
@@ -252,6 +235,26 @@ class TalkerEngine:
         if self.config.talker_compile:
             self._compile_now()
 
+    @classmethod
+    def from_source(
+        cls, source: Any, config: TalkerEngineConfig | None = None, device: str = "cpu"
+    ) -> TalkerEngine:
+        """The engine of a ModelSource's Talker (the checkpoint's `tts.` part, strictly
+        loaded) in bf16 on CUDA, fp32 on the CPU."""
+        from pipeline.checkpoint import load_into, load_part, talker_schema
+        from pipeline.utils import resolve_dtype
+
+        config = config or TalkerEngineConfig()
+        cfg = source.config.talker
+        dtype = resolve_dtype("auto", device)
+        if torch.device(device).type != "cuda" and config.talker_compile:
+            # Inductor on CPU needs a C++ compiler and minutes of start-up; the knob is for GPUs
+            config = replace(config, talker_compile=False)
+        model = TalkerModel(cfg)
+        part = load_part(source.tensors, "tts.", talker_schema(cfg), "cpu", torch.float32)
+        load_into(model, part, "talker")
+        return cls(model.to(device=device, dtype=dtype), config)
+
     @torch.no_grad()
     def _compile_now(self) -> None:
         """Compile what the decode graphs' warm-up runs did not, so that no request waits
@@ -270,7 +273,6 @@ class TalkerEngine:
     def num_free_slots(self) -> int:
         return len(self._free)
 
-    @property
     def has_work(self) -> bool:
         """True while a step() would decode, start a unit or release a chunk."""
         return any(
@@ -278,39 +280,35 @@ class TalkerEngine:
             for s in self._streams.values()
         )
 
-    def stats(self) -> TalkerStats:
-        return TalkerStats(
-            open_streams=len(self._streams),
-            decoding_streams=sum(s.decoding for s in self._streams.values()),
-            free_slots=len(self._free),
-            steps=self._steps,
-            graph_replays=self.graphs.replays if self.graphs is not None else 0,
-            prefills=self._prefills,
-            codes=self._codes,
-            unaccounted_slots=self.config.max_streams
-            - len(self._free)
-            - sum(not s.finished for s in self._streams.values()),
+    def stats(self) -> dict[str, float]:
+        return asdict(
+            TalkerStats(
+                open_streams=len(self._streams),
+                decoding_streams=sum(s.decoding for s in self._streams.values()),
+                free_slots=len(self._free),
+                steps=self._steps,
+                graph_replays=self.graphs.replays if self.graphs is not None else 0,
+                prefills=self._prefills,
+                codes=self._codes,
+                unaccounted_slots=self.config.max_streams
+                - len(self._free)
+                - sum(not s.finished for s in self._streams.values()),
+            )
         )
 
     def stream_codes(self, stream_id: str) -> list[int]:
         """Every code the stream kept so far (released or not), EOS excluded."""
         return list(self._streams[stream_id].codes)
 
-    def open(
-        self,
-        stream_id: str,
-        mode: TalkerMode | None = None,
-        seed: int | None = None,
-        max_codes: int | None = None,
-    ) -> None:
-        """Reserve a slot. `max_codes` is the benchmark's fixed-length mode for random-weight
-        checkpoints (whose EOS is arbitrary): EOS is masked and the stream ends after exactly
-        `max_codes` codes, whatever text is still to come."""
+    def open(self, rid: str, spec: TalkerSpec | None = None) -> None:
+        """Reserve a slot for the stream (spec None: the configured mode, a random seed)."""
+        spec = spec or TalkerSpec()
+        max_codes, seed = spec.max_codes, spec.seed
         if max_codes is not None and max_codes < 1:
             raise ValueError(f"max_codes must be >= 1, got {max_codes}")
-        if stream_id in self._streams:
-            raise ValueError(f"stream {stream_id!r} is already open")
-        mode = mode or self.config.mode
+        if rid in self._streams:
+            raise ValueError(f"stream {rid!r} is already open")
+        mode = spec.mode or self.config.mode
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "streaming" and self.cfg.attention_type != "sliding_recompute":
@@ -327,26 +325,23 @@ class TalkerEngine:
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         pending = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         slot = heapq.heappop(self._free)
-        self._streams[stream_id] = _Stream(
-            stream_id, slot, mode, generator, pending, max_codes=max_codes
-        )
+        self._streams[rid] = _Stream(rid, slot, mode, generator, pending, max_codes=max_codes)
         min_new = self.cfg.min_new_tokens if mode == "full_span" else 0
         self.state.reset_row(slot, max(min_new, max_codes or 0))
         self._active[slot] = False
 
     @torch.no_grad()
-    def feed_text(
-        self,
-        stream_id: str,
-        ids: torch.Tensor | list[int],
-        hidden: torch.Tensor,
-        text_finished: bool = False,
-    ) -> None:
-        """ids (n,) Thinker ids of the spoken span; hidden (n, llm_dim) their hidden states."""
-        s = self._streams[stream_id]
+    def feed(self, rid: str, msg: SpokenChunk) -> None:
+        """The next spoken ids (n,) and their hidden states (n, llm_dim)."""
+        s = self._streams.get(rid)
+        if s is None:
+            raise KeyError(f"no Talker stream {rid!r}")
         if s.text_finished:
-            raise ValueError(f"stream {stream_id!r}: text already finished")
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
+            raise ValueError(f"stream {rid!r}: text already finished")
+        ids = torch.as_tensor(msg.ids, dtype=torch.long).reshape(-1).to(self.device)
+        hidden = msg.hidden
+        if hidden is None:
+            hidden = torch.zeros(0, self.cfg.llm_dim)
         if hidden.shape != (ids.numel(), self.cfg.llm_dim):
             raise ValueError(
                 f"hidden must be ({ids.numel()}, {self.cfg.llm_dim}), got {tuple(hidden.shape)}"
@@ -355,13 +350,13 @@ class TalkerEngine:
         if s.mode == "full_span" and total + 2 >= self.config.max_seq_len:
             # the prompt (span + text_eos + audio_bos) and at least one code must fit
             raise ValueError(
-                f"stream {stream_id!r}: spoken span of {total} rows does not fit "
+                f"stream {rid!r}: spoken span of {total} rows does not fit "
                 f"max_seq_len {self.config.max_seq_len}"
             )
         if ids.numel():
             rows = self.model.build_condition(ids, hidden.to(self.device))
             s.pending = torch.cat([s.pending, rows], dim=0)
-        s.text_finished = text_finished
+        s.text_finished = msg.finished
 
     @torch.no_grad()
     def step(self) -> list[CodeChunk]:
@@ -378,8 +373,8 @@ class TalkerEngine:
             out.extend(self._release(s))
         return out
 
-    def close(self, stream_id: str) -> None:
-        s = self._streams.pop(stream_id, None)
+    def abort(self, rid: str) -> None:
+        s = self._streams.pop(rid, None)
         if s is not None and not s.finished:
             self._free_slot(s)
 

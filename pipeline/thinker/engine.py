@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -46,7 +46,7 @@ from pipeline.utils import resolve_device, resolve_dtype
 class ThinkerEngineConfig:
     llm: EngineConfig = field(default_factory=EngineConfig)
     vision_attn_backend: str = "sdpa"  # eager | sdpa | flash
-    compile_mm_encoder: bool = True  # regional torch.compile of each SigLIP layer (CUDA only)
+    compile_mm_encoder: bool = False  # regional torch.compile of each SigLIP layer (CUDA only)
     fuse_projections: bool = True  # one q|k|v and one gate|up matmul per layer (same math)
     compile_llm_ops: bool = True  # torch.compile the LLM's norm/RoPE/SwiGLU helpers (CUDA only)
     encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
@@ -143,6 +143,9 @@ class _Stream:
 
 @dataclass(frozen=True)
 class ThinkerStats:
+    """`ThinkerEngine.stats()`, as a dict of these fields."""
+
+    open_streams: int  # requests the engine holds (queued, encoding, waiting or running)
     num_waiting_encode: int  # requests not admitted yet (those encoding count in the LLM's)
     num_running: int
     num_waiting: int
@@ -165,6 +168,10 @@ class ThinkerStats:
 
 
 class ThinkerEngine:
+    """Implements StageEngine (pipeline/stage_engine.py); see the module docstring."""
+
+    config_cls = ThinkerEngineConfig
+
     def __init__(
         self,
         model: ThinkerModel,
@@ -183,7 +190,6 @@ class ThinkerEngine:
         self.tokens = model.cfg.tokens
         self._pending: list[ThinkerRequest] = []
         self._streams: dict[str, _Stream] = {}
-        self._aborted: list[ThinkerDelta] = []
         self.media_skipped = 0
         self._max_step_items = 0
         self._max_step_ms = 0.0
@@ -211,47 +217,41 @@ class ThinkerEngine:
             model.llm.compile_ops()
         return cls(model, TextTokenizer.from_dir(source.tokenizer_dir), config, dev, dtype)
 
-    # -- requests ----------------------------------------------------------------------
-    def add_request(self, req: ThinkerRequest) -> None:
-        rid = req.request_id
+    # -- the StageEngine protocol (pipeline/stage_engine.py) -----------------------------
+    def open(self, rid: str, spec: ThinkerRequest) -> None:
+        """Queue a request: its whole prompt, media and sampling (`spec.request_id` is rid)."""
+        if spec.request_id != rid:
+            raise ValueError(f"request id {spec.request_id!r} opened as {rid!r}")
         if rid in self._streams or any(p.request_id == rid for p in self._pending):
             raise ValueError(f"duplicate request id {rid!r}")
-        if not req.input_ids:
+        if not spec.input_ids:
             raise ValueError("empty prompt")
         limit = self.model.cfg.llm.max_position_embeddings
-        if req.num_prompt_tokens + req.sampling.max_tokens > limit:
+        if spec.num_prompt_tokens + spec.sampling.max_tokens > limit:
             raise ValueError(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
-                f"exceeds the context of {limit} tokens"
+                f"prompt ({spec.num_prompt_tokens} tokens) + max_tokens "
+                f"({spec.sampling.max_tokens}) exceeds the context of {limit} tokens"
             )
-        self._check_bounds(req)
-        self._pending.append(req)
+        self._check_bounds(spec)
+        self._pending.append(spec)
 
-    def abort(self, request_id: str) -> bool:
-        """Drop the request wherever it is; its blocks are freed at once."""
-        for i, p in enumerate(self._pending):
-            if p.request_id == request_id:
-                del self._pending[i]
-                self._aborted.append(
-                    ThinkerDelta(request_id, [], finished=True, finish_reason="abort")
-                )
-                return True
-        if request_id in self._streams:
-            del self._streams[request_id]
-            if not self.llm.abort(request_id):
-                self._aborted.append(
-                    ThinkerDelta(request_id, [], finished=True, finish_reason="abort")
-                )
-            return True
-        return False
+    def feed(self, rid: str, msg: object) -> None:
+        raise ValueError(
+            f"request {rid!r}: the Thinker takes its whole prompt at open(), not as a feed"
+        )
 
-    def has_unfinished(self) -> bool:
-        return bool(self._pending) or bool(self._aborted) or self.llm.has_unfinished()
+    def abort(self, rid: str) -> None:
+        """Drop the request wherever it is: its blocks are freed now, nothing more comes."""
+        self._pending = [p for p in self._pending if p.request_id != rid]
+        if self._streams.pop(rid, None) is not None:
+            self.llm.abort(rid)
 
-    # -- stepping ----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.llm.has_unfinished()
+
     def step(self) -> list[ThinkerDelta]:
         t0 = time.perf_counter()
-        deltas, self._aborted = self._aborted, []
+        deltas: list[ThinkerDelta] = []
         if self._pending:
             admit = self._pending[: self.config.max_admit_per_step]
             self._pending = self._pending[len(admit) :]
@@ -260,10 +260,6 @@ class ThinkerEngine:
         for out in self.llm.step():
             st = self._streams.get(out.request_id)
             if st is None:  # aborted by us: the LLM engine's own abort notice
-                if out.finish_reason == "abort":
-                    deltas.append(
-                        ThinkerDelta(out.request_id, [], finished=True, finish_reason="abort")
-                    )
                 continue
             if out.token_ids:
                 now = time.perf_counter()
@@ -497,27 +493,30 @@ class ThinkerEngine:
                     f"audio slot [{s}, {e}) does not match segment of clip {clip} ({n} tokens)"
                 )
 
-    def stats(self) -> ThinkerStats:
+    def stats(self) -> dict[str, float]:
         s = self.llm.stats()
-        return ThinkerStats(
-            num_waiting_encode=len(self._pending),
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_free_blocks=s.num_free_blocks,
-            num_total_blocks=s.num_total_blocks,
-            num_preemptions=s.num_preemptions,
-            encoder_cache_hits=self.cache.hits,
-            encoder_cache_misses=self.cache.misses,
-            encoder_cache_items=len(self.cache),
-            prefix_cache_hits=s.prefix_cache_hits,
-            prefix_cache_queries=s.prefix_cache_queries,
-            num_cached_blocks=s.num_cached_blocks,
-            media_skipped=self.media_skipped,
-            max_step_encoder_items=self._max_step_items,
-            max_step_prefill_tokens=s.max_step_prefill_tokens,
-            max_decode_wait_steps=s.max_decode_wait_steps,
-            max_step_ms=self._max_step_ms,
-            max_decode_gap_ms=self._max_gap_ms,
+        return asdict(
+            ThinkerStats(
+                open_streams=len(self._pending) + len(self._streams),
+                num_waiting_encode=len(self._pending),
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                num_free_blocks=s.num_free_blocks,
+                num_total_blocks=s.num_total_blocks,
+                num_preemptions=s.num_preemptions,
+                encoder_cache_hits=self.cache.hits,
+                encoder_cache_misses=self.cache.misses,
+                encoder_cache_items=len(self.cache),
+                prefix_cache_hits=s.prefix_cache_hits,
+                prefix_cache_queries=s.prefix_cache_queries,
+                num_cached_blocks=s.num_cached_blocks,
+                media_skipped=self.media_skipped,
+                max_step_encoder_items=self._max_step_items,
+                max_step_prefill_tokens=s.max_step_prefill_tokens,
+                max_decode_wait_steps=s.max_decode_wait_steps,
+                max_step_ms=self._max_step_ms,
+                max_decode_gap_ms=self._max_gap_ms,
+            )
         )
 
 
