@@ -20,6 +20,8 @@ the GPU):
                each at --attr-concurrency; table under <out>/attribution
 After each app run, every stage's `stats` (memory, engine counters such as graph replays and
 fallbacks) is written next to its run.json as stats.json. Exits 1 if a request failed.
+`--groups N` runs N stage groups (one GPU each) and reports each group's turns and Code2Wav
+busy share beside the totals (code2wav.json).
 Needs Ray Serve importable (on the GPU machine: `source .gpu/ray/device-env.sh`).
 """
 
@@ -100,6 +102,7 @@ class InProcessServe:
         self.port = _port()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.url = f"http://127.0.0.1:{self.port}"
+        self.groups = 1
 
     @contextlib.contextmanager
     def app(self, args: dict[str, Any], label: str, stats_out: Path | None = None
@@ -108,7 +111,9 @@ class InProcessServe:
 
         t = time.perf_counter()
         self.serve.run(build_omni_app(args), name="omniray", route_prefix="/")
-        print(f"[{label}] app RUNNING after {time.perf_counter() - t:.1f} s", flush=True)
+        self.groups = len(self.ingress_stats().get("groups", [None]))
+        print(f"[{label}] app RUNNING after {time.perf_counter() - t:.1f} s "
+              f"({self.groups} group(s))", flush=True)
         try:
             yield self.url
             if stats_out is not None:
@@ -120,12 +125,22 @@ class InProcessServe:
             self.serve.delete("omniray")
             print(f"[{label}] app deleted in {time.perf_counter() - t:.1f} s", flush=True)
 
+    def stage_names(self, stage: str) -> list[str]:
+        """One deployment name per group of a stage (e.g. Code2Wav, or Code2Wav-g0, ...)."""
+        from deployments.app import stage_names
+
+        return [stage_names(g, self.groups)[stage.lower()] for g in range(self.groups)]
+
+    def ingress_stats(self) -> dict[str, Any]:
+        return self.serve.get_app_handle("omniray").stats.remote().result()
+
     def stats(self) -> dict[str, Any]:
         out = {}
-        for name in STAGES:
-            h = self.serve.get_deployment_handle(name, app_name="omniray")
-            out[name] = h.stats.remote().result()
-        out["ingress"] = self.serve.get_app_handle("omniray").stats.remote().result()
+        for stage in STAGES:
+            for name in self.stage_names(stage):
+                h = self.serve.get_deployment_handle(name, app_name="omniray")
+                out[name] = h.stats.remote().result()
+        out["ingress"] = self.ingress_stats()
         return out
 
     def close(self) -> None:
@@ -134,32 +149,49 @@ class InProcessServe:
 
 
 class Code2WavShare:
-    """Per concurrency, over its measured rounds: Code2Wav's busy share of the wall clock (its
-    engine's `busy_ms`: decode time with the PCM on the host) and its batch-size histogram."""
+    """Per concurrency, over its measured rounds: each group's Code2Wav busy share of the wall
+    clock (its engine's `busy_ms`: decode time with the PCM on the host), batch-size
+    histogram, and the turns the ingress sent to the group."""
 
     def __init__(self, srv: InProcessServe):
         self.srv, self.rows, self._start = srv, {}, None
 
-    def _snapshot(self) -> tuple[float, dict[str, float]]:
+    def _snapshot(self) -> tuple[float, list[dict[str, float]], list[int]]:
         # called on the load generator's event loop, where a handle's blocking `result()` is
         # refused: ask from a worker thread (the loop waits; no request is in flight then)
-        h = self.srv.serve.get_deployment_handle("Code2Wav", app_name="omniray")
+        def ask() -> tuple[list[dict[str, float]], list[int]]:
+            engines = []
+            for name in self.srv.stage_names("Code2Wav"):
+                h = self.srv.serve.get_deployment_handle(name, app_name="omniray")
+                engines.append(h.stats.remote().result().get("engine", {}))
+            groups = self.srv.ingress_stats().get("groups", [])
+            return engines, [g["turns"] for g in groups] or [0]
+
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            stats = pool.submit(lambda: h.stats.remote().result()).result()
-        return time.perf_counter(), stats.get("engine", {})
+            engines, turns = pool.submit(ask).result()
+        return time.perf_counter(), engines, turns
 
     def __call__(self, c: int, phase: str) -> None:
         if phase == "start":
             self._start = self._snapshot()
             return
-        (t0, a), (t1, b) = self._start, self._snapshot()
-        delta = {k: b[k] - a.get(k, 0) for k in b if isinstance(b[k], int | float)}
-        hist = {int(k[11:]): int(v) for k, v in delta.items() if k.startswith("batch_size_") and v}
-        busy = delta.get("busy_ms", 0.0) / 1e3 / (t1 - t0)
-        self.rows[c] = {"wall_s": round(t1 - t0, 2), "busy_share": round(busy, 3),
-                        "batches": dict(sorted(hist.items())), "chunks": delta.get("chunks", 0)}
-        print(f"Code2Wav at c={c}: busy {busy:.0%} of {t1 - t0:.1f} s; batches "
-              + " ".join(f"{k}:{v}" for k, v in sorted(hist.items())), flush=True)
+        (t0, a_all, turns0), (t1, b_all, turns1) = self._start, self._snapshot()
+        per_group = []
+        for g, (a, b) in enumerate(zip(a_all, b_all)):
+            delta = {k: b[k] - a.get(k, 0) for k in b if isinstance(b[k], int | float)}
+            hist = {int(k[11:]): int(v) for k, v in delta.items()
+                    if k.startswith("batch_size_") and v}
+            busy = delta.get("busy_ms", 0.0) / 1e3 / (t1 - t0)
+            per_group.append({"busy_share": round(busy, 3), "batches": dict(sorted(hist.items())),
+                              "chunks": delta.get("chunks", 0),
+                              "turns": turns1[g] - turns0[g] if g < len(turns1) else None})
+            print(f"Code2Wav{f' g{g}' if len(a_all) > 1 else ''} at c={c}: busy {busy:.0%} of "
+                  f"{t1 - t0:.1f} s; turns {per_group[-1]['turns']}; batches "
+                  + " ".join(f"{k}:{v}" for k, v in sorted(hist.items())), flush=True)
+        row = {"wall_s": round(t1 - t0, 2), **per_group[0]}
+        if len(per_group) > 1:
+            row = {"wall_s": round(t1 - t0, 2), "groups": per_group}
+        self.rows[c] = row
 
 
 def _failed(run: dict[str, Any]) -> int:
@@ -179,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-rounds", type=int, default=None)
     ap.add_argument("--text-concurrency", default="",
                     help="main phase: also run the questions alone (no media) at these c")
+    ap.add_argument("--groups", default=None,
+                    help="stage groups (N or auto; one GPU each); reports per-group load")
     ap.add_argument("--knob", action="append", default=[])
     ap.add_argument("--attr-concurrency", default="4")
     ap.add_argument("--attr-num-prompts", type=int, default=None)
@@ -195,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     args.url = "http://127.0.0.1:0"  # replaced per app
     phases = [p for p in args.phases.split(",") if p]
     out = Path(args.out)
-    base_over = parse_knob(",".join(args.set)).overrides if args.set else ()
+    sets = [*args.set, *([f"applications.0.args.groups={args.groups}"] if args.groups else [])]
+    base_over = parse_knob(",".join(sets)).overrides if sets else ()
     media_dir = args.data_dir if args.media == "file" else None
 
     specs = load_specs(args)

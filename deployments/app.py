@@ -1,7 +1,11 @@
 """The application builder: `serve run serve_config.yaml` imports `build_app(args)`.
 
-    Ingress ──handles──> Thinker ──feed──> Talker ──push──> Code2Wav
-       └───────────────handles (open / stream / abort)────────┘
+    Ingress ──handles──> Thinker ──feed──> Talker ──push──> Code2Wav     (group 0)
+       │  └───────────────handles (open / stream / abort)────────┘
+       └──> Thinker-g1 ──> Talker-g1 ──> Code2Wav-g1 ...                   (groups: N)
+
+A group is one replica of each stage, bound to its own handles, so every hop of a turn
+stays in the group that holds its stream state; the ingress picks a group per turn.
 
 The server classes are plain (undecorated); this module turns them into deployments.
 GPU fractions are applied only when the cluster has GPUs, so the same config runs on a
@@ -57,42 +61,98 @@ def mps_env_vars(cfg: AppConfig, s: StageSettings,
     return env
 
 
-def _options(name: str, s: StageSettings, gpu: bool, cfg: AppConfig) -> dict[str, Any]:
+def _options(name: str, s: StageSettings, gpu: bool, cfg: AppConfig,
+             extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": s.num_cpus}
     if gpu and s.num_gpus > 0:  # a replica without a GPU share is not an MPS client
         actor["num_gpus"] = s.num_gpus
         env = mps_env_vars(cfg, s)
         if env:  # Serve merges these into the application's runtime_env
             actor["runtime_env"] = {"env_vars": env}
+    actor.update(extra or {})
     return {"name": name, "num_replicas": s.num_replicas,
             "max_ongoing_requests": s.max_ongoing_requests, "ray_actor_options": actor,
             "health_check_period_s": s.health_check_period_s,
             "health_check_timeout_s": s.health_check_timeout_s}
 
 
+def num_groups(cfg: AppConfig, gpu: bool) -> int:
+    """`groups` as a number: auto = one per whole GPU in the cluster (1 without GPUs). With
+    GPUs, each group needs a GPU of its own."""
+    from deployments.placement import resolve_groups
+
+    return resolve_groups(cfg.groups, None if gpu else {})
+
+
+def engine_configs(cfg: AppConfig, stages: tuple[str, ...] = ("thinker", "talker", "code2wav")
+                   ) -> dict[str, Any]:
+    """Each stage's `engine:` section as its real engine's frozen config, so a bad key or
+    value fails here, before any actor starts (the stages validate it again at start)."""
+    from deployments.stage import dataclass_from_dict
+    from pipeline.code2wav.engine import Code2WavEngineConfig
+    from pipeline.talker.engine import TalkerEngineConfig
+    from pipeline.thinker.engine import ThinkerEngineConfig
+
+    classes = {"thinker": ThinkerEngineConfig, "talker": TalkerEngineConfig,
+               "code2wav": Code2WavEngineConfig}
+    return {stage: dataclass_from_dict(classes[stage], dict(cfg.stages()[stage].engine),
+                                       f"{stage}.engine") for stage in stages}
+
+
+def stage_names(group: int, groups: int) -> dict[str, str]:
+    """Deployment names of one group's stages: the plain names for a single group."""
+    suffix = f"-g{group}" if groups > 1 else ""
+    return {k: f"{v}{suffix}" for k, v in
+            (("thinker", "Thinker"), ("talker", "Talker"), ("code2wav", "Code2Wav"))}
+
+
 def build_omni_app(cfg: AppConfig | dict | None = None, *, thinker_engine_cls: Any = None,
                    talker_engine_cls: Any = None, code2wav_engine_cls: Any = None,
                    use_gpu: bool | None = None) -> Application:
-    """Bind the four deployments. `use_gpu=None` asks the cluster."""
+    """Bind the ingress and each group's three stage deployments. `use_gpu=None` asks the
+    cluster. With several groups on GPUs, each group reserves a whole GPU (a placement group,
+    deployments/placement.py) and its replicas take their fractions of that GPU."""
+    from deployments.placement import group_placement
+
     cfg = AppConfig.model_validate(cfg or {})
+    # the real engines' sections (fakes take their settings as they are)
+    engine_configs(cfg, tuple(stage for stage, cls in (
+        ("thinker", thinker_engine_cls), ("talker", talker_engine_cls),
+        ("code2wav", code2wav_engine_cls)) if cls is None))
     gpu = cluster_has_gpu() if use_gpu is None else use_gpu
+    n = num_groups(cfg, gpu)
+    fractions = {k: s.num_gpus for k, s in cfg.stages().items()}
+    # One group keeps plain fractions of the one GPU (nothing to pin it to).
+    extras = group_placement(n, fractions, prefix=cfg.name, gpu=gpu and n > 1)
     args = cfg.model_dump()
-    log.info("omniray: building app (GPU fractions %s, gpu_sharing %s)",
+    log.info("omniray: building app (%d group(s), GPU fractions %s, gpu_sharing %s)", n,
              "on" if gpu else "off", cfg.gpu_sharing)
-    code2wav = serve.deployment(
-        Code2WavServer, **_options("Code2Wav", cfg.code2wav, gpu, cfg)).bind(
-        args, engine_cls=code2wav_engine_cls)
-    talker = serve.deployment(TalkerServer, **_options("Talker", cfg.talker, gpu, cfg)).bind(
-        args, code2wav, engine_cls=talker_engine_cls)
-    thinker = serve.deployment(ThinkerServer, **_options("Thinker", cfg.thinker, gpu, cfg)).bind(
-        args, talker, engine_cls=thinker_engine_cls)
+    thinkers, talkers, code2wavs = [], [], []
+    for g in range(n):
+        names = stage_names(g, n)
+        extra = extras[g]
+
+        def opts(stage: str, names=names, extra=extra) -> dict[str, Any]:
+            return _options(names[stage], cfg.stages()[stage], gpu, cfg, extra.get(stage))
+
+        code2wav = serve.deployment(Code2WavServer, **opts("code2wav")).bind(
+            args, engine_cls=code2wav_engine_cls)
+        talker = serve.deployment(TalkerServer, **opts("talker")).bind(
+            args, code2wav, engine_cls=talker_engine_cls)
+        thinker = serve.deployment(ThinkerServer, **opts("thinker")).bind(
+            args, talker, engine_cls=thinker_engine_cls)
+        thinkers.append(thinker)
+        talkers.append(talker)
+        code2wavs.append(code2wav)
     ing = cfg.ingress
     ingress = serve.deployment(
         serve.ingress()(IngressServer), name="Ingress", num_replicas=ing.num_replicas,
         max_ongoing_requests=ing.max_ongoing_requests,
         ray_actor_options={"num_cpus": ing.num_cpus},
     )
-    return ingress.bind(args, thinker, talker, code2wav)
+    if n == 1:
+        return ingress.bind(args, thinkers[0], talkers[0], code2wavs[0])
+    return ingress.bind(args, thinkers, talkers, code2wavs)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -8,6 +8,8 @@ caps, replicas, concurrency) and the app-wide knobs, validated here with clear e
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -114,8 +116,23 @@ class TimeoutSettings(_Settings):
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
     "thinker": {"num_gpus": 0.55, "memory_fraction": 0.5},
     "talker": {"num_gpus": 0.15, "memory_fraction": 0.12},
-    "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.18},
+    # The engine config's own defaults are the plain reference path (what the parity tests
+    # compare against); the app ships the exact fast path on top (serve_config.yaml says the
+    # same, and a test holds the two equal).
+    "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.18, "engine": {
+        "token2wav_slot_pool": True, "token2wav_cfm_cuda_graph": True,
+        "token2wav_compile_estimator": True, "token2wav_hift_cuda_graph": True,
+        "token2wav_vocoder_gemm_convs": True}},
 }
+
+
+def _merged(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """`given` over `defaults`, nested dicts merged key by key (a partial `engine:` keeps
+    the other defaults)."""
+    out = dict(defaults)
+    for k, v in given.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 class AppConfig(_Settings):
@@ -126,7 +143,11 @@ class AppConfig(_Settings):
         "checkpoint directory; null or 'tiny' = the embedded tiny default, "
         "'random-full' = full-size random weights"))
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    active_stream_window: int = Field(4, ge=0, description="K turns in the GPU stages; 0 = no limit")
+    active_stream_window: int = Field(4, ge=0, description=(
+        "K turns in one group's GPU stages; 0 = no limit"))
+    groups: int | Literal["auto"] = Field(1, description=(
+        "stage groups: one replica of each stage on one GPU, every hop of a turn inside its "
+        "group; auto = one per GPU in the cluster (1 without GPUs)"))
     talker_mode: Literal["streaming", "full_span"] = Field("streaming", description=(
         "streaming: the Talker starts on the first spoken chunk; full_span: it waits for "
         "the whole spoken span (the offline reference behaviour)"))
@@ -159,7 +180,8 @@ class AppConfig(_Settings):
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     thinker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["thinker"]))
     talker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["talker"]))
-    code2wav: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["code2wav"]))
+    code2wav: StageSettings = Field(default_factory=lambda: StageSettings(
+        **copy.deepcopy(STAGE_DEFAULTS["code2wav"])))
 
     @model_validator(mode="before")
     @classmethod
@@ -170,8 +192,14 @@ class AppConfig(_Settings):
             data = dict(data)
             for name, defaults in STAGE_DEFAULTS.items():
                 if isinstance(data.get(name), dict):
-                    data[name] = {**defaults, **data[name]}
+                    data[name] = _merged(defaults, data[name])
         return data
+
+    @model_validator(mode="after")
+    def _groups_valid(self) -> AppConfig:
+        if isinstance(self.groups, int) and self.groups < 1:
+            raise ValueError(f"groups must be >= 1 or 'auto', got {self.groups}")
+        return self
 
     @model_validator(mode="after")
     def _fractions_fit(self) -> AppConfig:

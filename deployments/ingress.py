@@ -44,7 +44,7 @@ from deployments.schemas import (
     validation_message,
 )
 from deployments.stage import NamedVoice, error_line
-from deployments.turn import PreparedTurn, Stages, TurnRunner
+from deployments.turn import Group, PreparedTurn, Stages, TurnRunner
 from deployments.voices import VoiceInfo, VoiceStore
 from deployments.window import ActiveStreamWindow
 
@@ -67,6 +67,8 @@ def refusal_reason(e: ApiError) -> str:
 class IngressServer:
     def __init__(self, app: AppConfig | dict, thinker: Any, talker: Any, code2wav: Any, *,
                  source: Any = None):
+        """thinker / talker / code2wav: one stage group's handles, or lists of them (one
+        per group, in group order)."""
         from pipeline.checkpoint import ModelSource, cache_dir, default_checkpoint
         from pipeline.processing.media_cache import MediaCache
         from pipeline.processing.processor import MediaLimits, Processor
@@ -88,11 +90,16 @@ class IngressServer:
                                  max_bytes=lim.max_media_bytes,
                                  allowed_networks=cfg.allowed_media_networks)
         self.model_names = {cfg.name} | ({Path(cfg.model).name, cfg.model} if cfg.model else set())
-        self.window = ActiveStreamWindow(cfg.active_stream_window)
         self.metrics = AppMetrics()
-        self.stages = Stages(thinker, talker, code2wav)
-        self.turns = TurnRunner(self.stages, self.window, self.metrics, cfg.request_timeout_s,
-                                cfg.timeouts)
+        handles = [h if isinstance(h, list | tuple) else [h] for h in (thinker, talker, code2wav)]
+        if len({len(h) for h in handles}) != 1:
+            raise ValueError("one thinker, talker and code2wav handle per group")
+        n = len(handles[0])
+        self.groups = [Group(f"g{i}" if n > 1 else "", Stages(*hs),
+                             ActiveStreamWindow(cfg.active_stream_window))
+                       for i, hs in enumerate(zip(*handles))]
+        self.stages = self.groups[0].stages  # what is asked of any one group (voice support)
+        self.turns = TurnRunner(self.groups, self.metrics, cfg.request_timeout_s, cfg.timeouts)
         voices_dir = Path(cfg.voices_dir).expanduser() if cfg.voices_dir else cache_dir() / "voices"
         self.voices = VoiceStore(voices_dir, max_seconds=lim.max_ref_audio_seconds,
                                  max_voices=lim.max_voices)
@@ -131,9 +138,12 @@ class IngressServer:
                 return {"error": error_line(e)}
 
         names = ("thinker", "talker", "code2wav")
-        stages = dict(zip(names, await asyncio.gather(
-            *(one(getattr(self.stages, n)) for n in names))))
-        window = self.window.stats()
+        keys = [(f"{n}-{g.name}" if g.name else n, getattr(g.stages, n))
+                for g in self.groups for n in names]
+        stages = dict(zip([k for k, _ in keys], await asyncio.gather(
+            *(one(h) for _, h in keys))))
+        windows = [g.window.stats() for g in self.groups]
+        window = {k: sum(w[k] for w in windows) for k in windows[0]}
         in_flight = self.turns.in_flight
         speech = sum(in_flight.values())
         leaks = [f"{n}: {leak}" for n, st in stages.items() for leak in st.get("leaks", [])]
@@ -143,6 +153,7 @@ class IngressServer:
         idle = (not in_flight and window["active"] == 0 and window["waiting"] == 0
                 and all(st.get("idle", False) for st in stages.values()))
         return {"window": window, "turns": {"in_flight": len(in_flight), "speech": speech},
+                "groups": [g.stats() for g in self.groups],
                 "media_cache": self.media_cache_stats(), "stages": stages, "idle": idle,
                 "leaks": leaks}
 
@@ -150,7 +161,8 @@ class IngressServer:
         return dataclasses.asdict(self.media_cache.stats())
 
     async def reset_window_peaks(self) -> None:
-        self.window.reset_peaks()
+        for g in self.groups:
+            g.window.reset_peaks()
 
     # -- validation and preparation ------------------------------------------------------
 
@@ -302,9 +314,10 @@ class IngressServer:
         await self.require_voices("audio_sample")
         info = await asyncio.to_thread(self.voices.add, name, audio, consent)
         _, samples = self.voices.get(info.id)
-        try:
-            await asyncio.wait_for(self.stages.code2wav.register_voice.remote(info.id, samples),
-                                   self.cfg.timeouts.open_s)
+        try:  # every group's Code2Wav builds it (a turn may go to any group)
+            await asyncio.wait_for(asyncio.gather(*(
+                g.stages.code2wav.register_voice.remote(info.id, samples) for g in self.groups)),
+                self.cfg.timeouts.open_s)
         except Exception as e:  # noqa: BLE001 - refused by the front end, or the stage is down
             await asyncio.to_thread(self.voices.delete, info.id)
             raise ApiError(400, f"audio_sample: the voice front end could not use the clip: "
@@ -314,11 +327,10 @@ class IngressServer:
 
     async def delete_voice(self, key: str) -> VoiceInfo:
         info = await asyncio.to_thread(self.voices.delete, key)
-        try:  # the stage forgets its prompt and template; a stage that is down has none
-            await asyncio.wait_for(self.stages.code2wav.forget_voice.remote(info.id),
-                                   self.cfg.timeouts.abort_s)
-        except Exception:  # noqa: BLE001, S110
-            pass
+        # every group's Code2Wav forgets its prompt and template; one that is down has none
+        await asyncio.gather(*(asyncio.wait_for(g.stages.code2wav.forget_voice.remote(info.id),
+                                                self.cfg.timeouts.abort_s)
+                               for g in self.groups), return_exceptions=True)
         return info
 
     # -- HTTP helpers (used by routes.py) ------------------------------------------------

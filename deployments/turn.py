@@ -23,6 +23,7 @@ over an open still in flight (tombstones).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -54,6 +55,29 @@ class Stages:
 
 
 @dataclass
+class Group:
+    """One stage group as the ingress sees it: its handles and its window. A group whose
+    stage just died (a turn ended with `stage_unavailable`) gets no new turns until all
+    three of its stages answer again (`TurnRunner` probes them)."""
+
+    name: str
+    stages: Stages
+    window: ActiveStreamWindow
+    turns: int = 0  # turns started here
+    in_flight: int = 0
+    down: bool = False
+    downs: int = 0  # times a dead stage took it out of rotation
+
+    def free_slots(self) -> float:
+        w = self.window
+        return float("inf") if w.size == 0 else w.size - w.active - w.waiting
+
+    def stats(self) -> dict[str, Any]:
+        return {"name": self.name, "window": self.window.stats(), "turns": self.turns,
+                "in_flight": self.in_flight, "down": self.down, "downs": self.downs}
+
+
+@dataclass
 class PreparedTurn:
     request_id: str
     thinker_request: Any  # pipeline.handoff.ThinkerRequest
@@ -76,17 +100,67 @@ class _TurnError(Exception):
 
 
 class TurnRunner:
-    def __init__(self, stages: Stages, window: ActiveStreamWindow, metrics: AppMetrics | None,
+    def __init__(self, groups: list[Group], metrics: AppMetrics | None,
                  timeout_s: float, timeouts: TimeoutSettings | None = None):
-        self.stages = stages
-        self.window = window
+        if not groups:
+            raise ValueError("a TurnRunner needs at least one group")
+        self.groups = groups
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.timeouts = timeouts or TimeoutSettings()
         self._background: set[asyncio.Task] = set()
         self.in_flight: dict[str, bool] = {}  # request id -> speech
 
+    def choose(self, speech: bool) -> Group:
+        """The group with the most free window slots (a text-only turn: the fewest turns in
+        flight), among those not down; ties go to the lowest index. With every group down,
+        any: its turn waits in the opens for Serve's new replicas."""
+        up = [g for g in self.groups if not g.down] or self.groups
+        if speech:
+            return max(up, key=lambda g: (g.free_slots(), -g.in_flight))
+        return min(up, key=lambda g: g.in_flight)
+
+    def _mark_down(self, group: Group) -> None:
+        if group.down or len(self.groups) == 1:
+            return
+        group.down = True
+        group.downs += 1
+        log.warning("group %s: a stage died; new turns go to the other groups until it "
+                    "answers again", group.name)
+
+        async def probe() -> None:
+            s = group.stages
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.gather(
+                        s.thinker.stats.remote(), s.talker.stats.remote(),
+                        s.code2wav.stats.remote()), timeout=self.timeouts.heartbeat_s)
+                    break
+                except Exception:  # noqa: BLE001 - still restarting
+                    await asyncio.sleep(0.25)
+            group.down = False
+            log.info("group %s answers again", group.name)
+
+        task = asyncio.get_running_loop().create_task(probe(), context=contextvars.Context())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def run(self, turn: PreparedTurn) -> AsyncIterator[Event]:
+        group = self.choose(turn.speech)
+        group.turns += 1
+        group.in_flight += 1
+        try:
+            # aclosing: a cancelled turn (client gone) runs the inner cleanup now, not at GC
+            async with contextlib.aclosing(self._run(turn, group)) as events:
+                async for ev in events:
+                    if isinstance(ev, Error) and ev.reason == "stage_unavailable":
+                        self._mark_down(group)
+                    yield ev
+        finally:
+            group.in_flight -= 1
+
+    async def _run(self, turn: PreparedTurn, group: Group) -> AsyncIterator[Event]:
+        stages, window = group.stages, group.window
         rid = turn.request_id
         now = time.perf_counter()
         # Latencies count from the request's arrival (preprocessing included), like a client's.
@@ -102,10 +176,10 @@ class TurnRunner:
         try:
             if turn.speech:
                 self._window_metrics()
-                slot = await self._bounded(self.window.acquire(rid), deadline)
+                slot = await self._bounded(window.acquire(rid), deadline)
                 self._window_metrics()
-                await self._open_speech(turn, streams, pumps, merged, seen, deadline)
-            self._start("text", self.stages.thinker.options(stream=True).generate.remote(
+                await self._open_speech(turn, stages, streams, pumps, merged, seen, deadline)
+            self._start("text", stages.thinker.options(stream=True).generate.remote(
                 turn.thinker_request), streams, pumps, merged, seen)
 
             marks: dict[str, float] = {}
@@ -173,22 +247,22 @@ class TurnRunner:
             for s in streams.values():
                 _cancel(s)
             if outcome != "ok":
-                self._abort(rid, speech=turn.speech)
+                self._abort(rid, stages, speech=turn.speech)
             if self.metrics is not None:
                 self.metrics.outcome(outcome, reason)
             self._window_metrics()
 
     # -- opening -------------------------------------------------------------------------
 
-    async def _open_speech(self, turn: PreparedTurn, streams: dict[str, Any],
+    async def _open_speech(self, turn: PreparedTurn, stages: Stages, streams: dict[str, Any],
                            pumps: list[asyncio.Task], merged: asyncio.Queue,
                            seen: dict[str, float], deadline: float) -> None:
         """Both speech streams answer Opened, or the turn ends (the caller's cleanup cancels
         whichever opened, which frees it: opening is all-or-nothing)."""
         rid = turn.request_id
-        self._start("talker", self.stages.talker.options(stream=True).session.remote(
+        self._start("talker", stages.talker.options(stream=True).session.remote(
             rid, turn.seed, turn.speech_codes), streams, pumps, merged, seen)
-        self._start("audio", self.stages.code2wav.options(stream=True).stream.remote(
+        self._start("audio", stages.code2wav.options(stream=True).stream.remote(
             rid, turn.voice), streams, pumps, merged, seen)
         waiting = {"talker", "audio"}
         open_by = min(deadline, time.perf_counter() + self.timeouts.open_s)
@@ -277,11 +351,11 @@ class TurnRunner:
             out.put_nowait((src, e))
         out.put_nowait((src, _END))
 
-    def _abort(self, rid: str, speech: bool) -> None:
+    def _abort(self, rid: str, group: Stages, speech: bool) -> None:
         """Fire-and-forget: the caller may already be cancelled, so this runs on its own."""
-        stages = [self.stages.thinker]
+        stages = [group.thinker]
         if speech:
-            stages += [self.stages.talker, self.stages.code2wav]
+            stages += [group.talker, group.code2wav]
 
         async def abort() -> None:
             calls = [asyncio.wait_for(s.abort.remote(rid), self.timeouts.abort_s) for s in stages]
@@ -307,7 +381,8 @@ class TurnRunner:
 
     def _window_metrics(self) -> None:
         if self.metrics is not None:
-            self.metrics.window(self.window.active, self.window.waiting)
+            self.metrics.window(sum(g.window.active for g in self.groups),
+                                sum(g.window.waiting for g in self.groups))
 
 
 def _cancel(gen: Any) -> None:

@@ -267,7 +267,7 @@ def test_handle_events_and_concurrent_window(app_cfg, source):
         body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
         runs = await asyncio.gather(*[_collect(local.ingress, body) for _ in range(4)])
         stats = [await s.stats() for s in (local.thinker, local.talker, local.code2wav)]
-        return runs, local.ingress.window.stats(), stats
+        return runs, local.ingress.groups[0].window.stats(), stats
 
     runs, window, stats = asyncio.run(main())
     for evs in runs:
@@ -319,7 +319,7 @@ def test_unusable_voice_is_one_error_event_and_frees_the_stages(app_cfg, source)
         evs = await _collect(local.ingress, body)
         await asyncio.sleep(0.05)
         stats = [await s.stats() for s in (local.thinker, local.talker, local.code2wav)]
-        return evs, stats, local.ingress.window.stats()
+        return evs, stats, local.ingress.groups[0].window.stats()
 
     evs, stats, window = asyncio.run(main())
     assert len(evs) == 1 and isinstance(evs[0], Error) and "voice front-end" in evs[0].message
@@ -353,7 +353,7 @@ def test_timeout_while_waiting_for_the_window(app_cfg, source):
         local = build_local_app(cfg, source)
         body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
         runs = await asyncio.gather(_collect(local.ingress, body), _collect(local.ingress, body))
-        return runs, local.ingress.window.stats()
+        return runs, local.ingress.groups[0].window.stats()
 
     runs, window = asyncio.run(main())
     second = runs[1]
@@ -374,13 +374,13 @@ def test_cancel_mid_stream_frees_every_stage(app_cfg, source):
         await agen.aclose()  # what Serve does when the HTTP client goes away
         await asyncio.sleep(0.1)
         return [await s.stats() for s in (local.thinker, local.talker, local.code2wav)], \
-            local.ingress.window.stats()
+            local.ingress.groups[0].window.stats()
 
     stats, window = asyncio.run(main())
     thinker, talker, code2wav = stats
     assert thinker["open"] == 0 and thinker["engine"]["num_running"] == 0, thinker
     assert talker["open"] == 0 and talker["engine"]["open_streams"] == 0, talker
-    assert code2wav["open"] == 0 and code2wav["engine"]["streams"] == 0, code2wav
+    assert code2wav["open"] == 0 and code2wav["engine"]["open_streams"] == 0, code2wav
     assert window["active"] == 0
 
 
@@ -458,7 +458,7 @@ def test_engine_loop_batches_concurrent_requests():
 
         async def run(req):
             q = loop.open(req.request_id)
-            await loop.call(lambda e: e.add_request(req))
+            await loop.call(lambda e: e.open(req.request_id, req))
             n = 0
             while True:
                 d = await q.get()
@@ -494,7 +494,7 @@ def test_engine_loop_survives_cancelled_calls_and_failed_steps():
         assert await loop.call(lambda e: 42) == 42
         q = loop.open("r")
         engine.step = lambda: 1 / 0  # a broken step: the request gets a StageFailure
-        await loop.call(lambda e: e.add_request(ThinkerRequest("r", [1])))
+        await loop.call(lambda e: e.open("r", ThinkerRequest("r", [1])))
         failure = await asyncio.wait_for(q.get(), 5)
         alive = loop.alive
         loop.stop()

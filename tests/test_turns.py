@@ -55,7 +55,7 @@ def assert_clean(st: dict) -> None:
     th, tk, cw = (st["stages"][n] for n in ("thinker", "talker", "code2wav"))
     assert th["open"] == 0 and th["engine"]["num_running"] == 0, th
     assert tk["open"] == 0 and tk["engine"]["open_streams"] == 0, tk
-    assert cw["open"] == 0 and cw["engine"]["streams"] == 0, cw
+    assert cw["open"] == 0 and cw["engine"]["open_streams"] == 0, cw
     assert st["window"]["active"] == 0 and st["window"]["waiting"] == 0
 
 
@@ -251,7 +251,7 @@ def test_text_turns_do_not_wait_for_speech_slots(app_cfg, source):
         local = build_local_app(cfg, source)
         speech = [asyncio.ensure_future(collect(local.ingress, SPEECH)) for _ in range(2)]
         await asyncio.sleep(0.05)
-        assert local.ingress.window.waiting == 1
+        assert local.ingress.groups[0].window.waiting == 1
         t = time.perf_counter()
         text = await collect(local.ingress, TEXT)
         took = time.perf_counter() - t
@@ -270,14 +270,14 @@ def test_engine_refusal_is_a_400_and_leaves_nothing(app_cfg, source):
     async def main():
         local = build_local_app(app_cfg, source)
         engine = local.thinker.engine
-        real_add = engine.add_request
+        real_open = engine.open
 
-        def refuse(req):
+        def refuse(rid, req):
             raise ValueError("prompt (9 tokens) + max_tokens (40000) exceeds the context")
 
-        engine.add_request = refuse
+        engine.open = refuse
         evs = await collect(local.ingress, SPEECH)
-        engine.add_request = real_add
+        engine.open = real_open
         return evs, await collect(local.ingress, SPEECH), await settled(local)
 
     evs, ok, st = asyncio.run(main())
@@ -352,8 +352,8 @@ def test_engine_loop_health_reports_a_stuck_step():
 
         assert loop.health(0.1) is None
         loop.open("r")
-        await loop.call(lambda e: e.add_request(
-            ThinkerRequest("r", [1], sampling=SamplingParams(max_tokens=1))))
+        await loop.call(lambda e: e.open(
+            "r", ThinkerRequest("r", [1], sampling=SamplingParams(max_tokens=1))))
         await asyncio.sleep(0.25)
         stuck = loop.health(0.1)
         await asyncio.sleep(0.3)
@@ -414,4 +414,28 @@ def test_turn_events_still_stream_text_and_audio(app_cfg, source):
     evs, st = asyncio.run(main())
     assert isinstance(one_terminal(evs), Done)
     assert {type(e) for e in evs} == {TextDelta, AudioChunk, Done}
+    assert_clean(st)
+
+
+@pytest.mark.parametrize("hop", ["feed", "push"])
+def test_a_refused_hop_ends_the_turn_within_a_second(app_cfg, source, hop):
+    """The next stage answers a hop with False (it has no such stream: closed, or a new
+    replica): the turn ends with one stage error within 1 s instead of waiting for speech
+    that will never come."""
+    async def main():
+        local = build_local_app({**app_cfg, "timeouts": FAST}, source)
+        server = local.talker if hop == "feed" else local.code2wav
+
+        async def refuse(*a, **k):
+            return False
+        setattr(server, hop, refuse)
+        t = time.perf_counter()
+        evs = await collect(local.ingress, SPEECH)
+        took = time.perf_counter() - t
+        return evs, took, await settled(local)
+
+    evs, took, st = asyncio.run(main())
+    err = one_terminal(evs)
+    assert isinstance(err, Error) and err.status == 503 and err.reason == "stage_unavailable", err
+    assert "no stream" in err.message and took < 1.0, (err, took)
     assert_clean(st)

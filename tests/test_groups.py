@@ -1,0 +1,235 @@
+"""Stage groups, in-process (no Ray): two groups of the three servers over fake engines,
+wired with LocalHandles as deployments/app.py wires them (each group's Thinker feeds its own
+Talker, which pushes to its own Code2Wav). Turns spread over the groups by free window
+slots, every hop stays in its group, a group whose stage dies gets no new turns until it
+answers again, and the config and builder helpers refuse what cannot be placed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_api import light_source, user
+from test_turns import FAST, DyingStream, collect, one_terminal, settled
+
+from deployments.app import num_groups, stage_names
+from deployments.code2wav import Code2WavServer
+from deployments.config import AppConfig
+from deployments.ingress import IngressServer
+from deployments.schemas import AudioChunk, Done, Error
+from deployments.talker import TalkerServer
+from deployments.testing import (
+    FakeCode2WavEngine,
+    FakeTalkerEngine,
+    FakeThinkerEngine,
+    LocalHandle,
+)
+from deployments.thinker import ThinkerServer
+
+SPEECH = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 16}
+TEXT = {"messages": user("hi"), "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def source():
+    return light_source()
+
+
+def two_groups(cfg: dict, source) -> tuple[IngressServer, list[dict[str, object]]]:
+    servers, handles = [], ([], [], [])
+    for _ in range(2):
+        c2w = Code2WavServer(cfg, engine_cls=FakeCode2WavEngine, source=source)
+        talker = TalkerServer(cfg, LocalHandle(c2w), engine_cls=FakeTalkerEngine, source=source)
+        thinker = ThinkerServer(cfg, LocalHandle(talker), engine_cls=FakeThinkerEngine,
+                                source=source)
+        servers.append({"thinker": thinker, "talker": talker, "code2wav": c2w})
+        for hs, srv in zip(handles, (thinker, talker, c2w)):
+            hs.append(LocalHandle(srv))
+    return IngressServer(cfg, *handles, source=source), servers
+
+
+def test_turns_spread_over_groups_and_stay_in_their_group(source):
+    cfg = {"active_stream_window": 2, "limits": {"max_tokens": 64},
+           "thinker": {"engine": {"step_delay_s": 0.01}}}
+
+    async def main():
+        ingress, servers = two_groups(cfg, source)
+        # Count, per group, the turns each stage saw: every hop of a turn lands in one group.
+        seen = [{k: set() for k in s} for s in servers]
+        for g, group in enumerate(servers):
+            for name, method in (("thinker", "generate"), ("talker", "session"),
+                                 ("code2wav", "stream")):
+                srv = group[name]
+                orig = getattr(srv, method)
+
+                def spy(*a, orig=orig, g=g, name=name, **k):
+                    rid = a[0].request_id if name == "thinker" else a[0]
+                    seen[g][name].add(rid)
+                    return orig(*a, **k)
+                setattr(srv, method, spy)
+        evs = await asyncio.gather(*(collect(ingress, SPEECH) for _ in range(8)),
+                                   *(collect(ingress, TEXT) for _ in range(2)))
+        return ingress, evs, seen, await settled_ingress(ingress)
+
+    ingress, evs, seen, st = asyncio.run(main())
+    for e in evs:
+        assert isinstance(one_terminal(e), Done), e[-2:]
+    assert all(any(isinstance(x, AudioChunk) for x in e) for e in evs[:8])
+    turns = [g["turns"] for g in st["groups"]]
+    assert sum(turns) == 10 and min(turns) >= 4, st["groups"]  # both groups took turns
+    for g in seen:
+        # a speech turn opened its Talker and Code2Wav streams in the group of its Thinker
+        assert g["talker"] == g["code2wav"] and g["talker"] <= g["thinker"], g
+    assert not (seen[0]["thinker"] & seen[1]["thinker"])
+    assert st["idle"] and not st["leaks"], st
+    assert set(st["stages"]) == {f"{n}-g{i}" for i in range(2)
+                                 for n in ("thinker", "talker", "code2wav")}
+    # each group's window is its own: at most 2 speech turns in each at once
+    assert all(g["window"]["peak_active"] <= 2 for g in st["groups"]), st["groups"]
+
+
+async def settled_ingress(ingress: IngressServer) -> dict:
+    class _L:  # test_turns.settled reads `local.ingress`
+        pass
+    local = _L()
+    local.ingress = ingress
+    return await settled(local)
+
+
+class DeadTalker(DyingStream):
+    """The session stream dies, and the replica answers nothing until `restarted`."""
+
+    restarted = False
+
+    @property
+    def stats(self):
+        outer = self
+
+        class _M:
+            async def remote(self):
+                if not outer.restarted:
+                    raise RuntimeError("ActorDiedError: The actor died unexpectedly")
+                return await outer.inner.stats.remote()
+        return _M()
+
+
+def test_a_group_whose_stage_died_gets_no_turns_until_it_answers(source):
+    cfg = {"active_stream_window": 2, "limits": {"max_tokens": 64}, "timeouts": FAST,
+           "thinker": {"engine": {"step_delay_s": 0.01}}}
+
+    async def main():
+        ingress, _ = two_groups(cfg, source)
+        g0 = ingress.groups[0]
+        dead = DeadTalker(g0.stages.talker, "session", after=1)
+        g0.stages.talker = dead
+        first = await collect(ingress, SPEECH)  # lands on g0 (a tie goes to the first group)
+        down = g0.down
+        during = [await collect(ingress, SPEECH) for _ in range(3)]
+        turns_g0 = g0.turns
+        dead.restarted = True  # Serve's new replica is up
+        for _ in range(100):  # the probe finds g0's stages answering
+            if not g0.down:
+                break
+            await asyncio.sleep(0.02)
+        back = not g0.down
+        after = await asyncio.gather(*(collect(ingress, SPEECH) for _ in range(4)))
+        return first, down, during, turns_g0, back, after, g0.turns, await settled_ingress(
+            ingress)
+
+    first, down, during, turns_g0, back, after, turns_end, st = asyncio.run(main())
+    err = one_terminal(first)
+    assert isinstance(err, Error) and err.reason == "stage_unavailable", err
+    assert down and turns_g0 == 1  # the three turns while it was down went to g1
+    assert all(isinstance(one_terminal(e), Done) for e in during)
+    assert back and turns_end > turns_g0  # it serves again
+    assert all(isinstance(one_terminal(e), Done) for e in after)
+    assert st["idle"] and not st["leaks"], st
+
+
+def test_groups_config_and_names(source):
+    assert AppConfig().groups == 1
+    assert AppConfig.model_validate({"groups": "auto"}).groups == "auto"
+    for bad in (0, -1, "two"):
+        with pytest.raises(ValueError):
+            AppConfig.model_validate({"groups": bad})
+    assert stage_names(0, 1) == {"thinker": "Thinker", "talker": "Talker",
+                                 "code2wav": "Code2Wav"}
+    assert stage_names(1, 2)["talker"] == "Talker-g1"
+    # without GPUs (no Ray here): auto = one group; a number is taken as is
+    assert num_groups(AppConfig.model_validate({"groups": "auto"}), gpu=False) == 1
+    assert num_groups(AppConfig.model_validate({"groups": 3}), gpu=False) == 3
+    with pytest.raises(ValueError, match="handle per group"):
+        IngressServer({}, [object(), object()], [object()], [object()], source=source)
+
+
+def test_the_builder_pins_each_groups_stages_to_its_reserved_gpu(monkeypatch):
+    """build_omni_app with 2 groups on GPUs: each group's three deployments take their
+    fractions of that group's placement-group GPU (tests/test_placement.py proves on a Ray
+    cluster with 2 logical GPUs that such replicas share one GPU id)."""
+    from deployments import placement
+    from deployments.app import build_omni_app
+
+    calls = []
+
+    def fake(n, fractions, *, prefix, gpu):
+        calls.append((n, dict(fractions), prefix, gpu))
+        if not gpu:
+            return [{k: {} for k in fractions} for _ in range(n)]
+        return [{k: {"num_gpus": 0, "resources": {f"GPU_group_pg{g}": f}}
+                 for k, f in fractions.items()} for g in range(n)]
+
+    monkeypatch.setattr(placement, "group_placement", fake)
+    monkeypatch.setattr(placement, "gpu_count", lambda cluster=None: 2 if cluster is None else 0)
+    app = build_omni_app({"groups": 2}, use_gpu=True)
+    assert calls == [(2, {"thinker": 0.55, "talker": 0.15, "code2wav": 0.2}, "omniray", True)]
+    _, thinkers, talkers, code2wavs = app._bound_deployment.init_args
+    for g in range(2):
+        for stage, dep in (("thinker", thinkers[g]), ("talker", talkers[g]),
+                           ("code2wav", code2wavs[g])):
+            d = dep._bound_deployment
+            assert d.name == stage_names(g, 2)[stage]
+            opts = d.ray_actor_options
+            assert opts["num_gpus"] == 0 and list(opts["resources"]) == [f"GPU_group_pg{g}"]
+    # one group keeps plain fractions: nothing is reserved
+    calls.clear()
+    one = build_omni_app({}, use_gpu=True)._bound_deployment.init_args
+    assert calls == [(1, {"thinker": 0.55, "talker": 0.15, "code2wav": 0.2}, "omniray", False)]
+    assert one[1]._bound_deployment.ray_actor_options["num_gpus"] == 0.55
+
+
+def test_engine_sections_fail_in_the_builder_and_ship_the_code_defaults():
+    """A bad engine key fails build_omni_app (before any actor starts), and every engine
+    value serve_config.yaml ships equals what the app runs with no config at all (the
+    engine configs' defaults, with the app's fast-path defaults on top)."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from deployments.app import build_omni_app, engine_configs
+
+    with pytest.raises(ValueError, match="unknown engine settings.*max_num_seq"):
+        build_omni_app({"thinker": {"engine": {"llm": {"max_num_seq": 4}}}}, use_gpu=False)
+    with pytest.raises(ValueError, match="talker.engine"):
+        build_omni_app({"talker": {"engine": {"no_such_knob": 1}}}, use_gpu=False)
+
+    shipped = yaml.safe_load(Path(__file__).parents[1].joinpath("serve_config.yaml").read_text())
+    args = shipped["applications"][0]["args"]
+    configs = engine_configs(AppConfig.model_validate(args))
+    bare = engine_configs(AppConfig())
+
+    def same(section: dict, config: object, default: object, where: str) -> None:
+        for key, value in section.items():
+            got, want = getattr(config, key), getattr(default, key)
+            if dataclasses.is_dataclass(want):
+                same(value, got, want, f"{where}.{key}")
+            else:
+                assert got == want, (f"{where}.{key}", value, want)
+
+    for stage, config in configs.items():
+        same(args[stage]["engine"], config, bare[stage], stage)
+    # a partial engine section keeps the other defaults
+    partial = AppConfig.model_validate({"code2wav": {"engine": {"max_batch_size": 4}}})
+    assert partial.code2wav.engine == {**AppConfig().code2wav.engine, "max_batch_size": 4}
+    assert partial.code2wav.num_gpus == 0.2
