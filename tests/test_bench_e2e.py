@@ -234,3 +234,28 @@ def test_gpu_e2e_app_args(tmp_path):
     base = app_args("bench/baseline_config.yaml", None)
     assert base["model"] is None and base["allowed_local_media_path"] is None
     assert base["thinker"]["engine"]["llm"]["cuda_graphs"] is False
+
+
+def test_baseline_config_runs_the_plain_paths():
+    """The baseline stays the plain pipeline while the app's defaults move: the Code2Wav
+    fast-path knobs (the app's defaults) and the Thinker's caches and graphs are off in it."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from deployments.app import engine_configs
+    from deployments.config import AppConfig
+    from pipeline.code2wav.engine import Code2WavEngineConfig
+
+    root = Path(__file__).parents[1]
+    args = yaml.safe_load((root / "bench/baseline_config.yaml").read_text())
+    cfg = engine_configs(AppConfig.model_validate(args["applications"][0]["args"]))
+    plain = Code2WavEngineConfig()
+    fast = AppConfig().code2wav.engine
+    assert fast and all(v is True for v in fast.values())
+    for knob in fast:
+        assert getattr(cfg["code2wav"], knob) is False is getattr(plain, knob), knob
+    llm = cfg["thinker"].llm
+    assert not (llm.cuda_graphs or llm.enable_prefix_caching or llm.device_sampling)
+    assert dataclasses.is_dataclass(llm)
