@@ -199,7 +199,17 @@ class AppConfig(_Settings):
     def _groups_valid(self) -> AppConfig:
         if isinstance(self.groups, int) and self.groups < 1:
             raise ValueError(f"groups must be >= 1 or 'auto', got {self.groups}")
+        n = self.ingress.num_replicas
+        if 0 < self.active_stream_window < n:
+            raise ValueError(f"active_stream_window ({self.active_stream_window}) must be at "
+                             f"least ingress.num_replicas ({n}): each ingress replica admits "
+                             f"its share of every group's window")
         return self
+
+    def window_per_ingress(self) -> int:
+        """One ingress replica's share of each group's window, so that all replicas together
+        never put more than `active_stream_window` turns in a group (0 = no limit)."""
+        return self.active_stream_window // self.ingress.num_replicas
 
     @model_validator(mode="after")
     def _fractions_fit(self) -> AppConfig:

@@ -96,7 +96,7 @@ class IngressServer:
             raise ValueError("one thinker, talker and code2wav handle per group")
         n = len(handles[0])
         self.groups = [Group(f"g{i}" if n > 1 else "", Stages(*hs),
-                             ActiveStreamWindow(cfg.active_stream_window))
+                             ActiveStreamWindow(cfg.window_per_ingress()))
                        for i, hs in enumerate(zip(*handles))]
         self.stages = self.groups[0].stages  # what is asked of any one group (voice support)
         self.turns = TurnRunner(self.groups, self.metrics, cfg.request_timeout_s, cfg.timeouts)

@@ -233,3 +233,15 @@ def test_engine_sections_fail_in_the_builder_and_ship_the_code_defaults():
     partial = AppConfig.model_validate({"code2wav": {"engine": {"max_batch_size": 4}}})
     assert partial.code2wav.engine == {**AppConfig().code2wav.engine, "max_batch_size": 4}
     assert partial.code2wav.num_gpus == 0.2
+
+
+def test_ingress_replicas_split_each_groups_window(source):
+    """Several ingress replicas never overfill a group: each admits its share of the window."""
+    cfg = AppConfig.model_validate({"active_stream_window": 8, "ingress": {"num_replicas": 3}})
+    assert cfg.window_per_ingress() == 2  # 3 x 2 <= 8
+    assert AppConfig.model_validate({"active_stream_window": 0,
+                                     "ingress": {"num_replicas": 3}}).window_per_ingress() == 0
+    with pytest.raises(ValueError, match="at least ingress.num_replicas"):
+        AppConfig.model_validate({"active_stream_window": 2, "ingress": {"num_replicas": 3}})
+    ingress, _ = two_groups({"active_stream_window": 8, "ingress": {"num_replicas": 2}}, source)
+    assert [g.window.size for g in ingress.groups] == [4, 4]
