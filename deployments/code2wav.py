@@ -1,4 +1,4 @@
-"""Code2Wav deployment: a Code2WavEngine behind an EngineLoop.
+"""Code2Wav deployment: a Code2WavEngine behind the shared StageServer.
 
 Per turn: the ingress holds `stream(rid, voice)` open, which clones the voice's initial
 state and then yields AudioPiece (float32 24 kHz PCM, in order) until `is_last`; the Talker
@@ -15,83 +15,37 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import numpy as np
 
 from deployments.config import AppConfig
-from deployments.loop import EngineLoop, StageFailure
-from deployments.metrics import StageMetrics
-from deployments.stage import (
-    AudioPiece,
-    NamedVoice,
-    Opened,
-    Tombstones,
-    build_engine,
-    check_loop_health,
-    engine_scope,
-    error_line,
-    next_item,
-    stage_init,
-    stage_stats,
-)
+from deployments.loop import StageFailure
+from deployments.stage import AudioPiece, Forwarder, NamedVoice, error_line
+from deployments.stage_server import StageServer
 from pipeline.handoff import CodeChunk, PcmChunk
 
 VOICE_RATE = 16000  # the ingress decodes reference audio to 16 kHz mono
 
 
-def _route(out: PcmChunk, step_start: float = 0.0) -> tuple[str, AudioPiece]:
-    pcm = out.pcm.reshape(-1).astype(np.float32, copy=False)
-    return out.request_id, AudioPiece(pcm, out.finished, step_start, time.time())
+class Code2WavServer(StageServer):
+    stage = "code2wav"
 
-
-class Code2WavServer:
     def __init__(self, app: AppConfig | dict, *, engine_cls: Any = None, source: Any = None):
-        from pipeline.checkpoint import ModelSource
-
-        cfg = AppConfig.model_validate(app)
-        source = source or ModelSource.open(cfg.model)
-        if engine_cls is None:
-            from pipeline.code2wav.engine import Code2WavEngine
-
-            engine_cls = Code2WavEngine
-        with stage_init(cfg, "code2wav") as device:
-            self.engine = build_engine(engine_cls, source, cfg.code2wav.engine, device)
-        self.metrics = StageMetrics("code2wav")
-        self.metrics.engine_stats = self.engine.stats
-        self.loop = EngineLoop(
-            self.engine,
-            name="code2wav",
-            route=lambda out: _route(out, self.loop.step_started_at),
-            on_step=self.metrics.on_step,
-            on_streams=self.metrics.streams,
-            on_failure=self._abort_all,
-            scope=engine_scope(cfg, "code2wav"),
-        )
-        self.timeouts = cfg.timeouts
+        super().__init__(app, engine_cls=engine_cls, source=source)
         self._pushed: dict[str, int] = {}  # codes received per open stream
-        self._aborted = Tombstones()
         self._talker_spans: dict[str, list[tuple[float, float]]] = {}
         self._named: dict[str, Any] = {}  # stored voice id -> its prompt (worker thread only)
 
-    def _abort_all(self, engine: Any, _: BaseException) -> None:
-        for rid in self.loop.open_keys:
-            engine.abort(rid)
+    def _default_engine(self, device: str, settings: dict[str, Any]) -> tuple[Any, dict]:
+        from pipeline.code2wav.engine import Code2WavEngine
 
-    def _prompt(self, engine: Any, voice: Any) -> Any:
-        """The engine's voice spec for None (the default voice), a 16 kHz waveform (reference
-        audio, cached by content in the engine's VoiceCache) or a NamedVoice (built once,
-        its template pinned). Runs on the worker thread."""
-        if voice is None:
-            return None
-        if isinstance(voice, NamedVoice):
-            prompt = self._named.get(voice.voice_id)
-            if prompt is None:
-                prompt = engine.voices.from_audio(voice.samples, VOICE_RATE)
-                self._named[voice.voice_id] = prompt
-                engine.pin_voice(prompt)
-            return prompt
-        return engine.voices.from_audio(voice, VOICE_RATE)
+        return Code2WavEngine, settings
+
+    def _route(self, out: PcmChunk) -> tuple[str, AudioPiece]:
+        pcm = out.pcm.reshape(-1).astype(np.float32, copy=False)
+        return out.request_id, AudioPiece(pcm, out.finished, self.loop.step_started_at, time.time())
 
     async def stream(self, rid: str, voice: Any = None) -> AsyncIterator[Any]:
         """One turn's audio: Opened once the stream holds its voice state, then AudioPiece
@@ -101,39 +55,19 @@ class Code2WavServer:
         waiting for a running chunk (tens of ms). A reference or stored voice is built first,
         so a voice the front end refuses is an error before anything streams. Cancelling the
         stream (the turn is over) frees its state."""
-        if rid in self._aborted:
-            raise RuntimeError(f"request {rid} was aborted")
-        q = self.loop.open(rid)
-        t = self.timeouts
-        try:
-            if voice is None:
-                self.loop.post(self._open_default(rid, asyncio.get_running_loop()))
-            else:
-                try:
-                    await self.loop.call(lambda e: e.open(rid, self._prompt(e, voice)))
-                except Exception as e:  # noqa: BLE001 - the front end refused this voice
-                    yield StageFailure(
-                        "code2wav",
-                        f"the voice could not be used: {error_line(e)}",
-                        400,
-                        "voice_error",
-                    )
-                    return
-            if rid in self._aborted:  # aborted while the engine was opening it
-                return
-            self._pushed[rid] = 0
-            yield Opened("code2wav")
-            while True:
-                item = await next_item(q, self.loop, "code2wav", t.heartbeat_s, t.wedge_s)
-                if isinstance(item, AudioPiece):
-                    item.talker_spans = self._talker_spans.pop(rid, [])
+        async with aclosing(self._serve(rid, voice, forward=False)) as items:
+            async for item in items:
                 yield item
-                if isinstance(item, StageFailure) or (
-                    isinstance(item, AudioPiece) and item.is_last
-                ):
-                    return
-        finally:
-            self._release(rid)
+
+    async def _open(self, rid: str, voice: Any) -> StageFailure | None:
+        if voice is None:
+            self.loop.post(self._open_default(rid, asyncio.get_running_loop()))
+            failure = None
+        else:
+            failure = await super()._open(rid, voice)
+        if failure is None:
+            self._pushed[rid] = 0
+        return failure
 
     def _open_default(self, rid: str, aloop: asyncio.AbstractEventLoop):
         def open_default(engine: Any) -> None:  # worker thread, before any push of rid
@@ -148,6 +82,30 @@ class Code2WavServer:
                 raise
 
         return open_default
+
+    def _engine_spec(self, engine: Any, voice: Any) -> Any:
+        """The engine's voice spec for None (the default voice), a 16 kHz waveform (reference
+        audio, cached by content in the engine's VoiceCache) or a NamedVoice (built once,
+        its template pinned). Runs on the worker thread."""
+        if voice is None:
+            return None
+        if isinstance(voice, NamedVoice):
+            prompt = self._named.get(voice.voice_id)
+            if prompt is None:
+                prompt = engine.voices.from_audio(voice.samples, VOICE_RATE)
+                self._named[voice.voice_id] = prompt
+                engine.pin_voice(prompt)
+            return prompt
+        return engine.voices.from_audio(voice, VOICE_RATE)
+
+    def _refused(self, e: Exception) -> StageFailure | None:
+        # Any error building a voice is the front end refusing it.
+        message = f"the voice could not be used: {error_line(e)}"
+        return StageFailure("code2wav", message, 400, "voice_error")
+
+    def _emit(self, rid: str, pieces: list[AudioPiece], fwd: Forwarder | None) -> tuple[list, bool]:
+        pieces[0].talker_spans = self._talker_spans.pop(rid, [])
+        return pieces, pieces[-1].is_last
 
     async def push(
         self,
@@ -188,7 +146,7 @@ class Code2WavServer:
         """Build a stored voice's prompt and template now, so its first turn pays nothing and
         a clip the front end refuses is refused at upload."""
         voice = NamedVoice(voice_id, np.asarray(samples, dtype=np.float32))
-        await self.loop.call(lambda e: self._prompt(e, voice))
+        await self.loop.call(lambda e: self._engine_spec(e, voice))
 
     async def forget_voice(self, voice_id: str) -> None:
         def forget(engine: Any) -> None:
@@ -198,36 +156,15 @@ class Code2WavServer:
 
         await self.loop.call(forget)
 
-    def _release(self, rid: str) -> None:
+    def _forget(self, rid: str) -> None:
         self._talker_spans.pop(rid, None)
-        had = self._pushed.pop(rid, None) is not None
-        if had or self.loop.is_open(rid):
-            self.loop.close(rid)
-            self.loop.post(lambda e: e.abort(rid))
+        self._pushed.pop(rid, None)
 
-    async def abort(self, rid: str) -> None:
-        self._aborted.add(rid)
-        q = self.loop.queue(rid)
-        if q is not None:  # ends the stream at its next item
-            q.put_nowait(StageFailure("code2wav", "aborted", 499, "cancelled"))
-        self._release(rid)
-
-    async def stats(self) -> dict[str, Any]:
-        engine = await self.loop.call(lambda e: e.stats())
+    def _leaks(self, engine: dict[str, Any]) -> list[str]:
         open_ = len(self.loop.open_keys)
-        streams = int(engine["open_streams"])
-        leaks = []
         if len(self._pushed) > open_:
-            leaks.append(f"{len(self._pushed)} push records for {open_} open streams")
-        return stage_stats(
-            self.loop,
-            self.timeouts.wedge_s,
-            engine,
-            streams,
-            leaks,
-            streams=len(self._pushed),
-            named_voices=len(self._named),
-        )
+            return [f"{len(self._pushed)} push records for {open_} open streams"]
+        return []
 
-    def check_health(self) -> None:
-        check_loop_health(self.loop, self.timeouts.wedge_s)
+    def _extra_stats(self) -> dict[str, Any]:
+        return {"streams": len(self._pushed), "named_voices": len(self._named)}

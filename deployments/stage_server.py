@@ -1,0 +1,250 @@
+"""StageServer: the plumbing the three stage deployments share, around one engine.
+
+Each stage serves one stream per turn (Thinker.generate, Talker.session, Code2Wav.stream).
+This class holds what every stage does the same way: the engine built inside `stage_init`,
+the EngineLoop that drives it, opening a stream (its loop queue, then the engine's `open`,
+a refusal becoming the stream's StageFailure), the loop that turns engine outputs into what
+the stream yields (with heartbeats while quiet and the loop's stage failures), forwarding to
+the next stage through a Forwarder (a failed or refused hop ends the stream), an idempotent
+abort (with tombstones where an abort may overtake the open), `stats()` with the invariants
+and `check_health`.
+
+A stage subclass says only what is its own: `stage` (its name and settings section), the
+real engine class (`_default_engine`), which refusals of an open are the client's fault
+(`_refused`), what a batch of engine outputs yields and hands on (`_emit`), the hop itself
+(`_send`), its own per-stream records (`_forget`) and its extra stats and leak checks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+from deployments.config import AppConfig
+from deployments.loop import EngineLoop, StageFailure
+from deployments.metrics import StageMetrics
+from deployments.stage import (
+    Forwarder,
+    Heartbeat,
+    Opened,
+    Tombstones,
+    build_engine,
+    check_loop_health,
+    engine_scope,
+    error_line,
+    next_item,
+    stage_init,
+    stage_stats,
+)
+
+
+class StageServer:
+    stage: ClassVar[str]  # "thinker", "talker" or "code2wav": its name and settings section
+    announces_open: ClassVar[bool] = True  # the stream's first item is Opened
+    tombstones: ClassVar[bool] = True  # an abort may land before the stream opens
+    # The stage its outputs go on to, the name its messages use, and what it hands on.
+    next_stage: ClassVar[str | None] = None
+    next_title: ClassVar[str] = ""
+    hands_on: ClassVar[str] = ""
+
+    def __init__(self, app: AppConfig | dict, *, engine_cls: Any = None, source: Any = None):
+        from pipeline.checkpoint import ModelSource
+
+        self.cfg = cfg = AppConfig.model_validate(app)
+        source = source or ModelSource.open(cfg.model)
+        with stage_init(cfg, self.stage) as device:
+            settings = dict(cfg.stages()[self.stage].engine)
+            if engine_cls is None:
+                engine_cls, settings = self._default_engine(device, settings)
+            self.engine = build_engine(engine_cls, source, settings, device)
+        self.metrics = StageMetrics(self.stage)
+        self.metrics.engine_stats = self.engine.stats
+        self.loop = EngineLoop(
+            self.engine,
+            name=self.stage,
+            route=self._route,
+            on_step=self.metrics.on_step,
+            on_streams=self.metrics.streams,
+            on_failure=self._abort_all,
+            scope=engine_scope(cfg, self.stage),
+        )
+        self.timeouts = cfg.timeouts
+        self.hold_forward = False  # the Forwarder keeps everything until the stream's end
+        self._serving: set[str] = set()  # streams inside their generator
+        self._forwarders: dict[str, Forwarder] = {}
+        self._aborted = Tombstones() if self.tombstones else None
+
+    # -- what a stage says about itself --------------------------------------------------
+
+    def _default_engine(self, device: str, settings: dict[str, Any]) -> tuple[Any, dict]:
+        """The real engine class and its settings, when no engine class is injected."""
+        raise NotImplementedError
+
+    def _route(self, out: Any) -> tuple[str, Any]:
+        """EngineLoop's route (worker thread): an engine output -> (stream, queued item)."""
+        return out.request_id, out
+
+    def _engine_spec(self, engine: Any, spec: Any) -> Any:
+        """What the engine's `open` takes for the stream's `spec` (worker thread)."""
+        return spec
+
+    def _refused(self, e: Exception) -> StageFailure | None:
+        """The stream's StageFailure for an `open` the engine refused; None: not a refusal."""
+        return None
+
+    def _emit(self, rid: str, outputs: list[Any], fwd: Forwarder | None) -> tuple[list, bool]:
+        """A batch of the stream's engine outputs -> (items to yield, whether it was the last),
+        handing what the next stage takes to `fwd`."""
+        raise NotImplementedError
+
+    async def _send(self, rid: str, items: list[Any], final: bool) -> bool:
+        """One hop to the next stage; False if it has no such stream."""
+        raise NotImplementedError
+
+    def _forget(self, rid: str) -> None:
+        """Drop the stage's own records of `rid` (its stream ended or was aborted)."""
+
+    def _leaks(self, engine: dict[str, Any]) -> list[str]:
+        return []
+
+    def _extra_stats(self) -> dict[str, Any]:
+        return {}
+
+    # -- one stream -----------------------------------------------------------------------
+
+    def _abort_all(self, engine: Any, _: BaseException) -> None:
+        for rid in self.loop.open_keys:  # worker thread: a failed step poisons every stream
+            engine.abort(rid)
+
+    async def _open(self, rid: str, spec: Any) -> StageFailure | None:
+        """Open the engine's stream; the StageFailure to yield if the engine refused it."""
+        try:
+            await self.loop.call(lambda e: e.open(rid, self._engine_spec(e, spec)))
+        except Exception as e:
+            failure = self._refused(e)
+            if failure is None:
+                raise
+            return failure
+        return None
+
+    async def _serve(self, rid: str, spec: Any, *, forward: bool) -> AsyncIterator[Any]:
+        """The stream of `rid`: [Opened,] what its engine outputs yield, Heartbeats while
+        nothing is said for `heartbeat_s`, and a StageFailure (the last item) if it cannot
+        go on. Cancelling it, or its end, frees everything it holds."""
+        if self._aborted is not None and rid in self._aborted:
+            raise RuntimeError(f"request {rid} was aborted")
+        q = self.loop.open(rid)
+        self._serving.add(rid)
+        fwd: Forwarder | None = None
+        done = False
+        t = self.timeouts
+        try:
+            failure = await self._open(rid, spec)
+            if failure is not None:
+                yield failure
+                return
+            if self._aborted is not None and rid in self._aborted:  # aborted while opening
+                return
+            if self.announces_open:
+                yield Opened(self.stage)
+            if forward:
+                fwd = self._forwarder(rid)
+            said = time.monotonic()
+            while not done:
+                first = await next_item(q, self.loop, self.stage, t.heartbeat_s, t.wedge_s)
+                if isinstance(first, Heartbeat):
+                    yield first
+                    said = time.monotonic()
+                    continue
+                items = [first]
+                while not q.empty():  # coalesce what piled up during one yield
+                    items.append(q.get_nowait())
+                cut = next((i for i, x in enumerate(items) if isinstance(x, StageFailure)), None)
+                outputs = items if cut is None else items[:cut]
+                shown: list[Any] = []
+                if outputs:
+                    shown, done = self._emit(rid, outputs, fwd)
+                    if done and fwd is not None:
+                        fwd.finish()
+                for item in shown:
+                    yield item
+                    said = time.monotonic()
+                if cut is not None:
+                    yield items[cut]
+                    return
+                # Outputs that only go on to the next stage: tell the reader it is alive.
+                if not done and time.monotonic() - said >= t.heartbeat_s:
+                    yield Heartbeat(self.stage)
+                    said = time.monotonic()
+            if fwd is not None:
+                # The last hop is on its way: the stream stays open until it returned, so a
+                # hop that fails now (the next stage died or has no such stream) is still
+                # this stream's failure (the forwarder reports it into `q` before it ends).
+                while not await fwd.wait(t.heartbeat_s):
+                    yield Heartbeat(self.stage)
+                while not q.empty():
+                    if isinstance(item := q.get_nowait(), StageFailure):
+                        yield item
+                        return
+        finally:
+            if fwd is not None:
+                fwd.cancel()
+            self._forwarders.pop(rid, None)
+            self._serving.discard(rid)
+            self._forget(rid)
+            self.loop.close(rid)
+            self.loop.post(lambda e: e.abort(rid))
+
+    def _forwarder(self, rid: str) -> Forwarder:
+        async def send(items: list[Any], final: bool) -> None:
+            if not await self._send(rid, items, final):
+                raise RuntimeError(f"{self.next_title} has no stream {rid!r} (closed or restarted)")
+
+        def failed(e: BaseException) -> None:
+            message = f"could not take {self.hands_on}: {error_line(e)}"
+            failure = StageFailure(self.next_stage, message, 503, "stage_unavailable")
+            self.loop.deliver(rid, failure)
+
+        fwd = Forwarder(
+            send,
+            name=f"{self.stage}->{self.next_stage} {rid}",
+            hold=self.hold_forward,
+            timeout_s=self.timeouts.hop_s,
+            on_error=failed,
+        )
+        self._forwarders[rid] = fwd
+        return fwd
+
+    # -- the handle's common methods ------------------------------------------------------
+
+    async def abort(self, rid: str) -> None:
+        """End `rid`'s stream (at its next item) and free what the engine holds for it; an
+        abort that lands before the stream opens still wins where the stage has tombstones.
+        Idempotent."""
+        if self._aborted is not None:
+            self._aborted.add(rid)
+        fwd = self._forwarders.pop(rid, None)
+        if fwd is not None:
+            fwd.cancel()
+        q = self.loop.queue(rid)
+        if q is not None:
+            q.put_nowait(StageFailure(self.stage, "aborted", 499, "cancelled"))
+        self._forget(rid)
+        self.loop.close(rid)
+        await self.loop.call(lambda e: e.abort(rid))
+
+    async def stats(self) -> dict[str, Any]:
+        engine = await self.loop.call(lambda e: e.stats())
+        open_ = len(self.loop.open_keys)
+        leaks = self._leaks(engine)
+        extra = self._extra_stats()
+        if self.next_stage is not None:
+            if len(self._forwarders) > open_:
+                leaks.insert(0, f"{len(self._forwarders)} forwarders for {open_} open calls")
+            extra = {"forwarders": len(self._forwarders), **extra}
+        held = int(engine["open_streams"])
+        return stage_stats(self.loop, self.timeouts.wedge_s, engine, held, leaks, **extra)
+
+    def check_health(self) -> None:
+        check_loop_health(self.loop, self.timeouts.wedge_s)
