@@ -288,7 +288,9 @@ class TurnRunner:
     def _start(self, src: str, gen: Any, streams: dict[str, Any], pumps: list[asyncio.Task],
                merged: asyncio.Queue, seen: dict[str, float]) -> None:
         streams[src] = gen
-        seen[src] = time.perf_counter()
+        # A stream's first item may take up to `open_s`: its replica may be starting (Serve
+        # restarting a dead one); after that, silence is bounded by `stall_s`.
+        seen[src] = time.perf_counter() + max(0.0, self.timeouts.open_s - self.timeouts.stall_s)
         pumps.append(asyncio.get_running_loop().create_task(self._pump(src, gen, merged)))
 
     # -- the merged stream ---------------------------------------------------------------
