@@ -77,11 +77,36 @@ def _options(name: str, s: StageSettings, gpu: bool, cfg: AppConfig,
 
 
 def num_groups(cfg: AppConfig, gpu: bool) -> int:
-    """`groups` as a number: auto = one per whole GPU in the cluster (1 without GPUs). With
-    GPUs, each group needs a GPU of its own."""
-    from deployments.placement import resolve_groups
+    """The groups the app binds: `groups`, or `max_groups` when autoscaled; auto = one per
+    whole GPU in the cluster (1 without GPUs). With GPUs, each group needs a GPU of its own."""
+    from deployments.placement import PlacementError, resolve_groups
 
-    return resolve_groups(cfg.groups, None if gpu else {})
+    n = resolve_groups(cfg.max_groups if cfg.autoscaled else cfg.groups, None if gpu else {})
+    if cfg.autoscaled and cfg.min_groups > n:
+        raise PlacementError(f"min_groups ({cfg.min_groups}) is more than the {n} groups "
+                             f"max_groups allows")
+    return n
+
+
+# Serve takes an idle autoscaled group's replicas down this long after the ingress stopped
+# giving it turns, so a turn routed just before the ingress's cut-off never meets a replica
+# that is shutting down.
+DOWNSCALE_MARGIN_S = 30.0
+
+
+def scaling_options(cfg: AppConfig, group: int) -> dict[str, Any]:
+    """Deployment options of one group's stage replicas beside `_options`' own: a fixed
+    replica, or, for an autoscaled group past min_groups, 0 or 1 replica under Serve's own
+    autoscaler. The ingress wakes such a group with calls that queue at its handles (Serve
+    scales from zero on queued requests) and stops sending it turns after group_idle_s;
+    with no request in flight Serve then takes the replica down."""
+    if not cfg.autoscaled or group < cfg.min_groups:
+        return {}
+    delay = cfg.group_idle_s + DOWNSCALE_MARGIN_S
+    return {"num_replicas": "auto", "autoscaling_config": {
+        "min_replicas": 0, "max_replicas": 1, "initial_replicas": 0,
+        "target_ongoing_requests": 1, "upscale_delay_s": 0.0,
+        "downscale_delay_s": delay, "downscale_to_zero_delay_s": delay}}
 
 
 def engine_configs(cfg: AppConfig, stages: tuple[str, ...] = ("thinker", "talker", "code2wav")
@@ -132,8 +157,9 @@ def build_omni_app(cfg: AppConfig | dict | None = None, *, thinker_engine_cls: A
         names = stage_names(g, n)
         extra = extras[g]
 
-        def opts(stage: str, names=names, extra=extra) -> dict[str, Any]:
-            return _options(names[stage], cfg.stages()[stage], gpu, cfg, extra.get(stage))
+        def opts(stage: str, names=names, extra=extra, g=g) -> dict[str, Any]:
+            return {**_options(names[stage], cfg.stages()[stage], gpu, cfg, extra.get(stage)),
+                    **scaling_options(cfg, g)}
 
         code2wav = serve.deployment(Code2WavServer, **opts("code2wav")).bind(
             args, engine_cls=code2wav_engine_cls)
@@ -150,7 +176,7 @@ def build_omni_app(cfg: AppConfig | dict | None = None, *, thinker_engine_cls: A
         max_ongoing_requests=ing.max_ongoing_requests,
         ray_actor_options={"num_cpus": ing.num_cpus},
     )
-    if n == 1:
+    if n == 1 and not cfg.autoscaled:
         return ingress.bind(args, thinkers[0], talkers[0], code2wavs[0])
     return ingress.bind(args, thinkers, talkers, code2wavs)
 

@@ -148,6 +148,14 @@ class AppConfig(_Settings):
     groups: int | Literal["auto"] = Field(1, description=(
         "stage groups: one replica of each stage on one GPU, every hop of a turn inside its "
         "group; auto = one per GPU in the cluster (1 without GPUs)"))
+    max_groups: int | Literal["auto"] | None = Field(None, description=(
+        "autoscaled groups: bind this many (auto = one per GPU), keep min_groups running, "
+        "and start the others when every running group's window is full and turns wait; "
+        "null = exactly `groups`"))
+    min_groups: int = Field(1, ge=1, description="autoscaled groups that always run")
+    group_idle_s: float = Field(120.0, gt=0, description=(
+        "an autoscaled group past min_groups with no turn for this long gets no new turns, "
+        "and Serve stops its replicas group_idle_s later (its GPU stays reserved)"))
     talker_mode: Literal["streaming", "full_span"] = Field("streaming", description=(
         "streaming: the Talker starts on the first spoken chunk; full_span: it waits for "
         "the whole spoken span (the offline reference behaviour)"))
@@ -199,12 +207,22 @@ class AppConfig(_Settings):
     def _groups_valid(self) -> AppConfig:
         if isinstance(self.groups, int) and self.groups < 1:
             raise ValueError(f"groups must be >= 1 or 'auto', got {self.groups}")
+        if self.max_groups is not None:
+            if self.groups != 1:
+                raise ValueError("set either groups or min_groups / max_groups, not both")
+            if isinstance(self.max_groups, int) and self.max_groups < self.min_groups:
+                raise ValueError(f"max_groups ({self.max_groups}) must be at least "
+                                 f"min_groups ({self.min_groups})")
         n = self.ingress.num_replicas
         if 0 < self.active_stream_window < n:
             raise ValueError(f"active_stream_window ({self.active_stream_window}) must be at "
                              f"least ingress.num_replicas ({n}): each ingress replica admits "
                              f"its share of every group's window")
         return self
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.max_groups is not None
 
     def window_per_ingress(self) -> int:
         """One ingress replica's share of each group's window, so that all replicas together

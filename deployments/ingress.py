@@ -95,11 +95,15 @@ class IngressServer:
         if len({len(h) for h in handles}) != 1:
             raise ValueError("one thinker, talker and code2wav handle per group")
         n = len(handles[0])
+        # Autoscaled groups past min_groups start with no replicas (app.scaling_options).
+        always = cfg.min_groups if cfg.autoscaled else n
         self.groups = [Group(f"g{i}" if n > 1 else "", Stages(*hs),
-                             ActiveStreamWindow(cfg.window_per_ingress()))
+                             ActiveStreamWindow(cfg.window_per_ingress()),
+                             scalable=i >= always, asleep=i >= always)
                        for i, hs in enumerate(zip(*handles))]
         self.stages = self.groups[0].stages  # what is asked of any one group (voice support)
-        self.turns = TurnRunner(self.groups, self.metrics, cfg.request_timeout_s, cfg.timeouts)
+        self.turns = TurnRunner(self.groups, self.metrics, cfg.request_timeout_s, cfg.timeouts,
+                                idle_s=cfg.group_idle_s)
         voices_dir = Path(cfg.voices_dir).expanduser() if cfg.voices_dir else cache_dir() / "voices"
         self.voices = VoiceStore(voices_dir, max_seconds=lim.max_ref_audio_seconds,
                                  max_voices=lim.max_voices)
@@ -137,9 +141,11 @@ class IngressServer:
             except Exception as e:  # noqa: BLE001 - a dead stage is reported, not raised
                 return {"error": error_line(e)}
 
+        self.turns.sleep_idle()
         names = ("thinker", "talker", "code2wav")
+        # A sleeping group has no replicas; a call would wake it (and wait for the start).
         keys = [(f"{n}-{g.name}" if g.name else n, getattr(g.stages, n))
-                for g in self.groups for n in names]
+                for g in self.groups if not g.asleep for n in names]
         stages = dict(zip([k for k, _ in keys], await asyncio.gather(
             *(one(h) for _, h in keys))))
         windows = [g.window.stats() for g in self.groups]

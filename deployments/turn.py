@@ -58,7 +58,9 @@ class Stages:
 class Group:
     """One stage group as the ingress sees it: its handles and its window. A group whose
     stage just died (a turn ended with `stage_unavailable`) gets no new turns until all
-    three of its stages answer again (`TurnRunner` probes them)."""
+    three of its stages answer again (`TurnRunner` probes them). An autoscaled group
+    (`scalable`, past min_groups) sleeps with no replicas until every awake group's window
+    is full, and goes back to sleep after `group_idle_s` without a turn."""
 
     name: str
     stages: Stages
@@ -67,14 +69,24 @@ class Group:
     in_flight: int = 0
     down: bool = False
     downs: int = 0  # times a dead stage took it out of rotation
+    scalable: bool = False
+    asleep: bool = False
+    waking: bool = False
+    wakes: int = 0
+    last_busy: float = 0.0  # monotonic: when its last turn ended (or it woke)
 
     def free_slots(self) -> float:
         w = self.window
         return float("inf") if w.size == 0 else w.size - w.active - w.waiting
 
+    @property
+    def routable(self) -> bool:
+        return not (self.down or self.asleep)
+
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "window": self.window.stats(), "turns": self.turns,
-                "in_flight": self.in_flight, "down": self.down, "downs": self.downs}
+                "in_flight": self.in_flight, "down": self.down, "downs": self.downs,
+                "asleep": self.asleep, "waking": self.waking, "wakes": self.wakes}
 
 
 @dataclass
@@ -101,10 +113,13 @@ class _TurnError(Exception):
 
 class TurnRunner:
     def __init__(self, groups: list[Group], metrics: AppMetrics | None,
-                 timeout_s: float, timeouts: TimeoutSettings | None = None):
+                 timeout_s: float, timeouts: TimeoutSettings | None = None, *,
+                 idle_s: float = 120.0, wake_timeout_s: float = 900.0):
         if not groups:
             raise ValueError("a TurnRunner needs at least one group")
         self.groups = groups
+        self.idle_s = idle_s
+        self.wake_timeout_s = wake_timeout_s
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.timeouts = timeouts or TimeoutSettings()
@@ -113,12 +128,65 @@ class TurnRunner:
 
     def choose(self, speech: bool) -> Group:
         """The group with the most free window slots (a text-only turn: the fewest turns in
-        flight), among those not down; ties go to the lowest index. With every group down,
-        any: its turn waits in the opens for Serve's new replicas."""
-        up = [g for g in self.groups if not g.down] or self.groups
+        flight), among those not down or asleep; ties go to the lowest index. With every
+        group down, any awake one: its turn waits in the opens for Serve's new replicas.
+        A speech turn that finds every awake window full wakes a sleeping group for the
+        turns after it (a wake takes a replica start; this turn queues where it is)."""
+        self.sleep_idle()
+        awake = [g for g in self.groups if not g.asleep]
+        up = [g for g in awake if not g.down] or awake
         if speech:
-            return max(up, key=lambda g: (g.free_slots(), -g.in_flight))
+            best = max(up, key=lambda g: (g.free_slots(), -g.in_flight))
+            if best.free_slots() <= 0:
+                self._wake_one()
+            return best
         return min(up, key=lambda g: g.in_flight)
+
+    def sleep_idle(self) -> None:
+        """Put autoscaled groups idle for `idle_s` to sleep (checked whenever the ingress
+        routes a turn or reads stats, so nothing calls them and Serve stops them)."""
+        now = time.monotonic()
+        for g in self.groups:
+            if (g.scalable and not g.asleep and not g.waking and g.in_flight == 0
+                    and now - g.last_busy >= self.idle_s):
+                g.asleep = True
+                log.info("group %s: idle for %.0f s, no new turns (Serve stops its replicas)",
+                         g.name, now - g.last_busy)
+
+    def _wake_one(self) -> None:
+        if any(g.waking for g in self.groups):
+            return  # one replica start at a time
+        sleeping = [g for g in self.groups if g.asleep]
+        if not sleeping:
+            return
+        group = sleeping[0]
+        group.waking = True
+        group.wakes += 1
+        log.info("group %s: every awake group's window is full, waking it", group.name)
+
+        async def wake() -> None:
+            s = group.stages
+            try:
+                while True:
+                    try:
+                        # Calls that queue at the handles of a deployment with no replica
+                        # are what Serve's autoscaler starts one for.
+                        await asyncio.wait_for(asyncio.gather(
+                            s.thinker.stats.remote(), s.talker.stats.remote(),
+                            s.code2wav.stats.remote()), timeout=self.wake_timeout_s)
+                        break
+                    except Exception as e:  # noqa: BLE001 - a replica that failed to start
+                        log.warning("group %s did not wake: %s", group.name, error_line(e))
+                        await asyncio.sleep(1.0)
+                group.asleep = False
+                group.last_busy = time.monotonic()
+                log.info("group %s is awake", group.name)
+            finally:
+                group.waking = False
+
+        task = asyncio.get_running_loop().create_task(wake(), context=contextvars.Context())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _mark_down(self, group: Group) -> None:
         if group.down or len(self.groups) == 1:
@@ -158,6 +226,7 @@ class TurnRunner:
                     yield ev
         finally:
             group.in_flight -= 1
+            group.last_busy = time.monotonic()
 
     async def _run(self, turn: PreparedTurn, group: Group) -> AsyncIterator[Event]:
         stages, window = group.stages, group.window

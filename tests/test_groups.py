@@ -8,15 +8,17 @@ answers again, and the config and builder helpers refuse what cannot be placed.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from test_api import light_source, user
 from test_turns import FAST, DyingStream, collect, one_terminal, settled
 
-from deployments.app import num_groups, stage_names
+from deployments.app import num_groups, scaling_options, stage_names
 from deployments.code2wav import Code2WavServer
 from deployments.config import AppConfig
 from deployments.ingress import IngressServer
+from deployments.placement import PlacementError
 from deployments.schemas import AudioChunk, Done, Error
 from deployments.talker import TalkerServer
 from deployments.testing import (
@@ -90,11 +92,7 @@ def test_turns_spread_over_groups_and_stay_in_their_group(source):
 
 
 async def settled_ingress(ingress: IngressServer) -> dict:
-    class _L:  # test_turns.settled reads `local.ingress`
-        pass
-    local = _L()
-    local.ingress = ingress
-    return await settled(local)
+    return await settled(SimpleNamespace(ingress=ingress))  # settled reads `local.ingress`
 
 
 class DeadTalker(DyingStream):
@@ -245,3 +243,74 @@ def test_ingress_replicas_split_each_groups_window(source):
         AppConfig.model_validate({"active_stream_window": 2, "ingress": {"num_replicas": 3}})
     ingress, _ = two_groups({"active_stream_window": 8, "ingress": {"num_replicas": 2}}, source)
     assert [g.window.size for g in ingress.groups] == [4, 4]
+
+
+def test_an_autoscaled_group_wakes_when_the_windows_fill_and_sleeps_when_idle(source):
+    cfg = {
+        "active_stream_window": 2,
+        "limits": {"max_tokens": 64},
+        "max_groups": 2,
+        "min_groups": 1,
+        "group_idle_s": 0.3,
+        "thinker": {"engine": {"step_delay_s": 0.01}},
+    }
+
+    async def main():
+        ingress, _ = two_groups(cfg, source)
+        g0, g1 = ingress.groups
+        start = (g1.asleep, g1.scalable, g0.scalable)
+        asleep_stats = await ingress.stats()
+        two = await asyncio.gather(*(collect(ingress, SPEECH) for _ in range(2)))
+        quiet = g1.turns, g1.wakes  # two turns fit g0's window: nothing woke
+
+        # Eight, 20 ms apart: the third finds g0's window full and wakes g1; the turns that
+        # arrive once it is awake go there.
+        async def later(i: int) -> list:
+            await asyncio.sleep(0.02 * i)
+            return await collect(ingress, SPEECH)
+
+        eight = await asyncio.gather(*(later(i) for i in range(8)))
+        woke = g1.wakes, g1.turns
+        await asyncio.sleep(0.4)  # past group_idle_s with nothing in flight
+        late = await collect(ingress, SPEECH)
+        return (
+            start,
+            asleep_stats,
+            two,
+            quiet,
+            eight,
+            woke,
+            late,
+            g1.asleep,
+            g1.turns,
+            await settled_ingress(ingress),
+        )
+
+    start, asleep_stats, two, quiet, eight, woke, late, asleep_end, g1_turns, st = asyncio.run(
+        main()
+    )
+    assert start == (True, True, False)
+    # a sleeping group's stages are not called (a call would wake it)
+    assert "thinker-g1" not in asleep_stats["stages"] and "thinker-g0" in asleep_stats["stages"]
+    assert all(isinstance(one_terminal(e), Done) for e in two + eight + [late])
+    assert quiet == (0, 0)
+    assert woke[0] == 1 and woke[1] >= 2, woke  # one wake, and g1 then took turns
+    assert asleep_end and g1_turns == woke[1]  # idle: asleep again, the late turn went to g0
+    assert st["groups"][1]["asleep"] and st["idle"] and not st["leaks"], st
+
+
+def test_autoscaled_groups_config():
+    with pytest.raises(ValueError, match="either groups or"):
+        AppConfig.model_validate({"groups": 2, "max_groups": 2})
+    with pytest.raises(ValueError, match="at least min_groups"):
+        AppConfig.model_validate({"max_groups": 1, "min_groups": 2})
+    cfg = AppConfig.model_validate({"max_groups": "auto", "min_groups": 2})
+    with pytest.raises(PlacementError, match="min_groups"):
+        num_groups(cfg, gpu=False)  # auto without GPUs is one group
+    cfg = AppConfig.model_validate({"max_groups": 3, "min_groups": 1, "group_idle_s": 10})
+    assert num_groups(cfg, gpu=False) == 3
+    assert scaling_options(cfg, 0) == {}  # min_groups always run, as fixed replicas
+    auto = scaling_options(cfg, 1)["autoscaling_config"]
+    assert auto["min_replicas"] == 0 and auto["max_replicas"] == 1
+    assert auto["initial_replicas"] == 0 and auto["downscale_to_zero_delay_s"] > 10
+    assert scaling_options(AppConfig.model_validate({"groups": 2}), 1) == {}

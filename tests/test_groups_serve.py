@@ -127,3 +127,74 @@ def test_two_groups_share_the_load_and_survive_a_dead_talker(groups_app):
     assert new_pid != pid
     st = _settled()
     assert st["idle"] and not st["leaks"], json.dumps(st, default=str)[:3000]
+
+
+def _replicas(app: str) -> dict[str, int]:
+    deps = serve.status().applications[app].deployments
+    return {
+        name: sum(n for state, n in d.replica_states.items() if state == "RUNNING")
+        for name, d in deps.items()
+    }
+
+
+def test_an_autoscaled_group_starts_from_zero_and_stops_when_idle(ray_http):
+    """Serve's own autoscaler scales group g1 from no replicas when the ingress wakes it
+    (every awake window full), and back to none after group_idle_s without turns."""
+    from deployments.testing import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine
+
+    app = "autogroups"
+    cfg = {
+        "active_stream_window": 1,
+        "max_groups": 2,
+        "min_groups": 1,
+        "group_idle_s": 3,
+        "thinker": {"engine": {"step_delay_s": 0.05}},
+    }
+    serve.run(
+        build_omni_app(
+            cfg,
+            thinker_engine_cls=FakeThinkerEngine,
+            talker_engine_cls=FakeTalkerEngine,
+            code2wav_engine_cls=FakeCode2WavEngine,
+            use_gpu=False,
+        ),
+        name=app,
+        route_prefix=f"/{app}",
+    )
+    url = f"{ray_http}/{app}"
+    stats = serve.get_app_handle(app).stats
+    try:
+        start = _replicas(app)
+        assert start["Talker-g0"] == 1 and start["Talker-g1"] == 0, start
+        # Turns one after another until g1 is awake and serving: each one that finds g0's
+        # window full (one slot) and the other waiting wakes g1.
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            turns = [Streamer(url, STREAMED) for _ in range(3)]
+            for t in turns:
+                t.start()
+            for t in turns:
+                t.join(timeout=120)
+                assert t.events[-1] == "[DONE]" and not any(
+                    isinstance(e, dict) and "error" in e for e in t.events
+                ), t.events[-3:]
+            groups = stats.remote().result(timeout_s=30)["groups"]
+            if groups[1]["turns"] > 0:
+                break
+        assert groups[1]["wakes"] >= 1 and groups[1]["turns"] > 0, groups
+        assert all(n == 1 for n in _replicas(app).values())
+        # idle: the ingress stops sending g1 turns after 3 s, Serve stops it 30 s later
+        deadline = time.time() + 120
+        g1 = ("Thinker-g1", "Talker-g1", "Code2Wav-g1")
+        while time.time() < deadline and any(_replicas(app)[d] for d in g1):
+            stats.remote().result(timeout_s=30)  # keep the ingress's view fresh
+            time.sleep(1.0)
+        after = _replicas(app)
+        assert not any(after[d] for d in g1), after
+        assert after["Thinker-g0"] == 1
+        st = stats.remote().result(timeout_s=30)
+        assert st["groups"][1]["asleep"] and st["idle"] and not st["leaks"], st
+        r = requests.post(f"{url}/v1/chat/completions", json=SPEECH, timeout=60)
+        assert r.status_code == 200, r.text[:300]  # g0 alone still serves
+    finally:
+        serve.delete(app)
