@@ -64,6 +64,23 @@ class IngressSettings(_Settings):
     max_ongoing_requests: int = Field(1024, ge=1)
 
 
+class RealtimeSettings(_Settings):
+    """`WS /v1/realtime` sessions (docs/api.md "Realtime"): each lives in the ingress replica
+    that accepted its socket."""
+
+    max_sessions: int = Field(16, ge=0, description=(
+        "open sessions per ingress replica; past it a new socket gets an error event "
+        "(session_limit_reached) and is closed"))
+    idle_timeout_s: float = Field(600.0, gt=0, description=(
+        "a session with no client event for this long is closed"))
+    max_event_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
+        "one client event's JSON text"))
+    max_buffer_s: float = Field(120.0, gt=0, description=(
+        "uncommitted input audio; past it appends are refused (server VAD commits a "
+        "speech turn that long as it is)"))
+    max_items: int = Field(256, ge=2, description="conversation items per session")
+
+
 class LimitSettings(_Settings):
     """Input limits (pipeline.processing.MediaLimits) plus request-level ones."""
 
@@ -186,6 +203,7 @@ class AppConfig(_Settings):
     limits: LimitSettings = Field(default_factory=LimitSettings)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
+    realtime: RealtimeSettings = Field(default_factory=RealtimeSettings)
     thinker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["thinker"]))
     talker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["talker"]))
     code2wav: StageSettings = Field(default_factory=lambda: StageSettings(

@@ -108,6 +108,7 @@ class IngressServer:
         self.voices = VoiceStore(voices_dir, max_seconds=lim.max_ref_audio_seconds,
                                  max_voices=lim.max_voices)
         self._voice_support: tuple[str | None] | None = None  # (reason,) once asked
+        self.realtime_sessions: dict[str, Any] = {}  # id -> RealtimeSession on this replica
 
     def __serve_build_asgi_app__(self) -> Any:
         from deployments.routes import build_routes
@@ -161,6 +162,7 @@ class IngressServer:
         return {"window": window, "turns": {"in_flight": len(in_flight), "speech": speech},
                 "groups": [g.stats() for g in self.groups],
                 "media_cache": self.media_cache_stats(), "stages": stages, "idle": idle,
+                "realtime": {"sessions": len(self.realtime_sessions)},
                 "leaks": leaks}
 
     def media_cache_stats(self) -> dict[str, int]:

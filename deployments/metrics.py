@@ -142,12 +142,17 @@ class AppMetrics:
         self.window_active = _metric(Gauge, "omniray_window_active", "turns in the GPU stages")
         self.window_waiting = _metric(Gauge, "omniray_window_waiting", "turns waiting FIFO")
         self.window(0, 0)  # a fresh process exports its own (empty) window at once
+        self._realtime = _metric(Gauge, "omniray_realtime_sessions",
+                                 "open realtime (WebSocket) sessions")
         self._ingress = StageMetrics("ingress")  # the stage families, for the media cache
 
     def media_cache(self, stats: dict[str, int]) -> None:
         """Running totals of the processed-media cache (called from one thread)."""
         self._ingress.record_stats({f"media_cache_{k}": v for k, v in stats.items()
                                     if k != "capacity_bytes"})
+
+    def realtime_sessions(self, n: int) -> None:
+        self._realtime.set(n)
 
     def outcome(self, outcome: str, reason: str | None = None) -> None:
         self.requests.inc(1, tags={"outcome": outcome})

@@ -12,9 +12,9 @@ import re
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.formats import error_body
@@ -121,6 +121,20 @@ def build_routes(server: Any) -> FastAPI:
                                               "X-Request-Id": turn.request_id})
         status, payload = await server.complete(req, turn)
         return JSONResponse(payload, status_code=status)
+
+    # -- realtime (OpenAI's Realtime API over a WebSocket, and the page that talks to it) ----
+
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket) -> None:
+        from deployments.realtime.socket import serve_websocket
+
+        await serve_websocket(server, ws)
+
+    @app.get("/realtime")
+    async def realtime_page() -> HTMLResponse:
+        from deployments.realtime.socket import page
+
+        return HTMLResponse(page(), headers={"Cache-Control": "no-cache"})
 
     # -- stored voices (OpenAI's custom voices: client.audio.voices.create / delete) --------
 

@@ -1,0 +1,618 @@
+"""One realtime session: the OpenAI Realtime API's conversation over one WebSocket.
+
+    client events ──> handle() ──> conversation items, the input audio buffer, server VAD
+                                   └─> a response: one chat turn of the ingress (all three
+                                       stages), its events mapped to the API's
+    server events <── send()  <──  session loop and the response task (one at a time)
+
+The session lives in the ingress replica that accepted the socket. A committed turn runs
+the ingress's own `chat` with the conversation as its messages (the Thinker's prefix cache
+makes the history cheap). At most one response runs at a time; cancelling it (the client's
+`response.cancel`, or server VAD hearing speech while it plays) closes the chat turn, which
+aborts all three stages, and ends the response with exactly one `response.done`.
+
+Everything is bounded: one event's size, the input buffer's seconds, the conversation's
+items; past a bound the client gets an `error` event and the session goes on. The socket's
+end (or the idle timeout) cancels the response and drops everything the session held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import json
+import logging
+import wave
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from deployments.realtime import protocol as p
+from deployments.schemas import AudioChunk, Done, Error, TextDelta
+
+log = logging.getLogger(__name__)
+
+# Audio kept before the speech VAD may start in (prefix padding), and some slack for it.
+_KEEP_BEFORE_MS = 1000
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_event_bytes: int = 4 << 20
+    max_buffer_s: float = 120.0
+    max_items: int = 256
+    idle_timeout_s: float = 600.0
+
+
+class InputBuffer:
+    """The session's uncommitted input audio: pcm16 at the session's rate, with the session
+    clock (ms since the first sample ever appended) of its first byte."""
+
+    def __init__(self, rate: int):
+        self.rate = rate
+        self.data = bytearray()
+        self.start_ms = 0.0  # session clock of data[0]
+        self.total = 0  # samples ever appended
+
+    def _sample(self, ms: float) -> int:
+        return round((ms - self.start_ms) * self.rate / 1000)
+
+    @property
+    def ms(self) -> float:
+        return len(self.data) / 2 * 1000 / self.rate
+
+    def append(self, pcm: bytes) -> None:
+        self.data += pcm
+        self.total += len(pcm) // 2
+
+    def take(self, start_ms: float | None = None, end_ms: float | None = None) -> bytes:
+        """The audio between two session times (default: all of it); the buffer is cleared."""
+        a = 0 if start_ms is None else max(0, self._sample(start_ms))
+        b = len(self.data) // 2 if end_ms is None else max(a, self._sample(end_ms))
+        out = bytes(self.data[2 * a : 2 * b])
+        self.clear()
+        return out
+
+    def keep_last(self, ms: float) -> None:
+        drop = len(self.data) // 2 - int(ms * self.rate / 1000)
+        if drop > 0:
+            del self.data[: 2 * drop]
+            self.start_ms += drop * 1000 / self.rate
+
+    def clear(self) -> None:
+        self.start_ms += len(self.data) / 2 * 1000 / self.rate
+        self.data.clear()
+
+
+def wav_bytes(pcm16: bytes, rate: int) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm16)
+    return out.getvalue()
+
+
+def pcm16(pcm: np.ndarray) -> bytes:
+    """float32 [-1, 1] -> pcm16 little-endian (the API's output format)."""
+    return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+@dataclass
+class _Assistant:
+    """What a response has made of its assistant item so far: its text, and for audio the
+    transcript that went out with each audio delta (so a truncate keeps what was heard)."""
+
+    item_id: str
+    audio: bool
+    text: str = ""
+    pending: str = ""  # text not yet sent with an audio delta
+    audio_ms: float = 0.0
+    segments: list[tuple[float, str]] = field(default_factory=list)  # (start ms, transcript)
+
+    def heard(self, audio_end_ms: float) -> str:
+        return "".join(t for start, t in self.segments if start < audio_end_ms)
+
+
+@dataclass
+class _Running:
+    response: p.Response
+    task: asyncio.Task
+    reason: str = "client_cancelled"
+
+
+class RealtimeSession:
+    """`chat(request dict) -> async iterator of events` is the ingress's handle method;
+    `send(text)` writes one text frame."""
+
+    def __init__(
+        self,
+        chat: Callable[[dict], AsyncIterator[Any]],
+        send: Callable[[str], Awaitable[None]],
+        *,
+        model: str = "omniray",
+        beta: bool = False,
+        limits: SessionLimits | None = None,
+    ):
+        self._chat = chat
+        self._send_frame = send
+        self.model = model
+        self.beta = beta
+        self.limits = limits or SessionLimits()
+        self.id = p.new_id("sess")
+        self.cfg = p.SessionConfig()
+        self.items: list[p.Item] = []
+        self.transcripts: dict[str, _Assistant] = {}  # assistant item id -> its audio/text
+        self._rates: dict[str, int] = {}  # item id -> the pcm16 rate of its input audio
+        self.buffer = InputBuffer(self.cfg.input_audio_rate)
+        self.vad: Any = None  # pipeline.processing.vad.ServerVAD under server_vad
+        self.vad_offset_ms = 0.0  # session clock of the VAD's first sample
+        self.resampler: Any = None
+        self.speech_item: str | None = None  # the item id VAD's current speech will commit to
+        self.running: _Running | None = None
+        self._lock = asyncio.Lock()
+        self.responses = 0
+        self._setup_vad()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    async def send(self, event: dict[str, Any]) -> None:
+        if self.beta:
+            event = p.to_beta(event)
+            if event is None:
+                return
+        text = json.dumps(event, separators=(",", ":"))
+        async with self._lock:  # the session loop and the response task both send
+            await self._send_frame(text)
+
+    async def run(self, receive: Callable[[], Awaitable[str | bytes | None]]) -> None:
+        """Serve the session until the socket closes (`receive` returns None) or it idles
+        for `idle_timeout_s`; then cancel what runs and drop everything."""
+        await self.send(p.session_created(self.id, self.cfg, model=self.model))
+        try:
+            while True:
+                try:
+                    frame = await asyncio.wait_for(receive(), self.limits.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    await self.send(
+                        p.error(
+                            "idle_timeout",
+                            f"no client event for {self.limits.idle_timeout_s:g} s; closing",
+                            kind="invalid_request_error",
+                        )
+                    )
+                    return
+                if frame is None:
+                    return
+                await self.handle(frame)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        running = self.running
+        if running is not None:
+            running.task.cancel()
+            with contextlib.suppress(BaseException):
+                await running.task
+        self.items.clear()
+        self.transcripts.clear()
+        self.buffer.clear()
+
+    async def handle(self, frame: str | bytes) -> None:
+        try:
+            ev = p.parse_client_event(frame, max_bytes=self.limits.max_event_bytes)
+            await self._dispatch(ev)
+        except p.ProtocolError as e:
+            await self.send(p.protocol_error(e))
+
+    async def _dispatch(self, ev: p.ClientEvent) -> None:
+        eid = ev.event_id
+        if isinstance(ev, p.SessionUpdate):
+            cfg = p.apply_session_update(self.cfg, ev.session)
+            if cfg.input_audio_rate != self.cfg.input_audio_rate and self.buffer.data:
+                raise p.ProtocolError(
+                    "invalid_value",
+                    "the input audio format cannot change "
+                    "while the buffer holds audio; commit or clear it first",
+                    "session.audio.input.format",
+                    eid,
+                )
+            self.cfg = cfg
+            self.buffer.rate = cfg.input_audio_rate
+            self._setup_vad()
+            await self.send(p.session_updated(self.id, self.cfg, model=self.model))
+        elif isinstance(ev, p.AudioAppend):
+            await self._append(ev.audio, eid)
+        elif isinstance(ev, p.AudioCommit):
+            await self._commit(eid)
+        elif isinstance(ev, p.AudioClear):
+            self.buffer.clear()
+            self._setup_vad()
+            await self.send(p.input_audio_buffer_cleared())
+        elif isinstance(ev, p.ItemCreate):
+            await self._add_item(ev.item, ev.previous_item_id, eid)
+        elif isinstance(ev, p.ItemTruncate):
+            await self._truncate(ev, eid)
+        elif isinstance(ev, p.ItemDelete):
+            i = self._index(ev.item_id, eid)
+            del self.items[i]
+            self.transcripts.pop(ev.item_id, None)
+            self._rates.pop(ev.item_id, None)
+            await self.send(p.conversation_item_deleted(ev.item_id))
+        elif isinstance(ev, p.ResponseCreate):
+            if self.running is not None:
+                raise p.ProtocolError(
+                    "conversation_already_has_active_response",
+                    f"response {self.running.response.id} is still in progress",
+                    None,
+                    eid,
+                )
+            cfg = p.apply_session_update(self.cfg, ev.response.patch)
+            self._start(cfg, ev.response.metadata)
+        elif isinstance(ev, p.ResponseCancel):
+            if self.running is None or (
+                ev.response_id and ev.response_id != self.running.response.id
+            ):
+                raise p.ProtocolError(
+                    "response_cancel_not_active", "there is no active response to cancel", None, eid
+                )
+            await self.cancel("client_cancelled")
+
+    # -- input audio ---------------------------------------------------------------------
+
+    def _setup_vad(self) -> None:
+        td = self.cfg.turn_detection
+        if td is None:
+            self.vad = self.resampler = None
+            self.speech_item = None
+            return
+        from pipeline.processing.vad import ServerVAD, StreamResampler
+
+        self.vad = ServerVAD(td.threshold, td.prefix_padding_ms, td.silence_duration_ms)
+        # The VAD's clock starts at the buffer's start: align it with the session clock.
+        self.vad_offset_ms = self.buffer.start_ms + self.buffer.ms
+        self.resampler = StreamResampler(self.cfg.input_audio_rate)
+        self.speech_item = None
+
+    async def _append(self, audio: bytes, eid: str | None) -> None:
+        limit = self.limits.max_buffer_s * 1000
+        if self.buffer.ms + len(audio) / 2 * 1000 / self.buffer.rate > limit:
+            if self.vad is None or self.speech_item is None:
+                raise p.ProtocolError(
+                    "input_audio_buffer_full",
+                    f"the input audio buffer holds at most "
+                    f"{self.limits.max_buffer_s:g} s; commit or clear it",
+                    None,
+                    eid,
+                )
+            # Server VAD heard speech longer than the buffer: commit it as a turn now, and
+            # listen afresh.
+            await self._speech_stopped(self.vad.position_ms + self.vad_offset_ms)
+            self._setup_vad()
+        self.buffer.append(audio)
+        if self.vad is None:
+            return
+        for vev in self.vad.feed(self.resampler.push(audio)):
+            at = vev.ms + self.vad_offset_ms
+            if vev.kind == "start":
+                self.speech_item = p.new_id("item")
+                await self.send(p.input_audio_buffer_speech_started(int(at), self.speech_item))
+                td = self.cfg.turn_detection
+                if self.running is not None and td is not None and td.interrupt_response:
+                    await self.cancel("turn_detected")  # barge-in
+            elif self.speech_item is not None:
+                await self._speech_stopped(at)
+        if self.speech_item is None:  # not in speech: keep only what a start may reach back to
+            self.buffer.keep_last(self.cfg.turn_detection.prefix_padding_ms + _KEEP_BEFORE_MS)
+
+    async def _speech_stopped(self, end_ms: float) -> None:
+        item_id, self.speech_item = self.speech_item, None
+        start_ms = (self.vad.speech_start_ms or 0) + self.vad_offset_ms
+        await self.send(p.input_audio_buffer_speech_stopped(int(end_ms), item_id))
+        audio = self.buffer.take(start_ms, end_ms)  # the silence after it is dropped
+        await self._commit_audio(audio, item_id, None)
+        td = self.cfg.turn_detection
+        if td is not None and td.create_response and self.running is None:
+            self._start(self.cfg, None)
+
+    async def _commit(self, eid: str | None) -> None:
+        if not self.buffer.data:
+            raise p.ProtocolError(
+                "input_audio_buffer_commit_empty", "the input audio buffer is empty", None, eid
+            )
+        item_id = self.speech_item or p.new_id("item")
+        audio = self.buffer.take()
+        self._setup_vad()
+        await self._commit_audio(audio, item_id, eid)
+
+    async def _commit_audio(self, audio: bytes, item_id: str, eid: str | None) -> None:
+        prev = self.items[-1].id if self.items else None
+        item = p.Item(item_id, "user", (p.ContentPart("input_audio", audio=audio),))
+        await self.send(p.input_audio_buffer_committed(item_id, prev))
+        await self._add_item(item, prev, eid, rate=self.cfg.input_audio_rate)
+
+    # -- the conversation ----------------------------------------------------------------
+
+    def _index(self, item_id: str, eid: str | None) -> int:
+        for i, it in enumerate(self.items):
+            if it.id == item_id:
+                return i
+        raise p.ProtocolError("item_not_found", f"no conversation item {item_id!r}", "item_id", eid)
+
+    async def _add_item(
+        self, item: p.Item, previous_item_id: str | None, eid: str | None, rate: int | None = None
+    ) -> None:
+        if len(self.items) >= self.limits.max_items:
+            raise p.ProtocolError(
+                "conversation_full",
+                f"the conversation holds at most {self.limits.max_items} items; delete some first",
+                None,
+                eid,
+            )
+        if any(it.id == item.id for it in self.items):
+            raise p.ProtocolError(
+                "invalid_value",
+                f"item id {item.id!r} is already in the conversation",
+                "item.id",
+                eid,
+            )
+        if previous_item_id is None:
+            at = len(self.items)
+        elif previous_item_id == "root":
+            at = 0
+        else:
+            at = self._index(previous_item_id, eid) + 1
+        prev = self.items[at - 1].id if at else None
+        self.items.insert(at, item)
+        self._rates[item.id] = rate or self.cfg.input_audio_rate
+        await self.send(p.conversation_item_added(item, prev))
+        await self.send(p.conversation_item_done(item, prev))
+
+    async def _truncate(self, ev: p.ItemTruncate, eid: str | None) -> None:
+        i = self._index(ev.item_id, eid)
+        item = self.items[i]
+        said = self.transcripts.get(item.id)
+        if item.role != "assistant" or said is None or not said.audio:
+            raise p.ProtocolError(
+                "invalid_value", "only an assistant item's audio can be truncated", "item_id", eid
+            )
+        if self.running is not None and self.running.response.output[0].id == item.id:
+            raise p.ProtocolError(
+                "invalid_value",
+                "the item's response is still in progress; cancel it first",
+                "item_id",
+                eid,
+            )
+        if ev.content_index != 0:
+            raise p.ProtocolError(
+                "invalid_value", "the item has one content part", "content_index", eid
+            )
+        if ev.audio_end_ms > said.audio_ms + 1:
+            raise p.ProtocolError(
+                "invalid_value",
+                f"audio_end_ms {ev.audio_end_ms} is past "
+                f"the item's {said.audio_ms:.0f} ms of audio",
+                "audio_end_ms",
+                eid,
+            )
+        heard = said.heard(ev.audio_end_ms)
+        said.text, said.audio_ms = heard, float(ev.audio_end_ms)
+        said.segments = [s for s in said.segments if s[0] < ev.audio_end_ms]
+        self.items[i] = replace(item, content=(p.ContentPart("output_audio", transcript=heard),))
+        await self.send(p.conversation_item_truncated(item.id, 0, ev.audio_end_ms))
+
+    def messages(self, cfg: p.SessionConfig) -> list[dict[str, Any]]:
+        """The conversation as the chat API's messages."""
+        out: list[dict[str, Any]] = []
+        if cfg.instructions:
+            out.append({"role": "system", "content": cfg.instructions})
+        for item in self.items:
+            if item.role == "assistant":
+                said = self.transcripts.get(item.id)
+                text = (
+                    said.text
+                    if said is not None
+                    else "".join(c.text or c.transcript or "" for c in item.content)
+                )
+                if text:
+                    out.append({"role": "assistant", "content": text})
+                continue
+            parts: list[dict[str, Any]] = []
+            for c in item.content:
+                if c.type == "input_text":
+                    parts.append({"type": "text", "text": c.text or ""})
+                elif c.type == "input_audio" and c.audio:
+                    data = wav_bytes(c.audio, self._rates.get(item.id, cfg.input_audio_rate))
+                    parts.append(
+                        {
+                            "type": "input_audio",
+                            "input_audio": {
+                                "data": base64.b64encode(data).decode(),
+                                "format": "wav",
+                            },
+                        }
+                    )
+            if parts:
+                out.append({"role": item.role, "content": parts})
+        return out
+
+    # -- responses -----------------------------------------------------------------------
+
+    def _start(self, cfg: p.SessionConfig, metadata: Any) -> None:
+        audio = "audio" in cfg.output_modalities
+        item = p.Item(
+            p.new_id("item"),
+            "assistant",
+            (
+                p.ContentPart(
+                    "output_audio" if audio else "output_text",
+                    transcript="" if audio else None,
+                    text=None if audio else "",
+                ),
+            ),
+        )
+        resp = p.Response(p.new_id("resp"), cfg, output=(item,), metadata=metadata)
+        self.responses += 1
+        task = asyncio.get_running_loop().create_task(self._respond(resp))
+        self.running = _Running(resp, task)
+
+    async def cancel(self, reason: str) -> None:
+        """Cancel the running response and wait until its response.done has gone out."""
+        running = self.running
+        if running is None:
+            return
+        running.reason = reason
+        running.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running.task
+
+    def request(self, cfg: p.SessionConfig) -> dict[str, Any]:
+        audio = "audio" in cfg.output_modalities
+        req: dict[str, Any] = {
+            "model": self.model,
+            "messages": self.messages(cfg),
+            "modalities": ["text", "audio"] if audio else ["text"],
+        }
+        if audio:
+            req["audio"] = {"format": "pcm16", "voice": cfg.voice}
+        if cfg.ref_audio is not None:
+            req["ref_audio"] = cfg.ref_audio
+        if cfg.max_output_tokens is not None:
+            req["max_tokens"] = cfg.max_output_tokens
+        if cfg.temperature is not None:
+            req["temperature"] = cfg.temperature
+        return req
+
+    async def _respond(self, resp: p.Response) -> None:
+        item = resp.output[0]
+        audio = item.content[0].type == "output_audio"
+        said = _Assistant(item.id, audio)
+        self.transcripts[item.id] = said
+        rid, iid = resp.id, item.id
+        status, reason, error, usage = "failed", None, None, None
+        opened = False
+        try:
+            # The request is the conversation up to now; the assistant item joins it at once,
+            # so a cancel at any point below finds (and closes) it there.
+            request = self.request(resp.config)
+            prev = self.items[-1].id if self.items else None
+            self.items.append(item)
+            await self.send(p.response_created(resp))
+            await self.send(p.response_output_item_added(rid, 0, item))
+            await self.send(p.conversation_item_added(item, prev, "in_progress"))
+            await self.send(p.response_content_part_added(rid, iid, 0, 0, item.content[0]))
+            opened = True
+            async with contextlib.aclosing(self._chat(request)) as events:
+                async for ev in events:
+                    if isinstance(ev, TextDelta):
+                        said.text += ev.text
+                        if audio:
+                            said.pending += ev.text
+                        else:
+                            await self.send(p.response_output_text_delta(rid, iid, 0, 0, ev.text))
+                    elif isinstance(ev, AudioChunk):
+                        data = base64.b64encode(pcm16(ev.pcm)).decode()
+                        delta, said.pending = said.pending, ""
+                        said.segments.append((said.audio_ms, delta))
+                        said.audio_ms += ev.seconds * 1000
+                        await self.send(p.response_output_audio_delta(rid, iid, 0, 0, data))
+                        await self.send(
+                            p.response_output_audio_transcript_delta(rid, iid, 0, 0, delta)
+                        )
+                    elif isinstance(ev, Done):
+                        status = "incomplete" if ev.finish_reason == "length" else "completed"
+                        reason = "max_output_tokens" if status == "incomplete" else None
+                        usage = p.Usage(ev.usage.prompt_tokens, ev.usage.completion_tokens)
+                    elif isinstance(ev, Error):
+                        error = p.ResponseError(
+                            ev.reason,
+                            ev.message,
+                            "invalid_request_error" if ev.status < 500 else "server_error",
+                        )
+        except asyncio.CancelledError:
+            status, reason = (
+                "cancelled",
+                self.running.reason if self.running else "client_cancelled",
+            )
+        except Exception as e:
+            log.exception("realtime response %s failed", rid)
+            error = p.ResponseError("server_error", f"{type(e).__name__}: {e}")
+        finally:
+            if error is not None:
+                status, reason = "failed", None
+            elif status == "failed":  # ended without a terminal event
+                error = p.ResponseError("server_error", "the turn ended without an outcome")
+            await asyncio.shield(self._finish(resp, said, opened, status, reason, error, usage))
+            self.running = None
+
+    async def _finish(
+        self,
+        resp: p.Response,
+        said: _Assistant,
+        opened: bool,
+        status: str,
+        reason: str | None,
+        error: p.ResponseError | None,
+        usage: p.Usage | None,
+    ) -> None:
+        """The closing events of a response, in order, then exactly one response.done."""
+        rid, iid = resp.id, resp.output[0].id
+        if said.pending:  # text after the last audio delta: in the final transcript only
+            said.pending = ""
+        part = (
+            p.ContentPart("output_audio", transcript=said.text)
+            if said.audio
+            else p.ContentPart("output_text", text=said.text)
+        )
+        item = replace(resp.output[0], content=(part,))
+        item_status = "completed" if status == "completed" else "incomplete"
+        for i, it in enumerate(self.items):
+            if it.id == iid:
+                self.items[i] = item
+        if not opened:  # cancelled before its item was announced: it never joined
+            self.items = [it for it in self.items if it.id != iid]
+            self.transcripts.pop(iid, None)
+        try:
+            if opened:
+                if said.audio:
+                    await self.send(p.response_output_audio_done(rid, iid, 0, 0))
+                    await self.send(
+                        p.response_output_audio_transcript_done(rid, iid, 0, 0, said.text)
+                    )
+                else:
+                    await self.send(p.response_output_text_done(rid, iid, 0, 0, said.text))
+                await self.send(p.response_content_part_done(rid, iid, 0, 0, part))
+                await self.send(p.response_output_item_done(rid, 0, item, item_status))
+                prev = None
+                for it in self.items:
+                    if it.id == iid:
+                        break
+                    prev = it.id
+                await self.send(p.conversation_item_done(item, prev, item_status))
+            await self.send(
+                p.response_done(
+                    replace(
+                        resp,
+                        status=status,
+                        reason=reason,
+                        error=error,
+                        usage=usage,
+                        output=(item,) if opened else (),
+                    )
+                )
+            )
+        except Exception:
+            log.debug("realtime response %s: closing events not sent", rid, exc_info=True)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "items": len(self.items),
+            "buffer_ms": round(self.buffer.ms),
+            "responding": self.running is not None,
+            "responses": self.responses,
+        }

@@ -1,0 +1,81 @@
+"""`WS /v1/realtime` on the ingress: accept the socket, bound the sessions, run one
+RealtimeSession over it, and free everything when it ends (Ray Serve's proxy forwards the
+socket to the ingress replica that holds the session for its whole life)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from deployments.realtime import protocol as p
+from deployments.realtime.session import RealtimeSession, SessionLimits
+
+log = logging.getLogger(__name__)
+
+# Close codes (RFC 6455): policy violation for a wrong model, try again later when full.
+_POLICY, _TRY_LATER = 1008, 1013
+
+
+@functools.cache
+def page() -> str:
+    return (Path(__file__).with_name("page.html")).read_text(encoding="utf-8")
+
+
+def _subprotocol(ws: WebSocket) -> str | None:
+    # Browsers cannot set headers, so OpenAI's browser clients name "realtime" (and their
+    # key) as subprotocols; accepting one of those is what lets the handshake succeed.
+    offered = [s.strip() for s in ws.headers.get("sec-websocket-protocol", "").split(",")]
+    return "realtime" if "realtime" in offered else None
+
+
+async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> None:
+    await ws.send_text(json.dumps(p.error(code, message)))
+    await ws.close(close_code)
+
+
+async def serve_websocket(server: Any, ws: WebSocket) -> None:
+    """One session on `server` (an IngressServer: `chat`, `cfg`, `model_names`,
+    `realtime_sessions`, `metrics`)."""
+    cfg = server.cfg.realtime
+    await ws.accept(subprotocol=_subprotocol(ws))
+    model = ws.query_params.get("model")
+    if model is not None and model not in server.model_names:
+        await _refuse(ws, "model_not_found", f"model {model!r} is not served here (this "
+                      f"server serves {server.cfg.name!r})", _POLICY)
+        return
+    if len(server.realtime_sessions) >= cfg.max_sessions:
+        await _refuse(ws, "session_limit_reached", f"this replica already holds "
+                      f"{cfg.max_sessions} realtime sessions; try again later", _TRY_LATER)
+        return
+    beta = "realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
+    limits = SessionLimits(max_event_bytes=cfg.max_event_bytes, max_buffer_s=cfg.max_buffer_s,
+                           max_items=cfg.max_items, idle_timeout_s=cfg.idle_timeout_s)
+    session = RealtimeSession(server.chat, ws.send_text, model=server.cfg.name, beta=beta,
+                              limits=limits)
+
+    async def receive() -> str | bytes | None:
+        msg = await ws.receive()
+        if msg["type"] == "websocket.disconnect":
+            return None
+        return msg.get("text") if msg.get("text") is not None else msg.get("bytes")
+
+    server.realtime_sessions[session.id] = session
+    server.metrics.realtime_sessions(len(server.realtime_sessions))
+    try:
+        await session.run(receive)
+    except (WebSocketDisconnect, RuntimeError) as e:  # the client went away mid-send
+        log.info("realtime session %s: socket closed (%s)", session.id, type(e).__name__)
+    finally:
+        await session.close()
+        server.realtime_sessions.pop(session.id, None)
+        server.metrics.realtime_sessions(len(server.realtime_sessions))
+        if ws.client_state == WebSocketState.CONNECTED:
+            try:
+                await ws.close()
+            except Exception:  # already closing
+                log.debug("realtime session %s: close failed", session.id, exc_info=True)
