@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 import pytest
-from _speech import bursts, speech_like
+from bench.speech import bursts, speech_like
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("websockets")

@@ -14,7 +14,6 @@ import contextlib
 import socket
 import threading
 import time
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,28 +23,15 @@ import uvicorn
 from _browser import Browser, Page, find_chromium
 from test_api import light_source
 
+from bench.speech import bursts, write_wav
 from deployments.testing import build_local_app
 
 FAKE_MIC_RATE = 24000
 
 
 def _write_mic_wav(path: Path, sr: int = FAKE_MIC_RATE) -> None:
-    """What the fake mic says, looped: 1.2 s of speech then 1.3 s of near silence, so a real
-    server VAD sees a turn start and end. tests/_speech.py's speech when it is there, else
-    syllable-ish bursts of a harmonic 140 Hz voice."""
-    try:
-        from _speech import bursts, write_wav
-    except ImportError:
-        t = np.arange(int(2.5 * sr)) / sr
-        voice = sum(np.sin(2 * np.pi * 140 * h * t) / h for h in range(1, 8))
-        on = (t < 1.2) & ((t % 0.4) < 0.25)
-        pcm = (0.25 * voice * on * 32767 / np.abs(voice).max()).astype("<i2")
-        with wave.open(str(path), "wb") as w:
-            w.setnchannels(1)
-            w.setsampwidth(2)
-            w.setframerate(sr)
-            w.writeframes(pcm.tobytes())
-        return
+    """What the fake mic says, looped: 1.2 s of speech then 1.3 s of near silence, so the
+    server's VAD sees a turn start and end."""
     write_wav(path, bursts([(1.2, True), (1.3, False)], sr, seed=0), sr)
 
 

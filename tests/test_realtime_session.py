@@ -15,7 +15,7 @@ import wave
 
 import numpy as np
 import pytest
-from _speech import bursts
+from bench.speech import bursts
 from pydantic import TypeAdapter
 
 from deployments.realtime.session import RealtimeSession, SessionLimits

@@ -2,7 +2,7 @@
 
 References: one-shot `soxr.resample` for the resampler; the silero-vad package's own
 `OnnxWrapper` (probabilities) and `VADIterator` (start / end rules) for the detector, both
-torch code that only the tests import. Speech is synthetic (tests/_speech.py).
+torch code that only the tests import. Speech is synthetic (bench/speech.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import soxr
 
+from bench.speech import bursts, speech_like, write_wav
 from pipeline.processing.vad import WINDOW, ServerVAD, SileroVAD, StreamResampler, VadEvent
-from tests._speech import bursts, speech_like, write_wav
 
 SR = 16000
 WINDOW_MS = WINDOW * 1000 // SR  # 32
