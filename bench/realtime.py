@@ -107,7 +107,11 @@ async def one_session(url: str, turns: int, listen_s: float, seed: int) -> list[
             i_done, t_done, done = await s.wait("response.done", i_audio)
             late = [t for t, ev in s.events[cancel_at:i_done]
                     if ev["type"] == "response.output_audio.delta" and ev["response_id"] == rid]
+            report = done["response"].get("omniray") or {}
             out.append({"turn": turn, "onset_s": t_audio - t_stop,
+                        # the server's clock from the commit: first text, first audio
+                        "server_first_text_s": report.get("first_text_s", float("nan")),
+                        "server_first_audio_s": report.get("first_audio_s", float("nan")),
                         "barge_in_done_s": t_done - t_cancel,
                         "barge_in_last_delta_s": (late[-1] - t_cancel) if late else 0.0,
                         "late_deltas": len(late), "status": done["response"]["status"]})
@@ -133,6 +137,8 @@ def summary(rows: list[dict], skip_first: bool) -> dict[str, float]:
         return round(v[min(len(v) - 1, int(0.9 * len(v)))] * 1000, 1)
 
     return {"n": len(use), "onset_ms_median": med("onset_s"), "onset_ms_p90": p90("onset_s"),
+            "server_first_text_ms_median": med("server_first_text_s"),
+            "server_first_audio_ms_median": med("server_first_audio_s"),
             "barge_in_done_ms_median": med("barge_in_done_s"),
             "barge_in_done_ms_p90": p90("barge_in_done_s"),
             "barge_in_last_delta_ms_median": med("barge_in_last_delta_s"),

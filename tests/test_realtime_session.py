@@ -148,6 +148,8 @@ def test_a_text_turn_gives_the_apis_events_in_order():
     done = c.events[-1]["response"]
     assert done["status"] == "completed" and done["usage"]["output_tokens"] == 3
     assert done["output"][0]["content"][0]["transcript"] == "w0 w1 w2 "
+    report = done["omniray"]  # the session's own clock, and the turn's metrics
+    assert 0 <= report["first_text_s"] <= report["first_audio_s"] and "metrics" in report
     req = c.chat.requests[0]
     assert req["modalities"] == ["text", "audio"] and req["audio"]["format"] == "pcm16"
     assert req["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
@@ -158,7 +160,7 @@ def test_history_instructions_and_text_only_responses():
         c = Client(Chat())
         await c(type="session.update", session={
             "type": "realtime", "instructions": "Be brief.", "output_modalities": ["text"],
-            "audio": {"input": {"turn_detection": None}}})
+            "audio": {"input": {"turn_detection": None}}, "omniray": {"return_timings": True}})
         await c(**text_item("one"))
         await c(type="response.create")
         await c.response_done(1)
@@ -173,6 +175,7 @@ def test_history_instructions_and_text_only_responses():
     assert c.types().count("response.output_text.delta") == 6
     second = c.chat.requests[1]
     assert second["modalities"] == ["text"] and second["max_tokens"] == 5
+    assert second["omniray"] == {"return_timings": True}
     assert second["messages"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "one"}]},

@@ -120,6 +120,8 @@ class SessionConfig:
     ref_audio: str | None = None  # opaque: a data: URI or a stored voice's name
     max_output_tokens: int | None = None  # None: "inf"
     temperature: float | None = None  # None: the model's default
+    # omniray.return_timings: response.done's response carries the turn's per-stage spans
+    return_timings: bool = False
 
 
 @dataclass(frozen=True)
@@ -325,6 +327,7 @@ _CHECKS: dict[str, tuple[str | None, Callable[[object, str], Any]]] = {
     "max_output_tokens": ("max_output_tokens", _check_max_tokens),
     "temperature": ("temperature", _check_temperature),
     "input_audio_rate": ("input_audio_rate", _check_rate),
+    "return_timings": ("return_timings", _bool),
 }
 
 
@@ -379,6 +382,7 @@ _SESSION_SPEC: dict[str, Any] = {
     "omniray": {
         "ref_audio": "ref_audio",
         "input_audio_rate": "input_audio_rate",
+        "return_timings": "return_timings",
         "has_ref_audio": _IGNORE,
     },
     # No counterpart in omniray: tools and prompts, tracing, truncation, transcription and
@@ -900,6 +904,9 @@ class Response:
     error: ResponseError | None = None
     usage: Usage | None = None
     metadata: Mapping[str, str] | None = None
+    # omniray's own report of the turn (latencies; spans when the session asked for them),
+    # as the `omniray` field of the response object
+    report: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         allowed = _REASONS.get(self.status)
@@ -956,6 +963,8 @@ def response_object(resp: Response) -> dict[str, Any]:
     }
     if cfg.temperature is not None:
         obj["temperature"] = cfg.temperature
+    if resp.report is not None:
+        obj["omniray"] = dict(resp.report)
     return obj
 
 

@@ -24,6 +24,7 @@ import contextlib
 import io
 import json
 import logging
+import time
 import wave
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -114,6 +115,8 @@ class _Assistant:
     pending: str = ""  # text not yet sent with an audio delta
     audio_ms: float = 0.0
     segments: list[tuple[float, str]] = field(default_factory=list)  # (start ms, transcript)
+    started: float = 0.0  # perf_counter when the response started
+    report: dict[str, Any] = field(default_factory=dict)  # omniray's report of the turn
 
     def heard(self, audio_end_ms: float) -> str:
         return "".join(t for start, t in self.segments if start < audio_end_ms)
@@ -486,12 +489,14 @@ class RealtimeSession:
             req["max_tokens"] = cfg.max_output_tokens
         if cfg.temperature is not None:
             req["temperature"] = cfg.temperature
+        if cfg.return_timings:
+            req["omniray"] = {"return_timings": True}
         return req
 
     async def _respond(self, resp: p.Response) -> None:
         item = resp.output[0]
         audio = item.content[0].type == "output_audio"
-        said = _Assistant(item.id, audio)
+        said = _Assistant(item.id, audio, started=time.perf_counter())
         self.transcripts[item.id] = said
         rid, iid = resp.id, item.id
         status, reason, error, usage = "failed", None, None, None
@@ -509,6 +514,11 @@ class RealtimeSession:
             opened = True
             async with contextlib.aclosing(self._chat(request)) as events:
                 async for ev in events:
+                    if isinstance(ev, TextDelta | AudioChunk):
+                        # The session's own clock, from the response's start (the commit):
+                        # these survive a cancel, the turn's own metrics come only with Done.
+                        key = "first_text_s" if isinstance(ev, TextDelta) else "first_audio_s"
+                        said.report.setdefault(key, round(time.perf_counter() - said.started, 4))
                     if isinstance(ev, TextDelta):
                         said.text += ev.text
                         if audio:
@@ -528,6 +538,9 @@ class RealtimeSession:
                         status = "incomplete" if ev.finish_reason == "length" else "completed"
                         reason = "max_output_tokens" if status == "incomplete" else None
                         usage = p.Usage(ev.usage.prompt_tokens, ev.usage.completion_tokens)
+                        said.report["metrics"] = ev.metrics
+                        if ev.timings is not None:
+                            said.report["timings"] = ev.timings
                     elif isinstance(ev, Error):
                         error = p.ResponseError(
                             ev.reason,
@@ -603,6 +616,7 @@ class RealtimeSession:
                         error=error,
                         usage=usage,
                         output=(item,) if opened else (),
+                        report=said.report or None,
                     )
                 )
             )
