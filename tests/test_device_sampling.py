@@ -601,9 +601,10 @@ def test_graph_sampling_matches_eager_on_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
-@pytest.mark.xfail(reason="on the H200 (bf16, FlashInfer, graphs) launching ahead diverged from "
-                   "the synchronous steps (first at token 101 of pen_all); the cause is not "
-                   "found yet. engine.step() never launches ahead, so served tokens are not "
+@pytest.mark.xfail(reason="on the H200 (bf16, FlashInfer, graphs) launching ahead once diverged "
+                   "from the synchronous steps (first at token 101 of pen_all), then matched "
+                   "in 4 runs on two later machines: a timing-dependent cause is not ruled "
+                   "out. engine.step() never launches ahead, so served tokens are not "
                    "affected; on CPU (test_launch_ahead_*) the two are equal", strict=False)
 @torch.no_grad()
 def test_launch_ahead_matches_synchronous_on_cuda():
