@@ -69,7 +69,9 @@ class Session:
         return await asyncio.wait_for(find(), timeout)
 
 
-async def one_session(url: str, turns: int, listen_s: float, seed: int) -> list[dict]:
+async def one_session(url: str, turns: int, listen_s: float, seed: int,
+                      omniray: dict | None = None) -> list[dict]:
+    """`listen_s` None: let each response finish (its report then has the turn's spans)."""
     import websockets
 
     out = []
@@ -77,9 +79,11 @@ async def one_session(url: str, turns: int, listen_s: float, seed: int) -> list[
     async with websockets.connect(f"{ws_url}/v1/realtime?model=omniray", max_size=None) as ws:
         s = Session(ws)
         await s.wait("session.created", 0)
-        await s.send(type="session.update", session={
-            "type": "realtime", "output_modalities": ["audio"],
-            "audio": {"input": {"turn_detection": {"type": "server_vad"}}}})
+        session = {"type": "realtime", "output_modalities": ["audio"],
+                   "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}
+        if omniray:
+            session["omniray"] = omniray
+        await s.send(type="session.update", session=session)
         for turn in range(turns):
             speech = speech_like(1.5, RATE, seed=seed * 100 + turn)
             audio = np.concatenate([speech, np.zeros(int(1.5 * RATE), np.float32)])
@@ -101,27 +105,45 @@ async def one_session(url: str, turns: int, listen_s: float, seed: int) -> list[
             _, _, created = await s.wait("response.created", i_stop)
             rid = created["response"]["id"]
             i_audio, t_audio, _ = await s.wait("response.output_audio.delta", i_stop)
-            await asyncio.sleep(listen_s)
-            cancel_at = len(s.events)
-            t_cancel = await s.send(type="response.cancel")
-            i_done, t_done, done = await s.wait("response.done", i_audio)
+            if listen_s is None:
+                cancel_at, t_cancel = None, None
+                i_done, t_done, done = await s.wait("response.done", i_audio, timeout=600)
+            else:
+                await asyncio.sleep(listen_s)
+                cancel_at = len(s.events)
+                t_cancel = await s.send(type="response.cancel")
+                i_done, t_done, done = await s.wait("response.done", i_audio)
             late = [t for t, ev in s.events[cancel_at:i_done]
-                    if ev["type"] == "response.output_audio.delta" and ev["response_id"] == rid]
+                    if ev["type"] == "response.output_audio.delta" and ev["response_id"] == rid
+                    ] if cancel_at is not None else []
             report = done["response"].get("omniray") or {}
             out.append({"turn": turn, "onset_s": t_audio - t_stop,
                         # the server's clock from the commit: first text, first audio
                         "server_first_text_s": report.get("first_text_s", float("nan")),
                         "server_first_audio_s": report.get("first_audio_s", float("nan")),
-                        "barge_in_done_s": t_done - t_cancel,
+                        "barge_in_done_s": (t_done - t_cancel) if t_cancel else float("nan"),
                         "barge_in_last_delta_s": (late[-1] - t_cancel) if late else 0.0,
+                        "spans_ms": {k: round(v * 1000, 1) for k, v in
+                                     (report.get("timings") or {}).get("durations", {}).items()},
+                        # each stage's first span (ms since the turn's request arrived): the
+                        # path to the first audio
+                        "first_spans_ms": first_spans(report.get("timings")),
                         "late_deltas": len(late), "status": done["response"]["status"]})
             await asyncio.sleep(0.3)
         s.reader.cancel()
     return out
 
 
-async def measure(url: str, sessions: int, turns: int, listen_s: float) -> list[dict]:
-    rows = await asyncio.gather(*(one_session(url, turns, listen_s, seed=k)
+def first_spans(timings: dict | None) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for sp in (timings or {}).get("spans", []):
+        out.setdefault(sp["stage"], [round(sp["start"] * 1000, 1), round(sp["end"] * 1000, 1)])
+    return out
+
+
+async def measure(url: str, sessions: int, turns: int, listen_s: float | None,
+                  omniray: dict | None = None) -> list[dict]:
+    rows = await asyncio.gather(*(one_session(url, turns, listen_s, seed=k, omniray=omniray)
                                   for k in range(sessions)))
     return [{"session": k, **r} for k, rs in enumerate(rows) for r in rs]
 
@@ -131,6 +153,8 @@ def summary(rows: list[dict], skip_first: bool) -> dict[str, float]:
 
     def med(key: str) -> float:
         return round(statistics.median(r[key] for r in use) * 1000, 1)
+
+    spans = sorted({k for r in use for k in r.get("spans_ms", {})})
 
     def p90(key: str) -> float:
         v = sorted(r[key] for r in use)
@@ -142,7 +166,10 @@ def summary(rows: list[dict], skip_first: bool) -> dict[str, float]:
             "barge_in_done_ms_median": med("barge_in_done_s"),
             "barge_in_done_ms_p90": p90("barge_in_done_s"),
             "barge_in_last_delta_ms_median": med("barge_in_last_delta_s"),
-            "cancelled": sum(r["status"] == "cancelled" for r in use)}
+            "cancelled": sum(r["status"] == "cancelled" for r in use),
+            "spans_ms_median": {k: statistics.median(r["spans_ms"][k] for r in use
+                                                     if k in r.get("spans_ms", {}))
+                                for k in spans}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,18 +180,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--sessions", default="1,4")
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--listen-s", type=float, default=0.5)
+    ap.add_argument("--listen-s", type=float, default=0.5,
+                    help="play this long, then cancel (barge-in); 0 = let it finish")
+    ap.add_argument("--fixed-text-tokens", type=int, default=None)
+    ap.add_argument("--fixed-speech-codes", type=int, default=None)
+    ap.add_argument("--timings", action="store_true", help="ask for the turns' spans")
     ap.add_argument("--warmup-turns", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     results: dict[str, Any] = {"command": "python -m bench.realtime " + " ".join(argv or [])}
 
+    listen = args.listen_s or None
+    ext = {k: v for k, v in (("fixed_text_tokens", args.fixed_text_tokens),
+                             ("fixed_speech_codes", args.fixed_speech_codes),
+                             ("return_timings", args.timings or None)) if v is not None}
+
     def run(url: str) -> None:
         if args.warmup_turns:
-            asyncio.run(measure(url, 1, args.warmup_turns, args.listen_s))
+            asyncio.run(measure(url, 1, args.warmup_turns, listen, ext))
         for n in (int(x) for x in args.sessions.split(",")):
-            rows = asyncio.run(measure(url, n, args.turns, args.listen_s))
+            rows = asyncio.run(measure(url, n, args.turns, listen, ext))
             results[f"sessions_{n}"] = {"summary": summary(rows, skip_first=False),
                                         "rows": rows}
             print(f"sessions={n}: {json.dumps(results[f'sessions_{n}']['summary'])}",

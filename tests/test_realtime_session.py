@@ -160,7 +160,7 @@ def test_history_instructions_and_text_only_responses():
         c = Client(Chat())
         await c(type="session.update", session={
             "type": "realtime", "instructions": "Be brief.", "output_modalities": ["text"],
-            "audio": {"input": {"turn_detection": None}}, "omniray": {"return_timings": True}})
+            "audio": {"input": {"turn_detection": None}}, "omniray": {"return_timings": True, "fixed_speech_codes": 30}})
         await c(**text_item("one"))
         await c(type="response.create")
         await c.response_done(1)
@@ -175,7 +175,7 @@ def test_history_instructions_and_text_only_responses():
     assert c.types().count("response.output_text.delta") == 6
     second = c.chat.requests[1]
     assert second["modalities"] == ["text"] and second["max_tokens"] == 5
-    assert second["omniray"] == {"return_timings": True}
+    assert second["omniray"] == {"return_timings": True, "fixed_speech_codes": 30}
     assert second["messages"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "one"}]},

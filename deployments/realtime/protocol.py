@@ -122,6 +122,10 @@ class SessionConfig:
     temperature: float | None = None  # None: the model's default
     # omniray.return_timings: response.done's response carries the turn's per-stage spans
     return_timings: bool = False
+    # omniray.fixed_text_tokens / fixed_speech_codes: exact lengths, for benchmarks on
+    # random weights (the chat API's omniray extension of the same names)
+    fixed_text_tokens: int | None = None
+    fixed_speech_codes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,10 @@ def _int(v: object, param: str, lo: int, hi: int | None = None) -> int:
         bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
         raise _invalid(param, f"expected an integer {bound}")
     return v  # type: ignore[return-value]
+
+
+def _opt_int(v: object, param: str, lo: int, hi: int) -> int | None:
+    return None if v is None else _int(v, param, lo, hi)
 
 
 def _number(v: object, param: str, lo: float, hi: float) -> float:
@@ -328,6 +336,8 @@ _CHECKS: dict[str, tuple[str | None, Callable[[object, str], Any]]] = {
     "temperature": ("temperature", _check_temperature),
     "input_audio_rate": ("input_audio_rate", _check_rate),
     "return_timings": ("return_timings", _bool),
+    "fixed_text_tokens": ("fixed_text_tokens", lambda v, p: _opt_int(v, p, 1, 4096)),
+    "fixed_speech_codes": ("fixed_speech_codes", lambda v, p: _opt_int(v, p, 1, 25 * 600)),
 }
 
 
@@ -383,6 +393,8 @@ _SESSION_SPEC: dict[str, Any] = {
         "ref_audio": "ref_audio",
         "input_audio_rate": "input_audio_rate",
         "return_timings": "return_timings",
+        "fixed_text_tokens": "fixed_text_tokens",
+        "fixed_speech_codes": "fixed_speech_codes",
         "has_ref_audio": _IGNORE,
     },
     # No counterpart in omniray: tools and prompts, tracing, truncation, transcription and

@@ -489,8 +489,16 @@ class RealtimeSession:
             req["max_tokens"] = cfg.max_output_tokens
         if cfg.temperature is not None:
             req["temperature"] = cfg.temperature
+        ext: dict[str, Any] = {}
         if cfg.return_timings:
-            req["omniray"] = {"return_timings": True}
+            ext["return_timings"] = True
+        if cfg.fixed_text_tokens is not None:
+            ext.update(fixed_text_tokens=cfg.fixed_text_tokens, ignore_eos=True)
+            req["max_tokens"] = cfg.fixed_text_tokens
+        if cfg.fixed_speech_codes is not None:
+            ext["fixed_speech_codes"] = cfg.fixed_speech_codes
+        if ext:
+            req["omniray"] = ext
         return req
 
     async def _respond(self, resp: p.Response) -> None:
