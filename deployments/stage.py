@@ -21,6 +21,7 @@ import os
 import socket
 import stat
 import subprocess
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -168,6 +169,44 @@ NVIDIA_SMI_TIMEOUT_S = 2.0
 
 # What stage_init found for each stage this process hosts (one, under Serve), for stats().
 _GPU_SHARING: dict[str, dict[str, Any]] = {}
+
+
+class GcWatch:
+    """The garbage collector's pauses in this process, per generation (count, total and
+    longest ms), through `gc.callbacks`: a full collection of a large heap stops every
+    thread of the process, the engine loop's included, and shows up as a stall in whatever
+    step was running. One per process (`gc_watch()`); a pause over `warn_ms` is logged."""
+
+    def __init__(self, warn_ms: float = 100.0):
+        self.warn_ms = warn_ms
+        self._t0 = 0.0
+        self.gens = [{"count": 0, "total_ms": 0.0, "max_ms": 0.0} for _ in range(3)]
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._t0) * 1000
+        g = self.gens[min(int(info.get("generation", 0)), 2)]
+        g["count"] += 1
+        g["total_ms"] += ms
+        g["max_ms"] = max(g["max_ms"], ms)
+        if ms > self.warn_ms:
+            log.warning("gc: generation %s collection took %.0f ms (%s objects collected)",
+                        info.get("generation"), ms, info.get("collected"))
+
+    def stats(self) -> dict[str, Any]:
+        return {f"gen{i}": {k: round(v, 1) for k, v in g.items()} for i, g in
+                enumerate(self.gens)}
+
+
+@functools.cache
+def gc_watch() -> GcWatch:
+    import gc
+
+    watch = GcWatch()
+    gc.callbacks.append(watch)
+    return watch
 
 
 def mps_control(pipe_dir: str) -> tuple[bool, str]:
@@ -373,6 +412,7 @@ def stage_stats(
         "health": loop.health(wedge_s),
         "pid": os.getpid(),
         "gpu_sharing": _GPU_SHARING.get(loop.name),
+        "gc": gc_watch().stats(),
         **device_memory(),
     }
 

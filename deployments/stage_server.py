@@ -33,6 +33,7 @@ from deployments.stage import (
     check_loop_health,
     engine_scope,
     error_line,
+    gc_watch,
     next_item,
     stage_init,
     stage_stats,
@@ -52,6 +53,7 @@ class StageServer:
         from pipeline.checkpoint import ModelSource
 
         self.cfg = cfg = AppConfig.model_validate(app)
+        gc_watch()  # from the start, so a stall in any step can be told from a GC pause
         source = source or ModelSource.open(cfg.model)
         with stage_init(cfg, self.stage) as device:
             settings = dict(cfg.stages()[self.stage].engine)

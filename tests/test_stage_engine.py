@@ -213,3 +213,21 @@ def test_two_interleaved_streams_each_finish_as_alone(stage):
         else:
             assert stage.payload(outs) == want[rid], rid
     assert stage.holds_nothing(eng.stats()) and not eng.has_work()
+
+
+def test_gc_watch_counts_collections_and_their_pauses():
+    import gc
+
+    from deployments.stage import GcWatch
+
+    watch = GcWatch(warn_ms=1e9)
+    gc.callbacks.append(watch)
+    try:
+        before = watch.gens[2]["count"]
+        gc.collect()  # a full collection: generation 2
+        gc.collect(0)
+    finally:
+        gc.callbacks.remove(watch)
+    st = watch.stats()
+    assert watch.gens[2]["count"] == before + 1 and st["gen0"]["count"] >= 1
+    assert st["gen2"]["max_ms"] > 0 and st["gen2"]["total_ms"] >= st["gen2"]["max_ms"]
