@@ -109,6 +109,9 @@ class IngressServer:
                                  max_voices=lim.max_voices)
         self._voice_support: tuple[str | None] | None = None  # (reason,) once asked
         self.realtime_sessions: dict[str, Any] = {}  # id -> RealtimeSession on this replica
+        from deployments.stage import freeze_startup_objects
+
+        freeze_startup_objects()  # the tokenizer's and processor's tables: out of full GCs
 
     def __serve_build_asgi_app__(self) -> Any:
         from deployments.routes import build_routes

@@ -196,8 +196,41 @@ class GcWatch:
                         info.get("generation"), ms, info.get("collected"))
 
     def stats(self) -> dict[str, Any]:
-        return {f"gen{i}": {k: round(v, 1) for k, v in g.items()} for i, g in
-                enumerate(self.gens)}
+        import gc
+
+        return {"frozen": gc.get_freeze_count(),
+                **{f"gen{i}": {k: round(v, 1) for k, v in g.items()} for i, g in
+                   enumerate(self.gens)}}
+
+
+def in_serve_replica() -> bool:
+    try:
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+    except ImportError:
+        return False
+    try:
+        serve.get_replica_context()
+    except RayServeException:  # outside a replica: in-process servers, tests
+        return False
+    return True
+
+
+def freeze_startup_objects(*, force: bool = False) -> bool:
+    """In a Serve replica (or with `force`): move everything alive after start-up (modules, weights' Python objects, graphs,
+    tables) out of the collector's reach: a full collection then scans only what serving
+    allocates. Measured: a Thinker process holds ~330k tracked objects after start-up and a
+    full collection of them took 94-101 ms on the dev box (0 ms once frozen), up to 464 ms on
+    the H200 machine, stopping the engine loop for that long. Collecting first leaves the
+    start-up's own garbage out of the frozen set. Not in a shared process (tests build
+    servers in-process): there it would also pin whatever the process made before."""
+    import gc
+
+    if not (force or in_serve_replica()):
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 @functools.cache

@@ -33,6 +33,7 @@ from deployments.stage import (
     check_loop_health,
     engine_scope,
     error_line,
+    freeze_startup_objects,
     gc_watch,
     next_item,
     stage_init,
@@ -76,6 +77,7 @@ class StageServer:
         self._serving: set[str] = set()  # streams inside their generator
         self._forwarders: dict[str, Forwarder] = {}
         self._aborted = Tombstones() if self.tombstones else None
+        freeze_startup_objects()  # last: the engine (and its warm-up) is built
 
     # -- what a stage says about itself --------------------------------------------------
 

@@ -225,3 +225,12 @@ def test_wrong_model_and_unknown_event(serve_app):
     refused, unknown = asyncio.run(main())
     assert refused["type"] == "error" and refused["error"]["code"] == "model_not_found"
     assert unknown["error"]["code"] == "unknown_event" and unknown["error"]["event_id"] == "e1"
+
+
+def test_replicas_froze_their_startup_objects(serve_app):
+    """Each Serve replica moved its start-up objects out of full collections."""
+    from ray import serve
+
+    st = serve.get_app_handle("omniray").stats.remote().result(timeout_s=30)
+    for name in ("thinker", "talker", "code2wav"):
+        assert st["stages"][name]["gc"]["frozen"] > 10_000, st["stages"][name]["gc"]

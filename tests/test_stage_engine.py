@@ -231,3 +231,35 @@ def test_gc_watch_counts_collections_and_their_pauses():
     st = watch.stats()
     assert watch.gens[2]["count"] == before + 1 and st["gen0"]["count"] >= 1
     assert st["gen2"]["max_ms"] > 0 and st["gen2"]["total_ms"] >= st["gen2"]["max_ms"]
+
+
+def test_a_started_stage_freezes_its_startup_objects():
+    """In a process of its own, as a replica is: after the freeze a full collection scans
+    only what came after (gc.get_objects lists the collected generations alone). In-process
+    (here, outside Serve) nothing is frozen."""
+    import subprocess
+    import sys
+
+    from deployments.stage import freeze_startup_objects
+
+    assert freeze_startup_objects() is False  # not a Serve replica: the test process stays
+    code = (
+        "import gc\n"
+        "from test_api import light_source\n"
+        "from deployments.stage import freeze_startup_objects\n"
+        "from deployments.talker import TalkerServer\n"
+        "from deployments.testing import FakeTalkerEngine\n"
+        "server = TalkerServer({}, None, engine_cls=FakeTalkerEngine, source=light_source())\n"
+        "assert freeze_startup_objects(force=True)\n"
+        "print(gc.get_freeze_count(), len(gc.get_objects()),"
+        " any(o is server for o in gc.get_objects()))\n"
+    )
+    import os
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": f"{here}{os.pathsep}{here.parent}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120, check=True).stdout.split()
+    frozen, left, server_left = int(out[0]), int(out[1]), out[2]
+    assert frozen > 10_000 and left < frozen / 10 and server_left == "False", out
