@@ -173,14 +173,25 @@ _GPU_SHARING: dict[str, dict[str, Any]] = {}
 
 class GcWatch:
     """The garbage collector's pauses in this process, per generation (count, total and
-    longest ms), through `gc.callbacks`: a full collection of a large heap stops every
-    thread of the process, the engine loop's included, and shows up as a stall in whatever
-    step was running. One per process (`gc_watch()`); a pause over `warn_ms` is logged."""
+    longest ms; since start-up ended, once `start_serving` is called), through
+    `gc.callbacks`: a full collection of a large heap stops every thread of the process,
+    the engine loop's included, and shows up as a stall in whatever step was running. One
+    per process (`gc_watch()`); while serving, a pause over `warn_ms` is logged."""
 
     def __init__(self, warn_ms: float = 100.0):
         self.warn_ms = warn_ms
         self._t0 = 0.0
+        self.serving = False
+        self.reset()
+
+    def reset(self) -> None:
         self.gens = [{"count": 0, "total_ms": 0.0, "max_ms": 0.0} for _ in range(3)]
+
+    def start_serving(self) -> None:
+        """From here on the counts are serving's (start-up's are dropped) and long pauses
+        are logged."""
+        self.reset()
+        self.serving = True
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -191,7 +202,7 @@ class GcWatch:
         g["count"] += 1
         g["total_ms"] += ms
         g["max_ms"] = max(g["max_ms"], ms)
-        if ms > self.warn_ms:
+        if ms > self.warn_ms and self.serving:
             log.warning("gc: generation %s collection took %.0f ms (%s objects collected)",
                         info.get("generation"), ms, info.get("collected"))
 
@@ -230,6 +241,7 @@ def freeze_startup_objects(*, force: bool = False) -> bool:
         return False
     gc.collect()
     gc.freeze()
+    gc_watch().start_serving()
     return True
 
 

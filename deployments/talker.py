@@ -84,7 +84,12 @@ class TalkerServer(StageServer):
         import torch
 
         self.feeds += 1
-        h = torch.from_numpy(np.asarray(hidden, dtype=np.float32)) if hidden is not None else None
+        h = None
+        if hidden is not None:
+            a = np.asarray(hidden, dtype=np.float32)
+            # Ray hands numpy arguments over zero-copy from its store, read-only; a tensor
+            # must own writable memory (a chunk's hidden states: tens of KiB).
+            h = torch.from_numpy(a if a.flags.writeable else a.copy())
         chunk = SpokenChunk(list(ids), h, final)
         await self.loop.call(lambda e: e.feed(rid, chunk))
         return True
