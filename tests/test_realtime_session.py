@@ -358,3 +358,23 @@ def test_the_socket_route_bounds_sessions_and_checks_the_model():
                 break
             time.sleep(0.02)
         assert local.ingress.realtime_sessions == {}
+
+
+def test_speech_longer_than_the_buffer_is_committed_as_it_is():
+    from bench.speech import speech_like
+
+    from deployments.realtime.listener import Listener, SpeechStarted, SpeechStopped
+    from deployments.realtime.protocol import TurnDetection
+
+    rate = 24000
+    listener = Listener(rate, TurnDetection(), max_buffer_s=1.0)
+    pcm = (np.clip(speech_like(2.5, rate, seed=1), -1, 1) * 32767).astype("<i2").tobytes()
+    heard = []
+    step = rate // 10 * 2
+    for i in range(0, len(pcm), step):
+        heard += listener.append(pcm[i:i + step])
+    assert isinstance(heard[0], SpeechStarted)
+    stops = [h for h in heard if isinstance(h, SpeechStopped)]
+    assert stops and stops[0].item_id == heard[0].item_id
+    assert 0.5 * rate * 2 <= len(stops[0].audio) <= 1.0 * rate * 2  # at most the buffer
+    assert listener.buffer.ms <= 1000

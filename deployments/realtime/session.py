@@ -33,12 +33,10 @@ from typing import Any
 import numpy as np
 
 from deployments.realtime import protocol as p
+from deployments.realtime.listener import Listener, SpeechStarted
 from deployments.schemas import AudioChunk, Done, Error, TextDelta
 
 log = logging.getLogger(__name__)
-
-# Audio kept before the speech VAD may start in (prefix padding), and some slack for it.
-_KEEP_BEFORE_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -47,46 +45,6 @@ class SessionLimits:
     max_buffer_s: float = 120.0
     max_items: int = 256
     idle_timeout_s: float = 600.0
-
-
-class InputBuffer:
-    """The session's uncommitted input audio: pcm16 at the session's rate, with the session
-    clock (ms since the first sample ever appended) of its first byte."""
-
-    def __init__(self, rate: int):
-        self.rate = rate
-        self.data = bytearray()
-        self.start_ms = 0.0  # session clock of data[0]
-        self.total = 0  # samples ever appended
-
-    def _sample(self, ms: float) -> int:
-        return round((ms - self.start_ms) * self.rate / 1000)
-
-    @property
-    def ms(self) -> float:
-        return len(self.data) / 2 * 1000 / self.rate
-
-    def append(self, pcm: bytes) -> None:
-        self.data += pcm
-        self.total += len(pcm) // 2
-
-    def take(self, start_ms: float | None = None, end_ms: float | None = None) -> bytes:
-        """The audio between two session times (default: all of it); the buffer is cleared."""
-        a = 0 if start_ms is None else max(0, self._sample(start_ms))
-        b = len(self.data) // 2 if end_ms is None else max(a, self._sample(end_ms))
-        out = bytes(self.data[2 * a : 2 * b])
-        self.clear()
-        return out
-
-    def keep_last(self, ms: float) -> None:
-        drop = len(self.data) // 2 - int(ms * self.rate / 1000)
-        if drop > 0:
-            del self.data[: 2 * drop]
-            self.start_ms += drop * 1000 / self.rate
-
-    def clear(self) -> None:
-        self.start_ms += len(self.data) / 2 * 1000 / self.rate
-        self.data.clear()
 
 
 def wav_bytes(pcm16: bytes, rate: int) -> bytes:
@@ -152,15 +110,12 @@ class RealtimeSession:
         self.items: list[p.Item] = []
         self.transcripts: dict[str, _Assistant] = {}  # assistant item id -> its audio/text
         self._rates: dict[str, int] = {}  # item id -> the pcm16 rate of its input audio
-        self.buffer = InputBuffer(self.cfg.input_audio_rate)
-        self.vad: Any = None  # pipeline.processing.vad.ServerVAD under server_vad
-        self.vad_offset_ms = 0.0  # session clock of the VAD's first sample
-        self.resampler: Any = None
-        self.speech_item: str | None = None  # the item id VAD's current speech will commit to
+        self.listener = Listener(
+            self.cfg.input_audio_rate, self.cfg.turn_detection, self.limits.max_buffer_s
+        )
         self.running: _Running | None = None
         self._lock = asyncio.Lock()
         self.responses = 0
-        self._setup_vad()
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -204,38 +159,31 @@ class RealtimeSession:
                 await running.task
         self.items.clear()
         self.transcripts.clear()
-        self.buffer.clear()
+        self.listener.clear()
 
     async def handle(self, frame: str | bytes) -> None:
+        ev = None
         try:
             ev = p.parse_client_event(frame, max_bytes=self.limits.max_event_bytes)
             await self._dispatch(ev)
         except p.ProtocolError as e:
+            if e.event_id is None and ev is not None:
+                e.event_id = ev.event_id
             await self.send(p.protocol_error(e))
 
     async def _dispatch(self, ev: p.ClientEvent) -> None:
         eid = ev.event_id
         if isinstance(ev, p.SessionUpdate):
             cfg = p.apply_session_update(self.cfg, ev.session)
-            if cfg.input_audio_rate != self.cfg.input_audio_rate and self.buffer.data:
-                raise p.ProtocolError(
-                    "invalid_value",
-                    "the input audio format cannot change "
-                    "while the buffer holds audio; commit or clear it first",
-                    "session.audio.input.format",
-                    eid,
-                )
+            self.listener.reconfigure(cfg.input_audio_rate, cfg.turn_detection)
             self.cfg = cfg
-            self.buffer.rate = cfg.input_audio_rate
-            self._setup_vad()
             await self.send(p.session_updated(self.id, self.cfg, model=self.model))
         elif isinstance(ev, p.AudioAppend):
             await self._append(ev.audio, eid)
         elif isinstance(ev, p.AudioCommit):
             await self._commit(eid)
         elif isinstance(ev, p.AudioClear):
-            self.buffer.clear()
-            self._setup_vad()
+            self.listener.clear()
             await self.send(p.input_audio_buffer_cleared())
         elif isinstance(ev, p.ItemCreate):
             await self._add_item(ev.item, ev.previous_item_id, eid)
@@ -268,69 +216,21 @@ class RealtimeSession:
 
     # -- input audio ---------------------------------------------------------------------
 
-    def _setup_vad(self) -> None:
-        td = self.cfg.turn_detection
-        if td is None:
-            self.vad = self.resampler = None
-            self.speech_item = None
-            return
-        from pipeline.processing.vad import ServerVAD, StreamResampler
-
-        self.vad = ServerVAD(td.threshold, td.prefix_padding_ms, td.silence_duration_ms)
-        # The VAD's clock starts at the buffer's start: align it with the session clock.
-        self.vad_offset_ms = self.buffer.start_ms + self.buffer.ms
-        self.resampler = StreamResampler(self.cfg.input_audio_rate)
-        self.speech_item = None
-
     async def _append(self, audio: bytes, eid: str | None) -> None:
-        limit = self.limits.max_buffer_s * 1000
-        if self.buffer.ms + len(audio) / 2 * 1000 / self.buffer.rate > limit:
-            if self.vad is None or self.speech_item is None:
-                raise p.ProtocolError(
-                    "input_audio_buffer_full",
-                    f"the input audio buffer holds at most "
-                    f"{self.limits.max_buffer_s:g} s; commit or clear it",
-                    None,
-                    eid,
-                )
-            # Server VAD heard speech longer than the buffer: commit it as a turn now, and
-            # listen afresh.
-            await self._speech_stopped(self.vad.position_ms + self.vad_offset_ms)
-            self._setup_vad()
-        self.buffer.append(audio)
-        if self.vad is None:
-            return
-        for vev in self.vad.feed(self.resampler.push(audio)):
-            at = vev.ms + self.vad_offset_ms
-            if vev.kind == "start":
-                self.speech_item = p.new_id("item")
-                await self.send(p.input_audio_buffer_speech_started(int(at), self.speech_item))
-                td = self.cfg.turn_detection
+        for heard in self.listener.append(audio):
+            td = self.cfg.turn_detection
+            if isinstance(heard, SpeechStarted):
+                await self.send(p.input_audio_buffer_speech_started(heard.ms, heard.item_id))
                 if self.running is not None and td is not None and td.interrupt_response:
                     await self.cancel("turn_detected")  # barge-in
-            elif self.speech_item is not None:
-                await self._speech_stopped(at)
-        if self.speech_item is None:  # not in speech: keep only what a start may reach back to
-            self.buffer.keep_last(self.cfg.turn_detection.prefix_padding_ms + _KEEP_BEFORE_MS)
-
-    async def _speech_stopped(self, end_ms: float) -> None:
-        item_id, self.speech_item = self.speech_item, None
-        start_ms = (self.vad.speech_start_ms or 0) + self.vad_offset_ms
-        await self.send(p.input_audio_buffer_speech_stopped(int(end_ms), item_id))
-        audio = self.buffer.take(start_ms, end_ms)  # the silence after it is dropped
-        await self._commit_audio(audio, item_id, None)
-        td = self.cfg.turn_detection
-        if td is not None and td.create_response and self.running is None:
-            self._start(self.cfg, None)
+                continue
+            await self.send(p.input_audio_buffer_speech_stopped(heard.ms, heard.item_id))
+            await self._commit_audio(heard.audio, heard.item_id, None)
+            if td is not None and td.create_response and self.running is None:
+                self._start(self.cfg, None)
 
     async def _commit(self, eid: str | None) -> None:
-        if not self.buffer.data:
-            raise p.ProtocolError(
-                "input_audio_buffer_commit_empty", "the input audio buffer is empty", None, eid
-            )
-        item_id = self.speech_item or p.new_id("item")
-        audio = self.buffer.take()
-        self._setup_vad()
+        item_id, audio = self.listener.commit()
         await self._commit_audio(audio, item_id, eid)
 
     async def _commit_audio(self, audio: bytes, item_id: str, eid: str | None) -> None:
@@ -634,7 +534,7 @@ class RealtimeSession:
     def stats(self) -> dict[str, Any]:
         return {
             "items": len(self.items),
-            "buffer_ms": round(self.buffer.ms),
+            "buffer_ms": round(self.listener.buffer.ms),
             "responding": self.running is not None,
             "responses": self.responses,
         }

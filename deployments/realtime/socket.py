@@ -45,18 +45,31 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
     await ws.accept(subprotocol=_subprotocol(ws))
     model = ws.query_params.get("model")
     if model is not None and model not in server.model_names:
-        await _refuse(ws, "model_not_found", f"model {model!r} is not served here (this "
-                      f"server serves {server.cfg.name!r})", _POLICY)
+        await _refuse(
+            ws,
+            "model_not_found",
+            f"model {model!r} is not served here (this server serves {server.cfg.name!r})",
+            _POLICY,
+        )
         return
     if len(server.realtime_sessions) >= cfg.max_sessions:
-        await _refuse(ws, "session_limit_reached", f"this replica already holds "
-                      f"{cfg.max_sessions} realtime sessions; try again later", _TRY_LATER)
+        await _refuse(
+            ws,
+            "session_limit_reached",
+            f"this replica already holds {cfg.max_sessions} realtime sessions; try again later",
+            _TRY_LATER,
+        )
         return
     beta = "realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
-    limits = SessionLimits(max_event_bytes=cfg.max_event_bytes, max_buffer_s=cfg.max_buffer_s,
-                           max_items=cfg.max_items, idle_timeout_s=cfg.idle_timeout_s)
-    session = RealtimeSession(server.chat, ws.send_text, model=server.cfg.name, beta=beta,
-                              limits=limits)
+    limits = SessionLimits(
+        max_event_bytes=cfg.max_event_bytes,
+        max_buffer_s=cfg.max_buffer_s,
+        max_items=cfg.max_items,
+        idle_timeout_s=cfg.idle_timeout_s,
+    )
+    session = RealtimeSession(
+        server.chat, ws.send_text, model=server.cfg.name, beta=beta, limits=limits
+    )
 
     async def receive() -> str | bytes | None:
         msg = await ws.receive()
