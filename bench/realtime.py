@@ -91,15 +91,13 @@ async def one_session(url: str, turns: int, listen_s: float, seed: int,
             mark = len(s.events)
             step = int(RATE * STEP_S) * 2
             t_next = time.perf_counter()
-            stopped = None
             for i in range(0, len(pcm), step):  # real time, like a microphone
                 await s.send(type="input_audio_buffer.append",
                              audio=base64.b64encode(pcm[i:i + step]).decode())
                 t_next += STEP_S
                 await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
-                if stopped is None and any(ev["type"] == "input_audio_buffer.speech_stopped"
-                                           for _, ev in s.events[mark:]):
-                    stopped = True
+                if any(ev["type"] == "input_audio_buffer.speech_stopped"
+                       for _, ev in s.events[mark:]):
                     break  # the rest is silence
             i_stop, t_stop, _ = await s.wait("input_audio_buffer.speech_stopped", mark)
             _, _, created = await s.wait("response.created", i_stop)

@@ -34,6 +34,7 @@ from deployments.formats import ChunkWriter, completion_body, error_body
 from deployments.media import MediaLoader, b64decode, pcm16_to_wav
 from deployments.metrics import AppMetrics
 from deployments.schemas import (
+    DEFAULT_VOICES,
     ApiError,
     AudioChunk,
     ChatCompletionRequest,
@@ -49,10 +50,6 @@ from deployments.voices import VoiceInfo, VoiceStore
 from deployments.window import ActiveStreamWindow
 
 _MEDIA_KIND = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
-# OpenAI's built-in voice names: clients send one whenever they ask for audio (the SDK
-# requires it), so each selects the checkpoint's own voice rather than failing the request.
-DEFAULT_VOICES = frozenset({"default", "alloy", "ash", "ballad", "coral", "echo", "fable",
-                            "nova", "onyx", "sage", "shimmer", "verse", "marin", "cedar"})
 _STATUS_REASON = {400: "invalid_request", 404: "not_found", 409: "conflict",
                   413: "too_large", 422: "invalid_request"}
 

@@ -111,6 +111,12 @@ class VoiceID(_Strict):
     id: str = Field(min_length=1)
 
 
+# OpenAI's built-in voice names: clients send one whenever they ask for audio (the SDK
+# requires it), so each selects the checkpoint's own voice rather than failing the request
+# (chat and realtime alike).
+DEFAULT_VOICES = frozenset({"default", "alloy", "ash", "ballad", "coral", "echo", "fable",
+                            "nova", "onyx", "sage", "shimmer", "verse", "marin", "cedar"})
+
 AUDIO_OUT_FORMATS = ("wav", "pcm16", "pcm", "mp3", "opus", "aac", "flac")
 
 

@@ -25,7 +25,7 @@ Checks are split in two: `parse_client_event` checks an event's structure and wh
 each field names; `apply_session_update` checks the settings' values. Both raise
 ProtocolError, which the session turns into an `error` event.
 
-Pure Python: no Ray, no torch.
+No Ray, no torch.
 """
 
 from __future__ import annotations
@@ -40,28 +40,10 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
+from deployments.schemas import DEFAULT_VOICES
+
 INPUT_RATES = (24000, 16000)
 OUTPUT_RATE = 24000
-# OpenAI's built-in voices: clients send one whenever they ask for audio, so each selects
-# the checkpoint's own voice instead of failing the session (as the chat API does).
-BUILTIN_VOICES = frozenset(
-    {
-        "default",
-        "alloy",
-        "ash",
-        "ballad",
-        "coral",
-        "echo",
-        "fable",
-        "nova",
-        "onyx",
-        "sage",
-        "shimmer",
-        "verse",
-        "marin",
-        "cedar",
-    }
-)
 
 Modality = Literal["text", "audio"]
 Role = Literal["user", "assistant", "system"]
@@ -304,7 +286,9 @@ def _check_voice(v: object, p: str) -> str | None:
     if v is None:
         return None
     name = _str(v, p, nonempty=True)
-    return None if name in BUILTIN_VOICES else name
+    # Clients send a built-in voice whenever they ask for audio: it selects the
+    # checkpoint's own voice instead of failing the session (as the chat API does).
+    return None if name in DEFAULT_VOICES else name
 
 
 def _check_ref_audio(v: object, p: str) -> str | None:
@@ -531,7 +515,7 @@ def _pcm16(v: object, param: str) -> bytes:
     except ValueError:  # binascii.Error, or a non-ASCII string
         raise _invalid(param, "not valid base64") from None
     if len(data) % 2:
-        raise _invalid(param, "pcm16 audio has an even number of bytes")
+        raise _invalid(param, "pcm16 audio needs an even number of bytes")
     return data
 
 

@@ -21,17 +21,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import io
 import json
 import logging
 import time
-import wave
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
+from deployments.media import float_to_int16, pcm16_to_wav
 from deployments.realtime import protocol as p
 from deployments.realtime.listener import Listener, SpeechStarted
 from deployments.schemas import AudioChunk, Done, Error, TextDelta
@@ -45,21 +42,6 @@ class SessionLimits:
     max_buffer_s: float = 120.0
     max_items: int = 256
     idle_timeout_s: float = 600.0
-
-
-def wav_bytes(pcm16: bytes, rate: int) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm16)
-    return out.getvalue()
-
-
-def pcm16(pcm: np.ndarray) -> bytes:
-    """float32 [-1, 1] -> pcm16 little-endian (the API's output format)."""
-    return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
 
 @dataclass
@@ -237,7 +219,7 @@ class RealtimeSession:
         prev = self.items[-1].id if self.items else None
         item = p.Item(item_id, "user", (p.ContentPart("input_audio", audio=audio),))
         await self.send(p.input_audio_buffer_committed(item_id, prev))
-        await self._add_item(item, prev, eid, rate=self.cfg.input_audio_rate)
+        await self._add_item(item, prev, eid)
 
     # -- the conversation ----------------------------------------------------------------
 
@@ -247,9 +229,7 @@ class RealtimeSession:
                 return i
         raise p.ProtocolError("item_not_found", f"no conversation item {item_id!r}", "item_id", eid)
 
-    async def _add_item(
-        self, item: p.Item, previous_item_id: str | None, eid: str | None, rate: int | None = None
-    ) -> None:
+    async def _add_item(self, item: p.Item, previous_item_id: str | None, eid: str | None) -> None:
         if len(self.items) >= self.limits.max_items:
             raise p.ProtocolError(
                 "conversation_full",
@@ -272,7 +252,7 @@ class RealtimeSession:
             at = self._index(previous_item_id, eid) + 1
         prev = self.items[at - 1].id if at else None
         self.items.insert(at, item)
-        self._rates[item.id] = rate or self.cfg.input_audio_rate
+        self._rates[item.id] = self.cfg.input_audio_rate  # its audio's, if it has any
         await self.send(p.conversation_item_added(item, prev))
         await self.send(p.conversation_item_done(item, prev))
 
@@ -330,7 +310,7 @@ class RealtimeSession:
                 if c.type == "input_text":
                     parts.append({"type": "text", "text": c.text or ""})
                 elif c.type == "input_audio" and c.audio:
-                    data = wav_bytes(c.audio, self._rates.get(item.id, cfg.input_audio_rate))
+                    data = pcm16_to_wav(c.audio, self._rates.get(item.id, cfg.input_audio_rate))
                     parts.append(
                         {
                             "type": "input_audio",
@@ -434,7 +414,7 @@ class RealtimeSession:
                         else:
                             await self.send(p.response_output_text_delta(rid, iid, 0, 0, ev.text))
                     elif isinstance(ev, AudioChunk):
-                        data = base64.b64encode(pcm16(ev.pcm)).decode()
+                        data = base64.b64encode(float_to_int16(ev.pcm).tobytes()).decode()
                         delta, said.pending = said.pending, ""
                         said.segments.append((said.audio_ms, delta))
                         said.audio_ms += ev.seconds * 1000
@@ -483,8 +463,6 @@ class RealtimeSession:
     ) -> None:
         """The closing events of a response, in order, then exactly one response.done."""
         rid, iid = resp.id, resp.output[0].id
-        if said.pending:  # text after the last audio delta: in the final transcript only
-            said.pending = ""
         part = (
             p.ContentPart("output_audio", transcript=said.text)
             if said.audio
@@ -509,11 +487,8 @@ class RealtimeSession:
                     await self.send(p.response_output_text_done(rid, iid, 0, 0, said.text))
                 await self.send(p.response_content_part_done(rid, iid, 0, 0, part))
                 await self.send(p.response_output_item_done(rid, 0, item, item_status))
-                prev = None
-                for it in self.items:
-                    if it.id == iid:
-                        break
-                    prev = it.id
+                i = self._index(iid, None)
+                prev = self.items[i - 1].id if i else None
                 await self.send(p.conversation_item_done(item, prev, item_status))
             await self.send(
                 p.response_done(
