@@ -53,6 +53,12 @@ class Stages:
     talker: Any
     code2wav: Any
 
+    async def answer(self, timeout: float) -> None:
+        """All three stages answer a stats call within `timeout` (raises otherwise)."""
+        await asyncio.wait_for(asyncio.gather(
+            self.thinker.stats.remote(), self.talker.stats.remote(),
+            self.code2wav.stats.remote()), timeout=timeout)
+
 
 @dataclass
 class Group:
@@ -165,15 +171,12 @@ class TurnRunner:
         log.info("group %s: every awake group's window is full, waking it", group.name)
 
         async def wake() -> None:
-            s = group.stages
             try:
                 while True:
                     try:
                         # Calls that queue at the handles of a deployment with no replica
                         # are what Serve's autoscaler starts one for.
-                        await asyncio.wait_for(asyncio.gather(
-                            s.thinker.stats.remote(), s.talker.stats.remote(),
-                            s.code2wav.stats.remote()), timeout=self.wake_timeout_s)
+                        await group.stages.answer(self.wake_timeout_s)
                         break
                     except Exception as e:  # noqa: BLE001 - a replica that failed to start
                         log.warning("group %s did not wake: %s", group.name, error_line(e))
@@ -184,9 +187,7 @@ class TurnRunner:
             finally:
                 group.waking = False
 
-        task = asyncio.get_running_loop().create_task(wake(), context=contextvars.Context())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(wake())
 
     def _mark_down(self, group: Group) -> None:
         if group.down or len(self.groups) == 1:
@@ -197,21 +198,16 @@ class TurnRunner:
                     "answers again", group.name)
 
         async def probe() -> None:
-            s = group.stages
             while True:
                 try:
-                    await asyncio.wait_for(asyncio.gather(
-                        s.thinker.stats.remote(), s.talker.stats.remote(),
-                        s.code2wav.stats.remote()), timeout=self.timeouts.heartbeat_s)
+                    await group.stages.answer(self.timeouts.heartbeat_s)
                     break
                 except Exception:  # noqa: BLE001 - still restarting
                     await asyncio.sleep(0.25)
             group.down = False
             log.info("group %s answers again", group.name)
 
-        task = asyncio.get_running_loop().create_task(probe(), context=contextvars.Context())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(probe())
 
     async def run(self, turn: PreparedTurn) -> AsyncIterator[Event]:
         group = self.choose(turn.speech)
@@ -434,9 +430,13 @@ class TurnRunner:
                 if isinstance(r, BaseException):
                     log.info("abort of %s did not land: %s", rid, error_line(r))
 
-        # A fresh context: Serve links handle calls made in a request's context to that
-        # request and cancels them with it, and this request is being cancelled right now.
-        task = asyncio.get_running_loop().create_task(abort(), context=contextvars.Context())
+        self._in_background(abort())
+
+    def _in_background(self, coro: Any) -> None:
+        """Run `coro` on its own, kept alive until it ends. A fresh context: Serve links
+        handle calls made in a request's context to that request and cancels them with it,
+        and the request that started this may be being cancelled right now."""
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
