@@ -468,3 +468,35 @@ def test_resampler_strict_load_keys():
     sd = {"resampler." + k: torch.randn_like(v) for k, v in r.state_dict().items()}
     r2 = build_resampler(cfg, sd)
     assert torch.equal(r2.proj, sd["resampler.proj"])
+
+
+def test_warm_up_vision_traces_every_graph_requests_need(tiny_source):
+    """After the start-up warm-up, requests of other batch sizes, slice sizes and mixes
+    compile nothing more: the first request pays no compile."""
+    from torch._dynamo.testing import CompileCounter
+
+    from pipeline.handoff import ImageInput
+    from pipeline.thinker.model import ThinkerModel
+
+    model = ThinkerModel.load(tiny_source)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    for layer in model.vpm.encoder.layers:
+        layer.compile(dynamic=True, backend=counter)
+    try:
+        assert model.warm_up_vision(batch_size=16) == [(1, False), (2, False), (2, True)]
+        warmed = counter.frame_count
+        assert warmed >= 1
+        p = model.cfg.slicing.patch_size
+
+        def image(sizes: list[tuple[int, int]], seed: int) -> ImageInput:
+            g = torch.Generator().manual_seed(seed)
+            strips = [torch.randint(0, 256, (3, p, p * h * w), generator=g, dtype=torch.uint8)
+                      for h, w in sizes]
+            return ImageInput(strips, torch.tensor(sizes, dtype=torch.int32), f"im{seed}")
+
+        for batch in ([(20, 24)], [(32, 32)] * 3, [(32, 32), (16, 40), (8, 8)], [(5, 7)] * 2):
+            model.encode_images([image(batch, len(batch))], batch_size=16)
+        assert counter.frame_count == warmed, "a request compiled again after the warm-up"
+    finally:
+        torch._dynamo.reset()

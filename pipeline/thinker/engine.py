@@ -26,6 +26,7 @@ Synchronous and single-threaded: the deployment drives it in a loop.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -41,12 +42,16 @@ from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from pipeline.utils import resolve_device, resolve_dtype
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ThinkerEngineConfig:
     llm: EngineConfig = field(default_factory=EngineConfig)
     vision_attn_backend: str = "sdpa"  # eager | sdpa | flash
-    compile_mm_encoder: bool = False  # regional torch.compile of each SigLIP layer (CUDA only)
+    # Regional torch.compile of each SigLIP layer (CUDA only; 2.38 against ~3.2 ms a 448x448
+    # slice), compiled at start by a warm-up pass per batch kind, so no request pays for it.
+    compile_mm_encoder: bool = True
     fuse_projections: bool = True  # one q|k|v and one gate|up matmul per layer (same math)
     compile_llm_ops: bool = True  # torch.compile the LLM's norm/RoPE/SwiGLU helpers (CUDA only)
     encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
@@ -215,6 +220,11 @@ class ThinkerEngine:
             model.llm.fuse_projections()
         if config.compile_llm_ops and dev.type == "cuda":
             model.llm.compile_ops()
+        if config.compile_mm_encoder and dev.type == "cuda":
+            t0 = time.perf_counter()
+            passes = model.warm_up_vision(config.vision_batch_size)
+            log.info("vision encoder compiled for %d batch kinds in %.1f s",
+                     len(passes), time.perf_counter() - t0)
         return cls(model, TextTokenizer.from_dir(source.tokenizer_dir), config, dev, dtype)
 
     # -- the StageEngine protocol (pipeline/stage_engine.py) -----------------------------

@@ -75,6 +75,25 @@ class ThinkerModel(nn.Module):
 
     # -- media --------------------------------------------------------------------------
     @torch.inference_mode()
+    def warm_up_vision(self, batch_size: int = 16) -> list[tuple[int, bool]]:
+        """One vision pass per kind of batch a compiled encoder traces a graph for: a lone
+        slice, several slices of one size (no padding), and slices of mixed sizes (the
+        padding mask), so the first request does not pay the compile. The symbolic B and L
+        cover every other size (compile_vision_layers). Returns (strips, padded) per pass."""
+        s = self.cfg.slicing
+        side = s.scale_resolution // s.patch_size  # a 448x448 slice: 32 x 32 patches
+        full, half = (side, side), (side, max(1, side // 2))
+        passes = [[full], [full, full], [full, half]][: 1 + min(2, batch_size - 1)]
+        for sizes in passes:
+            strips = [
+                torch.zeros(3, s.patch_size, s.patch_size * h * w, dtype=torch.uint8)
+                for h, w in sizes
+            ]
+            self.encode_images([ImageInput(strips, torch.tensor(sizes, dtype=torch.int32), "")],
+                               batch_size)
+        return [(len(sizes), len(set(sizes)) > 1) for sizes in passes]
+
+    @torch.inference_mode()
     def encode_images(self, images: list[ImageInput], batch_size: int = 16) -> list[torch.Tensor]:
         """Every slice of every image, batched `batch_size` slices per vision forward.
         Returns per image (num_slices * query_num, H)."""
