@@ -110,7 +110,8 @@ class FakeTalkerEngine:
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeTalkerEngine:
-        return cls(**config)
+        # the app's fast-path defaults (talker_fused, ...) mean nothing to a fake
+        return cls(**{k: v for k, v in config.items() if not k.startswith("talker_")})
 
     def open(self, rid: str, spec: Any = None) -> None:
         if rid in self.streams:

@@ -88,7 +88,9 @@ class TalkerEngineConfig:
 
     def __post_init__(self) -> None:
         if self.talker_compile and not self.talker_fused:
-            raise ValueError("talker_compile compiles the fused forward: set talker_fused too")
+            raise ValueError(
+                "talker_compile compiles the fused forward: set talker_fused too, or "
+                "talker_compile to false")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_streams < 1:
