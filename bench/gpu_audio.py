@@ -1,0 +1,100 @@
+"""GPU: what the audio encoder's first call at a new clip length costs, against a repeat.
+
+    python -m bench.gpu_audio [--lengths 457 689 1003 1501 2222 2999] [--profile]
+
+Random weights at the released geometry (AudioConfig() defaults, LLM hidden 4096), bf16,
+one clip a call. Each mode encodes clip lengths (mel frames) it has not seen before, twice
+each, and prints the wall ms of the first and the second call: a first call much slower
+than the second is a per-shape cost (a kernel built or chosen for that shape), which a
+served turn pays whenever its audio has a new length. Modes: torch's own kernel choice,
+cuDNN off for the convs (ATen's own conv kernels), and SDPA kept off its cuDNN backend.
+Then one batch of two clips in every mode, against torch's own choice (the kernels may sum
+in another order; nothing else differs). `--profile` prints the top ops of one first call
+with torch's own choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pipeline.config import ThinkerConfig
+from pipeline.thinker.audio import AudioEncoder
+
+
+def build(device: torch.device) -> AudioEncoder:
+    torch.manual_seed(0)
+    with device:
+        enc = AudioEncoder.from_config(ThinkerConfig()).eval()
+        for name, p in enc.named_parameters():
+            if "norm" in name:
+                torch.nn.init.ones_(p) if name.endswith("weight") else torch.nn.init.zeros_(p)
+            elif p.ndim >= 2:
+                torch.nn.init.normal_(p, std=0.02)
+            else:
+                torch.nn.init.normal_(p, std=0.01)
+    return enc.to(torch.bfloat16)
+
+
+MODES = {
+    "as is": contextlib.nullcontext,  # torch's own choice of kernels
+    "no cuDNN convs": lambda: torch.backends.cudnn.flags(enabled=False),
+    "no cuDNN SDPA": lambda: sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
+}
+
+
+@torch.inference_mode()
+def call_ms(enc: AudioEncoder, n_mel: int, mode: str = "as is") -> float:
+    mel = torch.randn(1, enc.apm.cfg.num_mel_bins, n_mel, device="cuda", dtype=torch.bfloat16)
+    flags = MODES[mode]()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with flags:
+        enc(mel, [n_mel])
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[457, 689, 1003, 1501, 2222, 2999])
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    enc = build(torch.device("cuda"))
+    for mode in MODES:  # CUDA context, cuBLAS handles, each backend's first use: not measured
+        call_ms(enc, 300, mode)
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print("mode            mel frames  first ms  second ms")
+    for k, mode in enumerate(MODES):
+        for n in args.lengths:
+            n += k  # lengths this mode has not seen
+            first, second = call_ms(enc, n, mode), call_ms(enc, n, mode)
+            print(f"{mode:14}  {n:10}  {first:8.1f}  {second:9.1f}")
+    # The same clip in every mode: the kernels may sum in another order, nothing more.
+    mel = torch.randn(2, enc.apm.cfg.num_mel_bins, 1234, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        outs = {}
+        for mode, kernels in MODES.items():
+            with kernels():
+                outs[mode] = torch.cat(enc(mel, [1234, 777])).float()
+    ref = outs["as is"]
+    print("mode            max |diff| / max |as is|   mean |diff| / mean |as is|")
+    for mode, out in outs.items():
+        d = (out - ref).abs()
+        print(f"{mode:14}  {d.max().item() / ref.abs().max().item():24.2e}"
+              f"   {d.mean().item() / ref.abs().mean().item():26.2e}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call_ms(enc, args.lengths[0] + 7)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
