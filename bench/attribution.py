@@ -1,7 +1,7 @@
 """Knob attribution: A/B runs that each change one serving knob, and a table of relative deltas.
 
     python -m bench.attribution --serve-config serve_config.yaml --url http://127.0.0.1:8000 \\
-        --knob compile_mm_encoder=true --knob token2wav_cfm_cuda_graph=false \\
+        --knob compile_mm_encoder=false --knob token2wav_cfm_cuda_graph=false \\
         --knob applications.0.args.talker.engine.cuda_graphs=false \\
         --dataset synthetic --synthetic-durations 30 \\
         --concurrency 1,4 --num-prompts 20 --rounds 1 --warmups 2 \\

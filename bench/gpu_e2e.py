@@ -6,7 +6,7 @@ each started in-process on one Ray instance (no `serve run` per variant, no Ray 
         --fixed-text-tokens 16 --fixed-speech-codes 57 \\
         --concurrency 1,4 --num-prompts 20 --rounds 3 --warmups 4 \\
         --baseline-num-prompts 10 --baseline-rounds 1 \\
-        --knob compile_mm_encoder=true --knob token2wav_cfm_cuda_graph=false \\
+        --knob compile_mm_encoder=false --knob token2wav_cfm_cuda_graph=false \\
         --attr-concurrency 4 --attr-num-prompts 12 --out results/h200
 
 Phases (each one app at a time; the app is deleted before the next starts, so they never share
