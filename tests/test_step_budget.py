@@ -202,6 +202,7 @@ def thinker(tiny_source):
             dtype="float32",  # the equality below is a float32 one on CUDA too
             compile_mm_encoder=False,
             compile_llm_ops=False,
+            warm_up=False,  # the scripted schedules count every step's work from the first
         )
         return ThinkerEngine.from_source(tiny_source, cfg, device=device)
 

@@ -262,3 +262,21 @@ def test_uint8_strips_encode_like_normalized_float_strips(engine_factory):
     assert images[0].pixel_values[0].dtype == torch.uint8
     got, ref = eng.model.encode_images(images, 2), eng.model.encode_images(floats, 2)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_warm_up_runs_every_kind_of_step_and_leaves_a_fresh_engine(engine_factory):
+    """The start-up warm-up (CUDA replicas) serves two requests: media, hidden states, a
+    mixed step with a prefix-cache hit. After it the engine is idle, nothing is held, and a
+    request gives what it gives on an engine that never warmed up."""
+    eng, fresh = engine_factory(), engine_factory()
+    eng.warm_up()
+    st = eng.stats()
+    assert not eng.has_work() and st["open_streams"] == 0
+    assert st["num_free_blocks"] == st["num_total_blocks"]
+    assert st["prefix_cache_hits"] > 0, "the second request reuses the first one's blocks"
+    assert st["encoder_cache_misses"] == 2  # one image, one clip
+    assert st["max_step_ms"] == st["max_decode_gap_ms"] == 0.0
+    got = _run(eng, [_request(eng, "a", max_tokens=6)])["a"]
+    want = _run(fresh, [_request(fresh, "a", max_tokens=6)])["a"]
+    assert got["ids"] == want["ids"] and got["reason"] == want["reason"] == "length"
+    assert torch.equal(got["hidden"], want["hidden"])

@@ -30,14 +30,14 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from pipeline.checkpoint import ModelSource
 from pipeline.engine.engine import EngineConfig, LLMEngine
 from pipeline.engine.scheduler import MediaSpan
-from pipeline.handoff import AudioInput, ImageInput, ThinkerDelta, ThinkerRequest
+from pipeline.handoff import AudioInput, ImageInput, SamplingParams, ThinkerDelta, ThinkerRequest
 from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from pipeline.utils import resolve_device, resolve_dtype
@@ -69,6 +69,10 @@ class ThinkerEngineConfig:
     max_encoder_items_per_step: int = 0
     audio_seconds_per_item: float = 5.0
     dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
+    # CUDA only: two short requests before serving (warm_up), so that what a first request
+    # would pay (FlashInfer kernels built on first use, compiled helpers at prefill shapes)
+    # is paid at start.
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         if self.vision_attn_backend not in ("eager", "sdpa", "flash"):
@@ -232,7 +236,52 @@ class ThinkerEngine:
             passes = model.warm_up_vision(config.vision_batch_size)
             log.info("vision encoder compiled for %d batch kinds in %.1f s",
                      len(passes), time.perf_counter() - t0)
-        return cls(model, TextTokenizer.from_dir(source.tokenizer_dir), config, dev, dtype)
+        engine = cls(model, TextTokenizer.from_dir(source.tokenizer_dir), config, dev, dtype)
+        if config.warm_up and dev.type == "cuda":
+            t0 = time.perf_counter()
+            engine.warm_up()
+            log.info("Thinker warmed up in %.1f s", time.perf_counter() - t0)
+        return engine
+
+    def warm_up(self) -> None:
+        """Serve two short requests before any user's: one with an image slice, a 1 s clip
+        and text (sampled, penalised, with the spoken span's hidden states), and, while its
+        decode runs, its prompt again plus a few tokens (a prefix-cache hit in a mixed
+        step, greedy). Every kind of step a turn takes then has run once. Leaves the
+        engine idle, with its step and gap maxima from zero."""
+        cfg, tokens = self.model.cfg, self.model.cfg.tokens
+        s = cfg.slicing
+        side, q = s.scale_resolution // s.patch_size, cfg.query_num
+        image = ImageInput(
+            [torch.zeros(3, s.patch_size, s.patch_size * side * side, dtype=torch.uint8)],
+            torch.tensor([[side, side]], dtype=torch.int32),
+            "warm-up:image",
+        )
+        audio = AudioInput(torch.zeros(cfg.audio.num_mel_bins, 100), "warm-up:audio")
+        n_audio = self.model.audio.num_tokens(audio.num_frames)
+        text = self.tokenizer.encode("Warm up: what do you see and hear?")
+        ids = text + [tokens.unk] * q + text + [tokens.unk] * n_audio + text
+        first = ThinkerRequest(
+            "warm-up:0",
+            ids + [tokens.tts_bos],
+            images=[image],
+            image_bounds=[(len(text), len(text) + q)],
+            audios=[audio],
+            audio_bounds=[(2 * len(text) + q, 2 * len(text) + q + n_audio)],
+            audio_segments=[(0, 0, n_audio)],
+            sampling=SamplingParams(temperature=0.7, top_p=0.8, top_k=100,
+                                    repetition_penalty=1.05, max_tokens=6, ignore_eos=True,
+                                    seed=0),
+            return_hidden=True,
+        )
+        second = replace(first, request_id="warm-up:1", input_ids=ids + text + [tokens.tts_bos],
+                         sampling=SamplingParams(max_tokens=3, ignore_eos=True))
+        self.open(first.request_id, first)
+        self.step()  # the first request's prefill: it decodes from the next step on
+        self.open(second.request_id, second)
+        while self.has_work():
+            self.step()
+        self._max_step_ms = self._max_gap_ms = 0.0
 
     # -- the StageEngine protocol (pipeline/stage_engine.py) -----------------------------
     def open(self, rid: str, spec: ThinkerRequest) -> None:
