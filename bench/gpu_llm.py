@@ -16,6 +16,9 @@ with the host sampler vs sampling inside the graph, greedy and sampled.
 
 --profile: only a torch.profiler table of one graphed decode step (in-graph sampler) at
 batch 1 and 8: kernel count, kernel time and the top kernels.
+--profile-prefill N [N ...]: only the step that prefills N new tokens and samples the first
+one, cold and over a cached 2000-token history (wall ms), then the kernels and the host's
+top ops of one such cached step (a short turn's prefill measured 50-90 ms in the app).
 
 Weights: built directly on the GPU (no disk), seeded. Residual-branch outputs are scaled
 down and lm_head is tied to a permutation of the embedding plus noise, so greedy choices
@@ -320,6 +323,63 @@ def profile_decode(model, device, kv_gib: float) -> None:
             eng.step()
 
 
+@torch.no_grad()
+def profile_prefill(model, device, kv_gib: float, lengths: list[int], prefix: int = 2000) -> None:
+    """Wall ms of the step that prefills a short prompt and samples its first token: cold
+    (nothing cached) and as a new turn over a cached `prefix`-token history (the realtime
+    and follow-up shape); then the kernels and the host's top ops of one cached step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu_talker import kernel_table
+
+    eng = make_engine(model, device, kv_gib, enable_prefix_caching=True, device_sampling=True)
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
+
+    k = 0
+
+    def one(prompt: list[int], fn=None) -> float:
+        nonlocal k
+        k += 1
+        eng.add_request(f"f{k}", prompt, SamplingParams(max_tokens=1, ignore_eos=True,
+                                                        **SAMPLED, seed=k))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = (fn or eng.step)()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3
+        while eng.has_unfinished():
+            eng.step()
+        return ms if fn is None else out
+
+    history = rand(prefix)
+    one(history)  # the history's blocks enter the prefix cache
+    print(f"profile: one prefill step + its first token (wall ms, median of 5; "
+          f"cached = after {prefix} cached tokens)")
+    for n in lengths:
+        for _ in range(2):  # FlashInfer JIT, compiled helpers' shapes, allocator
+            one(rand(n))
+            one(history + rand(n))
+        cold = sorted(one(rand(n)) for _ in range(5))[2]
+        cached = sorted(one(history + rand(n)) for _ in range(5))[2]
+        print(f"  {n:5d} new tokens: cold {cold:7.2f} ms, cached {cached:7.2f} ms")
+    n = lengths[0]
+    count, ms, top = one(history + rand(n), lambda: kernel_table(eng.step))
+    print(f"  one cached {n}-token step: {count} kernels, {ms:.3f} ms of kernels")
+    for name, us, calls in top:
+        print(f"    {us / 1e3:7.3f} ms {calls:5d}x  {name}")
+
+    def host_ops():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            eng.step()
+        return prof
+
+    prof = one(history + rand(n), host_ops)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv-gib", type=float, default=4.0)
@@ -331,6 +391,8 @@ def main() -> int:
     )
     ap.add_argument("--no-compile", action="store_true", help="eager elementwise helpers")
     ap.add_argument("--profile", action="store_true", help="only the decode-step profile")
+    ap.add_argument("--profile-prefill", type=int, nargs="*", metavar="N",
+                    help="only short prefill steps of N new tokens, cold and cached (e.g. 16 64 256)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -349,6 +411,9 @@ def main() -> int:
     )
     if args.profile:
         profile_decode(model, device, args.kv_gib)
+        return 0
+    if args.profile_prefill:
+        profile_prefill(model, device, args.kv_gib, args.profile_prefill)
         return 0
     backend_parity(model, device, args.kv_gib)
 
