@@ -251,13 +251,14 @@ def test_projection_input_width_comes_from_ffn_dim():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention is CUDA-only")
-def test_sdpa_without_cudnn_attention_matches_on_cuda():
-    """The Thinker keeps SDPA off cuDNN attention (a graph built per new clip length); the
-    flash / memory-efficient kernels it uses instead are as close to an fp32 eager encoder
-    as cuDNN's are, at the released geometry."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def test_sdpa_without_cudnn_attention_matches_on_cuda(monkeypatch):
+    """The encoder keeps SDPA off cuDNN attention on CUDA (a graph built per new clip
+    length); the kernels it uses instead are as close to an fp32 eager encoder as cuDNN's
+    are, at the released geometry."""
+    from torch.nn.attention import SDPBackend
 
     from bench.gpu_audio import build
+    from pipeline.thinker import audio
 
     enc = build(torch.device("cuda"))
     ref = copy.deepcopy(enc).float()
@@ -266,11 +267,10 @@ def test_sdpa_without_cudnn_attention_matches_on_cuda():
     lens = [1234, 777]
     with torch.inference_mode():
         want = torch.cat(ref(mel, lens))
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-            cudnn = torch.cat(enc(mel.bfloat16(), lens)).float()
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-            other = torch.cat(enc(mel.bfloat16(), lens)).float()
+        shipped = torch.cat(enc(mel.bfloat16(), lens)).float()
+        monkeypatch.setattr(audio, "NO_CUDNN_ATTENTION", [SDPBackend.CUDNN_ATTENTION])
+        cudnn = torch.cat(enc(mel.bfloat16(), lens)).float()
     err_cudnn = (cudnn - want).abs().mean().item()
-    err_other = (other - want).abs().mean().item()
-    assert err_other <= 1.5 * err_cudnn + 1e-4, (err_other, err_cudnn)
-    assert err_other / want.abs().mean().item() < 2e-2
+    err_shipped = (shipped - want).abs().mean().item()
+    assert err_shipped <= 1.5 * err_cudnn + 1e-4, (err_shipped, err_cudnn)
+    assert err_shipped / want.abs().mean().item() < 2e-2

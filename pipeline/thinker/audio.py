@@ -33,9 +33,17 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.config import AudioConfig, ThinkerConfig
 from pipeline.thinker.vision import load_stripped
+
+# SDPA's kernels for the encoder on CUDA, cuDNN attention left out: it builds a graph for
+# every new shape, and every clip length is a new shape (on an H200 the first call at a new
+# length took ~90 ms longer, once ~950 ms: bench/gpu_audio.py); flash / memory-efficient
+# attention compute the same softmax(QK^T)V with no per-shape cost and as fast a repeat.
+NO_CUDNN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                      SDPBackend.MATH]
 
 MEL_FRAMES_PER_SECOND = 100  # hop 160 at 16 kHz
 HOP_LENGTH = 160
@@ -120,6 +128,9 @@ class WhisperAttention(nn.Module):
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             o = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        elif q.is_cuda:
+            with sdpa_kernel(NO_CUDNN_ATTENTION):
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(o.transpose(1, 2).reshape(b, t, d))

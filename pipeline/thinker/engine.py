@@ -211,13 +211,6 @@ class ThinkerEngine:
         config = config or ThinkerEngineConfig()
         dev = resolve_device(device)
         dtype = resolve_dtype(config.dtype, dev)
-        if dev.type == "cuda":
-            # The encoders' masked SDPA would otherwise pick cuDNN attention, which builds a
-            # graph for every new shape: on an H200 each new audio length cost its first call
-            # ~90 ms more, one ~950 ms (bench/gpu_audio.py); flash / memory-efficient
-            # attention compute the same softmax(QK^T)V with no per-shape cost. The LLM's
-            # attention is FlashInfer's, not SDPA.
-            torch.backends.cuda.enable_cudnn_sdp(False)
         # Compiling on the CPU only costs start-up time (minutes on 2 cores) for no gain.
         model = ThinkerModel.load(
             source,
