@@ -259,3 +259,16 @@ def test_baseline_config_runs_the_plain_paths():
     llm = cfg["thinker"].llm
     assert not (llm.cuda_graphs or llm.enable_prefix_caching or llm.device_sampling)
     assert dataclasses.is_dataclass(llm)
+
+
+def test_first_turn_reports_the_first_request_sent():
+    from bench.gpu_e2e import first_turn
+
+    def rec(t_send, ttft, ok=True):
+        return {"t_send": t_send, "ttft": ttft, "ok": ok, "warmup": True}
+
+    run = {"rounds": [{"requests": [rec(0.2, 0.31), rec(0.0, 105.9), rec(0.1, 0.0, ok=False),
+                                    rec(0.3, 0.29)]},
+                      {"requests": [rec(-1.0, 0.05)]}]}  # a later round: not the first turn
+    assert first_turn(run) == "first turn after RUNNING: TTFT 105900 ms (the round's others: median 310 ms)"
+    assert "no request" in first_turn({"rounds": []})
