@@ -22,6 +22,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend
 
+from bench.gpu_vision import init_small
 from pipeline.config import ThinkerConfig
 from pipeline.thinker import audio
 from pipeline.thinker.audio import AudioEncoder
@@ -31,13 +32,7 @@ def build(device: torch.device) -> AudioEncoder:
     torch.manual_seed(0)
     with device:
         enc = AudioEncoder.from_config(ThinkerConfig()).eval()
-        for name, p in enc.named_parameters():
-            if "norm" in name:
-                torch.nn.init.ones_(p) if name.endswith("weight") else torch.nn.init.zeros_(p)
-            elif p.ndim >= 2:
-                torch.nn.init.normal_(p, std=0.02)
-            else:
-                torch.nn.init.normal_(p, std=0.01)
+        init_small(enc)
     return enc.to(torch.bfloat16)
 
 

@@ -40,17 +40,21 @@ def build(device: torch.device) -> tuple[VisionEncoder, Resampler]:
     with device:
         vpm = VisionEncoder.from_config(cfg, "eager").eval()
         res = Resampler.from_config(cfg).eval()
-        # keep activations O(1) over 26 layers: small random weights, unit LayerNorms
         for m in (vpm, res):
-            for name, p in m.named_parameters():
-                if "norm" in name or name.startswith("ln_"):
-                    torch.nn.init.ones_(p) if name.endswith("weight") else torch.nn.init.zeros_(p)
-                elif p.ndim >= 2:
-                    torch.nn.init.normal_(p, std=0.02)
-                else:
-                    torch.nn.init.normal_(p, std=0.01)
+            init_small(m)
         res.query.data.normal_(std=1.0)
     return vpm, res
+
+
+def init_small(module: torch.nn.Module) -> None:
+    """Small random weights and unit LayerNorms: activations stay O(1) over many layers."""
+    for name, p in module.named_parameters():
+        if "norm" in name or name.startswith("ln_"):
+            torch.nn.init.ones_(p) if name.endswith("weight") else torch.nn.init.zeros_(p)
+        elif p.ndim >= 2:
+            torch.nn.init.normal_(p, std=0.02)
+        else:
+            torch.nn.init.normal_(p, std=0.01)
 
 
 def run(vpm, res, pv, tgt, mask):

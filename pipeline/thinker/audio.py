@@ -27,6 +27,7 @@ usual one-clip call.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Mapping, Sequence
 
@@ -128,9 +129,6 @@ class WhisperAttention(nn.Module):
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             o = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
-        elif q.is_cuda:
-            with sdpa_kernel(NO_CUDNN_ATTENTION):
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(o.transpose(1, 2).reshape(b, t, d))
@@ -205,8 +203,9 @@ class WhisperEncoder(nn.Module):
         # 3) block-causal + padding mask, shared by all layers
         enc_lens = [encoder_frames(m) for m in lengths]
         mask = block_causal_mask(enc_lens, n, self.chunk_frames, dev)
-        for layer in self.layers:
-            x = layer(x, mask)
+        with sdpa_kernel(NO_CUDNN_ATTENTION) if x.is_cuda else contextlib.nullcontext():
+            for layer in self.layers:
+                x = layer(x, mask)
         return self.layer_norm(x)
 
 

@@ -242,14 +242,8 @@ class ThinkerEngine:
         decode runs, its prompt again plus a few tokens (a prefix-cache hit in a mixed
         step, greedy). Every kind of step a turn takes then has run once. Leaves the
         engine idle, with its step and gap maxima from zero."""
-        cfg, tokens = self.model.cfg, self.model.cfg.tokens
-        s = cfg.slicing
-        side, q = s.scale_resolution // s.patch_size, cfg.query_num
-        image = ImageInput(
-            [torch.zeros(3, s.patch_size, s.patch_size * side * side, dtype=torch.uint8)],
-            torch.tensor([[side, side]], dtype=torch.int32),
-            "warm-up:image",
-        )
+        cfg, tokens, q = self.model.cfg, self.model.cfg.tokens, self.model.cfg.query_num
+        image = self.model.blank_image(content_hash="warm-up:image")
         audio = AudioInput(torch.zeros(cfg.audio.num_mel_bins, 100), "warm-up:audio")
         n_audio = self.model.audio.num_tokens(audio.num_frames)
         text = self.tokenizer.encode("Warm up: what do you see and hear?")

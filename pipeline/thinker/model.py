@@ -85,13 +85,18 @@ class ThinkerModel(nn.Module):
         full, half = (side, side), (side, max(1, side // 2))
         passes = [[full], [full, full], [full, half]][: 1 + min(2, batch_size - 1)]
         for sizes in passes:
-            strips = [
-                torch.zeros(3, s.patch_size, s.patch_size * h * w, dtype=torch.uint8)
-                for h, w in sizes
-            ]
-            self.encode_images([ImageInput(strips, torch.tensor(sizes, dtype=torch.int32), "")],
-                               batch_size)
+            self.encode_images([self.blank_image(sizes)], batch_size)
         return [(len(sizes), len(set(sizes)) > 1) for sizes in passes]
+
+    def blank_image(self, sizes: list[tuple[int, int]] | None = None,
+                    content_hash: str = "") -> ImageInput:
+        """An all-black image of slices of `sizes` (h, w) patches; one 448x448 slice by
+        default. For warm-ups: it has the shapes of a real one."""
+        s = self.cfg.slicing
+        sizes = sizes or [(s.scale_resolution // s.patch_size,) * 2]
+        strips = [torch.zeros(3, s.patch_size, s.patch_size * h * w, dtype=torch.uint8)
+                  for h, w in sizes]
+        return ImageInput(strips, torch.tensor(sizes, dtype=torch.int32), content_hash)
 
     @torch.inference_mode()
     def encode_images(self, images: list[ImageInput], batch_size: int = 16) -> list[torch.Tensor]:
