@@ -45,7 +45,6 @@ __all__ = ["EngineLoop", "StageFailure", "StepRecord"]
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # wake-up period of an idle worker (only to notice `stop()`)
-EMPTY_STEP_BACKOFF_S = 0.002  # a step with no output while streams wait for input
 
 
 @dataclass
@@ -219,27 +218,30 @@ class EngineLoop:
             self._serve()
 
     def _serve(self) -> None:
-        idle_streak = False
         while not self._stopping:
             if self._aloop is not None and self._aloop.is_closed():
                 return  # the event loop it serves is gone (its process is shutting down)
             try:
-                idle_streak = self._iterate(idle_streak)
+                self._iterate()
             except Exception as e:  # noqa: BLE001 - a stage fault must not kill the loop
                 if self._aloop is not None and self._aloop.is_closed():
                     return
                 self._fail(e)
-                idle_streak = False
 
-    def _iterate(self, idle_streak: bool) -> bool:
-        """Commands, then one step if there is work; returns whether the step was idle."""
+    def _iterate(self) -> None:
+        """Commands, then one step if there is work.
+
+        Steps follow each other with no wait while `has_work()` holds, whether or not they
+        emit anything: a Talker step that draws a code mid-chunk emits nothing and is still
+        the stream's progress, so any pause after it would be paid on every code. Streams
+        that only wait for input are not work (the StageEngine contract), so a waiting
+        engine blocks on its commands instead of spinning."""
         if not self.engine.has_work():
             self._run_commands(block=True, timeout=IDLE_POLL_S)
-            return False
-        # Streams waiting for input: don't spin; wait briefly for a command instead.
-        n_cmds = self._run_commands(block=idle_streak, timeout=EMPTY_STEP_BACKOFF_S)
+            return
+        n_cmds = self._run_commands(block=False, timeout=0)
         if not self.engine.has_work():
-            return False
+            return
         self.step_started_at = time.time()  # wall clock, read by route() for timings
         t0 = time.perf_counter()
         self._mark_busy("step")
@@ -254,7 +256,6 @@ class EngineLoop:
             self._aloop.call_soon_threadsafe(self.deliver, key, item)
         if self._on_step is not None:
             self._on_step(StepRecord(dt, len(outputs), n_cmds))
-        return not outputs
 
     def _mark_busy(self, what: str) -> None:
         self._busy_what = what

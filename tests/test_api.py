@@ -475,6 +475,43 @@ def test_engine_loop_batches_concurrent_requests():
     assert max(batches) == 4, f"requests never shared a step: {batches}"
 
 
+def test_engine_loop_steps_without_pause_while_there_is_work():
+    """Steps that emit nothing (a Talker drawing codes mid-chunk) are progress too: the
+    loop takes the next one at once, and blocks on its commands only once has_work() ends."""
+
+    class Silent:
+        def __init__(self):
+            self.left, self.waits = 0, []
+
+        def has_work(self):
+            return self.left > 0
+
+        def step(self):
+            self.left -= 1
+            return [] if self.left else [TextDelta("done")]
+
+    async def main():
+        engine = Silent()
+        loop = EngineLoop(engine, name="t", route=lambda d: ("r", d))
+        run = loop._run_commands
+
+        def recording(block, timeout):
+            engine.waits.append((engine.left, block))
+            return run(block, timeout)
+
+        loop._run_commands = recording
+        q = loop.open("r")
+        await loop.call(lambda e: setattr(e, "left", 30))
+        out = await asyncio.wait_for(q.get(), 5)
+        loop.stop()
+        return out, engine.waits
+
+    out, waits = asyncio.run(main())
+    assert out.text == "done"
+    assert [left for left, block in waits if block and left > 0] == []
+    assert sum(1 for left, _ in waits if left > 0) == 30  # one command poll per step
+
+
 def test_engine_loop_survives_cancelled_calls_and_failed_steps():
     async def main():
         engine = FakeThinkerEngine()

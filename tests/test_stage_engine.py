@@ -185,6 +185,29 @@ def test_abort_mid_stream_frees_everything(stage):
     _alone(stage, "m")  # the id can be used again
 
 
+def test_a_stream_waiting_for_input_is_no_work(stage):
+    """The driver steps back to back while has_work() holds (deployments/loop.py): a stream
+    that has what it was fed so far done must not count as work, or the driver spins."""
+    eng = stage.engine
+    feeds = stage.inputs("w")
+    if not feeds:
+        pytest.skip("the Thinker takes its whole input at open")
+    eng.open("w", stage.spec("w"))
+    eng.feed("w", feeds[0])
+    outs = []
+    for _ in range(MAX_STEPS):
+        if not eng.has_work():
+            break
+        outs += eng.step()
+    assert not eng.has_work() and not any(o.finished for o in outs)
+    for msg in feeds[1:]:
+        eng.feed("w", msg)
+    assert eng.has_work()
+    outs += _step_until_final(eng, {"w"})["w"]
+    assert outs[-1].finished
+    _close(stage, "w")
+
+
 def test_two_interleaved_streams_each_finish_as_alone(stage):
     eng = stage.engine
     want = {rid: _alone(stage, rid) for rid in ("a", "b")}
