@@ -19,6 +19,8 @@ batch 1 and 8: kernel count, kernel time and the top kernels.
 --profile-prefill N [N ...]: only the step that prefills N new tokens and samples the first
 one, cold and over a cached 2000-token history (wall ms), then the kernels and the host's
 top ops of one such cached step (a short turn's prefill measured 50-90 ms in the app).
+--pieces T (with --profile-prefill): the same on an engine with piecewise_graph_tokens=T,
+in the same run, plus greedy tokens and hidden rows of the two engines compared.
 
 Weights: built directly on the GPU (no disk), seeded. Residual-branch outputs are scaled
 down and lm_head is tied to a permutation of the embedding plus noise, so greedy choices
@@ -324,15 +326,25 @@ def profile_decode(model, device, kv_gib: float) -> None:
 
 
 @torch.no_grad()
-def profile_prefill(model, device, kv_gib: float, lengths: list[int], prefix: int = 2000) -> None:
+def profile_prefill(
+    model, device, kv_gib: float, lengths: list[int], pieces: int = 0, prefix: int = 2000
+) -> None:
     """Wall ms of the step that prefills a short prompt and samples its first token: cold
     (nothing cached) and as a new turn over a cached `prefix`-token history (the realtime
-    and follow-up shape); then the kernels and the host's top ops of one cached step."""
+    and follow-up shape); then the kernels and the host's top ops of one cached step.
+    With `pieces` > 0, the same on an engine whose such steps run as piecewise graphs
+    (`piecewise_graph_tokens`), measured in the same run, and the two engines' greedy
+    tokens and returned hidden rows compared after each length's prefill."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench.gpu_talker import kernel_table
 
-    eng = make_engine(model, device, kv_gib, enable_prefix_caching=True, device_sampling=True)
+    kinds = {"eager": 0, **({f"pieces<={pieces}": pieces} if pieces else {})}
+    engines = {
+        name: make_engine(model, device, kv_gib, enable_prefix_caching=True,
+                          device_sampling=True, piecewise_graph_tokens=p)
+        for name, p in kinds.items()
+    }
     gen = torch.Generator().manual_seed(5)
 
     def rand(n: int) -> list[int]:
@@ -340,7 +352,7 @@ def profile_prefill(model, device, kv_gib: float, lengths: list[int], prefix: in
 
     k = 0
 
-    def one(prompt: list[int], fn=None) -> float:
+    def one(eng, prompt: list[int], fn=None) -> float:
         nonlocal k
         k += 1
         eng.add_request(f"f{k}", prompt, SamplingParams(max_tokens=1, ignore_eos=True,
@@ -355,29 +367,54 @@ def profile_prefill(model, device, kv_gib: float, lengths: list[int], prefix: in
         return ms if fn is None else out
 
     history = rand(prefix)
-    one(history)  # the history's blocks enter the prefix cache
+    for eng in engines.values():
+        one(eng, history)  # the history's blocks enter the prefix cache
     print(f"profile: one prefill step + its first token (wall ms, median of 5; "
           f"cached = after {prefix} cached tokens)")
     for n in lengths:
-        for _ in range(2):  # FlashInfer JIT, compiled helpers' shapes, allocator
-            one(rand(n))
-            one(history + rand(n))
-        cold = sorted(one(rand(n)) for _ in range(5))[2]
-        cached = sorted(one(history + rand(n)) for _ in range(5))[2]
-        print(f"  {n:5d} new tokens: cold {cold:7.2f} ms, cached {cached:7.2f} ms")
+        cells = []
+        for name, eng in engines.items():
+            for _ in range(2):  # FlashInfer JIT, compiled helpers' shapes, allocator
+                one(eng, rand(n))
+                one(eng, history + rand(n))
+            cold = sorted(one(eng, rand(n)) for _ in range(5))[2]
+            cached = sorted(one(eng, history + rand(n)) for _ in range(5))[2]
+            cells.append(f"{name}: cold {cold:7.2f} ms, cached {cached:7.2f} ms")
+        print(f"  {n:5d} new tokens: " + " | ".join(cells))
+    if pieces:
+        print("pieces vs eager: 16 greedy tokens after each prefill over the cached history")
+        for n in lengths:
+            prompt = history + rand(n)
+            got = {}
+            for name, eng in engines.items():
+                k += 1
+                eng.add_request(f"p{k}", prompt, SamplingParams(max_tokens=16, ignore_eos=True),
+                                return_hidden=True)
+                ids, rows = [], []
+                while eng.has_unfinished():
+                    for o in eng.step():
+                        ids += o.token_ids
+                        rows += [o.hidden] if o.hidden is not None else []
+                got[name] = (ids, torch.cat(rows).float())
+            (ids_a, h_a), (ids_b, h_b) = got.values()
+            rel = ((h_a - h_b).abs().max() / h_a.abs().max()).item()
+            ok = ids_a == ids_b and rel <= 2e-2
+            print(f"  [{'ok' if ok else 'FAIL'}] {n:5d} new tokens: tokens equal "
+                  f"{ids_a == ids_b}, hidden max |diff| / max |eager| {rel:.2e}")
     n = lengths[0]
-    count, ms, top = one(history + rand(n), lambda: kernel_table(eng.step))
-    print(f"  one cached {n}-token step: {count} kernels, {ms:.3f} ms of kernels")
-    for name, us, calls in top:
-        print(f"    {us / 1e3:7.3f} ms {calls:5d}x  {name}")
+    for name, eng in engines.items():
+        count, ms, top = one(eng, history + rand(n), lambda e=eng: kernel_table(e.step))
+        print(f"  {name}: one cached {n}-token step: {count} kernels, {ms:.3f} ms of kernels")
+        for kname, us, calls in top[:6]:
+            print(f"    {us / 1e3:7.3f} ms {calls:5d}x  {kname}")
 
-    def host_ops():
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            eng.step()
-        return prof
+        def host_ops(e=eng):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                e.step()
+            return prof
 
-    prof = one(history + rand(n), host_ops)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        prof = one(eng, history + rand(n), host_ops)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 def main() -> int:
@@ -393,6 +430,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="only the decode-step profile")
     ap.add_argument("--profile-prefill", type=int, nargs="*", metavar="N",
                     help="only short prefill steps of N new tokens, cold and cached (e.g. 16 64 256)")
+    ap.add_argument("--pieces", type=int, default=0, metavar="T",
+                    help="with --profile-prefill: also an engine with piecewise_graph_tokens=T")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -413,7 +452,7 @@ def main() -> int:
         profile_decode(model, device, args.kv_gib)
         return 0
     if args.profile_prefill:
-        profile_prefill(model, device, args.kv_gib, args.profile_prefill)
+        profile_prefill(model, device, args.kv_gib, args.profile_prefill, args.pieces)
         return 0
     backend_parity(model, device, args.kv_gib)
 

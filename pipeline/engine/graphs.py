@@ -17,14 +17,16 @@ bucket first):
   lengths, device indices), so planning never waits for the GPU.
 - Only the FlashInfer backend is capturable (the torch backend syncs to read lengths).
 - Prefill and mixed steps, steps with multimodal rows, and batches above the largest
-  bucket run eagerly. `cuda_graphs=False` in the engine config turns graphs off entirely.
+  bucket run eagerly, or, with `piecewise_graph_tokens`, as `PiecewiseGraphs` (everything
+  but attention captured per bucket of tokens). `cuda_graphs=False` in the engine config
+  turns graphs off entirely.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -295,3 +297,113 @@ class DecodeGraphs:
             finally:
                 self.backend.use_graph_wrapper(None)
         torch.cuda.synchronize()
+
+
+def piece_buckets(max_tokens: int) -> tuple[int, ...]:
+    """16, 32, 64, ... up to max_tokens (max_tokens itself always included)."""
+    sizes, n = [], 16
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, max_tokens)
+
+
+class PiecewiseGraphs:
+    """CUDA graphs for the steps decode graphs do not take (prefills, mixed prefill + decode
+    steps, multimodal rows): every part of the forward but attention, captured per bucket of
+    tokens, with attention run eagerly between the pieces.
+
+    Why: such a step was issued op by op from the host, ~0.8 ms a layer, so a short prefill
+    took 30-38 ms of wall for ~7 ms of kernels (docs/performance.md). Attention stays outside
+    the graphs because its plan depends on every sequence's lengths; all the rest depends
+    only on the number of tokens.
+
+    Contract:
+    - a step of T tokens runs in the smallest bucket >= T (`bucket`); rows past T are zero
+      on input and ignored on output. Every op in a piece works row by row (norms, matmuls,
+      RoPE, SwiGLU), so padding never reaches a real row; a GEMM over more rows may pick
+      another kernel, so results may differ from the plain forward by reordered sums;
+    - per bucket, num_layers + 1 graphs over buffers this class owns: piece 0 is the rotary
+      table lookup and layer 0 up to its attention; piece i is layer i-1 after its attention
+      and layer i up to its attention; the last piece ends with the final norm (`hidden`);
+    - between pieces, `attend(layer, q, k, v)` (the step's planned attention, which also
+      writes the new K/V) runs on the real rows only.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.layers = model.model.layers
+        self.buckets = piece_buckets(max_tokens)
+        n, hq, hkv, d = max_tokens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.x = torch.zeros(n, cfg.hidden_size, **kw)  # the residual stream
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.cos = torch.zeros(n, 1, d, dtype=torch.float32, device=device)
+        self.sin = torch.zeros(n, 1, d, dtype=torch.float32, device=device)
+        self.q = torch.zeros(n, hq, d, **kw)
+        self.k = torch.zeros(n, hkv, d, **kw)
+        self.v = torch.zeros(n, hkv, d, **kw)
+        self.o = torch.zeros(n, hq, d, **kw)
+        self.hidden = torch.zeros(n, cfg.hidden_size, **kw)
+        pieces = len(self.layers) + 1
+        self.runner = GraphRunner(max_graphs=pieces * len(self.buckets), warmup_iters=1)
+        self.steps = 0  # observability: forwards run as pieces
+
+    def bucket(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def _piece(self, n: int, i: int) -> None:
+        """Piece i over rows [:n] of the buffers."""
+        x = self.x[:n]
+        if i == 0:
+            cos, sin = self.model.rotary(self.positions[:n])
+            self.cos[:n].copy_(cos)
+            self.sin[:n].copy_(sin)
+        else:
+            x = self.layers[i - 1].post_attention(x, self.o[:n])
+        if i == len(self.layers):
+            self.hidden[:n].copy_(self.model.model.norm(x))
+            return
+        q, k, v = self.layers[i].pre_attention(x, self.cos[:n], self.sin[:n])
+        if i > 0:
+            self.x[:n].copy_(x)
+        self.q[:n].copy_(q)
+        self.k[:n].copy_(k)
+        self.v[:n].copy_(v)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every piece of every bucket, largest bucket first (smaller ones reuse its pool)."""
+        for n in sorted(self.buckets, reverse=True):
+            for i in range(len(self.layers) + 1):
+                self.runner.add((n, i), lambda n=n, i=i: self._piece(n, i))
+        torch.cuda.synchronize()
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The model's forward over T <= max bucket tokens -> final-norm hidden (T, H), a
+        view of `hidden` (read it before the next step)."""
+        t = embeds.shape[0]
+        n = self.bucket(t)
+        assert n is not None, f"{t} tokens exceed the largest piecewise bucket {self.buckets[-1]}"
+        self.x[:t].copy_(embeds)
+        self.x[t:n].zero_()
+        self.positions[:t].copy_(positions)
+        self.positions[t:n].zero_()
+        self.steps += 1
+        for i in range(len(self.layers) + 1):
+            if i > 0:
+                self.o[:t].copy_(attend(i - 1, self.q[:t], self.k[:t], self.v[:t]))
+            self.runner.run((n, i), (), fn=None)  # every piece was captured at start
+        return self.hidden[:t]

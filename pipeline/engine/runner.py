@@ -10,7 +10,9 @@ one event) and returns them. Steps of `launch`:
      Everything else runs eagerly:
   3. Embed the ids, then overwrite the rows at multimodal positions with the sequence's
      `mm_embeds` (only the rows inside this step's chunk).
-  4. Plan attention once, run the model inside the scoped forward context.
+  4. Plan attention once, run the model inside the scoped forward context, or, for steps
+     of at most `piecewise_graph_tokens` tokens, as piecewise graphs (everything but
+     attention replayed, attention eager between the pieces: graphs.PiecewiseGraphs).
   5. Logits for the last row of every sequence that reached its last token, sampled by
      the same batched sampler (`sampling.sample_batch`), eagerly.
   With `device_sampling=False` both paths sample row by row on the host instead
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.engine.attention import AttentionBackend, AttnMetadata, ForwardBatch, forward_batch
-from pipeline.engine.graphs import DecodeGraphs, Staging
+from pipeline.engine.graphs import DecodeGraphs, PiecewiseGraphs, Staging
 from pipeline.engine.kv_cache import KVCache
 from pipeline.engine.sampling import (
     PENDING_ID,
@@ -87,6 +89,7 @@ class ModelRunner:
         dtype: torch.dtype,
         graphs: DecodeGraphs | None = None,
         device_sampling: bool = True,
+        pieces: PiecewiseGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -94,6 +97,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.graphs = graphs
+        self.pieces = pieces
         self.device_sampling = device_sampling
         self.block_size = kv_cache.block_size
         self.scale = model.cfg.head_dim**-0.5
@@ -250,8 +254,12 @@ class ModelRunner:
         # 4) attention plan + model
         meta = self._meta(plan, fb)
         self.backend.prepare(meta)
-        with forward_batch(ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)):
-            hidden = self.model(embeds, positions.to(self.device))  # (T, H)
+        batch = ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)
+        if self.pieces is not None and self.pieces.bucket(len(fb.ids)) is not None:
+            hidden = self.pieces.forward(embeds, positions.to(self.device), batch.attend)
+        else:
+            with forward_batch(batch):
+                hidden = self.model(embeds, positions.to(self.device))  # (T, H)
         spans = self._hidden_spans(plan, fb)
 
         # 5) sampling

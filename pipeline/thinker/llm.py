@@ -129,7 +129,10 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, ops)
         self.qkv_weight: torch.Tensor | None = None  # set by Qwen3LM.fuse_projections()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention's inputs: q (T, Hq, D), k and v (T, Hkv, D), QK-normed and rotated."""
         T = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_weight is not None:
@@ -142,12 +145,17 @@ class Qwen3Attention(nn.Module):
         q, k = self.ops.qk_norm_rope(
             q, k, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin
         )
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = current_forward_batch()
         if batch is None:
-            o = _dense_causal(q, k, v, self.scale)
-        else:
-            o = batch.attend(self.layer_idx, q, k, v)  # writes k/v into the paged cache
-        return self.o_proj(o.reshape(T, nq))
+            return _dense_causal(q, k, v, self.scale)
+        return batch.attend(self.layer_idx, q, k, v)  # writes k/v into the paged cache
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        o = self.attend(*self.qkv(x, cos, sin))
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -189,7 +197,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return self.post_attention(x, self.self_attn.attend(*self.pre_attention(x, cos, sin)))
+
+    # The layer on either side of its attention (what a piecewise CUDA graph captures).
+    def pre_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def post_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x: the layer's input (the residual); o: attention's output (T, Hq, D)."""
+        x = x + self.self_attn.o_proj(o.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
