@@ -80,6 +80,11 @@ class Variant:
         return not self.overrides
 
 
+def parse_sets(sets: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+    """--set arguments (each 'a=1' or 'a=1,b=2') -> the overrides `apply_overrides` takes."""
+    return parse_knob(",".join(sets)).overrides if sets else ()
+
+
 def parse_knob(spec: str) -> Variant:
     """'a=false,b=3' -> Variant('a=false,b=3', (('a', False), ('b', 3)))."""
     pairs = []

@@ -49,6 +49,7 @@ from bench.attribution import (
     collect,
     format_attribution,
     parse_knob,
+    parse_sets,
     run_attribution,
 )
 from bench.cli import (
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = [p for p in args.phases.split(",") if p]
     out = Path(args.out)
     sets = [*args.set, *([f"applications.0.args.groups={args.groups}"] if args.groups else [])]
-    base_over = parse_knob(",".join(sets)).overrides if sets else ()
+    base_over = parse_sets(sets)
     media_dir = args.data_dir if args.media == "file" else None
 
     specs = load_specs(args)

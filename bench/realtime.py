@@ -207,10 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.url:
         run(args.url.rstrip("/"))
     else:
+        from bench.attribution import parse_sets
         from bench.gpu_e2e import InProcessServe, app_args
 
         srv = InProcessServe()
-        with srv.app(app_args(args.config, args.checkpoint, args.set), "realtime") as url:
+        overrides = parse_sets(args.set)
+        with srv.app(app_args(args.config, args.checkpoint, overrides), "realtime") as url:
             run(url)
             results["stats"] = srv.ingress_stats()
     if args.out:

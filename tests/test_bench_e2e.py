@@ -18,6 +18,7 @@ from bench.attribution import (
     collect,
     format_attribution,
     parse_knob,
+    parse_sets,
     run_attribution,
 )
 from bench.cli import main as cli_main
@@ -230,6 +231,12 @@ def test_gpu_e2e_app_args(tmp_path):
     args = app_args("serve_config.yaml", "random-full", over, media_dir=str(tmp_path))
     assert args["model"] == "random-full" and args["active_stream_window"] == 1
     assert args["code2wav"]["engine"]["token2wav_cfm_cuda_graph"] is False
+    # --set as bench.gpu_e2e and bench.realtime take it: repeated, each one or more pairs
+    sets = app_args("serve_config.yaml", None, parse_sets(
+        ["piecewise_graph_tokens=0", "active_stream_window=2,groups=1"]))
+    assert sets["thinker"]["engine"]["llm"]["piecewise_graph_tokens"] == 0
+    assert sets["active_stream_window"] == 2 and sets["groups"] == 1
+    assert parse_sets([]) == ()
     assert args["allowed_local_media_path"] == str(tmp_path.resolve())
     base = app_args("bench/baseline_config.yaml", None)
     assert base["model"] is None and base["allowed_local_media_path"] is None
