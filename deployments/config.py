@@ -131,11 +131,13 @@ class TimeoutSettings(_Settings):
 
 # The single-GPU split (vLLM-Omni's 0.55 / 0.15 / 0.18 family), per stage.
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "thinker": {"num_gpus": 0.55, "memory_fraction": 0.5},
     # The engine configs' own defaults are the plain reference path (what the parity tests
     # compare against); the app ships the fast paths on top (serve_config.yaml says the
-    # same, and a test holds the two equal). The Talker's fused forward reorders bf16 sums
-    # (~1.5 ulps of the logits, flat over 300 codes; compiled only on CUDA).
+    # same, and a test holds the two equal). The Thinker's piecewise graphs (CUDA only) and
+    # the Talker's fused forward reorder bf16 sums (same greedy tokens at full size; the
+    # Talker ~1.5 ulps of the logits, flat over 300 codes; compiled only on CUDA).
+    "thinker": {"num_gpus": 0.55, "memory_fraction": 0.5, "engine": {
+        "llm": {"piecewise_graph_tokens": 512}}},
     "talker": {"num_gpus": 0.15, "memory_fraction": 0.12, "engine": {
         "talker_fused": True, "talker_compile": True}},
     "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.18, "engine": {
@@ -148,7 +150,7 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
 def _merged(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """`given` over `defaults`, nested dicts merged key by key (a partial `engine:` keeps
     the other defaults)."""
-    out = dict(defaults)
+    out = copy.deepcopy(defaults)
     for k, v in given.items():
         out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
@@ -206,7 +208,8 @@ class AppConfig(_Settings):
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     realtime: RealtimeSettings = Field(default_factory=RealtimeSettings)
-    thinker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["thinker"]))
+    thinker: StageSettings = Field(default_factory=lambda: StageSettings(
+        **copy.deepcopy(STAGE_DEFAULTS["thinker"])))
     talker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["talker"]))
     code2wav: StageSettings = Field(default_factory=lambda: StageSettings(
         **copy.deepcopy(STAGE_DEFAULTS["code2wav"])))

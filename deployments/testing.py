@@ -41,7 +41,8 @@ class FakeThinkerEngine:
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeThinkerEngine:
-        return cls(**config)
+        # `llm:` configures the real engine's LLM (the app ships its graph knobs): no LLM here
+        return cls(**{k: v for k, v in config.items() if k != "llm"})
 
     def open(self, rid: str, spec: ThinkerRequest) -> None:
         self.running[rid] = (spec, 0)
