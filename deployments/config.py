@@ -147,6 +147,11 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _stage_defaults(stage: str) -> StageSettings:
+    """A stage's settings with nothing given: its own copy of the nested defaults."""
+    return StageSettings(**copy.deepcopy(STAGE_DEFAULTS[stage]))
+
+
 def _merged(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """`given` over `defaults`, nested dicts merged key by key (a partial `engine:` keeps
     the other defaults)."""
@@ -208,11 +213,9 @@ class AppConfig(_Settings):
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     realtime: RealtimeSettings = Field(default_factory=RealtimeSettings)
-    thinker: StageSettings = Field(default_factory=lambda: StageSettings(
-        **copy.deepcopy(STAGE_DEFAULTS["thinker"])))
-    talker: StageSettings = Field(default_factory=lambda: StageSettings(**STAGE_DEFAULTS["talker"]))
-    code2wav: StageSettings = Field(default_factory=lambda: StageSettings(
-        **copy.deepcopy(STAGE_DEFAULTS["code2wav"])))
+    thinker: StageSettings = Field(default_factory=lambda: _stage_defaults("thinker"))
+    talker: StageSettings = Field(default_factory=lambda: _stage_defaults("talker"))
+    code2wav: StageSettings = Field(default_factory=lambda: _stage_defaults("code2wav"))
 
     @model_validator(mode="before")
     @classmethod

@@ -153,10 +153,6 @@ class Qwen3Attention(nn.Module):
             return _dense_causal(q, k, v, self.scale)
         return batch.attend(self.layer_idx, q, k, v)  # writes k/v into the paged cache
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        o = self.attend(*self.qkv(x, cos, sin))
-        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
-
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """No-cache fallback: the flat batch is one causal sequence. (T, H, D) in and out."""
