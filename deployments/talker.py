@@ -18,7 +18,7 @@ import numpy as np
 
 from deployments.config import AppConfig
 from deployments.loop import StageFailure
-from deployments.stage import Forwarder
+from deployments.stage import Forwarder, Tombstones
 from deployments.stage_server import StageServer
 from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec
 
@@ -39,6 +39,10 @@ class TalkerServer(StageServer):
         self.code2wav = code2wav
         self.mode = "full_span" if self.cfg.talker_mode == "full_span" else "streaming"
         self.feeds = 0  # feed calls received (full_span: one per turn)
+        # Streams that released their last chunk. A fixed-length stream (max_codes) ends
+        # while the Thinker may still be saying text: its later feeds are dropped, where a
+        # feed for a stream this replica never had (it restarted) is refused.
+        self._spoken = Tombstones()
 
     def _default_engine(self, device: str, settings: dict[str, Any]) -> tuple[Any, dict]:
         from pipeline.talker.engine import TalkerEngine
@@ -68,6 +72,8 @@ class TalkerServer(StageServer):
         """Code chunks go to Code2Wav, not to this stream's reader."""
         for chunk in chunks:
             fwd.push(chunk)
+        if chunks[-1].finished:
+            self._spoken.add(rid)
         return [], chunks[-1].finished
 
     async def _send(self, rid: str, chunks: list[CodeChunk], final: bool) -> bool:
@@ -78,9 +84,11 @@ class TalkerServer(StageServer):
         return await self.code2wav.push.remote(rid, codes, final, spans)
 
     async def feed(self, rid: str, ids: list[int], hidden: np.ndarray | None, final: bool) -> bool:
-        """Spoken ids (n,) + hidden (n, llm_dim) from the Thinker; False if rid is gone."""
+        """Spoken ids (n,) + hidden (n, llm_dim) from the Thinker; False if rid is gone
+        (aborted, or never opened on this replica). A stream that has spoken its fixed
+        length takes the rest of the text and drops it."""
         if not self.loop.is_open(rid):
-            return False
+            return rid in self._spoken
         import torch
 
         self.feeds += 1

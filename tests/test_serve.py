@@ -229,6 +229,21 @@ def test_fixed_length_benchmark_mode(serve_app):
     assert timings["durations"]["code2wav"] > 0
 
 
+def test_fixed_speech_shorter_than_its_text(serve_app):
+    """A fixed-length stream that has spoken its M codes while the Thinker still says text:
+    the rest goes unspoken and the turn ends normally (the Talker's stream is over, not gone)."""
+    body = _speech_body(max_tokens=64, omniray={"fixed_text_tokens": 64,
+                                                  "fixed_speech_codes": 10,
+                                                  "stream_format": "vllm-omni"})
+    events = _stream(serve_app, body)
+    assert events[-1] == "[DONE]" and not any(
+        isinstance(e, dict) and "error" in e for e in events), events[-3:]
+    assert events[-2]["usage"]["completion_tokens"] == 64
+    samples = sum(len(decode_wav(c["choices"][0]["delta"]["content"])[0])
+                  for c in events[:-1] if c.get("choices") and c["modality"] == "audio")
+    assert samples == (3 + 10) * 960  # one chunk, the last: no leading zeros
+
+
 def _scrape(url: str) -> dict[str, float]:
     """Prometheus text -> {series without Ray's per-process labels: summed value}."""
     import re

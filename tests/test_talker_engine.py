@@ -448,6 +448,9 @@ def test_fixed_code_count_ignores_eos(mode):
     assert [len(c.codes) for c in chunks] == [25, 25, 7]
     assert cfg.eos_code not in all_codes(chunks)
     assert engine.num_free_slots == 1
+    if mode == "streaming":  # text still coming after the last code: taken and dropped
+        engine.feed("a", SpokenChunk(ids, hidden, True))
+        assert engine.step() == [] and not engine.has_work()
     with pytest.raises(ValueError, match="max_codes"):
         engine.open("b", TalkerSpec(max_codes=0))
 

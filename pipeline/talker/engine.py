@@ -340,6 +340,9 @@ class TalkerEngine:
             raise KeyError(f"no Talker stream {rid!r}")
         if s.text_finished:
             raise ValueError(f"stream {rid!r}: text already finished")
+        if s.finished:  # fixed-length mode spoke its max_codes: the rest is not spoken
+            s.text_finished = msg.finished
+            return
         ids = torch.as_tensor(msg.ids, dtype=torch.long).reshape(-1).to(self.device)
         hidden = msg.hidden
         if hidden is None:
