@@ -62,12 +62,14 @@ def _invariants(timeout: float = 30.0) -> dict:
 
 
 class Streamer(threading.Thread):
-    """One streamed turn; records when its first text arrived and when it ended."""
+    """One streamed turn; records when its first text arrived and when it ended. `hang_up`
+    closes the connection at the next event, as a client that goes away."""
 
     def __init__(self, url: str, body: dict):
         super().__init__(daemon=True)
         self.url, self.body = url, body
         self.first_text = threading.Event()
+        self.hang_up = threading.Event()
         self.events: list = []
         self.ended_at = 0.0
         self.status = 0
@@ -77,6 +79,8 @@ class Streamer(threading.Thread):
                            timeout=120) as r:
             self.status = r.status_code
             for line in r.iter_lines():
+                if self.hang_up.is_set():
+                    break
                 ev = sse_events([line])
                 if not ev:
                     continue

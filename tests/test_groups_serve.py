@@ -37,9 +37,6 @@ def groups_app(ray_http):
 # streamed, in vLLM-Omni's shape (each event names its modality)
 STREAMED = {**SPEECH, "stream": True,
             "omniray": {**SPEECH["omniray"], "stream_format": "vllm-omni"}}
-# long enough (80 tokens spoken in full) that 8 started together are all in flight at
-# once, also on a loaded machine: the window then has to split them
-CONCURRENT = {**LONG, "max_tokens": 80}
 
 
 def _stats() -> dict:
@@ -67,18 +64,25 @@ def test_two_groups_share_the_load_and_survive_a_dead_talker(groups_app):
     assert [g["name"] for g in st["groups"]] == ["g0", "g1"]
     assert {"talker-g0", "talker-g1", "code2wav-g1"} <= set(st["stages"])
 
-    # 8 at once: the window (4 per group) puts 4 in each
-    turns = [Streamer(groups_app, CONCURRENT) for _ in range(8)]
+    # 8 at once, each with its first text before any has ended, so every one was routed
+    # while the others were in flight: the window (4 per group) puts 4 in each. Then the
+    # clients go away, which frees every stage of both groups.
+    turns = [Streamer(groups_app, LONG) for _ in range(8)]
     for t in turns:
         t.start()
     for t in turns:
-        t.join(timeout=120)
-        assert t.status == 200 and not t.is_alive()
-        assert t.events[-1] == "[DONE]" and not any(
-            isinstance(e, dict) and "error" in e for e in t.events), t.events[-3:]
-        assert any(isinstance(e, dict) and e.get("modality") == "audio" for e in t.events)
+        assert t.first_text.wait(60), "turn never started"
+    assert not any(t.ended_at for t in turns), [t.events[-3:] for t in turns if t.ended_at]
     spread = _turns()
     assert sum(spread) == 8 and min(spread) >= 3, spread
+    for t in turns:
+        t.hang_up.set()
+    for t in turns:
+        t.join(timeout=30)
+        assert t.status == 200 and not t.is_alive()
+        assert not any(isinstance(e, dict) and "error" in e for e in t.events), t.events[-3:]
+    st = _settled()
+    assert st["idle"] and not st["leaks"], json.dumps(st, default=str)[:3000]
 
     # two long turns in each group (a tie goes to the first group: turns 0 and 2 land on
     # g0), then g0's Talker dies
@@ -124,6 +128,7 @@ def test_two_groups_share_the_load_and_survive_a_dead_talker(groups_app):
         t.join(timeout=120)
         assert t.events[-1] == "[DONE]" and not any(
             isinstance(e, dict) and "error" in e for e in t.events), t.events[-3:]
+        assert any(isinstance(e, dict) and e.get("modality") == "audio" for e in t.events)
     after = [b - a for a, b in zip(before, _turns())]
     assert after[0] >= 2, after  # g0 serves again
     new_pid = serve.get_deployment_handle("Talker-g0", app_name=APP).stats.remote().result()["pid"]
