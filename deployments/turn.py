@@ -210,6 +210,9 @@ class TurnRunner:
         self._in_background(probe())
 
     async def run(self, turn: PreparedTurn) -> AsyncIterator[Event]:
+        # Routing reads the windows' counts, so nothing may await between choosing a group
+        # and the turn's entry into its window (in `_run`): a burst of turns routed in one
+        # tick would otherwise all see the same empty-looking window.
         group = self.choose(turn.speech)
         group.turns += 1
         group.in_flight += 1
@@ -406,7 +409,10 @@ class TurnRunner:
                                "stage_unavailable"))
 
     async def _bounded(self, aw: Any, deadline: float) -> Any:
-        return await asyncio.wait_for(aw, timeout=max(0.0, deadline - time.perf_counter()))
+        # In this task, not a new one (asyncio.wait_for's on Python 3.11): a window entry
+        # then happens in the same step as the routing decision before it.
+        async with asyncio.timeout(max(0.0, deadline - time.perf_counter())):
+            return await aw
 
     async def _pump(self, src: str, gen: Any, out: asyncio.Queue) -> None:
         try:

@@ -91,6 +91,42 @@ def test_turns_spread_over_groups_and_stay_in_their_group(source):
     assert all(g["window"]["peak_active"] <= 2 for g in st["groups"]), st["groups"]
 
 
+def test_a_burst_of_turns_routes_on_what_each_group_was_given(source):
+    """One turn is in g0's window; then 7 more are routed in one tick, before any of their
+    window entries has run. Each routing decision counts the turns just given to a group
+    (not only those its window has seen), so the burst splits 4/4 instead of piling onto
+    the group whose window still looks empty."""
+    from deployments.schemas import ChatCompletionRequest
+
+    cfg = {"active_stream_window": 4, "limits": {"max_tokens": 64},
+           "thinker": {"engine": {"step_delay_s": 0.01}}}
+
+    async def main():
+        ingress, _ = two_groups(cfg, source)
+        turns = [await ingress.prepare(ChatCompletionRequest(**SPEECH)) for _ in range(8)]
+        runs = [ingress.turns.run(t) for t in turns]
+        first = [asyncio.ensure_future(runs[0].__anext__())]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert ingress.groups[0].window.active == 1
+        first += [asyncio.ensure_future(r.__anext__()) for r in runs[1:]]  # no yield between
+        for _ in range(5):
+            await asyncio.sleep(0)
+        placed = [g.turns for g in ingress.groups]
+        evs = await asyncio.gather(*(_rest(r, f) for r, f in zip(runs, first)))
+        return placed, evs, await settled_ingress(ingress)
+
+    placed, evs, st = asyncio.run(main())
+    assert placed == [4, 4], placed
+    for e in evs:
+        assert isinstance(one_terminal(e), Done), e[-2:]
+    assert st["idle"] and not st["leaks"], st
+
+
+async def _rest(gen, first) -> list:
+    return [await first, *[ev async for ev in gen]]
+
+
 async def settled_ingress(ingress: IngressServer) -> dict:
     return await settled(SimpleNamespace(ingress=ingress))  # settled reads `local.ingress`
 
