@@ -92,10 +92,10 @@ def test_turns_spread_over_groups_and_stay_in_their_group(source):
 
 
 def test_a_burst_of_turns_routes_on_what_each_group_was_given(source):
-    """One turn is in g0's window; then 7 more are routed in one tick, before any of their
-    window entries has run. Each routing decision counts the turns just given to a group
-    (not only those its window has seen), so the burst splits 4/4 instead of piling onto
-    the group whose window still looks empty."""
+    """One turn is in g0's window; then 7 more are routed in one tick. Each turn enters
+    its group's window in the same step as its routing, so the next routing decision sees
+    it, and the burst splits 4/4 instead of piling onto the group whose window looked
+    empty."""
     from deployments.schemas import ChatCompletionRequest
 
     cfg = {"active_stream_window": 4, "limits": {"max_tokens": 64},
