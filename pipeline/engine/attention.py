@@ -66,15 +66,23 @@ class AttnMetadata:
         return kv_indptr, kv_indices, last.to(torch.int32)
 
 
-def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Scatter new K/V rows into one layer's paged cache (index_put: graph capturable).
+def kv_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(2, T): the rows of each slot's K and V in a layer's cache viewed as rows of
+    (Hkv, D), i.e. (num_blocks * 2 * block, Hkv, D). The same for every layer, so a step
+    computes them once."""
+    k = (slots // block_size) * (2 * block_size) + slots % block_size
+    return torch.stack((k, k + block_size))
 
-    kv: (num_blocks, 2, block, Hkv, D); slots: (T,); k, v: (T, Hkv, D)."""
-    block_size = kv.shape[2]
-    blk = slots // block_size
-    off = slots % block_size
-    kv[blk, 0, off] = k.to(kv.dtype)
-    kv[blk, 1, off] = v.to(kv.dtype)
+
+def write_kv(
+    kv: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Copy new K/V into one layer's paged cache at `kv_rows` (graph capturable).
+
+    kv: (num_blocks, 2, block, Hkv, D); rows: (2, T); k, v: (T, Hkv, D)."""
+    flat = kv.view(-1, *kv.shape[3:])
+    flat.index_copy_(0, rows[0], k.to(kv.dtype))
+    flat.index_copy_(0, rows[1], v.to(kv.dtype))
 
 
 class AttentionBackend(Protocol):
@@ -91,8 +99,10 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         meta: AttnMetadata,
         scale: float,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write k/v at meta.slot_mapping, then attend. q: (T, Hq, D) -> (T, Hq, D)."""
+        """Write k/v at meta.slot_mapping (`rows`: its `kv_rows`, computed here when None),
+        then attend. q: (T, Hq, D) -> (T, Hq, D)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -101,17 +111,22 @@ class AttentionBackend(Protocol):
 
 @dataclass
 class ForwardBatch:
-    """What attention layers need during one model forward."""
+    """What attention layers need during one model forward. Built inside the forward (a
+    captured graph recomputes `rows` from its staged slots on every replay)."""
 
     backend: AttentionBackend
     meta: AttnMetadata
     kv_layers: list[torch.Tensor]  # per layer (num_blocks, 2, block, Hkv, D)
     scale: float
 
+    def __post_init__(self) -> None:
+        self.rows = kv_rows(self.meta.slot_mapping, self.meta.block_size)
+
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        return self.backend.forward(self.kv_layers[layer_idx], q, k, v, self.meta, self.scale)
+        kv = self.kv_layers[layer_idx]
+        return self.backend.forward(kv, q, k, v, self.meta, self.scale, self.rows)
 
 
 class _ForwardContext:
@@ -140,6 +155,10 @@ def current_forward_batch() -> ForwardBatch | None:
     return _CTX.batch
 
 
+def _rows(meta: AttnMetadata, rows: torch.Tensor | None) -> torch.Tensor:
+    return kv_rows(meta.slot_mapping, meta.block_size) if rows is None else rows
+
+
 # ---------------------------------------------------------------------------------------
 # Torch backend
 
@@ -152,8 +171,8 @@ class TorchAttention:
     def prepare(self, meta: AttnMetadata) -> None:
         pass
 
-    def forward(self, kv, q, k, v, meta, scale):
-        write_kv(kv, meta.slot_mapping, k, v)
+    def forward(self, kv, q, k, v, meta, scale, rows=None):
+        write_kv(kv, _rows(meta, rows), k, v)
         if meta.is_decode:
             return self._decode(kv, q, meta, scale)
         return self._prefill(kv, q, meta, scale)
@@ -322,8 +341,8 @@ class FlashInferAttention:
             )
         self._active = wrapper
 
-    def forward(self, kv, q, k, v, meta, scale):
-        write_kv(kv, meta.slot_mapping, k, v)
+    def forward(self, kv, q, k, v, meta, scale, rows=None):
+        write_kv(kv, _rows(meta, rows), k, v)
         # sm_scale defaults to 1/sqrt(head_dim), which is Qwen3's scale.
         return self._active.run(q.contiguous(), kv)
 

@@ -361,17 +361,17 @@ class PiecewiseGraphs:
 
     def _piece(self, n: int, i: int) -> None:
         """Piece i over rows [:n] of the buffers."""
-        x = self.x[:n]
+        x, delta = self.x[:n], None
         if i == 0:
             cos, sin = self.model.rotary(self.positions[:n])
             self.cos[:n].copy_(cos)
             self.sin[:n].copy_(sin)
         else:
-            x = self.layers[i - 1].post_attention(x, self.o[:n])
+            x, delta = self.layers[i - 1].post_attention(x, self.o[:n])
         if i == len(self.layers):
-            self.hidden[:n].copy_(self.model.model.norm(x))
+            self.hidden[:n].copy_(self.model.final_norm(x, delta))
             return
-        q, k, v = self.layers[i].pre_attention(x, self.cos[:n], self.sin[:n])
+        x, q, k, v = self.layers[i].pre_attention(x, delta, self.cos[:n], self.sin[:n])
         if i > 0:
             self.x[:n].copy_(x)
         self.q[:n].copy_(q)

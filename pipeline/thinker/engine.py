@@ -53,7 +53,7 @@ class ThinkerEngineConfig:
     # slice), compiled at start by a warm-up pass per batch kind, so no request pays for it.
     compile_mm_encoder: bool = True
     fuse_projections: bool = True  # one q|k|v and one gate|up matmul per layer (same math)
-    compile_llm_ops: bool = True  # torch.compile the LLM's norm/RoPE/SwiGLU helpers (CUDA only)
+    compile_llm_ops: bool = True  # torch.compile each LLM layer's halves around attention (CUDA)
     encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
     vision_batch_size: int = 16  # slices per vision forward
     max_admit_per_step: int = 8  # requests admitted (handed to the encoders and LLM) per step

@@ -19,8 +19,16 @@ and the model sits on its final device/dtype:
 - `fuse_projections()`: one (q|k|v) and one (gate|up) matmul per layer. The original
   Linear weights become views into the fused tensors, so state_dict keys and
   `load_state_dict` keep working (a later `.to()` would break the sharing).
-- `compile_ops()`: torch.compile the small elementwise helpers (RMSNorm, QK-norm + RoPE,
-  SiLU-mul) shared by all layers; they stay capturable in CUDA graphs.
+- `compile_ops()`: torch.compile the layer's two halves around attention (`layer_pre`:
+  residual add, RMSNorm, q|k|v, QK-norm + RoPE; `layer_post`: o_proj, residual add, RMSNorm,
+  SwiGLU MLP) and the final norm, one compiled function each shared by all layers, so the
+  elementwise work between the matmuls fuses into a few kernels; they stay capturable in
+  CUDA graphs.
+
+The residual stream crosses a layer boundary as (x, delta): a layer returns its MLP output
+`delta` unadded and the next layer's `layer_pre` (or the final norm) adds it, so the add and
+the norm that follows it are one fused kernel when compiled. Eager, every op is the one the
+HF layer runs, in its order (the same bf16 roundings).
 """
 
 from __future__ import annotations
@@ -68,25 +76,104 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def _linear_split(
+    h: torch.Tensor, weights: tuple[torch.Tensor, ...], sizes: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """Projections of h by `weights`: one weight (the fused q|k|v or gate|up) split into
+    `sizes`, or one matmul per weight."""
+    if len(weights) == 1:
+        return F.linear(h, weights[0]).split(sizes, dim=-1)
+    return tuple(F.linear(h, w) for w in weights)
+
+
+def layer_pre(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_w: torch.Tensor,
+    qkv_ws: tuple[torch.Tensor, ...],
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer up to attention. x (T, H): the residual stream; delta: the previous
+    layer's MLP output, added here (None in the first layer). Returns (x + delta, q (T, Hq, D),
+    k and v (T, Hkv, D)), q and k QK-normed and rotated."""
+    if delta is not None:
+        x = x + delta
+    h = rms_norm(x, norm_w, eps)
+    t, d = x.shape[0], q_norm_w.shape[0]
+    q, k, v = _linear_split(h, qkv_ws, [heads * d, kv_heads * d, kv_heads * d])
+    q, k = qk_norm_rope(
+        q.view(t, heads, d), k.view(t, kv_heads, d), q_norm_w, k_norm_w, eps, cos, sin
+    )
+    return x, q, k, v.view(t, kv_heads, d)
+
+
+def layer_post(
+    x: torch.Tensor,
+    o: torch.Tensor,
+    o_w: torch.Tensor,
+    norm_w: torch.Tensor,
+    gate_up_ws: tuple[torch.Tensor, ...],
+    down_w: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer after attention. o (T, Hq, D): attention's output. Returns
+    (x + o_proj(o), the MLP's output for the next layer to add)."""
+    x = x + F.linear(o.flatten(1), o_w)
+    h = rms_norm(x, norm_w, eps)
+    inter = down_w.shape[1]
+    gate, up = _linear_split(h, gate_up_ws, [inter, inter])
+    return x, F.linear(silu_mul(gate, up), down_w)
+
+
+def final_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The last layer's MLP output added, then the final RMSNorm."""
+    return rms_norm(x if delta is None else x + delta, weight, eps)
+
+
 @dataclass
 class Ops:
-    """The elementwise helpers every layer calls; one instance per model, so
-    `Qwen3LM.compile_ops()` swaps in compiled versions for all layers at once."""
+    """The functions every layer calls; one instance per model, so `Qwen3LM.compile_ops()`
+    swaps in compiled versions for all layers at once."""
 
-    rms_norm: Callable = rms_norm
-    qk_norm_rope: Callable = qk_norm_rope
-    silu_mul: Callable = silu_mul
+    layer_pre: Callable = layer_pre
+    layer_post: Callable = layer_post
+    final_norm: Callable = final_norm
+
+
+def _compiled(fn: Callable, dynamic_args: tuple[int, ...], **compile_kwargs) -> Callable:
+    """`fn` compiled once for every layer: the token dim (0) of the tensor arguments at
+    `dynamic_args` is symbolic from the first call (prefills and decode batches of any size
+    share a graph; one token, as Dynamo specializes size 1, gets its own). The weights'
+    shapes stay static."""
+    compiled = torch.compile(
+        fn, fullgraph=True, options={"emulate_precision_casts": True}, **compile_kwargs
+    )
+
+    def call(*args):
+        for i in dynamic_args:
+            if args[i] is not None:
+                torch._dynamo.maybe_mark_dynamic(args[i], 0)
+        return compiled(*args)
+
+    return call
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: Ops | None = None) -> None:
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.ops = ops or Ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -110,42 +197,27 @@ class RotaryEmbedding(nn.Module):
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: LLMConfig, layer_idx: int, ops: Ops) -> None:
+    def __init__(self, cfg: LLMConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.eps = cfg.rms_norm_eps
-        self.ops = ops
         H, D = cfg.hidden_size, cfg.head_dim
         self.q_proj = nn.Linear(H, self.num_heads * D, bias=False)
         self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
         # QK-norm: per-head RMSNorm over head_dim, applied before RoPE (as in HF Qwen3).
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, ops)
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, ops)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.qkv_weight: torch.Tensor | None = None  # set by Qwen3LM.fuse_projections()
 
-    def qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attention's inputs: q (T, Hq, D), k and v (T, Hkv, D), QK-normed and rotated."""
-        T = x.shape[0]
-        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    def qkv_weights(self) -> tuple[torch.Tensor, ...]:
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight).split([nq, nkv, nkv], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.qk_norm_rope(
-            q, k, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin
-        )
-        return q, k, v
+            return (self.qkv_weight,)
+        return (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = current_forward_batch()
@@ -168,43 +240,68 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: LLMConfig, ops: Ops) -> None:
+    def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
-        self.ops = ops
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # set by Qwen3LM.fuse_projections()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gate_up_weights(self) -> tuple[torch.Tensor, ...]:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.ops.silu_mul(gate, up))
+            return (self.gate_up_weight,)
+        return (self.gate_proj.weight, self.up_proj.weight)
 
 
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: LLMConfig, layer_idx: int, ops: Ops) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(cfg, layer_idx, ops)
-        self.mlp = Qwen3MLP(cfg, ops)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.ops = ops
+        self.eps = cfg.rms_norm_eps
+        self.self_attn = Qwen3Attention(cfg, layer_idx)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.post_attention(x, self.self_attn.attend(*self.pre_attention(x, cos, sin)))
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual, previous MLP output) -> (residual, this layer's MLP output)."""
+        x, q, k, v = self.pre_attention(x, delta, cos, sin)
+        return self.post_attention(x, self.self_attn.attend(q, k, v))
 
     # The layer on either side of its attention (what a piecewise CUDA graph captures).
     def pre_attention(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = self.self_attn
+        return self.ops.layer_pre(
+            x,
+            delta,
+            cos,
+            sin,
+            self.input_layernorm.weight,
+            a.qkv_weights(),
+            a.q_norm.weight,
+            a.k_norm.weight,
+            self.eps,
+            a.num_heads,
+            a.num_kv_heads,
+        )
 
-    def post_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x: the layer's input (the residual); o: attention's output (T, Hq, D)."""
-        x = x + self.self_attn.o_proj(o.reshape(x.shape[0], -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def post_attention(
+        self, x: torch.Tensor, o: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual after pre_attention; o: attention's output (T, Hq, D)."""
+        return self.ops.layer_post(
+            x,
+            o,
+            self.self_attn.o_proj.weight,
+            self.post_attention_layernorm.weight,
+            self.mlp.gate_up_weights(),
+            self.mlp.down_proj.weight,
+            self.eps,
+        )
 
 
 class Qwen3Model(nn.Module):
@@ -216,7 +313,7 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3LM(nn.Module):
@@ -245,11 +342,15 @@ class Qwen3LM(nn.Module):
         return self.model.embed_tokens(ids)
 
     def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = input_embeds  # (T, H)
+        x, delta = input_embeds, None  # (T, H)
         cos, sin = self.rotary(positions)  # (T, 1, D) each, shared by all layers
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return self.model.norm(x)
+            x, delta = layer(x, delta, cos, sin)
+        return self.final_norm(x, delta)
+
+    def final_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        norm = self.model.norm
+        return self.ops.final_norm(x, delta, norm.weight, norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -267,12 +368,13 @@ class Qwen3LM(nn.Module):
             mlp.gate_up_weight = _fuse_into_views([mlp.gate_proj, mlp.up_proj])
 
     def compile_ops(self, **compile_kwargs) -> None:
-        """torch.compile the shared elementwise helpers (fewer, fused kernels per layer).
-        Shapes vary with the number of tokens, so compile with dynamic shapes by default."""
-        kw = {"dynamic": True, **compile_kwargs}
-        self.ops.rms_norm = torch.compile(rms_norm, **kw)
-        self.ops.qk_norm_rope = torch.compile(qk_norm_rope, **kw)
-        self.ops.silu_mul = torch.compile(silu_mul, **kw)
+        """torch.compile each layer's halves around attention and the final norm, shared by
+        all layers (fewer, fused kernels). The matmuls stay the eager ones (cuBLAS); the
+        elementwise work and the norms' reductions fuse, keeping eager's bf16 roundings
+        (emulate_precision_casts) but summing in Inductor's order."""
+        self.ops.layer_pre = _compiled(layer_pre, (0, 1, 2, 3), **compile_kwargs)
+        self.ops.layer_post = _compiled(layer_post, (0, 1), **compile_kwargs)
+        self.ops.final_norm = _compiled(final_norm, (0, 1), **compile_kwargs)
 
 
 def _fuse_into_views(linears: list[nn.Linear]) -> torch.Tensor:
