@@ -1,6 +1,6 @@
 """CPU timing of video decoding: only the packets the picked frames need vs every frame.
 
-    python -m bench.video_decode [--iters 5] [--quick] [--max-frames 64]
+    python -m bench.video_decode [--iters 5] [--quick] [--max-frames 64] [--preprocess]
 
 Builds synthetic MP4 clips in a temp dir (libx264 with x264's default B frames, AAC stereo
 44.1 kHz; a panned smooth texture, a moving disk and a little grain, so P/B frames cost
@@ -10,6 +10,11 @@ old path) against the default (`_decode_picked`), video alone and with the audio
 Each clip's frames and audio are checked equal bit for bit first; exits 1 when they are
 not. "packets" is how many video packets each path sends to a decoder (the new path's H.264
 decoder then skips the non-reference ones that are not picks).
+
+--preprocess times what the ingress does with a video part instead (`decode_video` then
+`pack_omni`): the frames alone, the audio track alone, the two halves one after the other
+(frames, audio track, frame slicing, log-mels), and as shipped (the audio track and its
+log-mels on their own threads beside the frames); the last two are checked equal first.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -26,7 +32,9 @@ from dataclasses import dataclass
 import av
 import numpy as np
 
+from pipeline.config import SliceConfig
 from pipeline.processing import video as V
+from pipeline.processing.template import OmniPart
 
 SR = 44100
 
@@ -138,17 +146,76 @@ def timings(
     return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in keys}
 
 
+def preprocess_timings(data: bytes, max_frames: int, iters: int) -> dict[str, float] | None:
+    """Median wall ms of the preprocessing variants (module docstring), run interleaved;
+    None when the serial and shipped results differ."""
+    cfg = SliceConfig()
+
+    def serial() -> OmniPart:
+        video = V.decode_video(data, max_frames=max_frames, with_audio=False)
+        samples = V._decode_audio_track(data, 600.0)
+        segments = V.segment_audio(samples, video.timestamps, video.duration)
+        frames = V._frame_parts(video, cfg, "h")
+        audio = V._audio_parts(segments, False)
+        return OmniPart([p for f, a in zip(frames, audio) for p in (f, a)[: 1 + (a.num_tokens > 0)]])
+
+    def shipped() -> OmniPart:
+        return V.pack_omni(V.decode_video(data, max_frames=max_frames), cfg, "h")
+
+    if pickle.dumps(serial()) != pickle.dumps(shipped()):  # every array, bit for bit
+        return None
+    variants = {
+        "frames alone": lambda: V.decode_video(data, max_frames=max_frames, with_audio=False),
+        "audio track alone": lambda: V._decode_audio_track(data, 600.0),
+        "serial": serial,
+        "as shipped": shipped,
+    }
+    wall: dict[str, list[float]] = {k: [] for k in variants}
+    for it in range(iters + 1):  # the first round warms up
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            fn()
+            if it:
+                wall[name].append((time.perf_counter() - t) * 1e3)
+    return {k: statistics.median(v) for k, v in wall.items()}
+
+
+def main_preprocess(clips: list[Clip], max_frames: int, iters: int) -> int:
+    header = "| clip | frames alone | audio track alone | serial | as shipped | saved |"
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for clip in clips:
+            path = os.path.join(tmp, "clip.mp4")
+            make_clip(clip, path)
+            with open(path, "rb") as f:
+                t = preprocess_timings(f.read(), max_frames, iters)
+            if t is None:
+                print(f"| {clip.name} | SERIAL AND SHIPPED DIFFER |")
+                ok = False
+                continue
+            cells = " | ".join(f"{v:.1f}" for v in t.values())
+            saved = 1 - t["as shipped"] / t["serial"]
+            print(f"| {clip.name} | {cells} | {saved:.0%} |", flush=True)
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--max-frames", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="three 448x448 30 s clips only")
+    ap.add_argument("--preprocess", action="store_true",
+                    help="decode + pack as the ingress does: serial vs as shipped (ms wall)")
     args = ap.parse_args()
     clips = QUICK if args.quick else CLIPS
     print(
         f"PyAV {av.__version__}, {os.cpu_count()} CPUs, max_frames {args.max_frames}, "
         f"median of {args.iters}"
     )
+    if args.preprocess:
+        return main_preprocess(clips, args.max_frames, args.iters)
     header = (
         "| clip | packets new/full | video full ms wall / CPU | video new ms wall / CPU "
         "| speedup wall / CPU | +audio full ms wall | +audio new ms wall |"

@@ -105,25 +105,43 @@ def _decode_soundfile(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]
 def decode_av_audio(container: av.container.InputContainer, max_seconds: float) -> np.ndarray:
     """Decode the first audio stream of an open PyAV container -> mono float32 at 16 kHz.
 
-    Downmix by channel mean first (librosa's mono), then resample mono -> 16 kHz.
+    Downmix by channel mean first (librosa's mono), then resample mono -> 16 kHz. Decoded
+    frames (1024 samples of AAC, ~23 ms) go to the mean and the resampler a second at a
+    time: the same samples as frame by frame (the mean is per sample and the resampler's
+    output does not depend on how its input is cut), without ~50 us of per-call overhead
+    for each frame.
     """
     stream = container.streams.audio[0]
     resampler: _Resampler | None = None
     out: list[np.ndarray] = []
-    n_out = 0
+    block: list[np.ndarray] = []
+    n_block = n_out = 0
     limit = int(max_seconds * SAMPLE_RATE) + SAMPLE_RATE  # decode-time guard, checked below
-    for frame in container.decode(stream):
-        x = _to_float(frame.to_ndarray(), frame.format.name, frame.layout.nb_channels)
-        mono = x.mean(axis=0, keepdims=True)  # (1, n)
-        if resampler is None:
-            resampler = _Resampler(frame.sample_rate)
-        y = resampler.push(mono[0])
+
+    def push() -> None:
+        nonlocal n_out, n_block
+        assert resampler is not None
+        x = block[0] if len(block) == 1 else np.concatenate(block, axis=1)
+        y = resampler.push(x.mean(axis=0))
         out.append(y)
         n_out += len(y)
+        block.clear()
+        n_block = 0
         if n_out > limit:
             raise MediaTooLargeError(f"audio is longer than the limit of {max_seconds:g} s")
+
+    for frame in container.decode(stream):
+        x = _to_float(frame.to_ndarray(), frame.format.name, frame.layout.nb_channels)
+        if resampler is None:
+            resampler = _Resampler(frame.sample_rate)
+        block.append(x)  # (channels, n)
+        n_block += x.shape[1]
+        if n_block >= resampler.rate:
+            push()
     if resampler is None:
         return np.zeros(0, np.float32)
+    if block:
+        push()
     out.append(resampler.flush())
     return _fix_length(np.concatenate(out), resampler.output_length)
 

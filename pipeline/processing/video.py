@@ -198,28 +198,38 @@ def decode_video(
         def check_size(w: int, h: int) -> None:
             _check_frame_size(w, h, max_pixels, max_aspect_ratio)
 
-        frames = (
-            None if full_decode else _decode_picked(data, container, stream, indices, check_size)
-        )
-    if frames is None:  # the plain path: every frame up to the last pick, in order
-        with _open(data) as container:
-            frames = _decode_frames(container, container.streams.video[0], indices, check_size)
-    if not frames:
-        raise EmptyMediaError("video stream decodes to 0 frames")
-
-    segments = None
-    if with_audio:
-        with _open(data) as container:
-            if container.streams.audio:
-                _demux_only(container, container.streams.audio[0])
-                try:
-                    samples = decode_av_audio(container, max_seconds)
-                except av.FFmpegError as e:
-                    raise CorruptMediaError(f"video's audio track could not be decoded: {e}") from e
-                if samples.size == 0:
-                    raise EmptyMediaError("video's audio track decodes to 0 samples")
-                segments = segment_audio(samples, timestamps, duration)
+        # The audio track decodes on its own thread and container while the frames decode
+        # here (both spend most of their time in FFmpeg and soxr, outside the GIL).
+        with ThreadPoolExecutor(1, thread_name_prefix="video-audio") as pool:
+            audio = pool.submit(_decode_audio_track, data, max_seconds) if with_audio else None
+            frames = (
+                None
+                if full_decode
+                else _decode_picked(data, container, stream, indices, check_size)
+            )
+            if frames is None:  # the plain path: every frame up to the last pick, in order
+                with _open(data) as plain:
+                    frames = _decode_frames(plain, plain.streams.video[0], indices, check_size)
+            if not frames:
+                raise EmptyMediaError("video stream decodes to 0 frames")
+            samples = None if audio is None else audio.result()
+    segments = None if samples is None else segment_audio(samples, timestamps, duration)
     return DecodedVideo(frames, timestamps, duration, segments)
+
+
+def _decode_audio_track(data: bytes, max_seconds: float) -> np.ndarray | None:
+    """The video's first audio track as 16 kHz mono (None: it has none)."""
+    with _open(data) as container:
+        if not container.streams.audio:
+            return None
+        _demux_only(container, container.streams.audio[0])
+        try:
+            samples = decode_av_audio(container, max_seconds)
+        except av.FFmpegError as e:
+            raise CorruptMediaError(f"video's audio track could not be decoded: {e}") from e
+    if samples.size == 0:
+        raise EmptyMediaError("video's audio track decodes to 0 samples")
+    return samples
 
 
 def _check_frame_size(width: int, height: int, max_pixels: int, max_aspect_ratio: float) -> None:
@@ -447,29 +457,41 @@ def pack_omni(
     clip (reference `chat(merge_audio_from_same_content=True)`: one feature pass, block-causal
     encoder context across seconds) and maps segment i to its token range of that clip.
     """
-    frames = [
-        ImagePart(process_image(f, cfg, _frame_hash(video_hash, t, cfg), 1), use_image_id=False)
-        for f, t in zip(video.frames, video.timestamps)
-    ]
     if video.audio_segments is None:
-        return OmniPart(list(frames))
-    audio: list[AudioPart] = []
-    if merge_audio:
-        clip = process_audio(np.concatenate(video.audio_segments))
-        total = clip_num_tokens(clip)
-        done, samples = 0, 0
-        for seg in video.audio_segments:
-            samples += seg.size
-            upto = min(audio_num_tokens(samples), total)
-            audio.append(AudioPart(clip, upto - done, first_token=done))
-            done = upto
-    else:
-        for seg in video.audio_segments:
-            clip = process_audio(seg)
-            audio.append(AudioPart(clip, clip_num_tokens(clip)))
+        return OmniPart(_frame_parts(video, cfg, video_hash))
+    # The log-mels compute on a thread while the frames are sliced here (numpy and torch
+    # spend most of both outside the GIL).
+    with ThreadPoolExecutor(1, thread_name_prefix="video-mel") as pool:
+        mels = pool.submit(_audio_parts, video.audio_segments, merge_audio)
+        frames = _frame_parts(video, cfg, video_hash)
+        audio = mels.result()
     parts: list[ImagePart | AudioPart] = []
     for f, a in zip(frames, audio):
         parts.append(f)
         if a.num_tokens > 0:
             parts.append(a)
     return OmniPart(parts)
+
+
+def _frame_parts(video: DecodedVideo, cfg: SliceConfig, video_hash: str) -> list[ImagePart]:
+    return [
+        ImagePart(process_image(f, cfg, _frame_hash(video_hash, t, cfg), 1), use_image_id=False)
+        for f, t in zip(video.frames, video.timestamps)
+    ]
+
+
+def _audio_parts(segments: list[np.ndarray], merge_audio: bool) -> list[AudioPart]:
+    """One AudioPart per segment: its own clip, or (merge_audio) its token range of the
+    whole track as one clip."""
+    if not merge_audio:
+        return [AudioPart(clip, clip_num_tokens(clip)) for clip in map(process_audio, segments)]
+    clip = process_audio(np.concatenate(segments))
+    total = clip_num_tokens(clip)
+    audio: list[AudioPart] = []
+    done, samples = 0, 0
+    for seg in segments:
+        samples += seg.size
+        upto = min(audio_num_tokens(samples), total)
+        audio.append(AudioPart(clip, upto - done, first_token=done))
+        done = upto
+    return audio
