@@ -12,9 +12,9 @@ not. "packets" is how many video packets each path sends to a decoder (the new p
 decoder then skips the non-reference ones that are not picks).
 
 --preprocess times what the ingress does with a video part instead (`decode_video` then
-`pack_omni`): the frames alone, the audio track alone, the two halves one after the other
-(frames, audio track, frame slicing, log-mels), and as shipped (the audio track and its
-log-mels on their own threads beside the frames); the last two are checked equal first.
+`pack_omni`): the frames alone, the audio track alone, the two one after the other, then
+the frame slicing and log-mels ("serial"), and as shipped (the audio track decoded on its
+own thread beside the frames); the last two are checked equal first.
 """
 
 from __future__ import annotations

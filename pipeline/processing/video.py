@@ -457,14 +457,10 @@ def pack_omni(
     clip (reference `chat(merge_audio_from_same_content=True)`: one feature pass, block-causal
     encoder context across seconds) and maps segment i to its token range of that clip.
     """
+    frames = _frame_parts(video, cfg, video_hash)
     if video.audio_segments is None:
-        return OmniPart(_frame_parts(video, cfg, video_hash))
-    # The log-mels compute on a thread while the frames are sliced here (numpy and torch
-    # spend most of both outside the GIL).
-    with ThreadPoolExecutor(1, thread_name_prefix="video-mel") as pool:
-        mels = pool.submit(_audio_parts, video.audio_segments, merge_audio)
-        frames = _frame_parts(video, cfg, video_hash)
-        audio = mels.result()
+        return OmniPart(list(frames))
+    audio = _audio_parts(video.audio_segments, merge_audio)
     parts: list[ImagePart | AudioPart] = []
     for f, a in zip(frames, audio):
         parts.append(f)
