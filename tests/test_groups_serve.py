@@ -145,10 +145,15 @@ def _replicas(app: str) -> dict[str, int]:
     }
 
 
-def test_an_autoscaled_group_starts_from_zero_and_stops_when_idle(ray_http):
+def test_an_autoscaled_group_starts_from_zero_and_stops_when_idle(ray_http, monkeypatch):
     """Serve's own autoscaler scales group g1 from no replicas when the ingress wakes it
     (every awake window full), and back to none after group_idle_s without turns."""
+    import deployments.app as app_module
     from deployments.testing import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine
+
+    # Serve's downscale delay is group_idle_s + this margin (30 s as shipped, for turns routed
+    # just before the ingress's cut-off); nothing is in flight here when g1 goes idle.
+    monkeypatch.setattr(app_module, "DOWNSCALE_MARGIN_S", 3.0)
 
     app = "autogroups"
     cfg = {
@@ -191,7 +196,7 @@ def test_an_autoscaled_group_starts_from_zero_and_stops_when_idle(ray_http):
                 break
         assert groups[1]["wakes"] >= 1 and groups[1]["turns"] > 0, groups
         assert all(n == 1 for n in _replicas(app).values())
-        # idle: the ingress stops sending g1 turns after 3 s, Serve stops it 30 s later
+        # idle: the ingress stops sending g1 turns after 3 s, Serve stops it 3 s later
         deadline = time.time() + 120
         g1 = ("Thinker-g1", "Talker-g1", "Code2Wav-g1")
         while time.time() < deadline and any(_replicas(app)[d] for d in g1):
