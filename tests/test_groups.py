@@ -288,7 +288,7 @@ def test_an_autoscaled_group_wakes_when_the_windows_fill_and_sleeps_when_idle(so
         "max_groups": 2,
         "min_groups": 1,
         "group_idle_s": 0.3,
-        "thinker": {"engine": {"step_delay_s": 0.01}},
+        "thinker": {"engine": {"step_delay_s": 0.02}},  # a turn holds its slot >= 1.3 s
     }
 
     async def main():
@@ -299,10 +299,11 @@ def test_an_autoscaled_group_wakes_when_the_windows_fill_and_sleeps_when_idle(so
         two = await asyncio.gather(*(collect(ingress, SPEECH) for _ in range(2)))
         quiet = g1.turns, g1.wakes  # two turns fit g0's window: nothing woke
 
-        # Eight, 20 ms apart: the third finds g0's window full and wakes g1; the turns that
-        # arrive once it is awake go there.
+        # Eight, 60 ms apart (g0's turns hold their slots throughout): the third finds g0's
+        # window full and wakes g1; the turns that arrive once it is awake go there (the
+        # wake has ~0.3 s before the last ones arrive, also on a loaded machine).
         async def later(i: int) -> list:
-            await asyncio.sleep(0.02 * i)
+            await asyncio.sleep(0.06 * i)
             return await collect(ingress, SPEECH)
 
         eight = await asyncio.gather(*(later(i) for i in range(8)))
