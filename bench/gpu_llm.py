@@ -299,6 +299,19 @@ def sampler_comparison(model, device, kv_gib: float, steps: int) -> dict[str, fl
     }
 
 
+def tokens_and_hidden(
+    eng: LLMEngine, rid: str, prompt: list[int], sp: SamplingParams
+) -> tuple[list[int], torch.Tensor]:
+    """One request run to its end on `eng`: its tokens and its hidden rows (fp32)."""
+    eng.add_request(rid, prompt, sp, return_hidden=True)
+    ids, rows = [], []
+    while eng.has_unfinished():
+        for o in eng.step():
+            ids += o.token_ids
+            rows += [o.hidden] if o.hidden is not None else []
+    return ids, torch.cat(rows).float()
+
+
 @torch.no_grad()
 def compiled_vs_plain(model, device, kv_gib: float, tokens: int = 200) -> None:
     """The full-size check of compile_ops against the plain layers, on the same weights: a
@@ -315,14 +328,8 @@ def compiled_vs_plain(model, device, kv_gib: float, tokens: int = 200) -> None:
             model.compile_ops()
         eng = make_engine(model, device, kv_gib / 2, piecewise_graph_tokens=256,
                           max_num_batched_tokens=256)
-        eng.add_request("c", prompt, SamplingParams(max_tokens=tokens, stop_ids=(),
-                                                     ignore_eos=True), return_hidden=True)
-        ids, rows = [], []
-        while eng.has_unfinished():
-            for o in eng.step():
-                ids += o.token_ids
-                rows += [o.hidden] if o.hidden is not None else []
-        got[name] = (ids, torch.cat(rows).float())
+        sp = SamplingParams(max_tokens=tokens, stop_ids=(), ignore_eos=True)
+        got[name] = tokens_and_hidden(eng, "c", prompt, sp)
         del eng
         torch.cuda.empty_cache()
     (ids_p, h_p), (ids_c, h_c) = got["plain"], got["compiled"]
@@ -426,14 +433,8 @@ def profile_prefill(
             got = {}
             for name, eng in engines.items():
                 k += 1
-                eng.add_request(f"p{k}", prompt, SamplingParams(max_tokens=16, ignore_eos=True),
-                                return_hidden=True)
-                ids, rows = [], []
-                while eng.has_unfinished():
-                    for o in eng.step():
-                        ids += o.token_ids
-                        rows += [o.hidden] if o.hidden is not None else []
-                got[name] = (ids, torch.cat(rows).float())
+                sp = SamplingParams(max_tokens=16, ignore_eos=True)
+                got[name] = tokens_and_hidden(eng, f"p{k}", prompt, sp)
             (ids_a, h_a), (ids_b, h_b) = got.values()
             rel = ((h_a - h_b).abs().max() / h_a.abs().max()).item()
             ok = ids_a == ids_b and rel <= 2e-2

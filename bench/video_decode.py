@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import av
@@ -180,24 +181,33 @@ def preprocess_timings(data: bytes, max_frames: int, iters: int) -> dict[str, fl
     return {k: statistics.median(v) for k, v in wall.items()}
 
 
-def main_preprocess(clips: list[Clip], max_frames: int, iters: int) -> int:
-    header = "| clip | frames alone | audio track alone | serial | as shipped | saved |"
-    print(header)
-    print("|---" * (header.count("|") - 1) + "|")
-    ok = True
+def clip_files(clips: list[Clip]) -> Iterator[tuple[Clip, bytes]]:
+    """Each clip made in a temporary folder, with its MP4 bytes."""
     with tempfile.TemporaryDirectory() as tmp:
         for clip in clips:
             path = os.path.join(tmp, "clip.mp4")
             make_clip(clip, path)
             with open(path, "rb") as f:
-                t = preprocess_timings(f.read(), max_frames, iters)
-            if t is None:
-                print(f"| {clip.name} | SERIAL AND SHIPPED DIFFER |")
-                ok = False
-                continue
-            cells = " | ".join(f"{v:.1f}" for v in t.values())
-            saved = 1 - t["as shipped"] / t["serial"]
-            print(f"| {clip.name} | {cells} | {saved:.0%} |", flush=True)
+                yield clip, f.read()
+
+
+def print_header(header: str) -> None:
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+
+
+def main_preprocess(clips: list[Clip], max_frames: int, iters: int) -> int:
+    print_header("| clip | frames alone | audio track alone | serial | as shipped | saved |")
+    ok = True
+    for clip, data in clip_files(clips):
+        t = preprocess_timings(data, max_frames, iters)
+        if t is None:
+            print(f"| {clip.name} | SERIAL AND SHIPPED DIFFER |")
+            ok = False
+            continue
+        cells = " | ".join(f"{v:.1f}" for v in t.values())
+        saved = 1 - t["as shipped"] / t["serial"]
+        print(f"| {clip.name} | {cells} | {saved:.0%} |", flush=True)
     return 0 if ok else 1
 
 
@@ -216,43 +226,36 @@ def main() -> int:
     )
     if args.preprocess:
         return main_preprocess(clips, args.max_frames, args.iters)
-    header = (
+    print_header(
         "| clip | packets new/full | video full ms wall / CPU | video new ms wall / CPU "
         "| speedup wall / CPU | +audio full ms wall | +audio new ms wall |"
     )
-    print(header)
-    print("|---" * (header.count("|") - 1) + "|")
     ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        for clip in clips:
-            path = os.path.join(tmp, "clip.mp4")
-            make_clip(clip, path)
-            with open(path, "rb") as f:
-                data = f.read()
-            mf = args.max_frames
-            new = V.decode_video(data, max_frames=mf)
-            old = V.decode_video(data, max_frames=mf, full_decode=True)
-            same = new.timestamps == old.timestamps and all(
-                np.array_equal(np.asarray(a), np.asarray(b))
-                for a, b in zip(new.frames, old.frames, strict=True)
-            )
-            same = same and all(
-                np.array_equal(a, b)
-                for a, b in zip(new.audio_segments or [], old.audio_segments or [], strict=True)
-            )
-            if not same:
-                print(f"| {clip.name} | FRAMES DIFFER |")
-                ok = False
-                continue
-            sent, full = packets_sent(data, mf)
-            t = timings(data, mf, args.iters)
-            (fw, fc), (nw, nc) = t[True, False], t[False, False]
-            print(
-                f"| {clip.name} | {sent}/{full} | {fw:.1f} / {fc:.1f} | {nw:.1f} / {nc:.1f} "
-                f"| {fw / nw:.1f}x / {fc / nc:.1f}x | {t[True, True][0]:.1f} "
-                f"| {t[False, True][0]:.1f} |",
-                flush=True,
-            )
+    mf = args.max_frames
+    for clip, data in clip_files(clips):
+        new = V.decode_video(data, max_frames=mf)
+        old = V.decode_video(data, max_frames=mf, full_decode=True)
+        same = new.timestamps == old.timestamps and all(
+            np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(new.frames, old.frames, strict=True)
+        )
+        same = same and all(
+            np.array_equal(a, b)
+            for a, b in zip(new.audio_segments or [], old.audio_segments or [], strict=True)
+        )
+        if not same:
+            print(f"| {clip.name} | FRAMES DIFFER |")
+            ok = False
+            continue
+        sent, full = packets_sent(data, mf)
+        t = timings(data, mf, args.iters)
+        (fw, fc), (nw, nc) = t[True, False], t[False, False]
+        print(
+            f"| {clip.name} | {sent}/{full} | {fw:.1f} / {fc:.1f} | {nw:.1f} / {nc:.1f} "
+            f"| {fw / nw:.1f}x / {fc / nc:.1f}x | {t[True, True][0]:.1f} "
+            f"| {t[False, True][0]:.1f} |",
+            flush=True,
+        )
     return 0 if ok else 1
 
 
