@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import av
 import numpy as np
@@ -156,9 +156,7 @@ def preprocess_timings(data: bytes, max_frames: int, iters: int) -> dict[str, fl
         video = V.decode_video(data, max_frames=max_frames, with_audio=False)
         samples = V._decode_audio_track(data, 600.0)
         segments = V.segment_audio(samples, video.timestamps, video.duration)
-        frames = V._frame_parts(video, cfg, "h")
-        audio = V._audio_parts(segments, False)
-        return OmniPart([p for f, a in zip(frames, audio) for p in (f, a)[: 1 + (a.num_tokens > 0)]])
+        return V.pack_omni(replace(video, audio_segments=segments), cfg, "h")
 
     def shipped() -> OmniPart:
         return V.pack_omni(V.decode_video(data, max_frames=max_frames), cfg, "h")

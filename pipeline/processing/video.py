@@ -457,37 +457,29 @@ def pack_omni(
     clip (reference `chat(merge_audio_from_same_content=True)`: one feature pass, block-causal
     encoder context across seconds) and maps segment i to its token range of that clip.
     """
-    frames = _frame_parts(video, cfg, video_hash)
+    frames = [
+        ImagePart(process_image(f, cfg, _frame_hash(video_hash, t, cfg), 1), use_image_id=False)
+        for f, t in zip(video.frames, video.timestamps)
+    ]
     if video.audio_segments is None:
         return OmniPart(list(frames))
-    audio = _audio_parts(video.audio_segments, merge_audio)
+    audio: list[AudioPart] = []
+    if merge_audio:
+        clip = process_audio(np.concatenate(video.audio_segments))
+        total = clip_num_tokens(clip)
+        done, samples = 0, 0
+        for seg in video.audio_segments:
+            samples += seg.size
+            upto = min(audio_num_tokens(samples), total)
+            audio.append(AudioPart(clip, upto - done, first_token=done))
+            done = upto
+    else:
+        for seg in video.audio_segments:
+            clip = process_audio(seg)
+            audio.append(AudioPart(clip, clip_num_tokens(clip)))
     parts: list[ImagePart | AudioPart] = []
     for f, a in zip(frames, audio):
         parts.append(f)
         if a.num_tokens > 0:
             parts.append(a)
     return OmniPart(parts)
-
-
-def _frame_parts(video: DecodedVideo, cfg: SliceConfig, video_hash: str) -> list[ImagePart]:
-    return [
-        ImagePart(process_image(f, cfg, _frame_hash(video_hash, t, cfg), 1), use_image_id=False)
-        for f, t in zip(video.frames, video.timestamps)
-    ]
-
-
-def _audio_parts(segments: list[np.ndarray], merge_audio: bool) -> list[AudioPart]:
-    """One AudioPart per segment: its own clip, or (merge_audio) its token range of the
-    whole track as one clip."""
-    if not merge_audio:
-        return [AudioPart(clip, clip_num_tokens(clip)) for clip in map(process_audio, segments)]
-    clip = process_audio(np.concatenate(segments))
-    total = clip_num_tokens(clip)
-    audio: list[AudioPart] = []
-    done, samples = 0, 0
-    for seg in segments:
-        samples += seg.size
-        upto = min(audio_num_tokens(samples), total)
-        audio.append(AudioPart(clip, upto - done, first_token=done))
-        done = upto
-    return audio

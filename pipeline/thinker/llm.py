@@ -257,7 +257,6 @@ class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: LLMConfig, layer_idx: int, ops: Ops) -> None:
         super().__init__()
         self.ops = ops
-        self.eps = cfg.rms_norm_eps
         self.self_attn = Qwen3Attention(cfg, layer_idx)
         self.mlp = Qwen3MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -284,7 +283,7 @@ class Qwen3DecoderLayer(nn.Module):
             a.qkv_weights(),
             a.q_norm.weight,
             a.k_norm.weight,
-            self.eps,
+            self.input_layernorm.eps,
             a.num_heads,
             a.num_kv_heads,
         )
@@ -300,7 +299,7 @@ class Qwen3DecoderLayer(nn.Module):
             self.post_attention_layernorm.weight,
             self.mlp.gate_up_weights(),
             self.mlp.down_proj.weight,
-            self.eps,
+            self.post_attention_layernorm.eps,
         )
 
 
