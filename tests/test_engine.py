@@ -119,11 +119,12 @@ def _alone(model, prompt, sampling=GREEDY, **kw):
     return _engine(model, **kw).generate({"x": prompt}, sampling)["x"]
 
 
-def test_continuous_batching_equals_each_alone(model):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_continuous_batching_equals_each_alone(model, ahead):
     lens = [5, 17, 9, 30, 3]
     arrive = [0, 0, 2, 3, 7]  # step index at which each request is added
     prompts = {f"r{i}": _prompt(n, seed=i) for i, n in enumerate(lens)}
-    eng = _engine(model, max_num_seqs=3)
+    eng = _engine(model, max_num_seqs=3, launch_ahead=ahead)
     got = {rid: [] for rid in prompts}
     step = 0
     while step <= max(arrive) or eng.has_unfinished():
@@ -190,11 +191,12 @@ def test_mm_embeds_override_equals_direct_embeds(model):
         assert got["m"] == ref.tolist(), f"budget {budget}"
 
 
-def test_preemption_recompute_is_token_exact(model):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_preemption_recompute_is_token_exact(model, ahead):
     """Few blocks: sequences get preempted and recomputed, outputs unchanged."""
     prompts = {f"r{i}": _prompt(10 + 3 * i, 30 + i) for i in range(4)}
     sampling = SamplingParams(max_tokens=16, stop_ids=())
-    eng = _engine(model, num_blocks=20, block_size=4)
+    eng = _engine(model, num_blocks=20, block_size=4, launch_ahead=ahead)
     got = eng.generate(prompts, sampling)
     assert eng.stats().num_preemptions > 0
     for rid, p in prompts.items():
@@ -208,8 +210,9 @@ def test_request_that_cannot_fit_is_refused(model):
         eng.add_request("big", _prompt(10, 1), SamplingParams(max_tokens=10))
 
 
-def test_abort_reports_and_frees(model):
-    eng = _engine(model, max_num_batched_tokens=8)
+@pytest.mark.parametrize("ahead", [False, True])
+def test_abort_reports_and_frees(model, ahead):
+    eng = _engine(model, max_num_batched_tokens=8, launch_ahead=ahead)
     eng.add_request("a", _prompt(30, 1), GREEDY)
     eng.step()  # 'a' is mid-prefill
     assert eng.block_manager.num_used > 0
@@ -221,11 +224,12 @@ def test_abort_reports_and_frees(model):
     assert not eng.abort("a")
 
 
-def test_engine_seeded_sampling_and_stop(model):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_engine_seeded_sampling_and_stop(model, ahead):
     p = _prompt(11, 40)
     sp = SamplingParams(temperature=1.0, top_k=50, max_tokens=10, stop_ids=(), seed=7)
     a = _alone(model, p, sp)
-    eng = _engine(model)
+    eng = _engine(model, launch_ahead=ahead)
     eng.add_request(
         "other", _prompt(7, 41), SamplingParams(temperature=1.0, max_tokens=10, stop_ids=())
     )
@@ -238,7 +242,7 @@ def test_engine_seeded_sampling_and_stop(model):
     # stop id: generation ends on the first occurrence, reason "stop"
     greedy = _alone(model, p)
     stop = greedy[4]
-    eng = _engine(model)
+    eng = _engine(model, launch_ahead=ahead)
     eng.add_request("g", p, SamplingParams(max_tokens=12, stop_ids=(stop,)))
     outs = []
     while eng.has_unfinished():
@@ -246,7 +250,7 @@ def test_engine_seeded_sampling_and_stop(model):
     toks = [t for o in outs for t in o.token_ids]
     assert toks == greedy[: greedy.index(stop) + 1]
     assert outs[-1].finished and outs[-1].finish_reason == "stop"
-    eng = _engine(model)
+    eng = _engine(model, launch_ahead=ahead)
     eng.add_request("g", p, SamplingParams(max_tokens=12, stop_ids=(stop,), ignore_eos=True))
     outs = []
     while eng.has_unfinished():

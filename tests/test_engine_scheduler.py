@@ -168,3 +168,42 @@ def test_stop_ids_max_tokens_ignore_eos():
     assert [(u.seq.request_id, u.seq.finish_reason) for u in ups] == [("ign", "length")]
     assert ups[0].seq.output_ids == [5, 7, 7]
     assert bm.num_free == 64
+
+
+def test_advance_then_resolve_with_a_step_in_flight():
+    """The launch-ahead halves: a sampled id is pending from `advance` to `resolve`; the step
+    planned in between feeds it, skips a sequence whose pending id is its last, and a
+    sequence preempted with its id pending, then stopped by it, leaves the waiting queue."""
+    bm = BlockManager(6, 4)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = _seq("a", 4), _seq("b", 7, SamplingParams(max_tokens=1, stop_ids=()))
+    s.add(a)
+    s.add(b)
+    p1 = s.schedule()
+    s.advance(p1)
+    assert a.output_ids == [-1] and b.output_ids == [-1] and a.num_computed == 4
+    p2 = s.schedule()  # planned before p1's ids are known
+    # b's pending id is its max_tokens-th: not scheduled; a feeds its pending id
+    assert [(x.seq.request_id, x.start, x.num_new, x.sample) for x in p2.seqs] == [("a", 4, 1, True)]
+    assert not p2.preempted
+    s.advance(p2)
+    ups = s.resolve(p1, [5, 9])
+    assert [(u.seq.request_id, u.token_id, u.finished) for u in ups] == [("a", 5, False), ("b", 9, True)]
+    assert b.finish_reason == "length" and a.output_ids == [5, -1] and bm.num_used == 2
+    # a stops on the id p2 draws while p3 (launched after) holds its next row
+    p3 = s.schedule()
+    s.advance(p3)
+    assert a.output_ids == [5, -1, -1]
+    ups = s.resolve(p2, [7])
+    assert a.is_finished and a.finish_reason == "stop" and a.output_ids == [5, 7]
+    assert s.resolve(p3, [3]) == [] and a.output_ids == [5, 7]  # the extra row's id is dropped
+    assert bm.num_used == 0 and not s.has_unfinished()
+    # preempted with its id pending, then stopped by it: it leaves the waiting queue too
+    c = _seq("c", 4)
+    s.add(c)
+    p = s.schedule()
+    s.advance(p)
+    s._preempt(c)
+    assert list(s.waiting) == [c] and c.output_ids == [-1]
+    s.resolve(p, [7])
+    assert c.finish_reason == "stop" and not s.waiting and bm.num_used == 0

@@ -373,13 +373,17 @@ def test_left_out_media_rows_are_loaded_after_eviction(model):
     _check_accounting(eng.block_manager, [])
 
 
-def test_eviction_abort_and_preemption_keep_accounting_and_outputs(model):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_eviction_abort_and_preemption_keep_accounting_and_outputs(model, ahead):
     """A small cache under a stream of requests sharing prefixes, with aborts and
     preemption: after every step the ref counts equal the live tables, finished and
     aborted requests leak nothing, and every finished output equals the uncached one."""
     rng = random.Random(0)
     bases = [_prompt(13, 20 + i) for i in range(3)]
-    eng = _engine(model, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=24)
+    eng = _engine(
+        model, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=24,
+        launch_ahead=ahead, device_sampling=ahead,  # launching ahead samples on the device
+    )
     prompts, got, aborted = {}, {}, set()
     live = lambda: [s.block_table for s in eng.scheduler.running]
     for i in range(24):

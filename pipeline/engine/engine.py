@@ -1,4 +1,4 @@
-"""LLMEngine: a synchronous, single-threaded continuous-batching engine over one model.
+"""LLMEngine: a single-threaded continuous-batching engine over one model.
 
     engine = LLMEngine(model, EngineConfig(...), device, dtype)
     engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=64))
@@ -7,7 +7,8 @@
 
 Construction, in order: KV cache (sized from a byte budget or a block count) ->
 block manager + scheduler -> attention backend -> runner (+ CUDA graphs when enabled).
-The caller (a deployment) drives `step()` in a loop; nothing here blocks or spawns threads.
+The caller (a deployment) drives `step()` in a loop; nothing here spawns threads, and a step
+waits only for the device (for the step before it when launching ahead, below).
 
 Prefix caching (`enable_prefix_caching`, on by default): a request whose prompt starts
 with the tokens (and, at multimodal positions, the media content keys of `mm_spans`) of
@@ -25,6 +26,17 @@ with no running decode is bound by `max_num_batched_tokens` only: nobody waits o
 whose media are still being encoded adds the request with `num_ready` (positions whose rows
 exist) and hands the later rows over with `supply_media` as they come; steps compute up to
 `num_ready` only, so prefill chunks start before the last media row exists.
+
+Launching ahead (`launch_ahead`, on for CUDA by default): `step()` plans and launches the
+next step before it waits for the one in flight, and returns that one's outputs, so the
+host's planning, the caller's handling of outputs and whatever else holds the GIL overlap
+the GPU's work instead of stalling it between steps. The step launched ahead feeds each
+pending id from the device (runner.py); a sequence the in-flight step stops computes one
+row more, which is dropped (scheduler.py). Outputs come one `step()` later than without it;
+`has_unfinished()` holds until the last launched step is returned. The tokens are those of
+the synchronous steps: the same ops on the same rows, except that a batch holds a stopped
+row for one step more, which can change the kernel a GEMM takes (a float summation order,
+as any change of batch does).
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ import torch
 from pipeline.engine.attention import FlashInferAttention, make_backend
 from pipeline.engine.graphs import DecodeGraphs, PiecewiseGraphs, default_graph_sizes
 from pipeline.engine.kv_cache import BlockManager, KVCache, num_blocks_for_budget
-from pipeline.engine.runner import ModelRunner
+from pipeline.engine.runner import LaunchedStep, ModelRunner
 from pipeline.engine.sampling import make_generator
 from pipeline.engine.scheduler import (
     MediaSpan,
@@ -48,6 +60,7 @@ from pipeline.engine.scheduler import (
     Sequence,
     StepPlan,
     extend_hashes,
+    is_decoding,
 )
 from pipeline.handoff import SamplingParams
 
@@ -77,6 +90,9 @@ class EngineConfig:
     piecewise_graph_tokens: int = 0
     enable_prefix_caching: bool = True  # reuse K/V of cached full-block prompt prefixes
     device_sampling: bool = True  # batched sampling on the device (False: the per-row host Sampler)
+    # Plan and launch step N+1 before waiting for step N (needs device sampling). None: on
+    # for CUDA, off elsewhere (a CPU step is done when launched: nothing to overlap).
+    launch_ahead: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("torch", "flashinfer", "auto"):
@@ -91,6 +107,8 @@ class EngineConfig:
             raise ValueError("piecewise_graph_tokens must be >= 0 (0 = off)")
         if self.num_blocks is None and self.kv_cache_bytes is None:
             raise ValueError("set kv_cache_bytes or num_blocks")
+        if self.launch_ahead and not self.device_sampling:
+            raise ValueError("launch_ahead needs device_sampling (pending ids are on the device)")
 
 
 @dataclass
@@ -192,6 +210,11 @@ class LLMEngine:
             pieces,
         )
 
+        ahead = config.launch_ahead
+        self.launch_ahead = (
+            ahead if ahead is not None else self.device.type == "cuda" and config.device_sampling
+        )
+        self._inflight: tuple[StepPlan, LaunchedStep] | None = None  # launched, not returned
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
         self._num_preemptions = 0
@@ -349,7 +372,22 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self._inflight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """A step was launched ahead and has not been returned yet."""
+        return self._inflight is not None
+
+    def drain(self) -> list[StepOutput]:
+        """The outputs of the step in flight (and abort notices), launching nothing: for a
+        caller about to wait on the device for other work, so that these ids do not wait
+        behind it."""
+        outputs, self._aborted = self._aborted, []
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            outputs += self._complete(*launched)
+        return outputs
 
     def has_decodes(self) -> bool:
         """A running request waits for its next token: the next step is on its clock."""
@@ -357,18 +395,33 @@ class LLMEngine:
 
     # -- stepping ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Plan and launch a step; return the outputs of the step that completes: this one,
+        or, launching ahead, the one launched before it."""
         t0 = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
         self._num_preemptions += len(plan.preempted)
         self._track_waits(plan)
-        if plan.is_empty:
-            return outputs
-        for s in plan.seqs:
-            if s.seq.mm_missing:
-                self._load_media(s)
-        result = self.runner.run(plan)
-        for up in self.scheduler.postprocess(plan, result.sampled):
+        launched = None
+        if not plan.is_empty:
+            for s in plan.seqs:
+                if s.seq.mm_missing:
+                    self._load_media(s)
+            launched = (plan, self.runner.launch(plan))
+            self.scheduler.advance(plan)
+        if self.launch_ahead:
+            launched, self._inflight = self._inflight, launched
+        if launched is not None:
+            outputs += self._complete(*launched)
+        self._max_step_ms = max(self._max_step_ms, 1e3 * (time.perf_counter() - t0))
+        return outputs
+
+    def _complete(self, plan: StepPlan, launched: LaunchedStep) -> list[StepOutput]:
+        """Wait for a launched step's ids and hidden rows; its outputs. Rows of sequences
+        that finished since it was planned are dropped."""
+        result = self.runner.finish(launched)
+        outputs = []
+        for up in self.scheduler.resolve(plan, result.sampled):
             seq = up.seq
             outputs.append(
                 StepOutput(
@@ -382,9 +435,10 @@ class LLMEngine:
             if up.finished:
                 del self._seqs[seq.request_id]
         # Hidden rows of sequences that computed without sampling (recompute chunks).
+        live = {s.seq.request_id: s.seq for s in plan.seqs if not s.seq.is_finished}
         for rid, h in result.hidden.items():
-            outputs.append(StepOutput(rid, [], h, False, None))
-        self._max_step_ms = max(self._max_step_ms, 1e3 * (time.perf_counter() - t0))
+            if rid in live and self._seqs.get(rid) is live[rid]:
+                outputs.append(StepOutput(rid, [], h, False, None))
         return outputs
 
     def _track_waits(self, plan: StepPlan) -> None:
@@ -396,7 +450,7 @@ class LLMEngine:
         fed = {id(s.seq) for s in plan.seqs}
         waits: dict[str, int] = {}
         for seq in self.scheduler.running:
-            if seq.output_ids and seq.num_uncomputed == 1:  # a decode, scheduled or not
+            if is_decoding(seq):  # scheduled or not
                 w = 0 if id(seq) in fed else self._decode_waits.get(seq.request_id, 0) + 1
                 waits[seq.request_id] = w
                 self._max_decode_wait = max(self._max_decode_wait, w)

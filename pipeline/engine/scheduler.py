@@ -24,9 +24,18 @@ it binds steps with a running decode only, the ones somebody waits on):
 No share computes at or past `Sequence.num_ready`: the positions whose input embeddings do
 not exist yet (media still being encoded). A sequence with nothing ready waits; at the head
 of the waiting queue it holds the queue.
-`postprocess(plan, sampled)` advances the counts, publishes every block that became full
-and computed to the prefix cache, appends sampled tokens, finishes sequences on a stop id
-or max_tokens, and frees their blocks.
+After the step, in two halves (`postprocess(plan, sampled)` is both at once):
+`advance(plan)`, once the step is launched, counts its tokens as computed and gives every
+sequence that samples a PENDING_ID output (the id its step is drawing); `resolve(plan,
+sampled)`, once the ids are on the host, writes them in, publishes every block that became
+full and computed to the prefix cache, finishes sequences on a stop id or max_tokens, and
+frees their blocks. Between the halves the next step may be planned and launched (the
+engine's launch-ahead): a pending id is fed to it from the device. A sequence whose pending
+id turns out to stop it had one more row in that next step; that row's token is dropped
+(`resolve` skips finished sequences), and the K/V it writes into the freed blocks lands
+before any later step's, since every step runs in order on one stream. A sequence whose
+pending id is its `max_tokens`-th is not scheduled again and holds no slot of `max_num_seqs`,
+so steps that end sequences by length batch the same rows either way.
 
 Blocks are published only once their K/V are written (after the step), never at
 allocation: a chunked prefill's later blocks do not exist yet when another sequence is
@@ -46,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.engine.kv_cache import ROOT_HASH, BlockHash, BlockManager, hash_block
+from pipeline.engine.sampling import PENDING_ID
 from pipeline.handoff import SamplingParams
 
 
@@ -170,6 +180,7 @@ class ScheduledSeq:
     start: int  # first position computed this step (= seq.num_computed when scheduled)
     num_new: int  # tokens computed this step: positions [start, start + num_new)
     sample: bool  # the step reaches the last token: sample the next one
+    out_index: int = -1  # where its sampled id goes in seq.output_ids (set by `advance`)
 
     @property
     def is_decode(self) -> bool:
@@ -233,7 +244,7 @@ class Scheduler:
 
     def has_decodes(self) -> bool:
         """Some running sequence has an output token to feed: it waits for the next step."""
-        return any(s.output_ids and _ready(s) - s.num_computed == 1 for s in self.running)
+        return any(is_decoding(s) for s in self.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -282,8 +293,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             # Hold back one token for every single-token share behind this one.
-            later = sum(1 for s in self.running[i + 1 :] if _ready(s) - s.num_computed == 1)
-            n = self._share(seq, seq.num_computed, budget, prefill)
+            later = sum(
+                1 for s in self.running[i + 1 :] if _ready(s) - s.num_computed == 1 and _wants(s)
+            )
+            n = self._share(seq, seq.num_computed, budget, prefill) if _wants(seq) else 0
             if n > 1:
                 n = min(n, max(budget - later, 1))
             if n <= 0:
@@ -308,7 +321,9 @@ class Scheduler:
             i += 1
 
         # 2) Waiting sequences, FIFO (a preempted one was put back at the head).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A sequence whose pending id is its last holds no slot: it ends when that id lands.
+        active = sum(1 for s in self.running if _wants(s))
+        while self.waiting and budget > 0 and active < self.max_num_seqs:
             if plan.preempted:
                 break  # memory is short this step: do not admit what we just evicted
             seq = self.waiting[0]  # num_computed == 0, empty block table
@@ -332,6 +347,7 @@ class Scheduler:
             self.blocks.allocate(seq.block_table, cached + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            active += 1
             plan.seqs.append(
                 ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
             )
@@ -364,32 +380,68 @@ class Scheduler:
 
     # -- after the step ------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, sampled: list[int]) -> list[SeqUpdate]:
-        """`sampled` has one token per `plan.seqs` entry with `sample=True`, in order."""
+        """`advance` then `resolve`: a step whose ids are already on the host."""
+        self.advance(plan)
+        return self.resolve(plan, sampled)
+
+    def advance(self, plan: StepPlan) -> None:
+        """The step is launched: its tokens count as computed, and every sequence that
+        samples holds a PENDING_ID output until `resolve`."""
+        for s in plan.seqs:
+            seq = s.seq
+            seq.num_computed = s.start + s.num_new
+            if s.sample:
+                s.out_index = len(seq.output_ids)
+                seq.output_ids.append(PENDING_ID)
+
+    def resolve(self, plan: StepPlan, sampled: list[int]) -> list[SeqUpdate]:
+        """`sampled` has one token per `plan.seqs` entry with `sample=True`, in order. A
+        sequence that finished since the step was planned (a stop id drawn by the step
+        before, or an abort) is skipped: its token is dropped."""
         updates: list[SeqUpdate] = []
         it = iter(sampled)
         for s in plan.seqs:
             seq = s.seq
-            seq.num_computed = s.start + s.num_new
-            self._publish(seq)
-            if not s.sample:
+            tok = int(next(it)) if s.sample else None
+            if seq.is_finished:
                 continue
-            tok = int(next(it))
-            seq.output_ids.append(tok)
+            if tok is not None:
+                seq.output_ids[s.out_index] = tok
+            self._publish(seq)
+            if tok is None:
+                continue
             sp = seq.sampling
+            reason = None
             if not sp.ignore_eos and tok in sp.stop_ids:
-                self._finish(seq, "stop")
-            elif len(seq.output_ids) >= sp.max_tokens:
-                self._finish(seq, "length")
+                reason = "stop"
+            elif s.out_index + 1 >= sp.max_tokens:
+                reason = "length"
+            if reason is not None:
+                del seq.output_ids[s.out_index + 1 :]  # the next step's pending id, if any
+                self._finish(seq, reason)
             updates.append(SeqUpdate(seq, tok, seq.is_finished))
         return updates
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:  # preempted while its last id was pending
+            self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
 
 
 def _ready(seq: Sequence) -> int:
     """Tokens of `seq` that a step may compute up to."""
     return min(seq.num_tokens, seq.num_ready)
+
+
+def _wants(seq: Sequence) -> bool:
+    """It may still draw: its pending id (if any) is not its `max_tokens`-th."""
+    return len(seq.output_ids) < seq.sampling.max_tokens
+
+
+def is_decoding(seq: Sequence) -> bool:
+    """An output token to feed, and more to draw after it."""
+    return bool(seq.output_ids) and _ready(seq) - seq.num_computed == 1 and _wants(seq)
