@@ -72,20 +72,30 @@ def _request(
 def _run(engine, reqs):
     for r in reqs:
         engine.open(r.request_id, r)
+    return _collect(engine, [], reqs)
+
+
+def _collect(engine, deltas, reqs):
+    """Every request's stream: the deltas given, then the engine's until it has no work."""
     out = {
         r.request_id: {"ids": [], "text": "", "spoken": [], "hidden": [], "reason": None}
         for r in reqs
     }
-    while engine.has_work():
-        for d in engine.step():
-            o = out[d.request_id]
-            o["ids"] += d.token_ids
-            o["text"] += d.text
-            o["spoken"] += d.spoken_ids
-            if d.spoken_hidden is not None:
-                o["hidden"].append(d.spoken_hidden)
-            if d.finished:
-                o["reason"] = d.finish_reason
+
+    def steps():
+        yield from deltas
+        while engine.has_work():
+            yield from engine.step()
+
+    for d in steps():
+        o = out[d.request_id]
+        o["ids"] += d.token_ids
+        o["text"] += d.text
+        o["spoken"] += d.spoken_ids
+        if d.spoken_hidden is not None:
+            o["hidden"].append(d.spoken_hidden)
+        if d.finished:
+            o["reason"] = d.finish_reason
     for o in out.values():
         o["hidden"] = torch.cat(o["hidden"]) if o["hidden"] else torch.zeros(0)
     return out
@@ -183,6 +193,41 @@ def test_batched_requests_equal_each_alone(engine_factory):
         a, b = together[r.request_id], alone[r.request_id]
         assert a["ids"] == b["ids"], r.request_id
         torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-4, rtol=1e-4)
+
+
+def test_launch_ahead_streams_the_same_deltas(engine_factory):
+    """The LLM engine launching ahead (its CUDA default) under the Thinker: the same ids,
+    text, spoken ids and spoken hidden rows per request, and the same finish reasons, with a
+    request arriving while another decodes. Its media wait for the step in flight to return
+    its ids first (a step that only drains), then encode with nothing in flight."""
+    outs = []
+    for ahead in (False, True):
+        eng = engine_factory(llm={"launch_ahead": ahead, "max_num_batched_tokens": 96})
+        assert eng.llm.launch_ahead == ahead
+        reqs = [
+            _request(eng, f"r{i}", image_seed=i, audio_freq=300.0 + 100 * i, max_tokens=6 + 3 * i)
+            for i in range(3)
+        ]
+        late = reqs.pop()
+        for r in reqs:
+            eng.open(r.request_id, r)
+        early = [d for _ in range(4) for d in eng.step()]  # r0 and r1 decode
+        assert eng.llm.in_flight == ahead and eng.llm.has_decodes()
+        eng.open(late.request_id, late)
+        first = eng.step()
+        if ahead:  # only the step in flight came back: the new media wait, nothing launched
+            assert first and eng._streams["r2"].todo and not eng.llm.in_flight
+            assert not eng.step()  # now encoded, and the next step launched
+            assert not eng._streams["r2"].todo and eng.llm.in_flight
+        outs.append(_collect(eng, early + first, [*reqs, late]))
+        assert eng.stats()["num_free_blocks"] == eng.stats()["num_total_blocks"]
+    sync, ahead = outs
+    for rid, ref in sync.items():
+        got = ahead[rid]
+        assert ref["reason"] == "length" and ref["spoken"], rid
+        for k in ("ids", "text", "spoken", "reason"):
+            assert got[k] == ref[k], (rid, k)
+        torch.testing.assert_close(got["hidden"], ref["hidden"], atol=1e-5, rtol=1e-5)
 
 
 def test_text_only_prompt_without_speech_has_no_spoken_span(engine_factory):

@@ -16,7 +16,9 @@ Each `step()`:
      its first slot still waiting for rows: a request's prefill chunks start while its
      later frames are being encoded;
   3) runs one continuous-batching step of the LLM engine (every running decode + at most
-     `max_prefill_tokens_per_step` prompt tokens);
+     `max_prefill_tokens_per_step` prompt tokens); with media to encode while an LLM step
+     launched ahead is in flight, the step only returns that one's outputs (encoders
+     wait for the device, and those ids should not wait for the encoders);
   4) turns new ids into text deltas (no half UTF-8 characters) and pairs each spoken-span
      token with the hidden state computed when it was the input token (what the Talker
      conditions on: spec section 2.2).
@@ -309,8 +311,15 @@ class ThinkerEngine:
             admit = self._pending[: self.config.max_admit_per_step]
             self._pending = self._pending[len(admit) :]
             self._admit(admit)
-        self._encode_step()
-        for out in self.llm.step():
+        if self.llm.in_flight and any(st.todo for st in self._streams.values()):
+            # The encoders wait for the device, behind the LLM step launched ahead: return
+            # that step's ids first (the next step encodes, then launches), or they would
+            # wait for the encoders too.
+            outs = self.llm.drain()
+        else:
+            self._encode_step()
+            outs = self.llm.step()
+        for out in outs:
             st = self._streams.get(out.request_id)
             if st is None:  # aborted by us: the LLM engine's own abort notice
                 continue
