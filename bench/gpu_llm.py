@@ -12,10 +12,13 @@ Checks (exit 1 on a failure):
      for seeded sampled requests (the device sampler draws what the host one draws).
 Timing (CUDA events, after warmup): prefill of 2500 tokens, decode ms/step at batch 1 and 4
 with graphs on; then wall-clock ms per decode step (host work included) at batch 1, 2, 4, 8
-with the host sampler vs sampling inside the graph, greedy and sampled.
+with the host sampler, sampling inside the graph, and sampling inside the graph with the
+next step launched before the last one's ids reach the host (`launch_ahead`), greedy and
+sampled, all three drawing the same tokens.
 
 --profile: only a torch.profiler table of one graphed decode step (in-graph sampler) at
-batch 1 and 8: kernel count, kernel time and the top kernels.
+batch 1 and 8, launching ahead and not: kernel count, kernel time and the top kernels, and
+the wall ms a step.
 --profile-prefill N [N ...]: only the step that prefills N new tokens and samples the first
 one, cold and over a cached 2000-token history (wall ms), then the kernels and the host's
 top ops of one such cached step (a short turn's prefill measured 50-90 ms in the app).
@@ -257,12 +260,17 @@ def wall_decode(eng: LLMEngine, prompts: list[list[int]], steps: int, sampled: b
     return toks, times
 
 
+MODES = {  # sampler, and whether step N+1 is launched before step N's ids reach the host
+    "host": {"device_sampling": False},
+    "graph": {"device_sampling": True, "launch_ahead": False},
+    "ahead": {"device_sampling": True, "launch_ahead": True},
+}
+
+
 def sampler_comparison(model, device, kv_gib: float, steps: int) -> dict[str, float]:
-    print("4) host sampler vs in-graph sampler (graphs on, max_num_seqs 8)")
-    engines = {
-        mode: make_engine(model, device, kv_gib, max_num_seqs=8, device_sampling=mode == "graph")
-        for mode in ("host", "graph")
-    }
+    print("4) host sampler vs in-graph sampler vs in-graph + launch ahead (graphs, max_num_seqs 8)")
+    engines = {mode: make_engine(model, device, kv_gib, max_num_seqs=8, **kw)
+               for mode, kw in MODES.items()}
     gen = torch.Generator().manual_seed(3)
     rows = {}
     for bs in (1, 2, 4, 8):
@@ -276,26 +284,26 @@ def sampler_comparison(model, device, kv_gib: float, steps: int) -> dict[str, fl
                 wall_decode(eng, prompts, 4, sampled)  # warmup
                 res[mode] = wall_decode(eng, prompts, steps, sampled)
             kind = "sampled" if sampled else "greedy"
-            check(
-                res["host"][0] == res["graph"][0],
-                f"host vs in-graph sampler, {kind}, batch {bs}",
-                f"tokens equal {res['host'][0] == res['graph'][0]}",
-            )
+            for mode in ("graph", "ahead"):
+                same = res["host"][0] == res[mode][0]
+                check(same, f"host sampler vs {mode}, {kind}, batch {bs}", f"tokens equal {same}")
             for mode, (_, times) in res.items():
                 rows[(bs, kind, mode)] = sorted(times)[len(times) // 2]
-    print("\n| batch | greedy, host | greedy, in graph | sampled, host | sampled, in graph |")
-    print("|---|---|---|---|---|")
+    heads = [f"{k}, {m}" for k in ("greedy", "sampled") for m in MODES]
+    print("\n| batch | " + " | ".join(heads) + " |")
+    print("|---" * (len(heads) + 1) + "|")
     for bs in (1, 2, 4, 8):
-        cells = [rows[(bs, k, m)] for k in ("greedy", "sampled") for m in ("host", "graph")]
+        cells = [rows[(bs, k, m)] for k in ("greedy", "sampled") for m in MODES]
         print(f"| {bs} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
-    print(f"(wall ms per decode step, median of {steps} steps; sampled = {SAMPLED}, seeded)")
+    print(f"(wall ms per decode step, median of {steps} steps; host = host sampler; graph = in "
+          f"the graph; ahead = in the graph + launch ahead; sampled = {SAMPLED}, seeded)")
     engines.clear()
     torch.cuda.empty_cache()
     return {
-        f"decode wall ms/step, batch {bs}, {k}, {m} sampler": rows[(bs, k, m)]
+        f"decode wall ms/step, batch {bs}, {k}, {m}": rows[(bs, k, m)]
         for bs in (1, 8)
         for k in ("greedy", "sampled")
-        for m in ("host", "graph")
+        for m in MODES
     }
 
 
@@ -349,9 +357,9 @@ def profile_decode(model, device, kv_gib: float) -> None:
     from bench.gpu_talker import kernel_table
 
     print("profile: one graphed decode step (in-graph sampler; kernel time in ms)")
-    eng = make_engine(model, device, kv_gib, max_num_seqs=8, device_sampling=True)
     gen = torch.Generator().manual_seed(4)
-    for bs in (1, 8):
+    for bs, ahead in ((1, False), (1, True), (8, False), (8, True)):
+        eng = make_engine(model, device, kv_gib, max_num_seqs=8, launch_ahead=ahead)
         for i in range(bs):
             prompt = torch.randint(0, model.cfg.vocab_size, (300,), generator=gen).tolist()
             eng.add_request(f"p{bs}-{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True,
@@ -363,11 +371,14 @@ def profile_decode(model, device, kv_gib: float) -> None:
             eng.step()
         wall = (time.perf_counter() - t0) / 8 * 1e3
         n, ms, top = kernel_table(eng.step)
-        print(f"  B{bs}: {n} kernels, {ms:.3f} ms of kernels, {wall:.2f} ms wall a step")
+        print(f"  B{bs}, launch ahead {ahead}: {n} kernels, {ms:.3f} ms of kernels, "
+              f"{wall:.2f} ms wall a step")
         for name, us, count in top:
             print(f"    {us / 1e3:7.3f} ms {count:5d}x  {name}")
         while eng.has_unfinished():
             eng.step()
+        del eng
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()
