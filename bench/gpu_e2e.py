@@ -201,14 +201,29 @@ def _failed(run: dict[str, Any]) -> int:
 
 def first_turn(run: dict[str, Any]) -> str:
     """The app's first request after it reported RUNNING (the first warm-up sent): what a
-    user's first turn pays for whatever the stages build on first use."""
+    user's first turn pays for whatever the stages build on first use, with its server
+    spans beside the round's others' medians (which stage pays it)."""
     sent = [r for r in run["rounds"][0]["requests"] if r["ok"]] if run["rounds"] else []
     if not sent:
         return "first turn after RUNNING: no request completed"
     r = min(sent, key=lambda r: r["t_send"])  # the first round ran first; t_send is its clock
-    later = sorted(x["ttft"] for x in sent if x is not r)
-    tail = f" (the round's others: median {1e3 * later[len(later) // 2]:.0f} ms)" if later else ""
+    others = [x for x in sent if x is not r]
+    tail = ""
+    if others:
+        tail = f" (the round's others: median {1e3 * _median([x['ttft'] for x in others]):.0f} ms)"
+    spans = []
+    for stage, sec in (r.get("stage_durations") or {}).items():
+        theirs = [x["stage_durations"][stage] for x in others
+                  if stage in (x.get("stage_durations") or {})]
+        if theirs:
+            spans.append(f"{stage} {1e3 * sec:.0f} / {1e3 * _median(theirs):.0f}")
+    if spans:
+        tail += "; spans ms, it / the others' median: " + ", ".join(spans)
     return f"first turn after RUNNING: TTFT {1e3 * r['ttft']:.0f} ms{tail}"
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:

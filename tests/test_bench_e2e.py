@@ -271,11 +271,16 @@ def test_baseline_config_runs_the_plain_paths():
 def test_first_turn_reports_the_first_request_sent():
     from bench.gpu_e2e import first_turn
 
-    def rec(t_send, ttft, ok=True):
-        return {"t_send": t_send, "ttft": ttft, "ok": ok, "warmup": True}
+    def rec(t_send, ttft, ok=True, spans=None):
+        return {"t_send": t_send, "ttft": ttft, "ok": ok, "warmup": True,
+                "stage_durations": spans or {}}
 
-    run = {"rounds": [{"requests": [rec(0.2, 0.31), rec(0.0, 105.9), rec(0.1, 0.0, ok=False),
-                                    rec(0.3, 0.29)]},
+    run = {"rounds": [{"requests": [rec(0.2, 0.31, spans={"prefill": 0.06, "vision_encoder": 0.08}),
+                                    rec(0.0, 105.9, spans={"prefill": 0.5, "queue": 0.01}),
+                                    rec(0.1, 0.0, ok=False),
+                                    rec(0.3, 0.29, spans={"prefill": 0.07})]},
                       {"requests": [rec(-1.0, 0.05)]}]}  # a later round: not the first turn
-    assert first_turn(run) == "first turn after RUNNING: TTFT 105900 ms (the round's others: median 310 ms)"
+    assert first_turn(run) == (
+        "first turn after RUNNING: TTFT 105900 ms (the round's others: median 310 ms); "
+        "spans ms, it / the others' median: prefill 500 / 70")  # no others' queue: left out
     assert "no request" in first_turn({"rounds": []})
