@@ -21,10 +21,10 @@ one event) and returns them. Steps of `launch`:
      output token fed as input (one row per decode step), each returned once.
 
 Launching ahead (`EngineConfig.launch_ahead`). The engine launches step N+1 before it
-finishes step N, so that the host plans N+1 while the GPU runs N, provided step N+1's inputs do not need step N's ids on the
-host: a sequence that samples in step N carries PENDING_ID as its last output id (the
-token step N is drawing), and the runner feeds that token, and the penalty history's
-newest id, from the ids step N left on the device. Device sampling only. A graph step's
+finishes step N, so that the host plans N+1 while the GPU runs N; step N+1's inputs need
+not wait for step N's ids on the host: a sequence that samples in step N carries PENDING_ID
+as its last output id (the token step N is drawing), and the runner feeds that token, and
+the penalty history's newest id, from the ids step N left on the device. Device sampling only. A graph step's
 one wait is for the previous graph step's staged inputs to have been read (the first
 thing that step does on the GPU); eager steps still make blocking input copies.
 """
