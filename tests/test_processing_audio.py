@@ -21,8 +21,10 @@ from pipeline.processing.audio import (
     decode_audio,
     decode_av_audio,
     log_mel,
+    log_mels,
     mel_filters,
     process_audio,
+    process_audios,
     resample_mono,
 )
 from pipeline.processing.errors import (
@@ -71,6 +73,33 @@ def test_log_mel_matches_reference(seconds):
     assert got.shape == ref.shape == (80, math.ceil(len(x) / 160))
     diff = (got - ref).abs()
     assert diff.max() < 1e-5, f"max {diff.max()} mean {diff.mean()}"
+
+
+def _window_alone(x: np.ndarray) -> torch.Tensor:
+    """One window's features computed alone: a 1-D STFT of the window padded with n_fft
+    zeros, then the same ops (the code before windows shared a batched STFT)."""
+    n = x.shape[0]
+    wave = torch.nn.functional.pad(torch.from_numpy(x), (0, min(400, WINDOW_SAMPLES - n)))
+    stft = torch.stft(wave, 400, 160, window=torch.hann_window(400), return_complex=True)
+    power = (stft[..., :-1].abs() ** 2).contiguous()
+    log_spec = torch.clamp(torch.from_numpy(mel_filters()).float().T @ power, min=1e-10).log10()
+    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+    return ((log_spec + 4.0) / 4.0)[:, : math.ceil(n / 160)].contiguous()
+
+
+def test_batched_windows_equal_each_window_alone():
+    """A video's 1 s segments (and a short last one), clips over 30 s (two full windows of
+    one batch) and others: every clip's features are those of its windows computed alone,
+    bit for bit, and process_audios is process_audio per clip."""
+    clips = [_signal(16000, seed=i) for i in range(30)] + [_signal(7003, seed=30)]
+    clips += [_signal(int(s * 16000) + 3, seed=40 + i) for i, s in enumerate((0.1, 29.99, 65.55))]
+    clips[3] = clips[3] * 1e-4  # a quiet second: its own floor, not its batch mates'
+    for x, got in zip(clips, log_mels(clips)):
+        ref = torch.cat([_window_alone(x[k : k + WINDOW_SAMPLES])
+                         for k in range(0, x.size, WINDOW_SAMPLES)], dim=1)
+        assert torch.equal(got, ref), x.size
+    for a, b in zip(process_audios(clips[:5]), map(process_audio, clips[:5])):
+        assert torch.equal(a.features, b.features) and a.content_hash == b.content_hash
 
 
 def test_dynamic_floor_numpy_restatement():

@@ -15,7 +15,9 @@ Stages:
    log10(max(x, 1e-10)), *dynamic floor* max(x, max_over_window - 8), then (x + 4) / 4.
    The window is trimmed to ceil(n / 160) frames (the reference pads to 30 s with zeros and
    trims by the attention mask; padding with n_fft zeros gives the same frames, see
-   `_window_log_mel`). Windows are concatenated: features (80, ceil(n / 160)).
+   `_window_log_mels`). Windows are concatenated: features (80, ceil(n / 160)). Windows of
+   equal length, of one clip or of many (`log_mels`, `process_audios`), share one batched
+   STFT.
 
 Token counts: 100 frames/s -> conv stride 2 -> 50/s -> avg-pool 5 -> 10 LLM tokens/s,
 `audio_num_tokens(n) = ((ceil(n/160) - 1) // 2 + 1 - 5) // 5 + 1`. Because each window is
@@ -298,35 +300,69 @@ def mel_filters(n_mels: int = N_MELS, n_fft: int = N_FFT, sr: int = SAMPLE_RATE)
     return fb * (2.0 / (hz_pts[2:] - hz_pts[:-2]))[None, :]
 
 
-def _window_log_mel(x: np.ndarray) -> torch.Tensor:
-    """One <= 30 s window (n samples) -> (80, ceil(n / 160)) features.
+@functools.lru_cache(maxsize=1)
+def _stft_constants() -> tuple[torch.Tensor, torch.Tensor]:
+    """The periodic Hann window and the (201, 80) float32 filter bank, built once."""
+    return torch.hann_window(N_FFT), torch.from_numpy(mel_filters()).to(torch.float32)
+
+
+# Samples per batched STFT: bounds its complex output (~8 x 3001 x 201 x 8 B, 39 MB).
+STFT_BATCH_SAMPLES = 8 * WINDOW_SAMPLES
+
+
+def _window_log_mels(xs: list[np.ndarray]) -> list[torch.Tensor]:
+    """Windows of one length n <= 30 s -> (80, ceil(n / 160)) features each. One STFT over
+    all of them (each row of a batched STFT is the row's own, bit for bit: tested), then
+    the rest per window, the ops and shapes of one window alone.
 
     The reference zero-pads the window to 480000 samples before the centered STFT. Frames
     0..ceil(n/160)-1 only reach n + 200 samples to the right, and the floor's max only sees
     frames that touch the signal (all-zero frames sit at the -10 clamp), so padding with
     n_fft zeros (or up to 480000, whichever is shorter) yields the same numbers.
     """
-    n = x.shape[0]
-    pad = min(N_FFT, WINDOW_SAMPLES - n)
-    wave = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    if pad > 0:
-        wave = torch.nn.functional.pad(wave, (0, pad))
-    window = torch.hann_window(N_FFT)
-    stft = torch.stft(wave, N_FFT, HOP_LENGTH, window=window, return_complex=True)
-    power = (stft[..., :-1].abs() ** 2).contiguous()  # (201, frames): last frame dropped
-    fb = torch.from_numpy(mel_filters()).to(torch.float32)  # (201, 80)
-    log_spec = torch.clamp(fb.T @ power, min=1e-10).log10()  # (80, frames)
-    log_spec = torch.maximum(log_spec, log_spec.max() - DYNAMIC_RANGE_DB)
-    log_spec = (log_spec + 4.0) / 4.0
-    return log_spec[:, : math.ceil(n / HOP_LENGTH)].contiguous()
+    n = xs[0].shape[0]
+    wave = np.zeros((len(xs), n + min(N_FFT, WINDOW_SAMPLES - n)), np.float32)
+    for row, x in zip(wave, xs):
+        row[:n] = x
+    window, fb = _stft_constants()
+    stft = torch.stft(torch.from_numpy(wave), N_FFT, HOP_LENGTH, window=window, return_complex=True)
+    out = []
+    for spec in stft:  # (201, frames + 1)
+        power = (spec[..., :-1].abs() ** 2).contiguous()  # last frame dropped
+        log_spec = torch.clamp(fb.T @ power, min=1e-10).log10()  # (80, frames)
+        log_spec = torch.maximum(log_spec, log_spec.max() - DYNAMIC_RANGE_DB)
+        log_spec = (log_spec + 4.0) / 4.0
+        out.append(log_spec[:, : math.ceil(n / HOP_LENGTH)].contiguous())
+    return out
+
+
+def log_mels(clips: list[np.ndarray]) -> list[torch.Tensor]:
+    """`log_mel` of each clip. Windows of equal length (a video's 1 s segments, the full
+    30 s windows of long clips) share batched STFTs: one op for many instead of one each."""
+    windows: list[tuple[int, np.ndarray]] = []  # (clip index, window)
+    for i, x in enumerate(clips):
+        if x.ndim != 1 or x.size == 0:
+            raise ValueError(f"expected a non-empty 1-D waveform, got shape {x.shape}")
+        windows += [(i, x[k : k + WINDOW_SAMPLES]) for k in range(0, x.size, WINDOW_SAMPLES)]
+    by_length: dict[int, list[int]] = {}
+    for j, (_, w) in enumerate(windows):
+        by_length.setdefault(w.size, []).append(j)
+    mels: list[torch.Tensor | None] = [None] * len(windows)
+    for n, idx in by_length.items():
+        rows = max(1, STFT_BATCH_SAMPLES // n)
+        for b in range(0, len(idx), rows):
+            part = idx[b : b + rows]
+            for j, mel in zip(part, _window_log_mels([windows[j][1] for j in part])):
+                mels[j] = mel
+    per_clip: list[list[torch.Tensor]] = [[] for _ in clips]
+    for (i, _), mel in zip(windows, mels):
+        per_clip[i].append(mel)
+    return [torch.cat(ms, dim=1) for ms in per_clip]
 
 
 def log_mel(samples: np.ndarray) -> torch.Tensor:
     """(n,) float32 16 kHz samples -> (80, ceil(n / 160)) float32 features, any length."""
-    if samples.ndim != 1 or samples.size == 0:
-        raise ValueError(f"expected a non-empty 1-D waveform, got shape {samples.shape}")
-    windows = [samples[i : i + WINDOW_SAMPLES] for i in range(0, samples.size, WINDOW_SAMPLES)]
-    return torch.cat([_window_log_mel(w) for w in windows], dim=1)
+    return log_mels([samples])[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,9 +405,16 @@ def audio_content_hash(samples: np.ndarray) -> str:
 def process_audio(samples: np.ndarray) -> AudioInput:
     """16 kHz mono samples -> AudioInput; clips shorter than 0.1 s are zero-padded to 0.1 s
     (the reference's video path does the same) so every clip yields >= 1 token."""
-    if samples.size == 0:
-        raise EmptyMediaError("audio clip has 0 samples")
-    if samples.size < MIN_SAMPLES:
-        samples = np.concatenate([samples, np.zeros(MIN_SAMPLES - samples.size, np.float32)])
-    samples = samples.astype(np.float32, copy=False)
-    return AudioInput(log_mel(samples), audio_content_hash(samples))
+    return process_audios([samples])[0]
+
+
+def process_audios(clips: list[np.ndarray]) -> list[AudioInput]:
+    """`process_audio` of each clip, their log-mels computed together (`log_mels`)."""
+    padded = []
+    for samples in clips:
+        if samples.size == 0:
+            raise EmptyMediaError("audio clip has 0 samples")
+        if samples.size < MIN_SAMPLES:
+            samples = np.concatenate([samples, np.zeros(MIN_SAMPLES - samples.size, np.float32)])
+        padded.append(samples.astype(np.float32, copy=False))
+    return [AudioInput(m, audio_content_hash(x)) for m, x in zip(log_mels(padded), padded)]

@@ -47,6 +47,7 @@ from pipeline.processing.audio import (
     clip_num_tokens,
     decode_av_audio,
     process_audio,
+    process_audios,
 )
 from pipeline.processing.errors import (
     CorruptMediaError,
@@ -474,8 +475,7 @@ def pack_omni(
             audio.append(AudioPart(clip, upto - done, first_token=done))
             done = upto
     else:
-        for seg in video.audio_segments:
-            clip = process_audio(seg)
+        for clip in process_audios(video.audio_segments):
             audio.append(AudioPart(clip, clip_num_tokens(clip)))
     parts: list[ImagePart | AudioPart] = []
     for f, a in zip(frames, audio):
