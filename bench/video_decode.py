@@ -1,6 +1,7 @@
 """CPU timing of video decoding: only the packets the picked frames need vs every frame.
 
     python -m bench.video_decode [--iters 5] [--quick] [--max-frames 64] [--preprocess]
+    python -m bench.video_decode --audio-features [--iters 31]
 
 Builds synthetic MP4 clips in a temp dir (libx264 with x264's default B frames, AAC stereo
 44.1 kHz; a panned smooth texture, a moving disk and a little grain, so P/B frames cost
@@ -15,6 +16,9 @@ decoder then skips the non-reference ones that are not picks).
 `pack_omni`): the frames alone, the audio track alone, the two one after the other, then
 the frame slicing and log-mels ("serial"), and as shipped (the audio track decoded on its
 own thread beside the frames); the last two are checked equal first.
+
+--audio-features times only a 30 s clip's thirty 1 s audio segments to log-mels, one at a
+time against together (one batched STFT), alone and from four threads at once.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import pickle
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import av
 import numpy as np
+import torch
 
 from pipeline.config import SliceConfig
 from pipeline.processing import video as V
@@ -209,6 +215,39 @@ def main_preprocess(clips: list[Clip], max_frames: int, iters: int) -> int:
     return 0 if ok else 1
 
 
+def main_audio_features(iters: int) -> int:
+    """A 30 s clip's thirty 1 s audio segments to log-mels: one at a time (`process_audio`
+    each) against together (`process_audios`, one batched STFT), alone and from four threads
+    at once (an ingress preprocessing four requests). Checked equal bit for bit first."""
+    from pipeline.processing.audio import process_audio, process_audios
+
+    rng = np.random.default_rng(0)
+    segs = [(0.1 * rng.standard_normal(16000)).astype(np.float32) for _ in range(30)]
+    if not all(torch.equal(a.features, b.features)
+               for a, b in zip(process_audios(segs), map(process_audio, segs))):
+        print("ONE AT A TIME AND TOGETHER DIFFER")
+        return 1
+    ways = {"one at a time": lambda: [process_audio(x) for x in segs],
+            "together": lambda: process_audios(segs)}
+
+    def threaded(fn, n: int = 4) -> float:
+        workers = [threading.Thread(target=fn) for _ in range(n)]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return (time.perf_counter() - t0) * 1e3
+
+    print_header("| 30 x 1 s segments | alone, ms | four threads at once, ms a round |")
+    for name, fn in ways.items():
+        fn()
+        alone = [threaded(fn, 1) for _ in range(iters)]
+        four = [threaded(fn) for _ in range(iters)]
+        print(f"| {name} | {statistics.median(alone):.1f} | {statistics.median(four):.1f} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=5)
@@ -216,7 +255,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="three 448x448 30 s clips only")
     ap.add_argument("--preprocess", action="store_true",
                     help="decode + pack as the ingress does: serial vs as shipped (ms wall)")
+    ap.add_argument("--audio-features", action="store_true",
+                    help="only the log-mels of 30 x 1 s segments: one at a time vs together")
     args = ap.parse_args()
+    if args.audio_features:
+        return main_audio_features(args.iters)
     clips = QUICK if args.quick else CLIPS
     print(
         f"PyAV {av.__version__}, {os.cpu_count()} CPUs, max_frames {args.max_frames}, "
