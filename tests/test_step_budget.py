@@ -194,7 +194,10 @@ def thinker(tiny_source):
         items: int, prefill: int | None, cache: int = 0, device: str = "cpu", **llm
     ) -> ThinkerEngine:
         # The torch attention backend: float32 on CUDA too (FlashInfer's kernels are half precision).
-        llm = {"kv_cache_bytes": 32 * 2**20, "block_size": 4, "attention_backend": "torch", **llm}
+        # Synchronous steps (launch ahead is CUDA's default): the scripts below check what
+        # each step returns, and launching ahead returns a step's ids one step later.
+        llm = {"kv_cache_bytes": 32 * 2**20, "block_size": 4, "attention_backend": "torch",
+               "launch_ahead": False, **llm}
         cfg = ThinkerEngineConfig(
             llm=EngineConfig(max_prefill_tokens_per_step=prefill, **llm),
             encoder_cache_size=cache,
