@@ -41,6 +41,7 @@ import torch
 
 from pipeline.config import SliceConfig
 from pipeline.processing import video as V
+from pipeline.processing.audio import process_audio, process_audios
 from pipeline.processing.template import OmniPart
 
 SR = 44100
@@ -219,8 +220,6 @@ def main_audio_features(iters: int) -> int:
     """A 30 s clip's thirty 1 s audio segments to log-mels: one at a time (`process_audio`
     each) against together (`process_audios`, one batched STFT), alone and from four threads
     at once (an ingress preprocessing four requests). Checked equal bit for bit first."""
-    from pipeline.processing.audio import process_audio, process_audios
-
     rng = np.random.default_rng(0)
     segs = [(0.1 * rng.standard_normal(16000)).astype(np.float32) for _ in range(30)]
     if not all(torch.equal(a.features, b.features)

@@ -74,9 +74,7 @@ def kv_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.stack((k, k + block_size))
 
 
-def write_kv(
-    kv: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
+def write_kv(kv: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Copy new K/V into one layer's paged cache at `kv_rows` (graph capturable).
 
     kv: (num_blocks, 2, block, Hkv, D); rows: (2, T); k, v: (T, Hkv, D)."""

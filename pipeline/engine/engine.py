@@ -372,7 +372,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted) or self._inflight is not None
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self.in_flight
 
     @property
     def in_flight(self) -> bool:
