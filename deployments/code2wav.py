@@ -69,6 +69,9 @@ class Code2WavServer(StageServer):
             self._pushed[rid] = 0
         return failure
 
+    def _takes_hops(self, rid: str) -> bool:
+        return rid in self._pushed
+
     def _open_default(self, rid: str, aloop: asyncio.AbstractEventLoop):
         def open_default(engine: Any) -> None:  # worker thread, before any push of rid
             try:
@@ -115,8 +118,9 @@ class Code2WavServer(StageServer):
         talker_spans: list[tuple[float, float]] | None = None,
     ) -> bool:
         """Codes (n,) int64 of stream `rid`, in order; False if the stream is gone.
-        `talker_spans`: the Talker's (start, end) per chunk, handed on with the audio."""
-        if rid not in self._pushed:
+        `talker_spans`: the Talker's (start, end) per chunk, handed on with the audio. Codes
+        that come before the stream opened wait for it (up to `timeouts.open_s`)."""
+        if rid not in self._pushed and not await self._opens(rid):
             return False
         if talker_spans:
             self._talker_spans.setdefault(rid, []).extend(talker_spans)

@@ -17,6 +17,7 @@ real engine class (`_default_engine`), which refusals of an open are the client'
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
@@ -77,6 +78,7 @@ class StageServer:
         self._serving: set[str] = set()  # streams inside their generator
         self._forwarders: dict[str, Forwarder] = {}
         self._aborted = Tombstones() if self.tombstones else None
+        self._open_waiters: dict[str, asyncio.Event] = {}  # hops that came before the open
         freeze_startup_objects()  # last: the engine (and its warm-up) is built
 
     # -- what a stage says about itself --------------------------------------------------
@@ -145,6 +147,7 @@ class StageServer:
         t = self.timeouts
         try:
             failure = await self._open(rid, spec)
+            self._wake_open_waiters(rid)  # hops that came first: the stream takes them now
             if failure is not None:
                 yield failure
                 return
@@ -192,6 +195,7 @@ class StageServer:
                         yield item
                         return
         finally:
+            self._wake_open_waiters(rid)
             if fwd is not None:
                 fwd.cancel()
             self._forwarders.pop(rid, None)
@@ -220,6 +224,34 @@ class StageServer:
         self._forwarders[rid] = fwd
         return fwd
 
+    def _takes_hops(self, rid: str) -> bool:
+        """Whether `rid`'s stream takes hops from the previous stage now."""
+        return self.loop.is_open(rid)
+
+    async def _opens(self, rid: str) -> bool:
+        """Whether `rid`'s stream takes hops, waiting up to `timeouts.open_s` for its open:
+        the ingress starts the Thinker with the speech opens, so a hop may come first. False
+        at once for an aborted stream; an abort or a refused open ends the wait."""
+        if self._takes_hops(rid):
+            return True
+        if self._aborted is not None and rid in self._aborted:
+            return False
+        ev = self._open_waiters.setdefault(rid, asyncio.Event())
+        try:
+            async with asyncio.timeout(self.timeouts.open_s):
+                await ev.wait()
+        except TimeoutError:
+            pass
+        finally:
+            if self._open_waiters.get(rid) is ev and not ev.is_set():
+                del self._open_waiters[rid]
+        return self._takes_hops(rid)
+
+    def _wake_open_waiters(self, rid: str) -> None:
+        ev = self._open_waiters.pop(rid, None)
+        if ev is not None:
+            ev.set()
+
     # -- the handle's common methods ------------------------------------------------------
 
     async def abort(self, rid: str) -> None:
@@ -228,6 +260,7 @@ class StageServer:
         Idempotent."""
         if self._aborted is not None:
             self._aborted.add(rid)
+        self._wake_open_waiters(rid)  # a hop waiting for this stream's open: it will not come
         fwd = self._forwarders.pop(rid, None)
         if fwd is not None:
             fwd.cancel()

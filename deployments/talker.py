@@ -85,9 +85,10 @@ class TalkerServer(StageServer):
 
     async def feed(self, rid: str, ids: list[int], hidden: np.ndarray | None, final: bool) -> bool:
         """Spoken ids (n,) + hidden (n, llm_dim) from the Thinker; False if rid is gone
-        (aborted, or never opened on this replica). A stream that has spoken its fixed
-        length takes the rest of the text and drops it."""
-        if not self.loop.is_open(rid):
+        (aborted, or not opened on this replica within `timeouts.open_s`: the ingress starts
+        the Thinker with this session's open, so a span may come before it). A stream that
+        has spoken its fixed length takes the rest of the text and drops it."""
+        if not self.loop.is_open(rid) and (rid in self._spoken or not await self._opens(rid)):
             return rid in self._spoken
         import torch
 

@@ -2,10 +2,10 @@
 
     1. speech: wait for a slot in the active stream window (FIFO); text-only turns need no
        Talker or Code2Wav state and skip the window
-    2. speech: open Talker.session and Code2Wav.stream (with the voice); both must answer
-       Opened within `timeouts.open_s`, or the turn ends and whatever opened is released
+    2. speech: open Talker.session and Code2Wav.stream (with the voice), and at the same time
     3. start Thinker.generate (text back here; spoken span Thinker -> Talker -> Code2Wav
-       directly)
+       directly). Both opens must answer Opened within `timeouts.open_s`, or the turn ends
+       and whatever opened is released; the Thinker's text waits for them
     4. merge the streams into events as they come; free the slot on the last audio piece
        (text-only: on the last text)
     5. end with exactly one terminal event: Done, or Error (bad input the engine refused,
@@ -139,13 +139,17 @@ class TurnRunner:
         A speech turn that finds every awake window full wakes a sleeping group for the
         turns after it (a wake takes a replica start; this turn queues where it is)."""
         self.sleep_idle()
+        best = self.likely_group(speech)
+        if speech and best.free_slots() <= 0:
+            self._wake_one()
+        return best
+
+    def likely_group(self, speech: bool) -> Group:
+        """The group `choose` picks, without waking a group or putting one to sleep."""
         awake = [g for g in self.groups if not g.asleep]
         up = [g for g in awake if not g.down] or awake
         if speech:
-            best = max(up, key=lambda g: (g.free_slots(), -g.in_flight))
-            if best.free_slots() <= 0:
-                self._wake_one()
-            return best
+            return max(up, key=lambda g: (g.free_slots(), -g.in_flight))
         return min(up, key=lambda g: g.in_flight)
 
     def sleep_idle(self) -> None:
@@ -187,7 +191,7 @@ class TurnRunner:
             finally:
                 group.waking = False
 
-        self._in_background(wake())
+        self.in_background(wake())
 
     def _mark_down(self, group: Group) -> None:
         if group.down or len(self.groups) == 1:
@@ -207,7 +211,7 @@ class TurnRunner:
             group.down = False
             log.info("group %s answers again", group.name)
 
-        self._in_background(probe())
+        self.in_background(probe())
 
     async def run(self, turn: PreparedTurn) -> AsyncIterator[Event]:
         # Routing reads the windows' counts, so nothing may await between choosing a group
@@ -242,13 +246,18 @@ class TurnRunner:
         outcome, reason = "cancelled", "cancelled"
         self.in_flight[rid] = turn.speech
         try:
+            early: list[tuple[str, Any]] = []  # the Thinker's items while the opens ran
             if turn.speech:
                 self._window_metrics()
                 slot = await self._bounded(window.acquire(rid), deadline)
                 self._window_metrics()
-                await self._open_speech(turn, stages, streams, pumps, merged, seen, deadline)
+                self._start_speech(turn, stages, streams, pumps, merged, seen)
+            # With the speech opens, not after them: the Thinker's prefill overlaps their
+            # round trips (the Talker waits for its session should the span come first).
             self._start("text", stages.thinker.options(stream=True).generate.remote(
                 turn.thinker_request), streams, pumps, merged, seen)
+            if turn.speech:
+                early = await self._opened(merged, seen, deadline)
 
             marks: dict[str, float] = {}
             pieces: list[tuple[float, float]] = []
@@ -258,7 +267,7 @@ class TurnRunner:
             audio_s, index = 0.0, 0
             needed = {"text", "audio"} if turn.speech else {"text"}
             while needed:
-                src, item = await self._next(merged, seen, deadline)
+                src, item = early.pop(0) if early else await self._next(merged, seen, deadline)
                 if item is _END:
                     needed.discard(src)
                     seen.pop(src, None)
@@ -322,17 +331,23 @@ class TurnRunner:
 
     # -- opening -------------------------------------------------------------------------
 
-    async def _open_speech(self, turn: PreparedTurn, stages: Stages, streams: dict[str, Any],
-                           pumps: list[asyncio.Task], merged: asyncio.Queue,
-                           seen: dict[str, float], deadline: float) -> None:
-        """Both speech streams answer Opened, or the turn ends (the caller's cleanup cancels
-        whichever opened, which frees it: opening is all-or-nothing)."""
+    def _start_speech(self, turn: PreparedTurn, stages: Stages, streams: dict[str, Any],
+                      pumps: list[asyncio.Task], merged: asyncio.Queue,
+                      seen: dict[str, float]) -> None:
         rid = turn.request_id
         self._start("talker", stages.talker.options(stream=True).session.remote(
             rid, turn.seed, turn.speech_codes), streams, pumps, merged, seen)
         self._start("audio", stages.code2wav.options(stream=True).stream.remote(
             rid, turn.voice), streams, pumps, merged, seen)
+
+    async def _opened(self, merged: asyncio.Queue, seen: dict[str, float],
+                      deadline: float) -> list[tuple[str, Any]]:
+        """Both speech streams answer Opened, or the turn ends (the caller's cleanup cancels
+        whichever opened, which frees it: opening is all-or-nothing). What the Thinker says
+        meanwhile is kept, in order, and returned: no text goes out before the turn can
+        speak, and a Thinker failure ends the turn here as any stage's does."""
         waiting = {"talker", "audio"}
+        early: list[tuple[str, Any]] = []
         open_by = min(deadline, time.perf_counter() + self.timeouts.open_s)
         while waiting:
             try:
@@ -343,8 +358,11 @@ class TurnRunner:
                 late = " and ".join(sorted(_STAGE[s] for s in waiting))
                 raise _TurnError(Error(503, f"{late} did not open the speech stream within "
                                             f"{self.timeouts.open_s:g} s", "stage_unavailable"))
-            if isinstance(item, (Opened, Heartbeat)):
+            if src in seen and item is not _END:
                 seen[src] = time.perf_counter()
+            if src == "text" and not isinstance(item, (StageFailure, BaseException)):
+                early.append((src, item))
+            elif isinstance(item, (Opened, Heartbeat)):
                 if isinstance(item, Opened):
                     waiting.discard(src)
             elif item is _END:
@@ -352,6 +370,7 @@ class TurnRunner:
                                             "it", "stage_error"))
             else:
                 self._fail(src, item)
+        return early
 
     def _start(self, src: str, gen: Any, streams: dict[str, Any], pumps: list[asyncio.Task],
                merged: asyncio.Queue, seen: dict[str, float]) -> None:
@@ -436,9 +455,9 @@ class TurnRunner:
                 if isinstance(r, BaseException):
                     log.info("abort of %s did not land: %s", rid, error_line(r))
 
-        self._in_background(abort())
+        self.in_background(abort())
 
-    def _in_background(self, coro: Any) -> None:
+    def in_background(self, coro: Any) -> None:
         """Run `coro` on its own, kept alive until it ends. A fresh context: Serve links
         handle calls made in a request's context to that request and cancels them with it,
         and the request that started this may be being cancelled right now."""

@@ -12,11 +12,13 @@ import asyncio
 import random
 import time
 
+import numpy as np
 import pytest
 from test_api import light_source, user
 
 from deployments.loop import EngineLoop
 from deployments.schemas import AudioChunk, Done, Error, TextDelta
+from deployments.stage import Opened
 from deployments.testing import FakeThinkerEngine, LocalHandle, build_local_app
 
 
@@ -438,4 +440,75 @@ def test_a_refused_hop_ends_the_turn_within_a_second(app_cfg, source, hop):
     err = one_terminal(evs)
     assert isinstance(err, Error) and err.status == 503 and err.reason == "stage_unavailable", err
     assert "no stream" in err.message and took < 1.0, (err, took)
+    assert_clean(st)
+
+
+def test_the_thinker_starts_with_the_speech_opens(app_cfg, source):
+    """The Thinker gets the request while the Talker is still opening (its prefill overlaps
+    the opens), and its text reaches the client only once both opened."""
+    async def main():
+        local = build_local_app(app_cfg, source)
+        marks = {}
+        thinker, talker = local.thinker.engine, local.talker.engine
+        thinker_open, talker_open = thinker.open, talker.open
+
+        def open_thinker(*a, **k):
+            marks["thinker"] = time.perf_counter()
+            return thinker_open(*a, **k)
+
+        def open_talker(*a, **k):
+            time.sleep(0.3)  # the Talker's worker thread is busy
+            marks["talker"] = time.perf_counter()
+            return talker_open(*a, **k)
+
+        thinker.open, talker.open = open_thinker, open_talker
+        evs, seen = [], []
+        async for ev in local.ingress.chat(SPEECH):
+            evs.append(ev)
+            seen.append((time.perf_counter(), ev))
+        return evs, seen, marks, await settled(local)
+
+    evs, seen, marks, st = asyncio.run(main())
+    assert isinstance(one_terminal(evs), Done) and any(isinstance(e, AudioChunk) for e in evs)
+    assert marks["thinker"] < marks["talker"] - 0.2, marks  # opened during the Talker's open
+    first_text = next(t for t, ev in seen if isinstance(ev, TextDelta))
+    assert first_text >= marks["talker"], (first_text, marks)
+    assert_clean(st)
+
+
+def test_a_span_that_comes_before_its_session_waits_for_it(app_cfg, source):
+    """The Talker takes a spoken span that overtook its session's open once the session
+    opens; a span for an aborted stream is refused at once, and one for a stream that never
+    opens after `timeouts.open_s`, leaving no waiter behind."""
+    cfg = {**app_cfg, "timeouts": {**FAST, "open_s": 0.3}}
+    hidden = np.zeros((2, 16), np.float32)
+
+    async def main():
+        local = build_local_app(cfg, source)
+        talker = local.talker
+        early = asyncio.ensure_future(talker.feed("r1", [5, 6], hidden, False))
+        await asyncio.sleep(0.05)
+        waited = not early.done()
+        session = LocalHandle(talker).options(stream=True).session.remote("r1", None, None)
+        opened = await session.__anext__()
+        took_early = await early
+        s = talker.engine.streams["r1"]
+        fed = s["pending"] + len(s["codes"]) // talker.engine.codes_per_id  # ids taken
+        session.cancel()
+        await talker.abort("r2")
+        t = time.perf_counter()
+        aborted = await talker.feed("r2", [5], hidden[:1], False)
+        t_aborted = time.perf_counter() - t
+        t = time.perf_counter()
+        never = await talker.feed("r3", [5], hidden[:1], False)
+        t_never = time.perf_counter() - t
+        return (waited, opened, took_early, fed, aborted, t_aborted, never, t_never,
+                dict(talker._open_waiters), await settled(local))
+
+    waited, opened, took_early, fed, aborted, t_aborted, never, t_never, waiters, st = (
+        asyncio.run(main()))
+    assert waited and isinstance(opened, Opened) and took_early is True and fed == 2
+    assert aborted is False and t_aborted < 0.05, t_aborted
+    assert never is False and 0.3 <= t_never < 0.6, t_never
+    assert not waiters
     assert_clean(st)
