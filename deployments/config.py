@@ -62,6 +62,10 @@ class IngressSettings(_Settings):
     num_cpus: float = Field(0.0, ge=0.0)
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
+    prefetch_frames: bool = Field(True, description=(
+        "a video's frames go to the Thinker's vision encoder as soon as they are decoded, "
+        "while its audio track still decodes (same output; with several groups, to the "
+        "group a turn would be routed to at that moment)"))
 
 
 class RealtimeSettings(_Settings):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -49,6 +50,7 @@ from deployments.turn import Group, PreparedTurn, Stages, TurnRunner
 from deployments.voices import VoiceInfo, VoiceStore
 from deployments.window import ActiveStreamWindow
 
+log = logging.getLogger(__name__)
 _MEDIA_KIND = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 _STATUS_REASON = {400: "invalid_request", 404: "not_found", 409: "conflict",
                   413: "too_large", 422: "invalid_request"}
@@ -190,13 +192,35 @@ class IngressServer:
         arrival = time.time()
         if req.speech and (req.ref_audio is not None or self._stored_voice(req)):
             await self.require_voices("ref_audio" if req.ref_audio is not None else "audio.voice")
+        on_frames = None
+        if self.cfg.ingress.prefetch_frames:
+            loop = asyncio.get_running_loop()
+
+            def on_frames(images: list[Any]) -> None:  # a decode thread
+                loop.call_soon_threadsafe(self._prefetch, images, req.speech)
+
         # Decoding and feature extraction are CPU work: keep them off the event loop.
         try:
-            turn = await asyncio.to_thread(self._prepare, req, rid)
+            turn = await asyncio.to_thread(self._prepare, req, rid, on_frames)
         finally:  # on the event loop: the metrics' running totals are updated by one thread
             self.metrics.media_cache(self.media_cache_stats())
         turn.arrival, turn.prepared = arrival, time.time()
         return turn
+
+    def _prefetch(self, images: list[Any], speech: bool) -> None:
+        """A video's frames, decoded while its audio track still decodes, to the Thinker the
+        turn will most likely go to (the only one with one group): its vision encoder works on
+        them while this replica finishes the request. Best effort: a failed call costs the
+        turn nothing but the head start."""
+        thinker = self.turns.likely_group(speech).stages.thinker
+
+        async def send() -> None:
+            try:
+                await asyncio.wait_for(thinker.prefetch.remote(images), self.cfg.timeouts.hop_s)
+            except Exception as e:  # noqa: BLE001 - the turn's own call will tell
+                log.info("prefetch of %d frames did not land: %s", len(images), error_line(e))
+
+        self.turns.in_background(send())
 
     async def require_voices(self, param: str) -> None:
         """400 unless the checkpoint can build reference voices (its voice front end)."""
@@ -218,7 +242,9 @@ class IngressServer:
         key = req.audio.voice_key
         return None if key is None or key.lower() in DEFAULT_VOICES else key
 
-    def _prepare(self, req: ChatCompletionRequest, rid: str) -> PreparedTurn:
+    def _prepare(
+        self, req: ChatCompletionRequest, rid: str, on_frames: Any = None
+    ) -> PreparedTurn:
         from pipeline.handoff import SamplingParams
         from pipeline.processing.errors import MediaError
 
@@ -247,7 +273,8 @@ class IngressServer:
         try:
             voice = self._voice(req) if req.speech else None
             thinker_req = self.processor.build(messages, speech_output=req.speech,
-                                               sampling=sampling, request_id=rid)
+                                               sampling=sampling, request_id=rid,
+                                               on_frames=on_frames)
         except MediaError as e:
             raise ApiError(getattr(e, "http_status", 400), str(e)) from None
         except ValueError as e:  # e.g. a template or decoder refusing an odd input

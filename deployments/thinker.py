@@ -1,6 +1,7 @@
 """Thinker deployment: a ThinkerEngine behind the shared StageServer.
 
-`generate(req)` streams text back to its caller (the ingress). When the request asks for
+`generate(req)` streams text back to its caller (the ingress); `prefetch(images)` hands over
+a request's images ahead of it (a video's frames, while the ingress decodes its audio). When the request asks for
 speech, the spoken span (token ids + final-norm hidden states, numpy) goes straight to the
 Talker through `talker.feed`, in order, so the ingress never carries hidden states.
 In `full_span` mode the span is sent once, when the Thinker finishes. A feed that fails
@@ -54,6 +55,11 @@ class ThinkerServer(StageServer):
         async with aclosing(self._serve(req.request_id, req, forward=speaks)) as items:
             async for item in items:
                 yield item
+
+    async def prefetch(self, images: list[Any]) -> None:
+        """Images (pipeline.handoff.ImageInput) of a request still being prepared: the
+        engine encodes them ahead of it (a video's frames while its audio track decodes)."""
+        await self.loop.call(lambda e: e.prefetch(images))
 
     def _refused(self, e: Exception) -> StageFailure | None:
         if isinstance(e, ValueError):  # the engine refused this request (e.g. over the context)

@@ -325,3 +325,79 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_a_fresh_engine(engine_factor
     want = _run(fresh, [_request(fresh, "a", max_tokens=6)])["a"]
     assert got["ids"] == want["ids"] and got["reason"] == want["reason"] == "length"
     assert torch.equal(got["hidden"], want["hidden"])
+
+
+def _counting_vision(eng) -> list[int]:
+    """Wraps the engine's vision encoder: the list grows by the images of each pass."""
+    calls: list[int] = []
+    encode = eng.model.encode_images
+
+    def counted(images, *a, **k):
+        calls.append(len(images))
+        return encode(images, *a, **k)
+
+    eng.model.encode_images = counted
+    return calls
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_images_encoded_ahead_give_the_same_stream(engine_factory, ahead):
+    """A request's images handed over before it (`prefetch`, here while another request
+    decodes) are encoded by the next step and wait for it: both streams equal the ones
+    without the prefetch, and the vision encoder does not run on them again."""
+    outs = []
+    for prefetch in (False, True):
+        eng = engine_factory(llm={"launch_ahead": ahead, "enable_prefix_caching": False})
+        calls = _counting_vision(eng)
+        first = _request(eng, "a", image_seed=1, max_tokens=8)
+        late = _request(eng, "b", image_seed=2, audio_freq=550.0, max_tokens=5)
+        eng.open("a", first)
+        early = [d for _ in range(3) for d in eng.step()]  # "a" decodes
+        assert eng.llm.has_decodes()
+        if prefetch:
+            eng.prefetch(late.images)
+            early += eng.step()
+            if ahead:  # the step in flight came back first; the encode is the next step's
+                assert eng._prefetch and not eng.llm.in_flight
+                early += eng.step()
+            assert not eng._prefetch and eng.stats()["prefetch_held"] == 1
+            assert calls == [1, 1]
+            eng.prefetch(late.images)  # held already: nothing to do
+            assert not eng._prefetch
+        eng.open("b", late)
+        outs.append(_collect(eng, early, [first, late]))
+        assert calls == [1, 1]  # one pass per image, whichever way it came
+        st = eng.stats()
+        assert (st["prefetched"], st["prefetch_hits"], st["prefetch_held"]) == (
+            (1, 1, 0) if prefetch else (0, 0, 0))
+        assert st["num_free_blocks"] == st["num_total_blocks"]
+    plain, ahead_out = outs
+    for rid, ref in plain.items():
+        got = ahead_out[rid]
+        for k in ("ids", "text", "spoken", "reason"):
+            assert got[k] == ref[k], (rid, k)
+        torch.testing.assert_close(got["hidden"], ref["hidden"], atol=1e-5, rtol=1e-5)
+
+
+def test_images_sent_ahead_are_bounded_and_skip_what_is_encoded(engine_factory):
+    """The store of images encoded ahead holds `prefetch_capacity` (oldest out: a request
+    that never came; here with the encoder LRU off); an image an admitted request is
+    encoding anyway is not encoded twice; capacity 0 turns prefetching off."""
+    eng = engine_factory(prefetch_capacity=2, encoder_cache_size=0,
+                         llm={"enable_prefix_caching": False})
+    calls = _counting_vision(eng)
+    reqs = [_request(eng, f"r{i}", image_seed=i, max_tokens=2) for i in range(3)]
+    eng.prefetch([r.images[0] for r in reqs])
+    eng.step()
+    assert calls == [3] and eng.stats()["prefetch_held"] == 2
+    assert reqs[0].images[0].content_hash not in eng._ahead  # the oldest went
+    out = _run(eng, [reqs[0]])["r0"]  # encoded again, as without any prefetch
+    assert calls == [3, 1] and out["reason"] == "length"
+    fresh = _request(eng, "n", image_seed=9, max_tokens=2)
+    eng.open("n", fresh)
+    eng.prefetch(fresh.images)  # its own request is admitted in the same step
+    _collect(eng, [], [fresh])
+    assert calls == [3, 1, 1] and eng.stats()["prefetched"] == 3
+    off = engine_factory(prefetch_capacity=0)
+    off.prefetch(reqs[1].images)
+    assert not off.has_work()

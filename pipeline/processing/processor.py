@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from pipeline.config import ThinkerConfig
-from pipeline.handoff import AudioInput, SamplingParams, ThinkerRequest
+from pipeline.handoff import AudioInput, ImageInput, SamplingParams, ThinkerRequest
 from pipeline.processing.audio import clip_num_tokens, decode_audio, process_audio
 from pipeline.processing.errors import (
     InvalidMessageError,
@@ -60,10 +60,11 @@ from pipeline.processing.template import (
     count_prompt_tokens,
     spoken_banned_ids,
 )
-from pipeline.processing.video import decode_video, pack_omni
+from pipeline.processing.video import decode_video, frame_parts, pack_omni
 
 MEDIA_KINDS = ("image", "audio", "video")
 T = TypeVar("T")
+OnFrames = Callable[[list[ImageInput]], None]  # a video's frames, before its audio is done
 
 
 class Tokenizer(Protocol):
@@ -181,6 +182,7 @@ class Processor:
         enable_thinking: bool = False,
         max_slice_nums: int | None = None,
         use_image_id: bool | None = None,
+        on_frames: OnFrames | None = None,
     ) -> ThinkerRequest:
         """Messages -> ThinkerRequest.
 
@@ -189,13 +191,16 @@ class Processor:
                          <|tts_bos|>, as the reference's streamed decode starts (template.py)
         max_slice_nums / use_image_id: request-wide image options (vLLM's mm_processor_kwargs;
             Daily-Omni's interleaved frames use 1 / False); a part's own max_slice_nums wins
+        on_frames:       called (on a decode thread) with a video's frames as the request will
+                         hold them, while its audio track still decodes, so their encoding
+                         may start before this returns
         """
         # Refuse on the raw image count first so nothing is decoded for a hopeless request.
         self._check_vision_count(sum(_count_raw_images(m) for m in messages))
         opts = _ImageOptions(max_slice_nums, use_image_id)
         raw = [self._normalize(i, m) for i, m in enumerate(messages)]
         self._check_prompt_bound(raw, opts, enable_thinking)
-        decoded = [self._decode_message(m, opts) for m in raw]
+        decoded = [self._decode_message(m, opts, on_frames) for m in raw]
         self._check_vision_count(sum(_count_vision(m) for m in decoded))
         prompt = build_prompt(
             decoded,
@@ -347,19 +352,23 @@ class Processor:
 
     # -- media decoding ----------------------------------------------------------------
 
-    def _decode_message(self, m: Message, opts: _ImageOptions) -> Message:
+    def _decode_message(
+        self, m: Message, opts: _ImageOptions, on_frames: OnFrames | None = None
+    ) -> Message:
         if isinstance(m.content, str):
             return m
         content = m.content
         if self.decode_workers <= 1 or sum(isinstance(p, MediaBytes) for p in content) < 2:
-            return Message(m.role, [self._decode(p, opts) for p in content])
+            return Message(m.role, [self._decode(p, opts, on_frames) for p in content])
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.decode_workers, thread_name_prefix="decode")
-        futures = [self._pool.submit(self._decode, p, opts) for p in content]
+        futures = [self._pool.submit(self._decode, p, opts, on_frames) for p in content]
         return Message(m.role, [f.result() for f in futures])  # the first bad part raises
 
-    def _decode(self, p: Part | MediaBytes, opts: _ImageOptions) -> Part:
+    def _decode(
+        self, p: Part | MediaBytes, opts: _ImageOptions, on_frames: OnFrames | None = None
+    ) -> Part:
         if not isinstance(p, MediaBytes):
             return p
         if p.kind == "image":
@@ -368,7 +377,7 @@ class Processor:
             clip = self._cached(p, lambda: self._audio(p))
             return AudioPart(clip, clip_num_tokens(clip), chunked=self.chunked_audio)
         digest = hashlib.sha256(p.data).hexdigest()  # also the frames' encoder-cache base
-        return self._cached(p, lambda: self._video(p, digest), digest=digest)
+        return self._cached(p, lambda: self._video(p, digest, on_frames), digest=digest)
 
     def _cached(
         self, p: MediaBytes, build: Callable[[], T], *options: Hashable, digest: str = ""
@@ -385,16 +394,27 @@ class Processor:
     def _audio(self, p: MediaBytes) -> AudioInput:
         return process_audio(decode_audio(p.data, max_seconds=self.limits.max_audio_seconds))
 
-    def _video(self, p: MediaBytes, digest: str) -> OmniPart:
+    def _video(self, p: MediaBytes, digest: str, on_frames: OnFrames | None = None) -> OmniPart:
         lim = self.limits
+        early: list[ImagePart] | None = None  # the frames' parts, made while audio decodes
+
+        def frames_ready(frames: list, timestamps: list[float]) -> None:
+            nonlocal early
+            early = frame_parts(frames, timestamps, self.cfg.slicing, digest)
+            assert on_frames is not None
+            on_frames([part.image.image for part in early])
+
         video = decode_video(
             p.data,
             max_frames=lim.max_video_frames,
             max_seconds=lim.max_video_seconds,
             max_pixels=lim.max_image_pixels,
             max_aspect_ratio=lim.max_image_aspect_ratio,
+            on_frames=None if on_frames is None else frames_ready,
         )
-        return pack_omni(video, self.cfg.slicing, digest, merge_audio=self.merge_video_audio)
+        return pack_omni(
+            video, self.cfg.slicing, digest, merge_audio=self.merge_video_audio, frames=early
+        )
 
     def _max_slices(self, p: MediaBytes, opts: _ImageOptions) -> int:
         slicing = self.cfg.slicing

@@ -166,6 +166,7 @@ def decode_video(
     max_aspect_ratio: float = MAX_ASPECT_RATIO,
     with_audio: bool = True,
     full_decode: bool = False,
+    on_frames: Callable[[list[Image.Image], list[float]], None] | None = None,
 ) -> DecodedVideo:
     """Video bytes -> DecodedVideo: at most max_frames frames, 1 fps for short clips.
 
@@ -176,6 +177,10 @@ def decode_video(
     Only the packets the picked frames need are decoded (`_decode_picked`); full_decode=True
     decodes every frame up to the last pick instead (the same frames, bit for bit: the
     reference the tests and bench/video_decode.py compare against).
+
+    on_frames(frames, timestamps) is called with the decoded frames while the audio track is
+    still decoding (not at all when there is none, or it is done already), so the frames'
+    encoding can start before this returns; an error after it still raises here.
     """
     if not data:
         raise EmptyMediaError("video part is empty (0 bytes)")
@@ -213,6 +218,9 @@ def decode_video(
                     frames = _decode_frames(plain, plain.streams.video[0], indices, check_size)
             if not frames:
                 raise EmptyMediaError("video stream decodes to 0 frames")
+            if (on_frames is not None and audio is not None and container.streams.audio
+                    and not audio.done()):
+                on_frames(frames, timestamps)
             samples = None if audio is None else audio.result()
     segments = None if samples is None else segment_audio(samples, timestamps, duration)
     return DecodedVideo(frames, timestamps, duration, segments)
@@ -445,8 +453,24 @@ def _frame_hash(video_hash: str, t: float, cfg: SliceConfig) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def frame_parts(
+    frames: list[Image.Image], timestamps: list[float], cfg: SliceConfig, video_hash: str
+) -> list[ImagePart]:
+    """Each frame as one unsliced image (max_slice_nums 1, 64 tokens, no <image_id>), keyed
+    for the encoder cache by the video's hash and its timestamp."""
+    return [
+        ImagePart(process_image(f, cfg, _frame_hash(video_hash, t, cfg), 1), use_image_id=False)
+        for f, t in zip(frames, timestamps, strict=True)
+    ]
+
+
 def pack_omni(
-    video: DecodedVideo, cfg: SliceConfig, video_hash: str, *, merge_audio: bool = False
+    video: DecodedVideo,
+    cfg: SliceConfig,
+    video_hash: str,
+    *,
+    merge_audio: bool = False,
+    frames: list[ImagePart] | None = None,
 ) -> OmniPart:
     """Interleave frame i and audio segment i (Daily-Omni "minicpm-interleave" / reference omni
     chat): [frame_0, audio_0, frame_1, audio_1, ...], joined without separators.
@@ -457,11 +481,10 @@ def pack_omni(
     second: own log-mel floor, own encoder pass). merge_audio=True makes the whole track one
     clip (reference `chat(merge_audio_from_same_content=True)`: one feature pass, block-causal
     encoder context across seconds) and maps segment i to its token range of that clip.
+    frames: `frame_parts` of this video, when they were made already.
     """
-    frames = [
-        ImagePart(process_image(f, cfg, _frame_hash(video_hash, t, cfg), 1), use_image_id=False)
-        for f, t in zip(video.frames, video.timestamps)
-    ]
+    if frames is None:
+        frames = frame_parts(video.frames, video.timestamps, cfg, video_hash)
     if video.audio_segments is None:
         return OmniPart(list(frames))
     audio: list[AudioPart] = []

@@ -14,7 +14,9 @@ Each `step()`:
      encoders, the chosen images batched in one vision pass and the clips in one audio
      pass) and hands their rows to the LLM engine, which computes each prompt only up to
      its first slot still waiting for rows: a request's prefill chunks start while its
-     later frames are being encoded;
+     later frames are being encoded. Images sent ahead of their request (`prefetch`: a
+     video's frames while the ingress still decodes its audio) go in the same batch, after
+     the admitted requests' media, and wait for their request;
   3) runs one continuous-batching step of the LLM engine (every running decode + at most
      `max_prefill_tokens_per_step` prompt tokens); with media to encode while an LLM step
      launched ahead is in flight, the step only returns that one's outputs (encoders
@@ -70,6 +72,10 @@ class ThinkerEngineConfig:
     # TTFT, since the steps it splits a request's encoding into also decode eagerly.
     max_encoder_items_per_step: int = 0
     audio_seconds_per_item: float = 5.0
+    # Images encoded ahead of their request (`prefetch`: a video's frames while the ingress
+    # still decodes its audio track) wait for it here, outside the LRU above, at most this
+    # many (oldest dropped first: a request that never came). 128 ~ 64 MiB of bf16 rows.
+    prefetch_capacity: int = 128
     dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
     # CUDA only: two short requests before serving (warm_up), so that what a first request
     # would pay (FlashInfer kernels built on first use, compiled helpers at prefill shapes)
@@ -87,6 +93,8 @@ class ThinkerEngineConfig:
             )
         if self.max_encoder_items_per_step < 0 or self.audio_seconds_per_item <= 0:
             raise ValueError("max_encoder_items_per_step >= 0, audio_seconds_per_item > 0")
+        if self.prefetch_capacity < 0:
+            raise ValueError("prefetch_capacity >= 0")
 
 
 class EncoderCache:
@@ -170,6 +178,9 @@ class ThinkerStats:
     prefix_cache_queries: int  # prompt tokens looked up
     num_cached_blocks: int
     media_skipped: int  # images / clips not encoded: all their slots inside a cached prefix
+    prefetched: int  # images encoded ahead of their request (`prefetch`)
+    prefetch_hits: int  # ... whose request took the rows
+    prefetch_held: int  # ... waiting for their request now
     # Per-step work, the largest seen (what bounds how long a running decode waits):
     max_step_encoder_items: int  # encoder items of one step with a running decode
     max_step_prefill_tokens: int  # prompt tokens of one LLM step with running decodes
@@ -200,6 +211,9 @@ class ThinkerEngine:
         self.cache = EncoderCache(config.encoder_cache_size)
         self.tokens = model.cfg.tokens
         self._pending: list[ThinkerRequest] = []
+        self._prefetch: dict[str, ImageInput] = {}  # to encode ahead of their request
+        self._ahead: OrderedDict[str, torch.Tensor] = OrderedDict()  # encoded, not yet taken
+        self.prefetched = self.prefetch_hits = 0
         self._streams: dict[str, _Stream] = {}
         self.media_skipped = 0
         self._max_step_items = 0
@@ -290,6 +304,18 @@ class ThinkerEngine:
         self._check_bounds(spec)
         self._pending.append(spec)
 
+    def prefetch(self, images: list[ImageInput]) -> None:
+        """Encode `images` before the request that holds them arrives (a video's frames
+        while the ingress still decodes the clip's audio): the next step encodes them, after
+        the admitted requests' media, and their rows wait for the request (`open`) in a store
+        of `prefetch_capacity` images. Images already encoded or waiting are skipped."""
+        if not self.config.prefetch_capacity:
+            return
+        for im in images:
+            key = im.content_hash
+            if key not in self._ahead and key not in self.cache:
+                self._prefetch.setdefault(key, im)
+
     def feed(self, rid: str, msg: object) -> None:
         raise ValueError(
             f"request {rid!r}: the Thinker takes its whole prompt at open(), not as a feed"
@@ -302,7 +328,7 @@ class ThinkerEngine:
             self.llm.abort(rid)
 
     def has_work(self) -> bool:
-        return bool(self._pending) or self.llm.has_unfinished()
+        return bool(self._pending) or bool(self._prefetch) or self.llm.has_unfinished()
 
     def step(self) -> list[ThinkerDelta]:
         t0 = time.perf_counter()
@@ -311,7 +337,9 @@ class ThinkerEngine:
             admit = self._pending[: self.config.max_admit_per_step]
             self._pending = self._pending[len(admit) :]
             self._admit(admit)
-        if self.llm.in_flight and any(st.todo for st in self._streams.values()):
+        if self.llm.in_flight and (
+            self._prefetch or any(st.todo for st in self._streams.values())
+        ):
             # The encoders wait for the device, behind the LLM step launched ahead: return
             # that step's ids first (the next step encodes, then launches), or they would
             # wait for the encoders too.
@@ -389,7 +417,7 @@ class ThinkerEngine:
         for st in self._streams.values():
             for m in st.todo:
                 key = m.content_hash
-                free = key in images or key in audios or key in self.cache
+                free = key in images or key in audios or key in self.cache or key in self._ahead
                 cost = 0 if free else self._item_cost(m)
                 if budget and used and used + cost > budget:
                     full = True
@@ -401,11 +429,24 @@ class ThinkerEngine:
                     audios[key] = m
             if full:
                 break
+        ahead: list[str] = []  # images encoded for requests still on their way
+        for key, im in list(self._prefetch.items()):
+            if key in images or key in self._ahead or key in self.cache:
+                del self._prefetch[key]  # an admitted request's own, or encoded meanwhile
+                continue
+            if full or (budget and used and used + im.num_slices > budget):
+                break
+            used += im.num_slices
+            images[key] = im
+            ahead.append(key)
+            del self._prefetch[key]
         if not images and not audios:
             return
         if decoding:
             self._max_step_items = max(self._max_step_items, used)
         have, vision_end, audio_end = self._encode(images, audios, time.time())
+        for key in ahead:
+            self._hold(key, have[key])
         for rid, st in self._streams.items():
             done = [m for m in st.todo if m.content_hash in have]
             if not done:
@@ -452,7 +493,12 @@ class ThinkerEngine:
         """Encoder outputs by content hash (cache first), with the vision / audio end times."""
         have: dict[str, torch.Tensor] = {}
         for key in list(images) + list(audios):
-            hit = self.cache.get(key)
+            hit = self._ahead.pop(key, None)
+            if hit is not None:  # encoded ahead of this request: into the LRU like its own
+                self.prefetch_hits += 1
+                self.cache.put(key, hit)
+            else:
+                hit = self.cache.get(key)
             if hit is not None:
                 have[key] = hit
         todo_images = {k: v for k, v in images.items() if k not in have}
@@ -469,6 +515,13 @@ class ThinkerEngine:
         for key in list(todo_images) + list(todo_audios):
             self.cache.put(key, have[key])
         return have, vision_end, audio_end
+
+    def _hold(self, key: str, rows: torch.Tensor) -> None:
+        """Keep an image's rows, encoded ahead, until its request takes them."""
+        self.prefetched += 1
+        self._ahead[key] = rows
+        while len(self._ahead) > self.config.prefetch_capacity:
+            self._ahead.popitem(last=False)
 
     def _load_media(self, request_id: str, spans: list[MediaSpan]) -> list[torch.Tensor]:
         """The LLM engine's callback for rows left out at admission (their cached prefix
@@ -573,6 +626,9 @@ class ThinkerEngine:
                 prefix_cache_queries=s.prefix_cache_queries,
                 num_cached_blocks=s.num_cached_blocks,
                 media_skipped=self.media_skipped,
+                prefetched=self.prefetched,
+                prefetch_hits=self.prefetch_hits,
+                prefetch_held=len(self._ahead),
                 max_step_encoder_items=self._max_step_items,
                 max_step_prefill_tokens=s.max_step_prefill_tokens,
                 max_decode_wait_steps=s.max_decode_wait_steps,

@@ -1,0 +1,100 @@
+"""A video's frames handed to the Thinker while its audio track still decodes: the Processor's
+`on_frames` (the frames exactly as the request holds them, the request unchanged) and the
+ingress sending them to the Thinker's `prefetch` (in-process app over fake engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from test_api import data_uri, light_source, user
+from test_processing_prompt import ByteTokenizer
+from test_processing_video import make_mp4
+
+from deployments.schemas import Done
+from deployments.testing import build_local_app
+from pipeline.config import ThinkerConfig
+from pipeline.processing import MediaBytes, Processor
+from pipeline.processing import video as V
+
+
+@pytest.fixture
+def slow_audio(monkeypatch):
+    """The audio track finishes only once the frames were handed over (or after 10 s), so
+    the frames always come first, as with a real clip whose audio decodes longer."""
+    handed = threading.Event()
+    decode = V._decode_audio_track
+
+    def after_frames(*a, **k):
+        handed.wait(10)
+        return decode(*a, **k)
+
+    monkeypatch.setattr(V, "_decode_audio_track", after_frames)
+    return handed
+
+
+def _build(on_frames=None, clip=None):
+    proc = Processor(ThinkerConfig(), ByteTokenizer())
+    msgs = [{"role": "user", "content": [MediaBytes("video", clip or make_mp4(3.5)), "Q?"]}]
+    return proc.build(msgs, speech_output=True, on_frames=on_frames)
+
+
+def test_on_frames_hands_over_the_request_frames_before_the_audio(slow_audio):
+    got = []
+
+    def on_frames(images):
+        got.append((images, slow_audio.is_set()))
+        slow_audio.set()
+
+    req = _build(on_frames)
+    plain = _build()
+    assert len(got) == 1 and got[0][1] is False  # before the audio track was done
+    images = got[0][0]
+    assert len(images) == 4 and all(a is b for a, b in zip(images, req.images, strict=True))
+    assert req.input_ids == plain.input_ids and req.image_bounds == plain.image_bounds
+    for a, b in zip(req.images, plain.images, strict=True):
+        assert a.content_hash == b.content_hash
+        assert all(torch.equal(x, y) for x, y in zip(a.pixel_values, b.pixel_values, strict=True))
+    assert [a.content_hash for a in req.audios] == [a.content_hash for a in plain.audios]
+
+
+def test_on_frames_is_not_called_without_an_audio_track(slow_audio):
+    got = []
+    req = _build(got.append, make_mp4(2.5, audio=False))
+    assert not got and len(req.images) == 3 and not req.audios
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_ingress_sends_a_video_frames_ahead(slow_audio, prefetch):
+    """With `ingress.prefetch_frames` the Thinker gets the turn's frames before its request
+    (the same content hashes), and the turn completes as without."""
+    clip = make_mp4(3.5)
+    body = {"messages": user([{"type": "video_url",
+                               "video_url": {"url": data_uri(clip, "video/mp4")}},
+                              {"type": "text", "text": "What happens?"}]),
+            "modalities": ["text", "audio"], "max_tokens": 8}
+    cfg = {"active_stream_window": 2, "ingress": {"prefetch_frames": prefetch}}
+
+    async def main():
+        local = build_local_app(cfg, light_source())
+        engine = local.thinker.engine
+        opened = []
+        real_open = engine.open
+
+        def open_(rid, spec):
+            opened.append((list(engine.prefetched), [im.content_hash for im in spec.images]))
+            return real_open(rid, spec)
+
+        engine.open = open_
+        if not prefetch:
+            slow_audio.set()
+        evs = [ev async for ev in local.ingress.chat(body)]
+        return evs, opened
+
+    evs, opened = asyncio.run(main())
+    assert isinstance(evs[-1], Done)
+    (before, hashes), = opened
+    assert len(hashes) == 4
+    assert before == (hashes if prefetch else [])
