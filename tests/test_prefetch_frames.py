@@ -5,9 +5,12 @@ ingress sending them to the Thinker's `prefetch` (in-process app over fake engin
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 
+import numpy as np
 import pytest
+import soundfile as sf
 import torch
 from test_api import data_uri, light_source, user
 from test_processing_prompt import ByteTokenizer
@@ -17,6 +20,7 @@ from deployments.schemas import Done
 from deployments.testing import build_local_app
 from pipeline.config import ThinkerConfig
 from pipeline.processing import MediaBytes, Processor
+from pipeline.processing import processor as P
 from pipeline.processing import video as V
 
 
@@ -35,10 +39,11 @@ def slow_audio(monkeypatch):
     return handed
 
 
-def _build(on_frames=None, clip=None):
+def _build(on_frames=None, clip=None, extra=()):
     proc = Processor(ThinkerConfig(), ByteTokenizer())
-    msgs = [{"role": "user", "content": [MediaBytes("video", clip or make_mp4(3.5)), "Q?"]}]
-    return proc.build(msgs, speech_output=True, on_frames=on_frames)
+    content = [MediaBytes("video", clip or make_mp4(3.5)), *extra, "Q?"]
+    return proc.build([{"role": "user", "content": content}], speech_output=True,
+                      on_frames=on_frames)
 
 
 def test_on_frames_hands_over_the_request_frames_before_the_audio(slow_audio):
@@ -60,10 +65,35 @@ def test_on_frames_hands_over_the_request_frames_before_the_audio(slow_audio):
     assert [a.content_hash for a in req.audios] == [a.content_hash for a in plain.audios]
 
 
-def test_on_frames_is_not_called_without_an_audio_track(slow_audio):
+def test_on_frames_is_not_called_for_a_video_that_is_all_there_is(slow_audio):
     got = []
     req = _build(got.append, make_mp4(2.5, audio=False))
     assert not got and len(req.images) == 3 and not req.audios
+
+
+def test_on_frames_while_another_media_part_decodes(monkeypatch):
+    """The benchmark's shape: a video without an audio track, its audio as a part of its own
+    (decoded side by side): the frames go as soon as they are decoded."""
+    handed = threading.Event()
+    decode = P.decode_audio
+
+    def after_frames(*a, **k):
+        handed.wait(10)
+        return decode(*a, **k)
+
+    monkeypatch.setattr(P, "decode_audio", after_frames)
+    got = []
+
+    def on_frames(images):
+        got.append(images)
+        handed.set()
+
+    wav = io.BytesIO()
+    sf.write(wav, np.zeros(16000, np.float32), 16000, format="WAV")
+    req = _build(on_frames, make_mp4(2.5, audio=False), [MediaBytes("audio", wav.getvalue())])
+    assert len(got) == 1 and [a.content_hash for a in got[0]] == [
+        a.content_hash for a in req.images]
+    assert len(req.images) == 3 and len(req.audios) == 1
 
 
 @pytest.mark.parametrize("prefetch", [True, False])

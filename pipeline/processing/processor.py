@@ -192,15 +192,21 @@ class Processor:
         max_slice_nums / use_image_id: request-wide image options (vLLM's mm_processor_kwargs;
             Daily-Omni's interleaved frames use 1 / False); a part's own max_slice_nums wins
         on_frames:       called (on a decode thread) with a video's frames as the request will
-                         hold them, while its audio track still decodes, so their encoding
-                         may start before this returns
+                         hold them, when they are decoded while something of the request still
+                         is (the video's audio track, other media parts), so their encoding may
+                         start before this returns
         """
         # Refuse on the raw image count first so nothing is decoded for a hopeless request.
         self._check_vision_count(sum(_count_raw_images(m) for m in messages))
         opts = _ImageOptions(max_slice_nums, use_image_id)
         raw = [self._normalize(i, m) for i, m in enumerate(messages)]
         self._check_prompt_bound(raw, opts, enable_thinking)
-        decoded = [self._decode_message(m, opts, on_frames) for m in raw]
+        handoff = None
+        if on_frames is not None:
+            parts = sum(isinstance(p, MediaBytes) for m in raw if not isinstance(m.content, str)
+                        for p in m.content)
+            handoff = _FrameHandoff(on_frames, parts)
+        decoded = [self._decode_message(m, opts, handoff) for m in raw]
         self._check_vision_count(sum(_count_vision(m) for m in decoded))
         prompt = build_prompt(
             decoded,
@@ -353,31 +359,40 @@ class Processor:
     # -- media decoding ----------------------------------------------------------------
 
     def _decode_message(
-        self, m: Message, opts: _ImageOptions, on_frames: OnFrames | None = None
+        self, m: Message, opts: _ImageOptions, handoff: _FrameHandoff | None = None
     ) -> Message:
         if isinstance(m.content, str):
             return m
         content = m.content
         if self.decode_workers <= 1 or sum(isinstance(p, MediaBytes) for p in content) < 2:
-            return Message(m.role, [self._decode(p, opts, on_frames) for p in content])
+            return Message(m.role, [self._decode(p, opts, handoff) for p in content])
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.decode_workers, thread_name_prefix="decode")
-        futures = [self._pool.submit(self._decode, p, opts, on_frames) for p in content]
+        futures = [self._pool.submit(self._decode, p, opts, handoff) for p in content]
         return Message(m.role, [f.result() for f in futures])  # the first bad part raises
 
     def _decode(
-        self, p: Part | MediaBytes, opts: _ImageOptions, on_frames: OnFrames | None = None
+        self, p: Part | MediaBytes, opts: _ImageOptions, handoff: _FrameHandoff | None = None
     ) -> Part:
         if not isinstance(p, MediaBytes):
             return p
+        try:
+            return self._decode_media(p, opts, handoff)
+        finally:
+            if handoff is not None:
+                handoff.part_done()
+
+    def _decode_media(
+        self, p: MediaBytes, opts: _ImageOptions, handoff: _FrameHandoff | None
+    ) -> Part:
         if p.kind == "image":
             return self._image(p, opts)
         if p.kind == "audio":
             clip = self._cached(p, lambda: self._audio(p))
             return AudioPart(clip, clip_num_tokens(clip), chunked=self.chunked_audio)
         digest = hashlib.sha256(p.data).hexdigest()  # also the frames' encoder-cache base
-        return self._cached(p, lambda: self._video(p, digest, on_frames), digest=digest)
+        return self._cached(p, lambda: self._video(p, digest, handoff), digest=digest)
 
     def _cached(
         self, p: MediaBytes, build: Callable[[], T], *options: Hashable, digest: str = ""
@@ -394,15 +409,17 @@ class Processor:
     def _audio(self, p: MediaBytes) -> AudioInput:
         return process_audio(decode_audio(p.data, max_seconds=self.limits.max_audio_seconds))
 
-    def _video(self, p: MediaBytes, digest: str, on_frames: OnFrames | None = None) -> OmniPart:
+    def _video(
+        self, p: MediaBytes, digest: str, handoff: _FrameHandoff | None = None
+    ) -> OmniPart:
         lim = self.limits
-        early: list[ImagePart] | None = None  # the frames' parts, made while audio decodes
+        early: list[ImagePart] | None = None  # the frames' parts, made before the audio is
 
-        def frames_ready(frames: list, timestamps: list[float]) -> None:
+        def frames_ready(frames: list, timestamps: list[float], audio_pending: bool) -> None:
             nonlocal early
             early = frame_parts(frames, timestamps, self.cfg.slicing, digest)
-            assert on_frames is not None
-            on_frames([part.image.image for part in early])
+            assert handoff is not None
+            handoff.frames([part.image.image for part in early], audio_pending)
 
         video = decode_video(
             p.data,
@@ -410,7 +427,7 @@ class Processor:
             max_seconds=lim.max_video_seconds,
             max_pixels=lim.max_image_pixels,
             max_aspect_ratio=lim.max_image_aspect_ratio,
-            on_frames=None if on_frames is None else frames_ready,
+            on_frames=None if handoff is None else frames_ready,
         )
         return pack_omni(
             video, self.cfg.slicing, digest, merge_audio=self.merge_video_audio, frames=early
@@ -444,6 +461,27 @@ class Processor:
         )
         content_hash = image_content_hash(p.data, self.cfg.slicing, max_slices)
         return process_image(img, self.cfg.slicing, content_hash, max_slice_nums=max_slices)
+
+
+class _FrameHandoff:
+    """One request's video frames to `on_frames`, when they are decoded while something of
+    the request still is: the video's own audio track, or another media part (decoded side by
+    side, or after this one). A video that is the request's last media is not handed over."""
+
+    def __init__(self, on_frames: OnFrames, parts: int):
+        self.on_frames = on_frames
+        self._left = parts  # media parts not decoded yet
+        self._lock = threading.Lock()
+
+    def part_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+
+    def frames(self, images: list[ImageInput], audio_pending: bool) -> None:
+        with self._lock:
+            others = self._left > 1  # this video's part is one of them
+        if audio_pending or others:
+            self.on_frames(images)
 
 
 def _check_text(text: str, where: str) -> None:

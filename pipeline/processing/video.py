@@ -166,7 +166,7 @@ def decode_video(
     max_aspect_ratio: float = MAX_ASPECT_RATIO,
     with_audio: bool = True,
     full_decode: bool = False,
-    on_frames: Callable[[list[Image.Image], list[float]], None] | None = None,
+    on_frames: Callable[[list[Image.Image], list[float], bool], None] | None = None,
 ) -> DecodedVideo:
     """Video bytes -> DecodedVideo: at most max_frames frames, 1 fps for short clips.
 
@@ -178,8 +178,8 @@ def decode_video(
     decodes every frame up to the last pick instead (the same frames, bit for bit: the
     reference the tests and bench/video_decode.py compare against).
 
-    on_frames(frames, timestamps) is called with the decoded frames while the audio track is
-    still decoding (not at all when there is none, or it is done already), so the frames'
+    on_frames(frames, timestamps, audio_pending) is called once the frames are decoded, before
+    the audio track is waited for (audio_pending: it is still decoding), so the frames'
     encoding can start before this returns; an error after it still raises here.
     """
     if not data:
@@ -218,9 +218,9 @@ def decode_video(
                     frames = _decode_frames(plain, plain.streams.video[0], indices, check_size)
             if not frames:
                 raise EmptyMediaError("video stream decodes to 0 frames")
-            if (on_frames is not None and audio is not None and container.streams.audio
-                    and not audio.done()):
-                on_frames(frames, timestamps)
+            if on_frames is not None:
+                pending = audio is not None and bool(container.streams.audio) and not audio.done()
+                on_frames(frames, timestamps, pending)
             samples = None if audio is None else audio.result()
     segments = None if samples is None else segment_audio(samples, timestamps, duration)
     return DecodedVideo(frames, timestamps, duration, segments)
