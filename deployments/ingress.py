@@ -208,9 +208,10 @@ class IngressServer:
         return turn
 
     def _prefetch(self, images: list[Any], speech: bool) -> None:
-        """A video's frames, decoded while its audio track still decodes, to the Thinker the
-        turn will most likely go to (the only one with one group): its vision encoder works on
-        them while this replica finishes the request. Best effort: a failed call costs the
+        """A video's frames, decoded while the rest of the request still decodes (its audio
+        track, another part), to the Thinker the turn will most likely go to (the only one
+        with one group): its vision encoder works on them while this replica finishes the
+        request. Best effort: a failed call costs the
         turn nothing but the head start."""
         thinker = self.turns.likely_group(speech).stages.thinker
 

@@ -1,9 +1,10 @@
 """Thinker deployment: a ThinkerEngine behind the shared StageServer.
 
 `generate(req)` streams text back to its caller (the ingress); `prefetch(images)` hands over
-a request's images ahead of it (a video's frames, while the ingress decodes its audio). When the request asks for
-speech, the spoken span (token ids + final-norm hidden states, numpy) goes straight to the
-Talker through `talker.feed`, in order, so the ingress never carries hidden states.
+a request's images ahead of it (a video's frames, while the ingress decodes its audio). When
+the request asks for speech, the spoken span (token ids + final-norm hidden states, numpy)
+goes straight to the Talker through `talker.feed`, in order, so the ingress never carries
+hidden states.
 In `full_span` mode the span is sent once, when the Thinker finishes. A feed that fails
 (the Talker died, refused the span or did not answer in `timeouts.hop_s`) ends the stream
 with a StageFailure: the turn cannot speak any more.
