@@ -92,9 +92,10 @@ def add_data_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic-workers", type=int, default=os.cpu_count() or 1,
                    help="processes generating clips")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--pack", choices=["video", "interleave"], default="video",
+    g.add_argument("--pack", choices=["video", "interleave", "track"], default="video",
                    help="video: video_url + audio part (server packs 1 fps pairs); "
-                        "interleave: client sends 1 fps JPEG + 1 s wav pairs")
+                        "interleave: client sends 1 fps JPEG + 1 s wav pairs; "
+                        "track: one video_url whose MP4 carries the wav as an AAC track")
     g.add_argument("--input-mode", choices=["all", "visual", "audio", "text"], default="all",
                    help="text: the question alone, no media (speech still asked for)")
     g.add_argument("--audio-style", choices=["input_audio", "audio_url"], default="input_audio")

@@ -13,6 +13,10 @@ Request packing (`item_messages`):
     them, MiniCPM-o omni style (up to 64 pairs).
   - "interleave": the client does that packing itself: 1 fps JPEG `image_url` parts, each
     followed by its 1 s wav piece, up to `max_pairs`, then the question text.
+  - "track": one `video_url` part whose MP4 carries the wav as its own AAC track (what a
+    user's recording looks like; muxed once by the client, `<id>_track.mp4` beside the
+    clip: the video packets copied, the wav encoded), then the question text. The server
+    decodes the frames and the track side by side and interleaves 1 s pairs.
 
 Accuracy: `extract_choice_letter` parses the answer the way Daily-Omni's evaluation does, and an
 answer counts only on an exact letter match.
@@ -225,7 +229,14 @@ def item_messages(
     if not (use_v or use_a or input_mode == "text"):
         raise ValueError(f"unknown input_mode {input_mode!r}")
     parts: list[dict[str, Any]] = []
-    if pack == "video" and transport == "file":
+    if pack == "track":
+        if not use_v:
+            raise ValueError("pack 'track' sends the audio inside the video: input_mode all")
+        path = muxed_track_clip(item) if use_a else item.video_path
+        url = (path.resolve().as_uri() if transport == "file"
+               else f"data:video/mp4;base64,{_b64_file(str(path))}")
+        parts.append({"type": "video_url", "video_url": {"url": url}})
+    elif pack == "video" and transport == "file":
         if use_v:
             parts.append({"type": "video_url",
                           "video_url": {"url": item.video_path.resolve().as_uri()}})
@@ -256,6 +267,44 @@ def item_messages(
         messages.append({"role": "system", "content": system_prompt})
     messages.append({"role": "user", "content": parts})
     return messages
+
+
+def muxed_track_clip(item: DailyOmniItem) -> Path:
+    """`<id>_track.mp4` beside the clip: its video packets as they are, and its wav as an AAC
+    track (44.1 kHz stereo, as most recordings are: the server resamples and downmixes).
+    Written once (under a temporary name first)."""
+    import av
+    import soundfile as sf
+
+    out = item.video_path.with_name(f"{item.video_id}_track.mp4")
+    if out.exists():
+        return out
+    audio, sr = sf.read(str(item.audio_path), dtype="float32", always_2d=True)
+    mono = audio.mean(axis=1)
+    rate = 44100
+    n = int(round(len(mono) * rate / sr))
+    x = np.interp(np.arange(n) * sr / rate, np.arange(len(mono)), mono).astype(np.float32)
+    stereo = np.ascontiguousarray(np.stack([x, x]))
+    tmp = out.with_suffix(".part.mp4")
+    with av.open(str(item.video_path)) as src, av.open(str(tmp), mode="w", format="mp4") as dst:
+        vin = src.streams.video[0]
+        vout = dst.add_stream_from_template(vin)
+        aout = dst.add_stream("aac", rate=rate, layout="stereo")
+        for packet in src.demux(vin):
+            if packet.dts is None:
+                continue
+            packet.stream = vout
+            dst.mux(packet)
+        for i in range(0, stereo.shape[1], 1024):
+            frame = av.AudioFrame.from_ndarray(stereo[:, i : i + 1024], format="fltp",
+                                               layout="stereo")
+            frame.sample_rate = rate
+            for packet in aout.encode(frame):
+                dst.mux(packet)
+        for packet in aout.encode(None):
+            dst.mux(packet)
+    os.replace(tmp, out)
+    return out
 
 
 def video_frames_1fps(path: Path, max_frames: int = 64) -> list[str]:

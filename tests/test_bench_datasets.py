@@ -121,6 +121,32 @@ def test_interleave_pack_one_frame_and_one_second_of_audio_per_second(sample):
     assert [p["type"] for p in capped] == ["image_url", "input_audio"] * 2 + ["text"]
 
 
+def test_track_pack_sends_one_mp4_with_the_wav_as_its_audio_track(sample):
+    """The server decodes the muxed clip to the same frames as the clip alone, and its
+    audio track to the wav's length and loudness (AAC in between: not the same samples)."""
+    from pipeline.processing.video import decode_video
+
+    a = load_daily_omni(sample)[0]
+    parts = item_messages(a, pack="track")[0]["content"]
+    assert [p["type"] for p in parts] == ["video_url", "text"]
+    data = base64.b64decode(parts[0]["video_url"]["url"].split(",", 1)[1])
+    muxed, plain = decode_video(data), decode_video(a.video_path.read_bytes())
+    assert muxed.timestamps == plain.timestamps and plain.audio_segments is None
+    assert all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(muxed.frames, plain.frames, strict=True))
+    wav, sr = sf.read(a.audio_path, dtype="float32", always_2d=True)
+    wav = wav.mean(axis=1)
+    got = np.concatenate(muxed.audio_segments)
+    assert sr == 16000 and abs(len(got) - len(wav)) <= 1600, (len(got), len(wav))
+    rms = lambda x: float(np.sqrt(np.mean(np.square(x))))  # noqa: E731
+    assert 0.8 < rms(got) / rms(wav) < 1.25
+    files = item_messages(a, pack="track", transport="file")[0]["content"]
+    track = a.video_path.with_name(f"{a.video_id}_track.mp4")
+    assert files[0]["video_url"]["url"] == track.resolve().as_uri()
+    with pytest.raises(ValueError, match="input_mode all"):
+        item_messages(a, pack="track", input_mode="audio")
+
+
 def test_make_specs_carries_answer_and_labels(sample):
     specs = make_specs(load_daily_omni(sample))
     assert [s.answer for s in specs] == ["B", "C"]
