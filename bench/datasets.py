@@ -282,7 +282,7 @@ def muxed_track_clip(item: DailyOmniItem) -> Path:
     audio, sr = sf.read(str(item.audio_path), dtype="float32", always_2d=True)
     mono = audio.mean(axis=1)
     rate = 44100
-    n = int(round(len(mono) * rate / sr))
+    n = round(len(mono) * rate / sr)
     x = np.interp(np.arange(n) * sr / rate, np.arange(len(mono)), mono).astype(np.float32)
     stereo = np.ascontiguousarray(np.stack([x, x]))
     tmp = out.with_suffix(".part.mp4")
