@@ -66,6 +66,7 @@ def test_on_frames_hands_over_the_request_frames_before_the_audio(slow_audio):
 
 
 def test_on_frames_is_not_called_for_a_video_that_is_all_there_is(slow_audio):
+    slow_audio.set()  # nothing is to be handed over: no reason to hold the audio back
     got = []
     req = _build(got.append, make_mp4(2.5, audio=False))
     assert not got and len(req.images) == 3 and not req.audios
@@ -111,13 +112,17 @@ def test_the_ingress_sends_a_video_frames_ahead(slow_audio, prefetch):
         local = build_local_app(cfg, light_source())
         engine = local.thinker.engine
         opened = []
-        real_open = engine.open
+        real_open, real_prefetch = engine.open, engine.prefetch
+
+        def take_frames(images):  # the frames reached the Thinker: the audio may finish now
+            real_prefetch(images)
+            slow_audio.set()
 
         def open_(rid, spec):
             opened.append((list(engine.prefetched), [im.content_hash for im in spec.images]))
             return real_open(rid, spec)
 
-        engine.open = open_
+        engine.open, engine.prefetch = open_, take_frames
         if not prefetch:
             slow_audio.set()
         evs = [ev async for ev in local.ingress.chat(body)]
