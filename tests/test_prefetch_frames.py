@@ -24,19 +24,24 @@ from pipeline.processing import processor as P
 from pipeline.processing import video as V
 
 
-@pytest.fixture
-def slow_audio(monkeypatch):
-    """The audio track finishes only once the frames were handed over (or after 10 s), so
-    the frames always come first, as with a real clip whose audio decodes longer."""
+def _hold_back(monkeypatch, module, name: str) -> threading.Event:
+    """`module.name` (an audio decoder) returns only once the event is set (or after 10 s)."""
     handed = threading.Event()
-    decode = V._decode_audio_track
+    decode = getattr(module, name)
 
     def after_frames(*a, **k):
         handed.wait(10)
         return decode(*a, **k)
 
-    monkeypatch.setattr(V, "_decode_audio_track", after_frames)
+    monkeypatch.setattr(module, name, after_frames)
     return handed
+
+
+@pytest.fixture
+def slow_audio(monkeypatch):
+    """The audio track finishes only once the frames were handed over (or after 10 s), so
+    the frames always come first, as with a real clip whose audio decodes longer."""
+    return _hold_back(monkeypatch, V, "_decode_audio_track")
 
 
 def _build(on_frames=None, clip=None, extra=()):
@@ -75,14 +80,7 @@ def test_on_frames_is_not_called_for_a_video_that_is_all_there_is(slow_audio):
 def test_on_frames_while_another_media_part_decodes(monkeypatch):
     """The benchmark's shape: a video without an audio track, its audio as a part of its own
     (decoded side by side): the frames go as soon as they are decoded."""
-    handed = threading.Event()
-    decode = P.decode_audio
-
-    def after_frames(*a, **k):
-        handed.wait(10)
-        return decode(*a, **k)
-
-    monkeypatch.setattr(P, "decode_audio", after_frames)
+    handed = _hold_back(monkeypatch, P, "decode_audio")
     got = []
 
     def on_frames(images):
