@@ -34,17 +34,14 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from pipeline.config import AudioConfig, ThinkerConfig
-from pipeline.thinker.vision import load_stripped
+from pipeline.thinker.vision import NO_CUDNN_ATTENTION, load_stripped
 
-# SDPA's kernels for the encoder on CUDA, cuDNN attention left out: it builds a graph for
-# every new shape, and every clip length is a new shape (on an H200 the first call at a new
-# length took ~90 ms longer, once ~950 ms: bench/gpu_audio.py); flash / memory-efficient
-# attention compute the same softmax(QK^T)V with no per-shape cost and as fast a repeat.
-NO_CUDNN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                      SDPBackend.MATH]
+# Every clip length is a new shape for SDPA: cuDNN attention is left out (vision.py's
+# NO_CUDNN_ATTENTION; on an H200 the first call at a new length took ~90 ms longer, once
+# ~950 ms: bench/gpu_audio.py), with as fast a repeat.
 
 MEL_FRAMES_PER_SECOND = 100  # hop 160 at 16 kHz
 HOP_LENGTH = 160
