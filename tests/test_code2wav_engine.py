@@ -11,7 +11,9 @@ import torch
 
 from pipeline.code2wav.assets import load_code2wav, tiny_code2wav_config, write_token2wav_assets
 from pipeline.code2wav.batching import ChunkBatcher, ReadyChunk
+from pipeline.code2wav.causal_hift import CausalHiFT
 from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from pipeline.code2wav.graphs import CausalVocoderGraphs
 from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.code2wav.voice import (
     VoiceCache,
@@ -453,3 +455,64 @@ def test_warmup_runs_full_chunks_per_graph_batch_and_changes_nothing(model, voic
                feed, voice)
     assert all(np.abs(got[k] - ref[k]).max() < 1e-5 for k in feed)
     assert eng.counters["template_builds"] == 1  # the streams cloned the warm-up's template
+
+
+class _EagerVocoder(CausalVocoderGraphs):
+    """The vocoder graphs' keys and capture rule on CPU: a key's first `run` records it as
+    captured; every call runs the chunk eagerly."""
+
+    def _eligible(self, mel, states):
+        return len(states) in self.batch_sizes
+
+    def run(self, key, inputs, fn, example=None):
+        if key not in self.graphs:
+            self.graphs[key] = None
+            self.captures += 1
+        self.replays += 1
+        return fn(*inputs)
+
+
+def test_warmup_captures_every_last_chunk_and_later_ones_run_eagerly(model, voice):
+    """A last chunk has any length from the lookahead alone to a full window, in a stream that
+    ends in its first chunk or later: the warm-up captures each at batch 1; afterwards a last
+    chunk of a key it did not capture (two streams ending alike in one step) runs eagerly
+    instead of capturing, and the audio is what the plain path gives."""
+    from tests.test_code2wav_slots import _EagerGraphs
+
+    flow, hift, cfg = model
+    assert isinstance(hift, CausalHiFT)  # the released layout's vocoder
+    eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
+        token2wav_slot_pool=True, warmup_chunks=2, graph_batch_sizes=(1, 2, 3, 4, 8)))
+    eng.graphs = flows = _EagerGraphs()
+    eng.hift_graphs = vocoder = _EagerVocoder(hift, eng.graph_sizes)
+    vocoder.capture_last = False  # as the engine sets its own
+    before_last = {}
+    warm_last = eng._warm_last_chunks
+
+    def warm_last_chunks(v):
+        before_last["flows"] = set(flows.keys)
+        warm_last(v)
+
+    eng._warm_last_chunks = warm_last_chunks
+    eng.warmup(voice)
+    assert not eng.streams and len(eng.pool.free) == eng.pool.slots
+    assert vocoder.capture_last is False
+    lo, window = cfg.pre_lookahead, cfg.chunk_size + cfg.pre_lookahead
+    last = [(state, frames) for b, state, frames, is_last in vocoder.graphs if is_last and b == 1]
+    states = {state for state, _ in last}
+    assert len(states) == 2 and len(last) == 2 * (window - lo + 1)
+    for state in states:  # 2 mel frames a code, from the lookahead alone to a full window
+        assert sorted(f for s, f in last if s == state) == [2 * k for k in range(lo, window + 1)]
+    # a step of streams that all end in their first chunk has a flow window of its own: the
+    # warm-up ran one at every graph batch size
+    assert {b for b, _ in set(flows.keys) - before_last["flows"]} == {1, 2, 3, 4, 8}
+
+    keys, fallbacks = set(vocoder.graphs), vocoder.fallbacks
+    feeds = {"a": [(_codes(1, 30), True)], "b": [(_codes(2, 30), True)],
+             "c": [(_codes(3, 25), False), (_codes(4, 12), True)]}
+    got = _run(eng, feeds, voice)
+    assert set(vocoder.graphs) == keys  # nothing captured after the warm-up
+    assert vocoder.fallbacks == fallbacks + 1  # a and b's last chunks, one batch of 2
+    ref = _run(Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(token2wav_slot_pool=True)),
+               feeds, voice)
+    assert all(np.abs(got[k] - ref[k]).max() < 1e-5 for k in feeds)

@@ -94,7 +94,7 @@ class Code2WavEngineConfig:
     # Batch sizes the graph runner captures (None = every size up to max_batch_size; a batch
     # runs at the smallest captured size that holds it, with padding rows), and its LRU bound.
     graph_batch_sizes: tuple[int, ...] | None = None
-    max_graphs: int = 48
+    max_graphs: int = 96  # per runner; the vocoder's holds ~2 per batch size + 52 last chunks
     near_ready_codes: int = 4  # a stream this many codes short of a window counts as "close"
     max_voice_templates: int = 8
     hift_seed: int | None = 0  # per-stream HiFT noise generators; None = global RNG (reference)
@@ -171,6 +171,8 @@ class Code2WavEngine:
         if engine_cfg.token2wav_hift_cuda_graph and cuda:
             runner = CausalVocoderGraphs if isinstance(hift, CausalHiFT) else HiFTGraphRunner
             self.hift_graphs = runner(hift, self.graph_sizes, engine_cfg.max_graphs)
+            if isinstance(self.hift_graphs, CausalVocoderGraphs):
+                self.hift_graphs.capture_last = False  # the warm-up captures them
         self.time_table = self._time_table()
         self.batcher = ChunkBatcher(
             engine_cfg.code2wav_batch_wait_ms, engine_cfg.max_batch_size, clock
@@ -469,9 +471,9 @@ class Code2WavEngine:
         """Build `voice`'s template and, when graphs or compiled blocks are on, decode
         `warmup_chunks` full chunks of silence at each graph batch size on throwaway streams
         (the DiT window grows over the first chunks, then trimming fixes it: each window is a
-        graph). Outputs of later streams do not depend on it (their state is a template clone,
-        their slot's valid frames are their own and their noise generator is seeded by stream
-        id)."""
+        graph), then the last chunks (`_warm_last_chunks`). Outputs of later streams do not
+        depend on it (their state is a template clone, their slot's valid frames are their own
+        and their noise generator is seeded by stream id)."""
         if voice is None and self.voices is None:
             raise ValueError("warmup needs a voice (or a VoiceCache with the default voice)")
         voice = voice or self.voices.default()
@@ -497,6 +499,50 @@ class Code2WavEngine:
                 for sid in ids:
                     self.abort(sid)
         self.counters["warmup_streams"] += sum(sizes)
+        if isinstance(self.hift_graphs, CausalVocoderGraphs) and self.pool is not None:
+            self._warm_last_chunks(voice)
+
+    def _warm_last_chunks(self, voice: VoicePrompt) -> None:
+        """A turn's last chunk has any length from `pre_lookahead` codes (the lookahead
+        carried over, nothing new) to a full window, and the vocoder's state differs for a
+        stream that ends in its first chunk and one that ends later: each (length, state) is
+        a vocoder graph of its own at batch 1, and a step of streams that all end in their
+        first chunk has a flow window of its own per batch size. Decode them all on throwaway
+        streams, in steps of every graph batch size, while the vocoder captures last chunks;
+        afterwards a last chunk of another key (batch > 1) runs eagerly instead of capturing
+        mid-turn."""
+        lo = self.cfg.pre_lookahead
+        window = self.cfg.chunk_size + lo
+        silence = [self.cfg.silence_code] * window
+        lengths = list(range(lo, window + 1))
+        sizes = [b for b in self.graph_sizes if b <= self.ecfg.max_streams]
+        parts: list[list[int]] = []
+        done = 0
+        while done < len(lengths) or len(parts) < len(sizes):
+            b = sizes[len(parts) % len(sizes)]
+            parts.append([lengths[(done + j) % len(lengths)] for j in range(b)])
+            done += b
+        self.hift_graphs.capture_last = True
+        try:
+            for after_a_chunk in (False, True):
+                for n, part in enumerate(parts):
+                    ids = [f"__warmup_last_{int(after_a_chunk)}_{n}_{k}" for k in part]
+                    for sid in ids:
+                        self.open(sid, voice)
+                    try:
+                        if after_a_chunk:
+                            for sid in ids:
+                                self.feed(sid, CodeChunk(sid, tuple(silence[:-lo]), False))
+                            self.drain()
+                        for sid, k in zip(ids, part):
+                            self.feed(sid, CodeChunk(sid, tuple(silence[: k - lo]), True))
+                        self.drain()
+                    finally:
+                        for sid in ids:
+                            self.abort(sid)
+                    self.counters["warmup_streams"] += len(ids)
+        finally:
+            self.hift_graphs.capture_last = False
 
     def drain(self, max_steps: int = 10_000) -> dict[str, list[np.ndarray]]:
         """Step until no chunk is ready (tests, offline use). Returns pcm pieces per stream."""

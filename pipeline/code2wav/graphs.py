@@ -46,21 +46,30 @@ class CausalVocoderGraphs(GraphRunner):
     it. Which windows a chunk runs depends only on the states' `key()`, the chunk's frames and
     `last`, so key = (batch, state key, frames, last): the graph replays the same windows on
     new tensors. The noise is drawn eagerly (`draw_noise`, the same draws) and fed in; the
-    counters are host ints advanced by `plan_chunk`. Anything else runs eagerly."""
+    counters are host ints advanced by `plan_chunk`. Anything else runs eagerly.
+
+    A stream's last chunk has any length up to a full window, so last chunks come in many
+    keys, each seen once a turn: with `capture_last` off (the engine's default once it has
+    captured the common ones at warm-up) a last chunk whose key is not captured runs eagerly
+    (~35 ms more on an H200) instead of capturing (~150 ms, and ~900 ms with a new flow
+    window, for every stream of the step)."""
 
     def __init__(self, vocoder, batch_sizes: Sequence[int], max_graphs: int = 32):
         super().__init__(max_graphs)
         self.vocoder, self.batch_sizes = vocoder, tuple(batch_sizes)
+        self.capture_last = True
 
     def _eligible(self, mel: torch.Tensor, states) -> bool:
         return mel.is_cuda and len(states) in self.batch_sizes
 
     @torch.inference_mode()
     def __call__(self, states, mel, last, generators=None):
-        if not self._eligible(mel, states):
+        b, frames, s0 = len(states), mel.shape[2], states[0]
+        key = (b, s0.key(), frames, last)
+        if not self._eligible(mel, states) or (last and not self.capture_last
+                                               and key not in self):
             self.fallback()
             return vocode_chunk(self.vocoder, states, mel, last, generators=generators)
-        b, frames, s0 = len(states), mel.shape[2], states[0]
         noise = draw_noise(self.vocoder, states, frames, last, generators)
         batch = CausalVocoderState.cat(states) if b > 1 else s0
 
@@ -71,8 +80,8 @@ class CausalVocoderGraphs(GraphRunner):
             return (out, *(torch.cat([getattr(s, n) for s in new]) for n in
                            ("mel", "source", "phase")))
 
-        out, m, src, phase = self.run((b, s0.key(), frames, last),
-                                      (batch.mel, batch.source, batch.phase, mel, noise), step)
+        out, m, src, phase = self.run(key, (batch.mel, batch.source, batch.phase, mel, noise),
+                                      step)
         _, (received, sourced, emitted) = plan_chunk(self.vocoder, s0, frames, last)
         new = [
             replace(s, mel=m[i : i + 1].clone(), source=src[i : i + 1].clone(),
