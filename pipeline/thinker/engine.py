@@ -253,14 +253,16 @@ class ThinkerEngine:
         return engine
 
     def warm_up(self) -> None:
-        """Serve two short requests before any user's: one with an image slice, a 1 s clip
-        and text (sampled, penalised, with the spoken span's hidden states), and, while its
-        decode runs, its prompt again plus a few tokens (a prefix-cache hit in a mixed
-        step, greedy). Every kind of step a turn takes then has run once. Leaves the
+        """Serve two short requests before any user's: one with an image slice, a clip as
+        long as the audio encoder's window (30 s: the length most turns bring, so its kernels
+        are chosen now) and text (sampled, penalised, with the spoken span's hidden states),
+        and, while its decode runs, its prompt again plus a few tokens (a prefix-cache hit in
+        a mixed step, greedy). Every kind of step a turn takes then has run once. Leaves the
         engine idle, with its step and gap maxima from zero."""
         cfg, tokens, q = self.model.cfg, self.model.cfg.tokens, self.model.cfg.query_num
         image = self.model.blank_image(content_hash="warm-up:image")
-        audio = AudioInput(torch.zeros(cfg.audio.num_mel_bins, 100), "warm-up:audio")
+        window = self.model.audio.apm.max_mel_frames
+        audio = AudioInput(torch.zeros(cfg.audio.num_mel_bins, window), "warm-up:audio")
         n_audio = self.model.audio.num_tokens(audio.num_frames)
         text = self.tokenizer.encode("Warm up: what do you see and hear?")
         ids = text + [tokens.unk] * q + text + [tokens.unk] * n_audio + text
