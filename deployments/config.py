@@ -62,12 +62,13 @@ class IngressSettings(_Settings):
     num_cpus: float = Field(0.0, ge=0.0)
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
-    prefetch_frames: bool = Field(False, description=(
+    prefetch_frames: bool = Field(True, description=(
         "a video's frames go to the Thinker's vision encoder as soon as they are decoded, "
         "while the request's audio (its track or another part) still decodes (same output; "
-        "with several groups, to the group a turn would be routed to at that moment). Off "
-        "until measured in the app: the benchmark's clips carry their audio as a part of "
-        "its own, decoded before the frames, so it never fires there"))
+        "with several groups, to the group a turn would be routed to at that moment). On an "
+        "H200, clips with their own audio track: TTFT 266 against 331 ms at c=1, the same "
+        "throughput at c=8; a clip whose audio is a part of its own, decoded before the "
+        "frames, is not affected"))
 
 
 class RealtimeSettings(_Settings):
