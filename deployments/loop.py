@@ -21,6 +21,10 @@ and in their streams' heartbeats, so a stuck engine ends its turns instead of ha
 `scope()`, if given, is entered by the worker thread once and held for its whole life, around
 every command and step (e.g. the stage's CUDA stream): all of an engine's work stays on one
 stream, so nothing it queues needs a cross-stream wait.
+
+`start(build)` builds the engine on the worker thread itself and then serves: its warm-up
+runs on the thread that serves, so what CUDA keeps per thread (cuBLAS and cuDNN handles,
+their workspaces) exists before the first request instead of being made in its step.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def _settle(
 class EngineLoop:
     def __init__(
         self,
-        engine: StageEngine,
+        engine: StageEngine | None,
         *,
         name: str,
         route: Callable[[StageOutput], tuple[str, Any]] = lambda out: (out.request_id, out),
@@ -101,9 +105,33 @@ class EngineLoop:
 
     # -- event-loop side -----------------------------------------------------------------
 
+    def start(self, build: Callable[[], StageEngine]) -> StageEngine:
+        """Build the engine with `build()` on a new worker thread, inside `scope`, and serve
+        it from that thread; return it once built (blocking). Raises what `build` raised,
+        leaving no thread. Until the first `open` / `call` no output can exist, so the
+        thread needs no event loop before then."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name}: the engine loop is already running")
+        built: Future = Future()
+
+        def run() -> None:
+            with self._scope() if self._scope is not None else contextlib.nullcontext():
+                try:
+                    self.engine = build()
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    built.set_exception(e)
+                    return
+                built.set_result(self.engine)
+                self._serve()
+
+        self._thread = threading.Thread(target=run, name=f"{self.name}-engine", daemon=True)
+        self._thread.start()
+        return built.result()
+
     def _ensure_started(self) -> None:
-        if self._thread is None:
+        if self._aloop is None:
             self._aloop = asyncio.get_running_loop()
+        if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name=f"{self.name}-engine", daemon=True
             )

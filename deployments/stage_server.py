@@ -57,15 +57,18 @@ class StageServer:
         self.cfg = cfg = AppConfig.model_validate(app)
         gc_watch()  # from the start, so a stall in any step can be told from a GC pause
         source = source or ModelSource.open(cfg.model)
-        with stage_init(cfg, self.stage) as device:
-            settings = dict(cfg.stages()[self.stage].engine)
-            if engine_cls is None:
-                engine_cls, settings = self._default_engine(device, settings)
-            self.engine = build_engine(engine_cls, source, settings, device)
+
+        def build() -> Any:
+            with stage_init(cfg, self.stage) as device:
+                settings = dict(cfg.stages()[self.stage].engine)
+                cls, kw = engine_cls, settings
+                if cls is None:
+                    cls, kw = self._default_engine(device, settings)
+                return build_engine(cls, source, kw, device)
+
         self.metrics = StageMetrics(self.stage)
-        self.metrics.engine_stats = self.engine.stats
         self.loop = EngineLoop(
-            self.engine,
+            None,
             name=self.stage,
             route=self._route,
             on_step=self.metrics.on_step,
@@ -73,6 +76,9 @@ class StageServer:
             on_failure=self._abort_all,
             scope=engine_scope(cfg, self.stage),
         )
+        # built (and warmed up) on the thread that will serve it
+        self.engine = self.loop.start(build)
+        self.metrics.engine_stats = self.engine.stats
         self.timeouts = cfg.timeouts
         self.hold_forward = False  # the Forwarder keeps everything until the stream's end
         self._serving: set[str] = set()  # streams inside their generator

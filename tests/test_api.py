@@ -446,6 +446,38 @@ def test_window_is_fifo_and_cancel_safe():
     assert stats["peak_active"] == 1 and stats["active"] == 0 and stats["waiting"] == 0
 
 
+def test_a_stage_builds_its_engine_on_the_thread_that_serves_it():
+    """The engine is built (its warm-up included) on the EngineLoop's worker thread, the one
+    that runs its commands and steps, so what CUDA keeps per thread exists before the first
+    request. A build that fails raises from the stage's constructor and leaves no thread."""
+    import threading
+
+    from deployments.code2wav import Code2WavServer
+
+    class Recording(FakeCode2WavEngine):
+        @classmethod
+        def from_source(cls, source, config, device):
+            engine = super().from_source(source, config, device)
+            engine.built_on = threading.get_ident()
+            return engine
+
+    srv = Code2WavServer({}, engine_cls=Recording, source=light_source())
+    served_on = asyncio.run(srv.loop.call(lambda e: threading.get_ident()))
+    assert srv.engine.built_on == served_on == srv.loop._thread.ident != threading.get_ident()
+    srv.loop.stop()
+
+    class Broken(FakeCode2WavEngine):
+        @classmethod
+        def from_source(cls, source, config, device):
+            raise RuntimeError("no weights here")
+
+    before = {t for t in threading.enumerate() if t.name == "code2wav-engine"}
+    with pytest.raises(RuntimeError, match="no weights here"):
+        Code2WavServer({}, engine_cls=Broken, source=light_source())
+    time.sleep(0.05)
+    assert {t for t in threading.enumerate() if t.name == "code2wav-engine"} == before
+
+
 def test_engine_loop_batches_concurrent_requests():
     async def main():
         engine = FakeThinkerEngine(step_delay_s=0.01)
