@@ -39,10 +39,6 @@ from torch.nn.attention import sdpa_kernel
 from pipeline.config import AudioConfig, ThinkerConfig
 from pipeline.thinker.vision import NO_CUDNN_ATTENTION, load_stripped
 
-# Every clip length is a new shape for SDPA: cuDNN attention is left out (vision.py's
-# NO_CUDNN_ATTENTION; on an H200 the first call at a new length took ~90 ms longer, once
-# ~950 ms: bench/gpu_audio.py), with as fast a repeat.
-
 MEL_FRAMES_PER_SECOND = 100  # hop 160 at 16 kHz
 HOP_LENGTH = 160
 ENCODER_FRAMES_PER_SECOND = 50  # after conv2's stride 2
@@ -200,6 +196,8 @@ class WhisperEncoder(nn.Module):
         # 3) block-causal + padding mask, shared by all layers
         enc_lens = [encoder_frames(m) for m in lengths]
         mask = block_causal_mask(enc_lens, n, self.chunk_frames, dev)
+        # every clip length is a new shape: cuDNN attention would build a graph for each (on
+        # an H200 ~90 ms more at a new length, once ~950 ms: bench/gpu_audio.py)
         with sdpa_kernel(NO_CUDNN_ATTENTION) if x.is_cuda else contextlib.nullcontext():
             for layer in self.layers:
                 x = layer(x, mask)
