@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                 run = execute(specs, client_options(args, url), bench_config(args),
                               label="omniray", config={"serve_config": args.config, **vars(args)},
                               on_rounds=per_c)
-                print(f"[main] {first_turn(run)}", flush=True)
+                first = first_turn(run)
+                print(f"[main] {first}", flush=True)
                 (out / "main").mkdir(parents=True, exist_ok=True)
                 (out / "main" / "code2wav.json").write_text(json.dumps(per_c.rows, indent=1))
                 text_run = None
@@ -299,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             baseline = load_run(base_path) if base_path.exists() else None
             print(write_outputs(run, out / "main", baseline, plots=not args.no_plots,
                                 targets=True), flush=True)
+            with (out / "main" / "report.txt").open("a") as f:  # kept with the run's numbers
+                f.write(f"\n{first}\n")
             failed += _failed(run)
             if text_run is not None:
                 print(write_outputs(text_run, out / "text", None, plots=not args.no_plots),
