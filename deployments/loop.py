@@ -113,29 +113,20 @@ class EngineLoop:
         if self._thread is not None:
             raise RuntimeError(f"{self.name}: the engine loop is already running")
         built: Future = Future()
-
-        def run() -> None:
-            with self._scope() if self._scope is not None else contextlib.nullcontext():
-                try:
-                    self.engine = build()
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    built.set_exception(e)
-                    return
-                built.set_result(self.engine)
-                self._serve()
-
-        self._thread = threading.Thread(target=run, name=f"{self.name}-engine", daemon=True)
-        self._thread.start()
+        self._spawn(build, built)
         return built.result()
 
     def _ensure_started(self) -> None:
         if self._aloop is None:
             self._aloop = asyncio.get_running_loop()
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"{self.name}-engine", daemon=True
-            )
-            self._thread.start()
+            self._spawn()
+
+    def _spawn(self, *build_args: Any) -> None:
+        self._thread = threading.Thread(
+            target=self._run, args=build_args, name=f"{self.name}-engine", daemon=True
+        )
+        self._thread.start()
 
     def open(self, key: str) -> asyncio.Queue:
         """Register the queue that receives `key`'s outputs (call before adding work)."""
@@ -241,8 +232,16 @@ class EngineLoop:
             except queue.Empty:
                 return n
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], StageEngine] | None = None,
+             built: Future | None = None) -> None:
         with self._scope() if self._scope is not None else contextlib.nullcontext():
+            if build is not None:  # start(): the engine is made here first
+                try:
+                    self.engine = build()
+                except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
+                    built.set_exception(e)
+                    return
+                built.set_result(self.engine)
             self._serve()
 
     def _serve(self) -> None:
