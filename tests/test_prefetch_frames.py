@@ -14,7 +14,7 @@ import soundfile as sf
 import torch
 from test_api import data_uri, light_source, user
 from test_processing_prompt import ByteTokenizer
-from test_processing_video import make_mp4
+from test_processing_video import encode_clip, make_mp4
 
 from deployments.schemas import Done
 from deployments.testing import build_local_app
@@ -131,3 +131,77 @@ def test_the_ingress_sends_a_video_frames_ahead(slow_audio, prefetch):
     (before, hashes), = opened
     assert len(hashes) == 4
     assert before == (hashes if prefetch else [])
+
+
+# --- frames handed over while later ones still decode ---------------------------------
+
+
+def _record():
+    calls = []
+
+    def on_frames(picks, frames, timestamps, pending):
+        calls.append((list(picks), list(frames), list(timestamps), pending))
+
+    return calls, on_frames
+
+
+@pytest.mark.parametrize("options", [{"g": "250"}, {"g": "10"}])  # one run / runs side by side
+def test_decode_video_hands_frames_over_a_few_at_a_time(options):
+    """Every frame exactly once, the very images returned, `handoff_frames` or more a call
+    while later ones decode (pending), the rest last; the frames equal a decode without."""
+    data = encode_clip(12.4, 5, options=options)
+    calls, on_frames = _record()
+    v = V.decode_video(data, on_frames=on_frames, handoff_frames=3)
+    plain = V.decode_video(data)
+    assert v.num_frames == plain.num_frames == 13 and not v.redecoded
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(v.frames, plain.frames, strict=True))
+    picks = sorted(i for c in calls for i in c[0])
+    assert picks == list(range(13)) and len(calls) >= 2
+    for i, (ps, frames, ts, pending) in enumerate(calls):
+        assert ps == sorted(ps) and ts == [v.timestamps[j] for j in ps]
+        assert all(f is v.frames[j] for j, f in zip(ps, frames, strict=True))
+        assert pending == (i < len(calls) - 1)  # no audio track: nothing pending at the end
+        assert i == len(calls) - 1 or len(ps) >= 3
+
+
+def test_frames_handed_from_a_decode_given_up_are_keyed_apart(monkeypatch):
+    """The packets-only decode hands frames over, then finds a reason to decode in full: the
+    request's frames are keyed apart from those handed over (they may differ), and the
+    request is otherwise what a build without handing over makes."""
+    data = encode_clip(12.4, 5, options={"g": "250"})
+    real = V._decode_runs
+
+    def given_up(*a, **k) -> None:  # hands its frames over as they decode, then gives up
+        real(*a, **k)
+
+    handed = []
+    plain = _build(clip=data)
+    monkeypatch.setattr(V, "_decode_runs", given_up)
+    req = _build(handed.extend, data, [MediaBytes("audio", _wav())])
+    ref = _build(clip=data, extra=[MediaBytes("audio", _wav())])
+    assert handed and len(req.images) == 13
+    assert not {im.content_hash for im in handed} & {im.content_hash for im in req.images}
+    assert req.input_ids == ref.input_ids and req.image_bounds == ref.image_bounds
+    for a, b in zip(req.images, plain.images, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.pixel_values, b.pixel_values, strict=True))
+
+
+def test_a_video_as_the_last_media_goes_ahead_while_it_still_decodes():
+    """The benchmark's shape with a clip longer than a handoff: frames go ahead while later
+    ones decode, though the audio part was done first; the request is unchanged."""
+    data = encode_clip(12.4, 5, options={"g": "10"})
+    got = []
+    req = _build(got.append, data, [MediaBytes("audio", _wav())])
+    plain = _build(clip=data, extra=[MediaBytes("audio", _wav())])
+    assert got and all(len(images) >= V.HANDOFF_FRAMES for images in got)
+    by_hash = {im.content_hash: im for im in req.images}
+    assert all(im is by_hash[im.content_hash] for images in got for im in images)
+    assert [im.content_hash for im in req.images] == [im.content_hash for im in plain.images]
+    assert req.input_ids == plain.input_ids
+
+
+def _wav(seconds: float = 1.0) -> bytes:
+    wav = io.BytesIO()
+    sf.write(wav, np.zeros(int(16000 * seconds), np.float32), 16000, format="WAV")
+    return wav.getvalue()

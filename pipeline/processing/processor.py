@@ -64,7 +64,7 @@ from pipeline.processing.video import decode_video, frame_parts, pack_omni
 
 MEDIA_KINDS = ("image", "audio", "video")
 T = TypeVar("T")
-OnFrames = Callable[[list[ImageInput]], None]  # a video's frames, before its audio is done
+OnFrames = Callable[[list[ImageInput]], None]  # video frames, before the request is decoded
 
 
 class Tokenizer(Protocol):
@@ -191,10 +191,10 @@ class Processor:
                          <|tts_bos|>, as the reference's streamed decode starts (template.py)
         max_slice_nums / use_image_id: request-wide image options (vLLM's mm_processor_kwargs;
             Daily-Omni's interleaved frames use 1 / False); a part's own max_slice_nums wins
-        on_frames:       called (on a decode thread) with a video's frames as the request will
-                         hold them, when they are decoded while something of the request still
-                         is (the video's audio track, other media parts), so their encoding may
-                         start before this returns
+        on_frames:       called (on decode threads) with a video's frames as the request will
+                         hold them, a few at a time as they are decoded while something of the
+                         request still is (the video's later frames or audio track, other media
+                         parts), so their encoding may start before this returns
         """
         # Refuse on the raw image count first so nothing is decoded for a hopeless request.
         self._check_vision_count(sum(_count_raw_images(m) for m in messages))
@@ -413,13 +413,14 @@ class Processor:
         self, p: MediaBytes, digest: str, handoff: _FrameHandoff | None = None
     ) -> OmniPart:
         lim = self.limits
-        early: list[ImagePart] | None = None  # the frames' parts, made before the audio is
+        early: dict[int, ImagePart] = {}  # the frames' parts by pick, made as they decode
 
-        def frames_ready(frames: list, timestamps: list[float], audio_pending: bool) -> None:
-            nonlocal early
-            early = frame_parts(frames, timestamps, self.cfg.slicing, digest)
+        def frames_ready(picks: list[int], frames: list, timestamps: list[float],
+                         pending: bool) -> None:
+            parts = frame_parts(frames, timestamps, self.cfg.slicing, digest)
+            early.update(zip(picks, parts, strict=True))
             assert handoff is not None
-            handoff.frames([part.image.image for part in early], audio_pending)
+            handoff.frames([part.image.image for part in parts], pending)
 
         video = decode_video(
             p.data,
@@ -429,8 +430,12 @@ class Processor:
             max_aspect_ratio=lim.max_image_aspect_ratio,
             on_frames=None if handoff is None else frames_ready,
         )
+        frames = [early[i] for i in sorted(early)] or None
+        if video.redecoded:  # the frames handed over may not be these: key these apart
+            digest, frames = f"{digest}|redecoded", None
+        assert frames is None or len(frames) == video.num_frames
         return pack_omni(
-            video, self.cfg.slicing, digest, merge_audio=self.merge_video_audio, frames=early
+            video, self.cfg.slicing, digest, merge_audio=self.merge_video_audio, frames=frames
         )
 
     def _max_slices(self, p: MediaBytes, opts: _ImageOptions) -> int:
@@ -465,8 +470,9 @@ class Processor:
 
 class _FrameHandoff:
     """One request's video frames to `on_frames`, when they are decoded while something of
-    the request still is: the video's own audio track, or another media part (decoded side by
-    side, or after this one). A video that is the request's last media is not handed over."""
+    the request still is: the video's later frames, its own audio track, or another media part
+    (decoded side by side, or after this one). The frames decoded last, with nothing of the
+    request left to decode, go with the request only."""
 
     def __init__(self, on_frames: OnFrames, parts: int):
         self.on_frames = on_frames
@@ -477,10 +483,10 @@ class _FrameHandoff:
         with self._lock:
             self._left -= 1
 
-    def frames(self, images: list[ImageInput], audio_pending: bool) -> None:
+    def frames(self, images: list[ImageInput], pending: bool) -> None:
         with self._lock:
             others = self._left > 1  # this video's part is one of them
-        if audio_pending or others:
+        if pending or others:
             self.on_frames(images)
 
 

@@ -32,8 +32,9 @@ import hashlib
 import io
 import math
 import os
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import av
@@ -71,6 +72,13 @@ SEEK_CODECS = frozenset({"h264", "hevc", "mpeg4", "mpeg2video", "vp8", "vp9"})
 SKIP_NONREF_CODECS = frozenset({"h264"})
 # Threads that decode one video's runs (stretches that each start at a keyframe) side by side.
 DECODE_WORKERS = min(8, os.cpu_count() or 1)
+# Frames per `on_frames` call while later ones still decode: the vision encoder starts on the
+# first ones ~10 ms into a decode, and 8 slices still make a full-rate vision batch.
+HANDOFF_FRAMES = 8
+
+# on_frames(picks, frames, timestamps, pending): frames[i] is the picks[i]-th of the frames
+# decode_video returns; pending: more of the video (frames, its audio track) is to come.
+OnFrames = Callable[[list[int], list[Image.Image], list[float], bool], None]
 
 
 @dataclass
@@ -82,6 +90,9 @@ class DecodedVideo:
     timestamps: list[float]
     duration: float
     audio_segments: list[np.ndarray] | None
+    # Frames handed to on_frames came from a decode that was then given up for the plain one:
+    # they may differ from `frames`, so they must not stand in for them.
+    redecoded: bool = False
 
     @property
     def num_frames(self) -> int:
@@ -166,7 +177,8 @@ def decode_video(
     max_aspect_ratio: float = MAX_ASPECT_RATIO,
     with_audio: bool = True,
     full_decode: bool = False,
-    on_frames: Callable[[list[Image.Image], list[float], bool], None] | None = None,
+    on_frames: OnFrames | None = None,
+    handoff_frames: int = HANDOFF_FRAMES,
 ) -> DecodedVideo:
     """Video bytes -> DecodedVideo: at most max_frames frames, 1 fps for short clips.
 
@@ -178,9 +190,11 @@ def decode_video(
     decodes every frame up to the last pick instead (the same frames, bit for bit: the
     reference the tests and bench/video_decode.py compare against).
 
-    on_frames(frames, timestamps, audio_pending) is called once the frames are decoded, before
-    the audio track is waited for (audio_pending: it is still decoding), so the frames'
-    encoding can start before this returns; an error after it still raises here.
+    on_frames(picks, frames, timestamps, pending) gets the frames as they are decoded, so their
+    encoding can start before this returns: `handoff_frames` at a time while later ones still
+    decode (from the packets-only path, on a thread of its own), then the rest before the
+    audio track is waited for (pending: it is still decoding). An error after a call still
+    raises here.
     """
     if not data:
         raise EmptyMediaError("video part is empty (0 bytes)")
@@ -206,24 +220,36 @@ def decode_video(
 
         # The audio track decodes on its own thread and container while the frames decode
         # here (both spend most of their time in FFmpeg and soxr, outside the GIL).
+        handed: set[int] = set()  # picks in the on_frames calls made while decoding
+
+        def on_chunk(picks: list[int], images: list[Image.Image]) -> None:
+            assert on_frames is not None
+            on_frames(picks, images, [timestamps[i] for i in picks], True)
+            handed.update(picks)
+
         with ThreadPoolExecutor(1, thread_name_prefix="video-audio") as pool:
             audio = pool.submit(_decode_audio_track, data, max_seconds) if with_audio else None
             frames = (
                 None
                 if full_decode
-                else _decode_picked(data, container, stream, indices, check_size)
+                else _decode_picked(
+                    data, container, stream, indices, check_size,
+                    on_chunk=None if on_frames is None else on_chunk, chunk=handoff_frames,
+                )
             )
+            redecoded = frames is None and bool(handed)
             if frames is None:  # the plain path: every frame up to the last pick, in order
                 with _open(data) as plain:
                     frames = _decode_frames(plain, plain.streams.video[0], indices, check_size)
             if not frames:
                 raise EmptyMediaError("video stream decodes to 0 frames")
-            if on_frames is not None:
+            if on_frames is not None and not redecoded:
                 pending = audio is not None and bool(container.streams.audio) and not audio.done()
-                on_frames(frames, timestamps, pending)
+                rest = [i for i in range(len(frames)) if i not in handed]
+                on_frames(rest, [frames[i] for i in rest], [timestamps[i] for i in rest], pending)
             samples = None if audio is None else audio.result()
     segments = None if samples is None else segment_audio(samples, timestamps, duration)
-    return DecodedVideo(frames, timestamps, duration, segments)
+    return DecodedVideo(frames, timestamps, duration, segments, redecoded)
 
 
 def _decode_audio_track(data: bytes, max_seconds: float) -> np.ndarray | None:
@@ -308,6 +334,8 @@ def _decode_picked(
     indices: list[int],
     check_size: Callable[[int, int], None],
     workers: int = DECODE_WORKERS,
+    on_chunk: Callable[[list[int], list[Image.Image]], None] | None = None,
+    chunk: int = HANDOFF_FRAMES,
 ) -> list[Image.Image] | None:
     """The frames at `indices` (as `_decode_frames` gives them), decoding only the packets they
     need: from the latest usable keyframe at or before each pick, and for H.264 without the
@@ -315,6 +343,10 @@ def _decode_picked(
     by side on up to `workers` threads, each with its own decoder (a decode from the start
     spreads over frame threads; one from many keyframes would otherwise not), and the picks
     convert to RGB on the same threads.
+
+    on_chunk(picks, images): the images of those picks (indices into `indices`, ascending),
+    `chunk` or more at a time as they are decoded, but never the last ones (the caller hands
+    those on with what it knows then); called on a thread of its own.
 
     None when this stream does not allow it (codec outside SEEK_CODECS, packets without
     distinct pts, a decode error, a frame the decoder returns out of the expected order): the
@@ -334,17 +366,26 @@ def _decode_picked(
     groups = _split_runs(runs, workers)
     threads = 0 if len(groups) == 1 else max(1, (os.cpu_count() or 1) // len(groups))
 
-    def decode_group(group: list[tuple[int, int]]) -> dict[int, av.VideoFrame] | None:
-        if len(groups) == 1:
-            return _decode_runs(stream, packets, group, wanted, threads)
-        try:
-            with av.open(io.BytesIO(data), mode="r") as own:  # a decoder of its own
-                return _decode_runs(own.streams.video[0], packets, group, wanted, threads)
-        except av.FFmpegError:
-            return None
-
     with ThreadPoolExecutor(workers, thread_name_prefix="video-decode") as pool:
-        parts = list(pool.map(decode_group, groups))
+        picked = None if on_chunk is None else _Chunks(pick_pts, chunk, on_chunk, check_size)
+        on_pick = None if picked is None else picked.add
+
+        def decode_group(group: list[tuple[int, int]]) -> dict[int, av.VideoFrame] | None:
+            if len(groups) == 1:
+                return _decode_runs(stream, packets, group, wanted, threads, on_pick)
+            try:
+                with av.open(io.BytesIO(data), mode="r") as own:  # a decoder of its own
+                    return _decode_runs(own.streams.video[0], packets, group, wanted, threads,
+                                        on_pick)
+            except av.FFmpegError:
+                return None
+
+        try:
+            parts = list(pool.map(decode_group, groups))
+            images = {} if picked is None else picked.wait()  # the picks already converted
+        finally:
+            if picked is not None:
+                picked.close()
         if any(part is None for part in parts):
             return None
         got = {t: f for part in parts for t, f in part.items()}
@@ -352,9 +393,64 @@ def _decode_picked(
             return None
         for t in pick_pts:  # in pick order, as the plain path checks them
             check_size(got[t].width, got[t].height)
-        unique = list(dict.fromkeys(pick_pts))  # RGB conversion releases the GIL too
-        images = dict(zip(unique, pool.map(frame_rgb, [got[t] for t in unique]), strict=True))
+        unique = [t for t in dict.fromkeys(pick_pts) if t not in images]
+        images.update(zip(unique, pool.map(frame_rgb, [got[t] for t in unique]), strict=True))
     return [images[t] for t in pick_pts]
+
+
+class _Chunks:
+    """`_decode_picked`'s picks to on_chunk while later ones still decode: the decode threads
+    add frames as they come out (runs decode side by side, so not in pick order); every
+    `chunk` more picks are checked, converted to RGB and handed on, on a thread of their own
+    (the decode threads keep decoding)."""
+
+    def __init__(
+        self,
+        pick_pts: list[int],
+        chunk: int,
+        on_chunk: Callable[[list[int], list[Image.Image]], None],
+        check_size: Callable[[int, int], None],
+    ):
+        self.chunk, self.on_chunk, self.check_size = max(1, chunk), on_chunk, check_size
+        self._picks: dict[int, list[int]] = {}  # pts -> its picks (a repeat: the last frame)
+        for i, t in enumerate(pick_pts):
+            self._picks.setdefault(t, []).append(i)
+        self._left = len(pick_pts)  # picks not decoded yet
+        self._held: list[tuple[int, av.VideoFrame]] = []  # decoded, not handed on yet
+        self._futures: list[Future[dict[int, Image.Image]]] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="video-handoff")
+        self._lock = threading.Lock()
+
+    def add(self, pts: int, frame: av.VideoFrame) -> None:
+        with self._lock:
+            if pts not in self._picks:
+                return
+            self._held.append((pts, frame))
+            self._left -= len(self._picks[pts])
+            if self._left == 0 or sum(len(self._picks[t]) for t, _ in self._held) < self.chunk:
+                return  # the last picks are the caller's to hand on
+            held, self._held = self._held, []
+            self._futures.append(self._pool.submit(self._send, held))
+
+    def _send(self, held: list[tuple[int, av.VideoFrame]]) -> dict[int, Image.Image]:
+        images: dict[int, Image.Image] = {}
+        for t, f in held:
+            self.check_size(f.width, f.height)
+            images[t] = frame_rgb(f)
+        picks = sorted((i, t) for t in images for i in self._picks[t])
+        self.on_chunk([i for i, _ in picks], [images[t] for _, t in picks])
+        return images
+
+    def wait(self) -> dict[int, Image.Image]:
+        """The RGB images handed on, by pts, once every call is done (raises the first one's
+        error)."""
+        images: dict[int, Image.Image] = {}
+        for f in self._futures:
+            images.update(f.result())
+        return images
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 def _split_runs(runs: list[tuple[int, int]], k: int) -> list[list[tuple[int, int]]]:
@@ -376,8 +472,10 @@ def _decode_runs(
     runs: list[tuple[int, int]],
     wanted: set[int],
     threads: int,
+    on_pick: Callable[[int, av.VideoFrame], None] | None = None,
 ) -> dict[int, av.VideoFrame] | None:
-    """{pts: frame} of the wanted frames in `runs`, each run decoded from a flushed decoder.
+    """{pts: frame} of the wanted frames in `runs`, each run decoded from a flushed decoder
+    (each also to on_pick(pts, frame) as it comes out).
 
     None on a decode error, or when the run's frames show that packets and frames do not
     pair one to one as `_plan_runs` counts them: a frame out of pts order or with a pts no
@@ -401,6 +499,8 @@ def _decode_runs(
                     prev, shown = f.pts, shown + 1
                     if f.pts in wanted:  # only picks are held: the decoder reuses the others
                         got[f.pts] = f
+                        if on_pick is not None:
+                            on_pick(f.pts, f)
             ctx.flush_buffers()
             if not skip_nonref and shown != len(sent):
                 return None

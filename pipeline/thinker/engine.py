@@ -73,9 +73,10 @@ class ThinkerEngineConfig:
     max_encoder_items_per_step: int = 0
     audio_seconds_per_item: float = 5.0
     # Images encoded ahead of their request (`prefetch`: a video's frames while the ingress
-    # still decodes its audio track) wait for it here, outside the LRU above, at most this
-    # many (oldest dropped first: a request that never came). 128 ~ 64 MiB of bf16 rows.
-    prefetch_capacity: int = 128
+    # still decodes the rest of it) wait for it here, outside the LRU above, at most this
+    # many (oldest dropped first: a request that never came). 512 (~256 MiB of bf16 rows)
+    # holds the frames of 8 clips at the 64-frame limit, all on their way at once.
+    prefetch_capacity: int = 512
     dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
     # CUDA only: two short requests before serving (warm_up), so that what a first request
     # would pay (FlashInfer kernels built on first use, compiled helpers at prefill shapes)
