@@ -205,3 +205,42 @@ def _wav(seconds: float = 1.0) -> bytes:
     wav = io.BytesIO()
     sf.write(wav, np.zeros(int(16000 * seconds), np.float32), 16000, format="WAV")
     return wav.getvalue()
+
+
+def test_frames_go_while_decoding_only_when_the_ingress_builds_nothing_else():
+    """A few frames at a time while a video decodes costs the ingress's cores: only a build
+    that starts alone does it; the frames of one that starts beside another go as before."""
+    body = {"messages": user([{"type": "text", "text": "hi"}]), "max_tokens": 2}
+
+    async def main():
+        local = build_local_app({"active_stream_window": 2}, light_source())
+        ing = local.ingress
+        seen, gate = [], threading.Event()
+
+        def prepare(req, rid, on_frames=None, frames_while_decoding=True):
+            seen.append(frames_while_decoding)
+            gate.wait(10)
+            raise ValueError("built")
+
+        ing._prepare = prepare
+        both = [asyncio.create_task(ing.prepare(ing.parse(body))) for _ in range(2)]
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        gate.set()
+        errors = await asyncio.gather(*both, return_exceptions=True)
+        with pytest.raises(ValueError):
+            await ing.prepare(ing.parse(body))  # alone again
+        return seen, errors
+
+    seen, errors = asyncio.run(main())
+    assert seen == [True, False, True] and all(isinstance(e, ValueError) for e in errors)
+
+
+def test_no_frames_while_decoding_when_asked_not_to():
+    data = encode_clip(12.4, 5, options={"g": "10"})
+    got = []
+    proc = Processor(ThinkerConfig(), ByteTokenizer())
+    content = [MediaBytes("video", data), MediaBytes("audio", _wav()), "Q?"]
+    req = proc.build([{"role": "user", "content": content}], speech_output=True,
+                     on_frames=got.append, frames_while_decoding=False)
+    assert len(req.images) == 13 and all(len(images) == 13 for images in got)

@@ -60,7 +60,7 @@ from pipeline.processing.template import (
     count_prompt_tokens,
     spoken_banned_ids,
 )
-from pipeline.processing.video import decode_video, frame_parts, pack_omni
+from pipeline.processing.video import HANDOFF_FRAMES, decode_video, frame_parts, pack_omni
 
 MEDIA_KINDS = ("image", "audio", "video")
 T = TypeVar("T")
@@ -183,6 +183,7 @@ class Processor:
         max_slice_nums: int | None = None,
         use_image_id: bool | None = None,
         on_frames: OnFrames | None = None,
+        frames_while_decoding: bool = True,
     ) -> ThinkerRequest:
         """Messages -> ThinkerRequest.
 
@@ -195,6 +196,8 @@ class Processor:
                          hold them, a few at a time as they are decoded while something of the
                          request still is (the video's later frames or audio track, other media
                          parts), so their encoding may start before this returns
+        frames_while_decoding: False = a video's frames go only once all are decoded (when
+                         something else of the request still decodes), not a few at a time
         """
         # Refuse on the raw image count first so nothing is decoded for a hopeless request.
         self._check_vision_count(sum(_count_raw_images(m) for m in messages))
@@ -205,7 +208,8 @@ class Processor:
         if on_frames is not None:
             parts = sum(isinstance(p, MediaBytes) for m in raw if not isinstance(m.content, str)
                         for p in m.content)
-            handoff = _FrameHandoff(on_frames, parts)
+            handoff = _FrameHandoff(on_frames, parts,
+                                    HANDOFF_FRAMES if frames_while_decoding else 0)
         decoded = [self._decode_message(m, opts, handoff) for m in raw]
         self._check_vision_count(sum(_count_vision(m) for m in decoded))
         prompt = build_prompt(
@@ -429,6 +433,7 @@ class Processor:
             max_pixels=lim.max_image_pixels,
             max_aspect_ratio=lim.max_image_aspect_ratio,
             on_frames=None if handoff is None else frames_ready,
+            handoff_frames=0 if handoff is None else handoff.chunk,
         )
         frames = [early[i] for i in sorted(early)] or None
         if video.redecoded:  # the frames handed over may not be these: key these apart
@@ -474,8 +479,9 @@ class _FrameHandoff:
     (decoded side by side, or after this one). The frames decoded last, with nothing of the
     request left to decode, go with the request only."""
 
-    def __init__(self, on_frames: OnFrames, parts: int):
+    def __init__(self, on_frames: OnFrames, parts: int, chunk: int):
         self.on_frames = on_frames
+        self.chunk = chunk  # frames a call while later ones decode (0: none)
         self._left = parts  # media parts not decoded yet
         self._lock = threading.Lock()
 

@@ -72,9 +72,11 @@ SEEK_CODECS = frozenset({"h264", "hevc", "mpeg4", "mpeg2video", "vp8", "vp9"})
 SKIP_NONREF_CODECS = frozenset({"h264"})
 # Threads that decode one video's runs (stretches that each start at a keyframe) side by side.
 DECODE_WORKERS = min(8, os.cpu_count() or 1)
-# Frames per `on_frames` call while later ones still decode: the vision encoder starts on the
-# first ones ~10 ms into a decode, and 8 slices still make a full-rate vision batch.
+# Frames per `on_frames` call while later ones still decode (8 slices still make a full-rate
+# vision batch), converted and handed on by up to HANDOFF_WORKERS threads beside the decode
+# threads, so a chunk is not held up behind the one before it.
 HANDOFF_FRAMES = 8
+HANDOFF_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 # on_frames(picks, frames, timestamps, pending): frames[i] is the picks[i]-th of the frames
 # decode_video returns; pending: more of the video (frames, its audio track) is to come.
@@ -192,9 +194,9 @@ def decode_video(
 
     on_frames(picks, frames, timestamps, pending) gets the frames as they are decoded, so their
     encoding can start before this returns: `handoff_frames` at a time while later ones still
-    decode (from the packets-only path, on a thread of its own), then the rest before the
-    audio track is waited for (pending: it is still decoding). An error after a call still
-    raises here.
+    decode (from the packets-only path, on threads of their own; 0: not while decoding), then
+    the rest before the audio track is waited for (pending: it is still decoding). An error
+    after a call still raises here.
     """
     if not data:
         raise EmptyMediaError("video part is empty (0 bytes)")
@@ -234,7 +236,8 @@ def decode_video(
                 if full_decode
                 else _decode_picked(
                     data, container, stream, indices, check_size,
-                    on_chunk=None if on_frames is None else on_chunk, chunk=handoff_frames,
+                    on_chunk=None if on_frames is None or handoff_frames <= 0 else on_chunk,
+                    chunk=handoff_frames,
                 )
             )
             redecoded = frames is None and bool(handed)
@@ -346,7 +349,7 @@ def _decode_picked(
 
     on_chunk(picks, images): the images of those picks (indices into `indices`, ascending),
     `chunk` or more at a time as they are decoded, but never the last ones (the caller hands
-    those on with what it knows then); called on a thread of its own.
+    those on with what it knows then); called on threads of their own, maybe side by side.
 
     None when this stream does not allow it (codec outside SEEK_CODECS, packets without
     distinct pts, a decode error, a frame the decoder returns out of the expected order): the
@@ -401,7 +404,7 @@ def _decode_picked(
 class _Chunks:
     """`_decode_picked`'s picks to on_chunk while later ones still decode: the decode threads
     add frames as they come out (runs decode side by side, so not in pick order); every
-    `chunk` more picks are checked, converted to RGB and handed on, on a thread of their own
+    `chunk` more picks are checked, converted to RGB and handed on, on threads of their own
     (the decode threads keep decoding)."""
 
     def __init__(
@@ -418,7 +421,7 @@ class _Chunks:
         self._left = len(pick_pts)  # picks not decoded yet
         self._held: list[tuple[int, av.VideoFrame]] = []  # decoded, not handed on yet
         self._futures: list[Future[dict[int, Image.Image]]] = []
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="video-handoff")
+        self._pool = ThreadPoolExecutor(HANDOFF_WORKERS, thread_name_prefix="video-handoff")
         self._lock = threading.Lock()
 
     def add(self, pts: int, frame: av.VideoFrame) -> None:
