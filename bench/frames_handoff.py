@@ -1,0 +1,99 @@
+"""CPU timing of the ingress's build of a benchmark clip with the frames handoff.
+
+    python -m bench.frames_handoff [--iters 9] [--data-dir /tmp/handoff-clips]
+
+`Processor.build` of the app benchmark's request (a synthetic 30 s clip, 448x448 at 5 fps,
+and its wav as a part of its own, the bench's `--media file` shape), alone and 8 at once on
+8 threads of one process (as an ingress replica builds concurrent requests), four ways: no
+handoff; frames handed over 8 at a time while the video decodes, converted on 1 or on
+`HANDOFF_WORKERS` threads; and frames handed over only once all are decoded
+(`frames_while_decoding=False`). Prints the median build ms, when the first and the last
+frames went (ms into the build) and how many frames went ahead. The builds' requests are
+checked equal to the no-handoff build's first (exits 1 when not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from bench.datasets import make_synthetic_daily_omni, media_paths
+from pipeline.checkpoint import ModelSource, default_checkpoint
+from pipeline.processing import video as V
+from pipeline.processing.processor import Processor
+from pipeline.tokenizer import TextTokenizer
+
+MODES = tuple(dict.fromkeys(
+    (("no handoff", 0), ("chunks", 1), ("chunks", V.HANDOFF_WORKERS), ("all at once", 0))))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=9)
+    ap.add_argument("--data-dir", default="/tmp/handoff-clips")
+    args = ap.parse_args()
+    root = make_synthetic_daily_omni(args.data_dir, num_videos=8, durations=(30.0,))
+    clips = [tuple(p.read_bytes() for p in media_paths(root / "Videos", f"syn000_{i:04d}"))
+             for i in range(8)]
+    src = ModelSource.open(None)
+    proc = Processor(src.config.thinker, TextTokenizer.from_dir(src.path or default_checkpoint()))
+
+    def messages(i: int) -> list[dict]:
+        video, audio = clips[i]
+        return [{"role": "user", "content": [
+            {"type": "video", "data": video}, {"type": "audio", "data": audio},
+            {"type": "text", "text": "What happens? A. a B. b C. c D. d"}]}]
+
+    def build(i: int, mode: str) -> tuple[float, float | None, float | None, int, object]:
+        t0, sent = time.perf_counter(), []
+
+        def on_frames(images: list) -> None:
+            sent.append(((time.perf_counter() - t0) * 1e3, len(images)))
+
+        req = proc.build(messages(i), speech_output=True,
+                         on_frames=None if mode == "no handoff" else on_frames,
+                         frames_while_decoding=mode == "chunks")
+        ms = (time.perf_counter() - t0) * 1e3
+        first, last = (sent[0][0], sent[-1][0]) if sent else (None, None)
+        return ms, first, last, sum(n for _, n in sent), req
+
+    default = V.HANDOFF_WORKERS
+    ref = build(0, "no handoff")[4]
+    for mode, workers in MODES[1:]:
+        V.HANDOFF_WORKERS = workers or default
+        req = build(0, mode)[4]
+        same = req.input_ids == ref.input_ids and all(
+            a.content_hash == b.content_hash and all(
+                torch.equal(x, y) for x, y in zip(a.pixel_values, b.pixel_values, strict=True))
+            for a, b in zip(req.images, ref.images, strict=True))
+        if not same:
+            print(f"{mode}: the request differs from the no-handoff build", file=sys.stderr)
+            return 1
+    for at_once in (1, 8):
+        for mode, workers in MODES:
+            V.HANDOFF_WORKERS = workers or default
+            rows: list[tuple] = []
+            with ThreadPoolExecutor(at_once) as pool:
+                for it in range(args.iters + 1):  # the first round warms up
+                    got = list(pool.map(lambda i, m=mode: build(i, m)[:4], range(at_once)))
+                    rows += got if it else []
+
+            name = f"{mode}" + (f", {workers} thread(s)" if mode == "chunks" else "")
+            print(f"{at_once} at once, {name:22s} build {_median(rows, 0)} ms, first "
+                  f"{_median(rows, 1)} ms, last {_median(rows, 2)} ms, frames ahead "
+                  f"{_median(rows, 3)}", flush=True)
+    return 0
+
+
+def _median(rows: list[tuple], k: int) -> str:
+    xs = [r[k] for r in rows if r[k] is not None]
+    return f"{statistics.median(xs):.1f}" if xs else "-"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
