@@ -202,7 +202,8 @@ class IngressServer:
 
         # A video's frames go a few at a time while it decodes only when this replica builds
         # no other request: with several at once its cores are what they compete for (H200,
-        # 8 at once: the preprocessing span 360 -> 502 ms, no more requests a second).
+        # c=8, one handoff thread: the preprocessing span 360 -> 502 ms, no more requests a
+        # second).
         alone = self._building == 0
         self._building += 1
         # Decoding and feature extraction are CPU work: keep them off the event loop.

@@ -345,7 +345,7 @@ def _decode_picked(
     non-reference frames that are not picks. Runs that start at their own keyframe decode side
     by side on up to `workers` threads, each with its own decoder (a decode from the start
     spreads over frame threads; one from many keyframes would otherwise not), and the picks
-    convert to RGB on the same threads.
+    convert to RGB on the same threads (those handed on early, on on_chunk's).
 
     on_chunk(picks, images): the images of those picks (indices into `indices`, ascending),
     `chunk` or more at a time as they are decoded, but never the last ones (the caller hands
