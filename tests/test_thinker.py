@@ -314,7 +314,9 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_a_fresh_engine(engine_factor
     mixed step with a prefix-cache hit. After it the engine is idle, nothing is held, and a
     request gives what it gives on an engine that never warmed up."""
     eng, fresh = engine_factory(), engine_factory()
+    batches = _vision_batches(eng)
     eng.warm_up()
+    assert eng.config.vision_batch_size in batches, "a full vision batch of 448x448 slices"
     st = eng.stats()
     assert not eng.has_work() and st["open_streams"] == 0
     assert st["num_free_blocks"] == st["num_total_blocks"]
@@ -325,6 +327,19 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_a_fresh_engine(engine_factor
     want = _run(fresh, [_request(fresh, "a", max_tokens=6)])["a"]
     assert got["ids"] == want["ids"] and got["reason"] == want["reason"] == "length"
     assert torch.equal(got["hidden"], want["hidden"])
+
+
+def _vision_batches(eng) -> list[int]:
+    """Wraps the vision encoder's forward: the list grows by each pass's slice count."""
+    sizes: list[int] = []
+    forward = eng.model.vpm.forward
+
+    def counted(pixels, *a, **k):
+        sizes.append(pixels.shape[0])
+        return forward(pixels, *a, **k)
+
+    eng.model.vpm.forward = counted
+    return sizes
 
 
 def _counting_vision(eng) -> list[int]:

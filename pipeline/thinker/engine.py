@@ -254,26 +254,30 @@ class ThinkerEngine:
         return engine
 
     def warm_up(self) -> None:
-        """Serve two short requests before any user's: one with an image slice, a clip as
-        long as the audio encoder's window (30 s: the length most turns bring, so its kernels
-        are chosen now) and text (sampled, penalised, with the spoken span's hidden states),
-        and, while its decode runs, its prompt again plus a few tokens (a prefix-cache hit in
-        a mixed step, greedy). Every kind of step a turn takes then has run once. Leaves the
-        engine idle, with its step and gap maxima from zero."""
+        """Serve two short requests before any user's: one with an image of a full vision
+        batch of 448x448 slices (a video's frames come in such batches, and the encoder's
+        largest activations are those of a full one), a clip as long as the audio encoder's
+        window (30 s: the length most turns bring, so its kernels are chosen now) and text
+        (sampled, penalised, with the spoken span's hidden states), and, while its decode
+        runs, its prompt again plus a few tokens (a prefix-cache hit in a mixed step,
+        greedy). Every kind of step a turn takes then has run once, at a turn's sizes.
+        Leaves the engine idle, with its step and gap maxima from zero."""
         cfg, tokens, q = self.model.cfg, self.model.cfg.tokens, self.model.cfg.query_num
-        image = self.model.blank_image(content_hash="warm-up:image")
+        side = cfg.slicing.scale_resolution // cfg.slicing.patch_size
+        n = self.config.vision_batch_size
+        image = self.model.blank_image([(side, side)] * n, content_hash="warm-up:image")
         window = self.model.audio.apm.max_mel_frames
         audio = AudioInput(torch.zeros(cfg.audio.num_mel_bins, window), "warm-up:audio")
         n_audio = self.model.audio.num_tokens(audio.num_frames)
         text = self.tokenizer.encode("Warm up: what do you see and hear?")
-        ids = text + [tokens.unk] * q + text + [tokens.unk] * n_audio + text
+        ids = text + [tokens.unk] * (n * q) + text + [tokens.unk] * n_audio + text
         first = ThinkerRequest(
             "warm-up:0",
             ids + [tokens.tts_bos],
             images=[image],
-            image_bounds=[(len(text), len(text) + q)],
+            image_bounds=[(len(text) + j * q, len(text) + (j + 1) * q) for j in range(n)],
             audios=[audio],
-            audio_bounds=[(2 * len(text) + q, 2 * len(text) + q + n_audio)],
+            audio_bounds=[(2 * len(text) + n * q, 2 * len(text) + n * q + n_audio)],
             audio_segments=[(0, 0, n_audio)],
             sampling=SamplingParams(temperature=0.7, top_p=0.8, top_k=100,
                                     repetition_penalty=1.05, max_tokens=6, ignore_eos=True,
