@@ -37,10 +37,14 @@ before any later step's, since every step runs in order on one stream. A sequenc
 pending id is its `max_tokens`-th is not scheduled again and holds no slot of `max_num_seqs`,
 so steps that end sequences by length batch the same rows either way.
 
-Blocks are published only once their K/V are written (after the step), never at
+Blocks are published only once the step that writes their K/V is launched, never at
 allocation: a chunked prefill's later blocks do not exist yet when another sequence is
-admitted. A sequence never writes into a block it took from the cache: the cached length
-is a whole number of blocks, and computing starts in a fresh one.
+admitted. A block of prompt tokens is published at `advance` (every step runs in order on one
+stream, so a later step that reads it runs after the one that writes it: a request that
+comes while a prefill of its prefix is in flight reuses it), a block holding an output token
+at `resolve` (its id may still be pending before). A sequence never writes into a block it
+took from the cache: the cached length is a whole number of blocks, and computing starts in
+a fresh one.
 """
 
 from __future__ import annotations
@@ -365,12 +369,14 @@ class Scheduler:
         n = min((seq.num_tokens - 1) // bs, seq.cacheable_until // bs)
         return self.blocks.match_prefix(seq.prefix_hashes(bs, n))
 
-    def _publish(self, seq: Sequence) -> None:
-        """Offer every block that is now full and computed to the prefix cache."""
+    def _publish(self, seq: Sequence, upto: int | None = None) -> None:
+        """Offer every block that is now full and computed (of the first `upto` tokens) to
+        the prefix cache."""
         if not self.blocks.enable_caching:
             return
         bs = self.blocks.block_size
-        n = min(seq.num_computed // bs, seq.cacheable_until // bs)
+        n = min(seq.num_computed, seq.cacheable_until, sys.maxsize if upto is None else upto)
+        n //= bs
         if n <= seq.num_cached_blocks:
             return
         hashes = seq.prefix_hashes(bs, n)
@@ -386,10 +392,14 @@ class Scheduler:
 
     def advance(self, plan: StepPlan) -> None:
         """The step is launched: its tokens count as computed, and every sequence that
-        samples holds a PENDING_ID output until `resolve`."""
+        samples holds a PENDING_ID output until `resolve`. Blocks of prompt tokens it
+        fills are published now (their ids are known; the step writes their K/V before any
+        later step reads them)."""
         for s in plan.seqs:
             seq = s.seq
             seq.num_computed = s.start + s.num_new
+            if s.start < seq.num_prompt:
+                self._publish(seq, seq.num_prompt)
             if s.sample:
                 s.out_index = len(seq.output_ids)
                 seq.output_ids.append(PENDING_ID)
