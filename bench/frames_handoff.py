@@ -57,7 +57,7 @@ def main() -> int:
     def build(i: int, mode: str) -> tuple[float, float | None, float | None, int, object]:
         t0, sent = time.perf_counter(), []
 
-        def on_frames(images: list, prefix: object) -> None:
+        def on_frames(images: list) -> None:
             sent.append(((time.perf_counter() - t0) * 1e3, len(images)))
 
         req = proc.build(messages(i), speech_output=True,

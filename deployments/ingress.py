@@ -197,8 +197,8 @@ class IngressServer:
         if self.cfg.ingress.prefetch_frames:
             loop = asyncio.get_running_loop()
 
-            def on_frames(images: list[Any], prefix: Any) -> None:  # a decode thread
-                loop.call_soon_threadsafe(self._prefetch, images, prefix, req.speech)
+            def on_frames(images: list[Any]) -> None:  # a decode thread
+                loop.call_soon_threadsafe(self._prefetch, images, req.speech)
 
         # A video's frames go a few at a time while it decodes only when this replica builds
         # no other request: with several at once its cores are what they compete for (H200,
@@ -215,18 +215,17 @@ class IngressServer:
         turn.arrival, turn.prepared = arrival, time.time()
         return turn
 
-    def _prefetch(self, images: list[Any], prefix: Any, speech: bool) -> None:
+    def _prefetch(self, images: list[Any], speech: bool) -> None:
         """A video's frames, decoded while the rest of the request still decodes (its later
         frames, its audio track, another part), to the Thinker the turn will most likely go
-        to (the only one with one group): its vision encoder works on them, and on the
-        prompt through them (`prefix`, when known), while this replica finishes the request.
-        Best effort: a failed call costs the turn nothing but the head start."""
+        to (the only one with one group): its vision encoder works on them while this replica
+        finishes the request. Best effort: a failed call costs the turn nothing but the head
+        start."""
         thinker = self.turns.likely_group(speech).stages.thinker
 
         async def send() -> None:
             try:
-                await asyncio.wait_for(thinker.prefetch.remote(images, prefix),
-                                       self.cfg.timeouts.hop_s)
+                await asyncio.wait_for(thinker.prefetch.remote(images), self.cfg.timeouts.hop_s)
             except Exception as e:  # noqa: BLE001 - the turn's own call will tell
                 log.info("prefetch of %d frames did not land: %s", len(images), error_line(e))
 

@@ -39,7 +39,6 @@ class FakeThinkerEngine:
         self.running: dict[str, tuple[ThinkerRequest, int]] = {}
         self.aborted = 0
         self.prefetched: list[str] = []  # content hashes of the images sent ahead
-        self.prefixes: list[Any] = []  # the prompt prefixes sent with them
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeThinkerEngine:
@@ -49,10 +48,8 @@ class FakeThinkerEngine:
     def open(self, rid: str, spec: ThinkerRequest) -> None:
         self.running[rid] = (spec, 0)
 
-    def prefetch(self, images: list[Any], prefix: Any = None) -> None:
+    def prefetch(self, images: list[Any]) -> None:
         self.prefetched.extend(im.content_hash for im in images)
-        if prefix is not None:
-            self.prefixes.append(prefix)
 
     def feed(self, rid: str, msg: Any) -> None:
         raise ValueError("the Thinker takes its whole prompt at open()")

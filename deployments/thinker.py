@@ -1,8 +1,7 @@
 """Thinker deployment: a ThinkerEngine behind the shared StageServer.
 
-`generate(req)` streams text back to its caller (the ingress); `prefetch(images, prefix)`
-hands over a request's images ahead of it (a video's frames, while the ingress decodes the
-rest), with the prompt through them when it is known (computed ahead into the prefix cache). When
+`generate(req)` streams text back to its caller (the ingress); `prefetch(images)` hands over
+a request's images ahead of it (a video's frames, while the ingress decodes its audio). When
 the request asks for speech, the spoken span (token ids + final-norm hidden states, numpy)
 goes straight to the Talker through `talker.feed`, in order, so the ingress never carries
 hidden states.
@@ -58,11 +57,10 @@ class ThinkerServer(StageServer):
             async for item in items:
                 yield item
 
-    async def prefetch(self, images: list[Any], prefix: Any = None) -> None:
+    async def prefetch(self, images: list[Any]) -> None:
         """Images (pipeline.handoff.ImageInput) of a request still being prepared: the
-        engine encodes them ahead of it (a video's frames while the rest decodes); with
-        `prefix` (a PromptPrefix), it also computes the request's prompt through them."""
-        await self.loop.call(lambda e: e.prefetch(images, prefix))
+        engine encodes them ahead of it (a video's frames while its audio track decodes)."""
+        await self.loop.call(lambda e: e.prefetch(images))
 
     def _refused(self, e: Exception) -> StageFailure | None:
         if isinstance(e, ValueError):  # the engine refused this request (e.g. over the context)
@@ -92,8 +90,7 @@ class ThinkerServer(StageServer):
     def _leaks(self, engine: dict[str, Any]) -> list[str]:
         total = engine.get("num_total_blocks")
         free = engine.get("num_free_blocks")
-        idle = not int(engine["open_streams"]) and not int(engine.get("prefixes_ahead_open", 0))
-        if idle and total is not None and free != total:
+        if not int(engine["open_streams"]) and total is not None and free != total:
             return [f"{total - free} KV blocks in use with no request"]
         return []
 

@@ -1,8 +1,6 @@
 """Typed messages between the processing step and the stages.
 
-Ingress (processing) -> Thinker:   ThinkerRequest (token ids + media tensors + sampling);
-                                   before it, a video's frames and PromptPrefix (the
-                                   prompt through them) while the rest still decodes
+Ingress (processing) -> Thinker:   ThinkerRequest (token ids + media tensors + sampling)
 Thinker -> caller, every step:     ThinkerDelta (new ids, text, spoken-span hidden states)
 Thinker -> Talker:                 SpokenChunk (spoken ids + their hidden states), on a
                                    stream opened with a TalkerSpec (mode, seed, limits)
@@ -172,20 +170,6 @@ class ThinkerRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.input_ids)
-
-
-@dataclass
-class PromptPrefix:
-    """The start of request `request_id`'s prompt, known while the rest still decodes: its
-    ids through the last of the video frames `image_keys` (content hashes, one slice each,
-    in prompt order; their ImageInputs travel in the same or an earlier call), whose slots
-    are `image_bounds`. The Thinker computes it ahead into its prefix cache; the request,
-    when it comes, starts with exactly these ids and these frames."""
-
-    request_id: str
-    input_ids: list[int]
-    image_keys: list[str]
-    image_bounds: list[tuple[int, int]]
 
 
 @dataclass

@@ -5,7 +5,6 @@ ingress sending them to the Thinker's `prefetch` (in-process app over fake engin
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import threading
 
@@ -55,7 +54,7 @@ def _build(on_frames=None, clip=None, extra=()):
 def test_on_frames_hands_over_the_request_frames_before_the_audio(slow_audio):
     got = []
 
-    def on_frames(images, prefix):
+    def on_frames(images):
         got.append((images, slow_audio.is_set()))
         slow_audio.set()
 
@@ -74,7 +73,7 @@ def test_on_frames_hands_over_the_request_frames_before_the_audio(slow_audio):
 def test_on_frames_is_not_called_for_a_video_that_is_all_there_is(slow_audio):
     slow_audio.set()  # nothing is to be handed over: no reason to hold the audio back
     got = []
-    req = _build(lambda images, prefix: got.append(images), make_mp4(2.5, audio=False))
+    req = _build(got.append, make_mp4(2.5, audio=False))
     assert not got and len(req.images) == 3 and not req.audios
 
 
@@ -84,7 +83,7 @@ def test_on_frames_while_another_media_part_decodes(monkeypatch):
     handed = _hold_back(monkeypatch, P, "decode_audio")
     got = []
 
-    def on_frames(images, prefix):
+    def on_frames(images):
         got.append(images)
         handed.set()
 
@@ -113,8 +112,8 @@ def test_the_ingress_sends_a_video_frames_ahead(slow_audio, prefetch):
         opened = []
         real_open, real_prefetch = engine.open, engine.prefetch
 
-        def take_frames(images, prefix=None):  # the frames reached the Thinker: the audio
-            real_prefetch(images, prefix)  # may finish now
+        def take_frames(images):  # the frames reached the Thinker: the audio may finish now
+            real_prefetch(images)
             slow_audio.set()
 
         def open_(rid, spec):
@@ -140,7 +139,7 @@ def test_the_ingress_sends_a_video_frames_ahead(slow_audio, prefetch):
 def _record():
     calls = []
 
-    def on_frames(picks, frames, timestamps, pending, track):
+    def on_frames(picks, frames, timestamps, pending):
         calls.append((list(picks), list(frames), list(timestamps), pending))
 
     return calls, on_frames
@@ -179,7 +178,7 @@ def test_frames_handed_from_a_decode_given_up_are_keyed_apart(monkeypatch):
     handed = []
     plain = _build(clip=data)
     monkeypatch.setattr(V, "_decode_runs", given_up)
-    req = _build(lambda images, prefix: handed.extend(images), data, [MediaBytes("audio", _wav())])
+    req = _build(handed.extend, data, [MediaBytes("audio", _wav())])
     ref = _build(clip=data, extra=[MediaBytes("audio", _wav())])
     assert handed and len(req.images) == 13
     assert not {im.content_hash for im in handed} & {im.content_hash for im in req.images}
@@ -193,7 +192,7 @@ def test_a_video_as_the_last_media_goes_ahead_while_it_still_decodes():
     ones decode, though the audio part was done first; the request is unchanged."""
     data = encode_clip(12.4, 5, options={"g": "10"})
     got = []
-    req = _build(lambda images, prefix: got.append(images), data, [MediaBytes("audio", _wav())])
+    req = _build(got.append, data, [MediaBytes("audio", _wav())])
     plain = _build(clip=data, extra=[MediaBytes("audio", _wav())])
     assert got and all(len(images) >= V.HANDOFF_FRAMES for images in got)
     by_hash = {im.content_hash: im for im in req.images}
@@ -243,109 +242,5 @@ def test_no_frames_while_decoding_when_asked_not_to():
     proc = Processor(ThinkerConfig(), ByteTokenizer())
     content = [MediaBytes("video", data), MediaBytes("audio", _wav()), "Q?"]
     req = proc.build([{"role": "user", "content": content}], speech_output=True,
-                     on_frames=lambda images, prefix: got.append(images),
-                     frames_while_decoding=False)
+                     on_frames=got.append, frames_while_decoding=False)
     assert len(req.images) == 13 and all(len(images) == 13 for images in got)
-
-
-# --- the prompt through the frames handed over ------------------------------------------
-
-
-def _prefixes(messages, monkeypatch, chunk=3):
-    """Build with frames handed over `chunk` at a time: the request and every call's
-    (images, prefix)."""
-    monkeypatch.setattr(P, "HANDOFF_FRAMES", chunk)
-    calls = []
-    proc = Processor(ThinkerConfig(), ByteTokenizer())
-    req = proc.build(messages, speech_output=True, request_id="r1",
-                     on_frames=lambda images, prefix: calls.append((images, prefix)))
-    return req, calls
-
-
-def test_the_prompt_through_the_frames_goes_with_them(monkeypatch):
-    """A video after text only (a system message, text before it in its message): each call
-    carries the prompt through the frames out so far from the first, exactly the request's
-    first ids, slots and frames."""
-    data = encode_clip(12.4, 5, options={"g": "10"})
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": ["Look:", MediaBytes("video", data),
-                                             MediaBytes("audio", _wav()), "What happens?"]}]
-    req, calls = _prefixes(messages, monkeypatch)
-    prefixes = [p for _, p in calls if p is not None]
-    assert len(calls) >= 2 and prefixes
-    sizes = [len(p.image_keys) for p in prefixes]
-    assert sizes == sorted(sizes) and sizes[-1] >= 3
-    handed: set[str] = set()
-    for images, p in calls:
-        handed.update(im.content_hash for im in images)
-        if p is None:
-            continue
-        k = len(p.image_keys)
-        assert p.request_id == "r1" and set(p.image_keys) <= handed  # sent with or before it
-        assert p.input_ids == req.input_ids[: len(p.input_ids)]
-        assert p.image_bounds == req.image_bounds[:k]
-        assert p.image_keys == [im.content_hash for im in req.images[:k]]
-        assert p.input_ids[-1] == ThinkerConfig().tokens.image_end
-        assert len(p.input_ids) == p.image_bounds[-1][1] + 1
-
-
-@pytest.mark.parametrize("shape", ["media before", "audio track"])
-def test_no_prompt_with_the_frames_when_it_is_not_known(monkeypatch, slow_audio, shape):
-    """Another media part before the video (its placeholder length is not known yet), or the
-    video's own audio track (its seconds sit between the frames): frames go, without prompt."""
-    if shape == "media before":
-        slow_audio.set()
-        data = encode_clip(12.4, 5, options={"g": "10"})
-        content = [MediaBytes("audio", _wav()), MediaBytes("video", data), "Q?"]
-    else:
-        content = [MediaBytes("video", make_mp4(3.5)), "Q?"]
-
-        def free_audio(images, prefix):
-            calls.append((images, prefix))
-            slow_audio.set()
-
-    monkeypatch.setattr(P, "HANDOFF_FRAMES", 3)
-    calls = []
-    proc = Processor(ThinkerConfig(), ByteTokenizer())
-    on_frames = free_audio if shape == "audio track" else (
-        lambda images, prefix: calls.append((images, prefix)))
-    req = proc.build([{"role": "user", "content": content}], speech_output=True,
-                     request_id="r2", on_frames=on_frames)
-    assert calls and len(req.images) >= 4
-    assert all(p is None for _, p in calls)
-
-
-def test_the_ingress_sends_the_prompt_through_the_frames(monkeypatch):
-    """The benchmark's shape through the ingress: the Thinker gets the prompt through the
-    frames with them, and the request it then opens starts with exactly that prompt."""
-    monkeypatch.setattr(P, "HANDOFF_FRAMES", 3)
-    clip = encode_clip(12.4, 5, options={"g": "10"})
-    body = {"messages": user([{"type": "video_url",
-                               "video_url": {"url": data_uri(clip, "video/mp4")}},
-                              {"type": "input_audio",
-                               "input_audio": {"data": base64.b64encode(_wav()).decode(),
-                                               "format": "wav"}},
-                              {"type": "text", "text": "What happens?"}]),
-            "modalities": ["text", "audio"], "max_tokens": 8}
-
-    async def main():
-        local = build_local_app({"active_stream_window": 2}, light_source())
-        engine = local.thinker.engine
-        opened = []
-        real_open = engine.open
-
-        def open_(rid, spec):
-            opened.append((rid, spec, list(engine.prefixes)))
-            return real_open(rid, spec)
-
-        engine.open = open_
-        evs = [ev async for ev in local.ingress.chat(body)]
-        return evs, opened
-
-    evs, opened = asyncio.run(main())
-    assert isinstance(evs[-1], Done)
-    (rid, spec, prefixes), = opened
-    assert prefixes and all(p.request_id == rid for p in prefixes)
-    for p in prefixes:
-        assert p.input_ids == spec.input_ids[: len(p.input_ids)]
-        assert p.image_keys == [im.content_hash for im in spec.images[: len(p.image_keys)]]

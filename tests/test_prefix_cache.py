@@ -225,34 +225,6 @@ def test_partial_last_block_not_shared_and_one_token_always_computed():
     assert bm.num_free == bm.num_blocks
 
 
-def test_prompt_blocks_are_shared_once_launched_output_blocks_once_resolved():
-    """Launching ahead: the next step is planned while one is in flight. Its prompt blocks
-    are published when it is launched (a later step runs after it on the stream), so a
-    request planned meanwhile reuses them; a block holding a pending output id is not."""
-    s = _sched()
-    bm = s.blocks
-    sp = SamplingParams(max_tokens=20, stop_ids=())
-    a = Sequence("a", list(range(100, 111)), sp)  # 11 tokens: 2 full blocks + 3
-    s.add(a)
-    first = s.schedule()
-    s.advance(first)  # launched, not resolved: its id is pending
-    assert a.num_cached_blocks == 2 and bm.num_cached == 2
-    b = Sequence("b", list(range(100, 114)), sp)
-    s.add(b)
-    second = s.schedule()  # planned while the first is in flight
-    sb = next(x for x in second.seqs if x.seq is b)
-    assert (sb.start, sb.num_new) == (8, 6) and b.block_table[:2] == a.block_table[:2]
-    s.advance(second)  # a's pending id is fed: block 2 is full but its last id unknown
-    assert bm.block_hash(a.block_table[2]) is None
-    s.resolve(first, [7])
-    s.resolve(second, [8, 9])
-    assert bm.block_hash(a.block_table[2]) is not None  # its ids are known now
-    assert a.output_ids == [7, 8] and b.output_ids == [9]
-    for rid in ("a", "b"):
-        s.abort(rid)
-    _check_accounting(bm, [])
-
-
 def test_admission_counts_evictable_hits_against_free_blocks():
     """Taking a cached block with ref count 0 removes it from the free pool: admission
     must count it, or the fresh blocks after it could not be allocated."""
@@ -587,87 +559,6 @@ def test_media_left_out_then_evicted_is_encoded_on_demand(thinker_factory, monke
     assert (calls.images, calls.audios) == (2, 2)  # x at admission, y on demand
     _same(got, ref)
     assert st["num_free_blocks"] == st["num_total_blocks"]
-
-
-def _video_turn(eng, monkeypatch, rid="v"):
-    """A video (13 frames, handed over 3 at a time while it decodes), a clip and a question,
-    built as the ingress builds it: the request and every (images, prefix) sent ahead."""
-    from test_processing_video import encode_clip
-
-    from pipeline.processing import MediaBytes
-    from pipeline.processing import processor as P
-
-    monkeypatch.setattr(P, "HANDOFF_FRAMES", 3)
-    data = encode_clip(12.4, 5, options={"g": "10"})
-    msgs = [{"role": "user", "content": [MediaBytes("video", data),
-                                         MediaBytes("audio", _wav(1.0, 440.0)), "What happens?"]}]
-    calls = []
-    req = Processor(eng.model.cfg, eng.tokenizer).build(
-        msgs, speech_output=True, request_id=rid,
-        sampling=SamplingParams(max_tokens=6, ignore_eos=True),
-        on_frames=lambda images, prefix: calls.append((images, prefix)))
-    return req, calls
-
-
-def test_a_prompt_prefix_computed_ahead_is_reused_and_changes_nothing(thinker_factory,
-                                                                      monkeypatch):
-    """The frames and the prompt through them go ahead (`prefetch`): the Thinker computes
-    that prefix into its prefix cache, as a request of its own that nobody hears of; the
-    request then takes every full block of it and streams what it streams without."""
-    eng = thinker_factory()
-    req, calls = _video_turn(eng, monkeypatch)
-    prefixes = [p for _, p in calls if p is not None]
-    assert prefixes and len(prefixes[-1].image_keys) >= 3
-    for images, prefix in calls:
-        eng.prefetch(images, prefix)
-    while eng.has_work():
-        assert eng.step() == []  # no deltas of a prefix
-    st = eng.stats()
-    assert st["prefixes_ahead"] >= 1 and st["prefixes_ahead_open"] == st["open_streams"] == 0
-    assert st["num_free_blocks"] == st["num_total_blocks"]  # done: its blocks wait, cached
-    got = _run_thinker(eng, [req])["v"]
-    hit = eng.stats()["prefix_cache_hits"] - st["prefix_cache_hits"]
-    assert hit == max(len(p.input_ids) for p in prefixes) // 4 * 4
-    off = thinker_factory(enable_prefix_caching=False)
-    plain, _ = _video_turn(off, monkeypatch)
-    _same(got, _run_thinker(off, [plain])["v"])
-
-
-def test_prompt_prefixes_ahead_give_way_to_their_request(thinker_factory, monkeypatch):
-    """A longer prefix replaces one still queued; the request replaces a queued prefix, and
-    one that lands after it is ignored; an abort drops a running one; every block comes back."""
-    eng = thinker_factory()
-    req, calls = _video_turn(eng, monkeypatch)
-    sent = [(images, p) for images, p in calls if p is not None]
-    images = [im for ims, _ in calls for im in ims]
-    first, last = sent[0][1], sent[-1][1]
-    assert len(last.input_ids) // 4 > len(first.input_ids) // 4
-    eng.prefetch(images, first)
-    eng.prefetch([], last)  # before a step: the first is replaced
-    eng.prefetch([], first)  # shorter than what went: skipped
-    assert [p.request_id for p in eng._pending] == [f"v:prefix:{len(last.input_ids)}"]
-    eng.open("v", req)  # the request came: the queued prefix would only compete
-    eng.prefetch([], last)  # landed late: nothing
-    out = _collect_all(eng)
-    assert eng.stats()["prefixes_ahead"] == 0 and list(out) == ["v"] and len(out["v"]) == 6
-    # an abort while its prefix is in the LLM engine (computed a few tokens a step)
-    eng = thinker_factory(max_num_batched_tokens=32)
-    eng.prefetch(images, last)
-    eng.step()  # admitted and computing
-    assert eng.stats()["prefixes_ahead"] == 1 and eng.stats()["prefixes_ahead_open"] == 1
-    eng.abort("v")
-    while eng.has_work():
-        eng.step()
-    st = eng.stats()
-    assert st["prefixes_ahead_open"] == 0 and st["num_free_blocks"] == st["num_total_blocks"]
-
-
-def _collect_all(eng) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while eng.has_work():
-        for d in eng.step():
-            out.setdefault(d.request_id, []).extend(d.token_ids)
-    return out
 
 
 # ---------------------------------------------------------------------------------------

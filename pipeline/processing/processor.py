@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from pipeline.config import ThinkerConfig
-from pipeline.handoff import AudioInput, ImageInput, PromptPrefix, SamplingParams, ThinkerRequest
+from pipeline.handoff import AudioInput, ImageInput, SamplingParams, ThinkerRequest
 from pipeline.processing.audio import clip_num_tokens, decode_audio, process_audio
 from pipeline.processing.errors import (
     InvalidMessageError,
@@ -64,10 +64,7 @@ from pipeline.processing.video import HANDOFF_FRAMES, decode_video, frame_parts,
 
 MEDIA_KINDS = ("image", "audio", "video")
 T = TypeVar("T")
-# on_frames(images, prefix): video frames before the request is decoded, and for the first
-# video of a conversation with only text before it (and no audio track), the prompt through
-# the frames handed over so far, in order from the first (None for other videos)
-OnFrames = Callable[[list[ImageInput], PromptPrefix | None], None]
+OnFrames = Callable[[list[ImageInput]], None]  # video frames, before the request is decoded
 
 
 class Tokenizer(Protocol):
@@ -198,11 +195,7 @@ class Processor:
         on_frames:       called (on decode threads) with a video's frames as the request will
                          hold them, a few at a time as they are decoded while something of the
                          request still is (the video's later frames or audio track, other media
-                         parts), so their encoding may start before this returns; with them,
-                         when the prompt up to them is known already (the first media part of
-                         the conversation, a video without an audio track), that prompt
-                         through the frames from the first on that are out (a PromptPrefix:
-                         the returned request starts with it), so its prefill may start too
+                         parts), so their encoding may start before this returns
         frames_while_decoding: False = a video's frames go only once all are decoded (when
                          something else of the request still decodes), not a few at a time
         """
@@ -217,7 +210,6 @@ class Processor:
                         for p in m.content)
             handoff = _FrameHandoff(on_frames, parts,
                                     HANDOFF_FRAMES if frames_while_decoding else 0)
-            self._plan_prefix(handoff, raw, enable_thinking, request_id)
         decoded = [self._decode_message(m, opts, handoff) for m in raw]
         self._check_vision_count(sum(_count_vision(m) for m in decoded))
         prompt = build_prompt(
@@ -246,42 +238,6 @@ class Processor:
             sampling=self._sampling(sampling, speech_output),
             return_hidden=speech_output,
         )
-
-    def _plan_prefix(
-        self, handoff: _FrameHandoff, raw: list[Message], enable_thinking: bool, request_id: str
-    ) -> None:
-        """When the conversation's first media part is a video in a user message, the prompt
-        before its frames is fixed by the text before it: let the handoff send the prompt
-        through the frames out so far (`PromptPrefix`) with them."""
-        first = next(((i, j) for i, m in enumerate(raw) if not isinstance(m.content, str)
-                      for j, p in enumerate(m.content) if not isinstance(p, TextPart)), None)
-        if first is None:
-            return
-        i, j = first
-        m = raw[i]
-        part = m.content[j]
-        if not (isinstance(part, MediaBytes) and part.kind == "video" and m.role == "user"):
-            return
-        head = list(m.content[:j])
-
-        def prefix(frames: list[ImagePart]) -> PromptPrefix | None:
-            if not frames:
-                return None
-            messages = [*raw[:i], Message(m.role, [*head, OmniPart(list(frames))])]
-            prompt = build_prompt(
-                messages, self.cfg.tokens, self._encode, query_num=self.cfg.query_num,
-                enable_thinking=enable_thinking, use_tts_template=True,
-                stream_input=self.chunked_audio,
-            )
-            # the frames end the message's content so far: "<image> <unk>*q </image>" each
-            end = prompt.image_bounds[-1][1] + 1
-            if (len(prompt.image_bounds) != len(frames)
-                    or prompt.input_ids[end - 1] != self.cfg.tokens.image_end):
-                return None  # not the layout this relies on: the request goes without it
-            return PromptPrefix(request_id, prompt.input_ids[:end],
-                                [im.content_hash for im in prompt.images], prompt.image_bounds)
-
-        handoff.prefix_part, handoff.prefix = part, prefix
 
     def _sampling(self, sampling: SamplingParams | None, speech_output: bool) -> SamplingParams:
         sampling = sampling if sampling is not None else SamplingParams()
@@ -464,16 +420,11 @@ class Processor:
         early: dict[int, ImagePart] = {}  # the frames' parts by pick, made as they decode
 
         def frames_ready(picks: list[int], frames: list, timestamps: list[float],
-                         pending: bool, track: bool) -> None:
+                         pending: bool) -> None:
             parts = frame_parts(frames, timestamps, self.cfg.slicing, digest)
+            early.update(zip(picks, parts, strict=True))
             assert handoff is not None
-            with handoff.order:  # a prefix holds the frames out before it, sent before it
-                early.update(zip(picks, parts, strict=True))
-                prefix = None
-                if handoff.prefix is not None and handoff.prefix_part is p and not track:
-                    k = next(i for i in range(len(early) + 1) if i not in early)
-                    prefix = handoff.prefix([early[i] for i in range(k)])
-                handoff.frames([part.image.image for part in parts], prefix, pending)
+            handoff.frames([part.image.image for part in parts], pending)
 
         video = decode_video(
             p.data,
@@ -531,10 +482,6 @@ class _FrameHandoff:
     def __init__(self, on_frames: OnFrames, parts: int, chunk: int):
         self.on_frames = on_frames
         self.chunk = chunk  # frames a call while later ones decode (0: none)
-        # the video part whose frames' prompt is known as they come, and what builds it
-        self.prefix_part: MediaBytes | None = None
-        self.prefix: Callable[[list[ImagePart]], PromptPrefix | None] | None = None
-        self.order = threading.Lock()  # one call at a time, in the order the frames came
         self._left = parts  # media parts not decoded yet
         self._lock = threading.Lock()
 
@@ -542,11 +489,11 @@ class _FrameHandoff:
         with self._lock:
             self._left -= 1
 
-    def frames(self, images: list[ImageInput], prefix: PromptPrefix | None, pending: bool) -> None:
+    def frames(self, images: list[ImageInput], pending: bool) -> None:
         with self._lock:
             others = self._left > 1  # this video's part is one of them
         if pending or others:
-            self.on_frames(images, prefix)
+            self.on_frames(images)
 
 
 def _check_text(text: str, where: str) -> None:

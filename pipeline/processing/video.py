@@ -78,10 +78,9 @@ DECODE_WORKERS = min(8, os.cpu_count() or 1)
 HANDOFF_FRAMES = 8
 HANDOFF_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
-# on_frames(picks, frames, timestamps, pending, track): frames[i] is the picks[i]-th of the
-# frames decode_video returns; pending: more of the video (frames, its audio track) is to
-# come; track: the video has an audio track (its seconds will sit between the frames).
-OnFrames = Callable[[list[int], list[Image.Image], list[float], bool, bool], None]
+# on_frames(picks, frames, timestamps, pending): frames[i] is the picks[i]-th of the frames
+# decode_video returns; pending: more of the video (frames, its audio track) is to come.
+OnFrames = Callable[[list[int], list[Image.Image], list[float], bool], None]
 
 
 @dataclass
@@ -193,11 +192,11 @@ def decode_video(
     decodes every frame up to the last pick instead (the same frames, bit for bit: the
     reference the tests and bench/video_decode.py compare against).
 
-    on_frames(picks, frames, timestamps, pending, track) gets the frames as they are decoded,
-    so their encoding can start before this returns: `handoff_frames` at a time while later
-    ones still decode (from the packets-only path, on threads of their own; 0: not while
-    decoding), then the rest before the audio track is waited for (pending: it is still
-    decoding; track: there is one, with_audio on). An error after a call still raises here.
+    on_frames(picks, frames, timestamps, pending) gets the frames as they are decoded, so their
+    encoding can start before this returns: `handoff_frames` at a time while later ones still
+    decode (from the packets-only path, on threads of their own; 0: not while decoding), then
+    the rest before the audio track is waited for (pending: it is still decoding). An error
+    after a call still raises here.
     """
     if not data:
         raise EmptyMediaError("video part is empty (0 bytes)")
@@ -224,11 +223,10 @@ def decode_video(
         # The audio track decodes on its own thread and container while the frames decode
         # here (both spend most of their time in FFmpeg and soxr, outside the GIL).
         handed: set[int] = set()  # picks in the on_frames calls made while decoding
-        track = with_audio and bool(container.streams.audio)
 
         def on_chunk(picks: list[int], images: list[Image.Image]) -> None:
             assert on_frames is not None
-            on_frames(picks, images, [timestamps[i] for i in picks], True, track)
+            on_frames(picks, images, [timestamps[i] for i in picks], True)
             handed.update(picks)
 
         with ThreadPoolExecutor(1, thread_name_prefix="video-audio") as pool:
@@ -249,10 +247,9 @@ def decode_video(
             if not frames:
                 raise EmptyMediaError("video stream decodes to 0 frames")
             if on_frames is not None and not redecoded:
-                pending = track and audio is not None and not audio.done()
+                pending = audio is not None and bool(container.streams.audio) and not audio.done()
                 rest = [i for i in range(len(frames)) if i not in handed]
-                on_frames(rest, [frames[i] for i in rest], [timestamps[i] for i in rest],
-                          pending, track)
+                on_frames(rest, [frames[i] for i in rest], [timestamps[i] for i in rest], pending)
             samples = None if audio is None else audio.result()
     segments = None if samples is None else segment_audio(samples, timestamps, duration)
     return DecodedVideo(frames, timestamps, duration, segments, redecoded)

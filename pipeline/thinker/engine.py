@@ -16,10 +16,7 @@ Each `step()`:
      its first slot still waiting for rows: a request's prefill chunks start while its
      later frames are being encoded. Images sent ahead of their request (`prefetch`: a
      video's frames while the ingress still decodes its audio) go in the same batch, after
-     the admitted requests' media, and wait for their request. With them may come the
-     request's prompt through them (a `PromptPrefix`): it runs as a request of its own that
-     only prefills (one token, dropped), so its K/V wait in the LLM's prefix cache and the
-     request, when it comes, computes only the rest of its prompt;
+     the admitted requests' media, and wait for their request;
   3) runs one continuous-batching step of the LLM engine (every running decode + at most
      `max_prefill_tokens_per_step` prompt tokens); with media to encode while an LLM step
      launched ahead is in flight, the step only returns that one's outputs (encoders
@@ -35,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
@@ -45,23 +41,12 @@ import torch
 from pipeline.checkpoint import ModelSource
 from pipeline.engine.engine import EngineConfig, LLMEngine
 from pipeline.engine.scheduler import MediaSpan
-from pipeline.handoff import (
-    AudioInput,
-    ImageInput,
-    PromptPrefix,
-    SamplingParams,
-    ThinkerDelta,
-    ThinkerRequest,
-)
+from pipeline.handoff import AudioInput, ImageInput, SamplingParams, ThinkerDelta, ThinkerRequest
 from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from pipeline.utils import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
-
-# Requests whose prefixes computed ahead are tracked (the longest so far, or that the
-# request came): far more than arrive within one prefetch's flight.
-_PREFIX_REQUESTS = 256
 
 
 @dataclass(frozen=True)
@@ -197,8 +182,6 @@ class ThinkerStats:
     prefetched: int  # images encoded ahead of their request (`prefetch`)
     prefetch_hits: int  # ... whose request took the rows
     prefetch_held: int  # ... waiting for their request now
-    prefixes_ahead: int  # prompt prefixes computed ahead of their request (`PromptPrefix`)
-    prefixes_ahead_open: int  # ... queued or computing now (not in open_streams)
     # Per-step work, the largest seen (what bounds how long a running decode waits):
     max_step_encoder_items: int  # encoder items of one step with a running decode
     max_step_prefill_tokens: int  # prompt tokens of one LLM step with running decodes
@@ -232,12 +215,6 @@ class ThinkerEngine:
         self._prefetch: dict[str, ImageInput] = {}  # to encode ahead of their request
         self._ahead: OrderedDict[str, torch.Tensor] = OrderedDict()  # encoded, not yet taken
         self.prefetched = self.prefetch_hits = 0
-        # Prompt prefixes computed ahead: the images sent ahead by key (what a prefix names),
-        # each prefix request's id -> its request's, and the longest prefix per request.
-        self._sent: OrderedDict[str, ImageInput] = OrderedDict()
-        self._prefix_of: dict[str, str] = {}
-        self._prefix_len: OrderedDict[str, int] = OrderedDict()
-        self.prefixes_ahead = 0
         self._streams: dict[str, _Stream] = {}
         self.media_skipped = 0
         self._max_step_items = 0
@@ -332,83 +309,19 @@ class ThinkerEngine:
                 f"({spec.sampling.max_tokens}) exceeds the context of {limit} tokens"
             )
         self._check_bounds(spec)
-        self._note_prefix(rid, sys.maxsize)  # a prefix sent ahead may still land: too late
-        self._drop_prefixes(rid, queued_only=True)  # one not started would only compete
         self._pending.append(spec)
 
-    def prefetch(self, images: list[ImageInput], prefix: PromptPrefix | None = None) -> None:
+    def prefetch(self, images: list[ImageInput]) -> None:
         """Encode `images` before the request that holds them arrives (a video's frames
         while the ingress still decodes the clip's audio): the next step encodes them, after
         the admitted requests' media, and their rows wait for the request (`open`) in a store
-        of `prefetch_capacity` images. Images already encoded or waiting are skipped.
-
-        prefix: that request's prompt through frames sent so far (these or earlier ones).
-        Unless the request came already, it is queued as a request of its own that computes
-        the prompt and one token (dropped), so its K/V wait in the prefix cache: the
-        request, when it comes, computes only the rest. Best effort: a prefix no longer by a
-        full KV block than the last one, or naming images this engine no longer holds, or
-        with prefix caching off, is skipped; a longer one replaces one still queued."""
+        of `prefetch_capacity` images. Images already encoded or waiting are skipped."""
         if not self.config.prefetch_capacity:
             return
         for im in images:
             key = im.content_hash
-            self._sent[key] = im
-            self._sent.move_to_end(key)
             if key not in self._ahead and key not in self.cache:
                 self._prefetch.setdefault(key, im)
-        while len(self._sent) > self.config.prefetch_capacity:
-            self._sent.popitem(last=False)
-        if prefix is not None:
-            self._prefill_ahead(prefix)
-
-    def _prefill_ahead(self, prefix: PromptPrefix) -> None:
-        rid, ids = prefix.request_id, prefix.input_ids
-        llm = self.llm.config
-        if not llm.enable_prefix_caching or rid in self._streams or any(
-            p.request_id == rid for p in self._pending
-        ):
-            return  # nothing would keep it, or the request is here already
-        bs = llm.block_size
-        if len(ids) // bs <= self._prefix_len.get(rid, 0) // bs:
-            return  # no new full block (or the request came already)
-        images = [self._sent.get(k) for k in prefix.image_keys]
-        if any(im is None for im in images):
-            return
-        pid = f"{rid}:prefix:{len(ids)}"
-        req = ThinkerRequest(pid, list(ids), images=images, image_bounds=list(prefix.image_bounds),
-                             sampling=SamplingParams(max_tokens=1, ignore_eos=True))
-        try:
-            self._check_bounds(req)
-        except ValueError:
-            return
-        if len(ids) >= self.model.cfg.llm.max_position_embeddings:
-            return
-        self._drop_prefixes(rid, queued_only=True)
-        self._note_prefix(rid, len(ids))
-        self._prefix_of[pid] = rid
-        self._pending.append(req)
-
-    def _note_prefix(self, rid: str, n: int) -> None:
-        """Request rid's longest prefix so far (sys.maxsize: the request came, or went)."""
-        self._prefix_len[rid] = n
-        self._prefix_len.move_to_end(rid)
-        while len(self._prefix_len) > _PREFIX_REQUESTS:
-            self._prefix_len.popitem(last=False)
-
-    def _drop_prefixes(self, rid: str, queued_only: bool) -> None:
-        """Drop request rid's prefixes still queued and, unless queued_only, abort those in
-        the LLM engine too."""
-        pids = {p for p, r in self._prefix_of.items() if r == rid}
-        if not pids:
-            return
-        self._pending = [p for p in self._pending if p.request_id not in pids]
-        for pid in pids:
-            if pid in self._streams:
-                if queued_only:
-                    continue
-                del self._streams[pid]
-                self.llm.abort(pid)
-            del self._prefix_of[pid]
 
     def feed(self, rid: str, msg: object) -> None:
         raise ValueError(
@@ -417,8 +330,6 @@ class ThinkerEngine:
 
     def abort(self, rid: str) -> None:
         """Drop the request wherever it is: its blocks are freed now, nothing more comes."""
-        self._note_prefix(rid, sys.maxsize)
-        self._drop_prefixes(rid, queued_only=False)
         self._pending = [p for p in self._pending if p.request_id != rid]
         if self._streams.pop(rid, None) is not None:
             self.llm.abort(rid)
@@ -446,10 +357,6 @@ class ThinkerEngine:
         for out in outs:
             st = self._streams.get(out.request_id)
             if st is None:  # aborted by us: the LLM engine's own abort notice
-                continue
-            if out.request_id in self._prefix_of:  # a prefix computed ahead: nobody reads it
-                if out.finished:
-                    del self._streams[out.request_id], self._prefix_of[out.request_id]
                 continue
             if out.token_ids:
                 now = time.perf_counter()
@@ -495,7 +402,6 @@ class ThinkerEngine:
                 num_ready=self._num_ready(st),
             )
             self._streams[r.request_id] = st
-            self.prefixes_ahead += r.request_id in self._prefix_of
 
     def _item_cost(self, media: ImageInput | AudioInput) -> int:
         if isinstance(media, ImageInput):
@@ -711,10 +617,9 @@ class ThinkerEngine:
 
     def stats(self) -> dict[str, float]:
         s = self.llm.stats()
-        ahead = len(self._prefix_of)  # queued in _pending or held in _streams
         return asdict(
             ThinkerStats(
-                open_streams=len(self._pending) + len(self._streams) - ahead,
+                open_streams=len(self._pending) + len(self._streams),
                 num_waiting_encode=len(self._pending),
                 num_running=s.num_running,
                 num_waiting=s.num_waiting,
@@ -731,8 +636,6 @@ class ThinkerEngine:
                 prefetched=self.prefetched,
                 prefetch_hits=self.prefetch_hits,
                 prefetch_held=len(self._ahead),
-                prefixes_ahead=self.prefixes_ahead,
-                prefixes_ahead_open=ahead,
                 max_step_encoder_items=self._max_step_items,
                 max_step_prefill_tokens=s.max_step_prefill_tokens,
                 max_decode_wait_steps=s.max_decode_wait_steps,
