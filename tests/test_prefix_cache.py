@@ -225,6 +225,34 @@ def test_partial_last_block_not_shared_and_one_token_always_computed():
     assert bm.num_free == bm.num_blocks
 
 
+def test_prompt_blocks_are_shared_once_launched_output_blocks_once_resolved():
+    """Launching ahead: the next step is planned while one is in flight. Its prompt blocks
+    are published when it is launched (a later step runs after it on the stream), so a
+    request planned meanwhile reuses them; a block holding a pending output id is not."""
+    s = _sched()
+    bm = s.blocks
+    sp = SamplingParams(max_tokens=20, stop_ids=())
+    a = Sequence("a", list(range(100, 111)), sp)  # 11 tokens: 2 full blocks + 3
+    s.add(a)
+    first = s.schedule()
+    s.advance(first)  # launched, not resolved: its id is pending
+    assert a.num_cached_blocks == 2 and bm.num_cached == 2
+    b = Sequence("b", list(range(100, 114)), sp)
+    s.add(b)
+    second = s.schedule()  # planned while the first is in flight
+    sb = next(x for x in second.seqs if x.seq is b)
+    assert (sb.start, sb.num_new) == (8, 6) and b.block_table[:2] == a.block_table[:2]
+    s.advance(second)  # a's pending id is fed: block 2 is full but its last id unknown
+    assert bm.block_hash(a.block_table[2]) is None
+    s.resolve(first, [7])
+    s.resolve(second, [8, 9])
+    assert bm.block_hash(a.block_table[2]) is not None  # its ids are known now
+    assert a.output_ids == [7, 8] and b.output_ids == [9]
+    for rid in ("a", "b"):
+        s.abort(rid)
+    _check_accounting(bm, [])
+
+
 def test_admission_counts_evictable_hits_against_free_blocks():
     """Taking a cached block with ref count 0 removes it from the free pool: admission
     must count it, or the fresh blocks after it could not be allocated."""
