@@ -79,8 +79,9 @@ class IngressServer:
         tokenizer = TextTokenizer.from_dir(source.path or default_checkpoint())
         lim = cfg.limits
         limits = MediaLimits(**{k: getattr(lim, k) for k in MediaLimits.__dataclass_fields__})
-        # A follow-up turn re-sends the conversation's media: keep what processing made of it.
-        self.media_cache = MediaCache(lim.media_cache_bytes)
+        # A follow-up turn re-sends the conversation's media: keep what processing made of it
+        # (a copy made beside the request: it is only sent on from here).
+        self.media_cache = MediaCache(lim.media_cache_bytes, store_in_background=True)
         self._building = 0  # requests being decoded (prepare) right now
         self.processor = Processor(source.config.thinker, tokenizer, limits,
                                    special_tokens_in_text=cfg.special_tokens_in_text,

@@ -141,6 +141,34 @@ def test_requests_never_share_tensors():
     same_request(cached.build(conversation()), plain.build(conversation()))
 
 
+def test_a_store_in_the_background_does_not_hold_the_request(monkeypatch):
+    """The miss returns what it built before its copy is stored; once stored, hits are
+    copies of it, sharing no tensor with it or each other; a store that fails is logged and
+    leaves nothing behind."""
+    import pipeline.processing.media_cache as M
+
+    cache = MediaCache(256 * MIB, store_in_background=True)
+    gate, real_copy = threading.Event(), M.copy_value
+
+    def held_copy(value):
+        assert gate.wait(10)
+        return real_copy(value)
+
+    monkeypatch.setattr(M, "copy_value", held_copy)
+    first = cache.get_or_build("k", lambda: [torch.arange(6.0)])  # returns, store held
+    assert cache.stats().entries == 0 and cache.stats().misses == 1
+    gate.set()
+    cache.wait()
+    assert cache.stats().entries == 1
+    hit = cache.get_or_build("k", lambda: pytest.fail("a hit builds nothing"))
+    assert torch.equal(hit[0], first[0]) and hit[0].data_ptr() != first[0].data_ptr()
+    first[0].fill_(7)  # once stored, the request's own tensors are its own
+    assert torch.equal(cache.get_or_build("k", list)[0], torch.arange(6.0))
+    cache.get_or_build("bad", lambda: [object()])  # the copy refuses it, in the background
+    cache.wait()
+    assert cache.stats().entries == 1
+
+
 def test_different_bytes_or_options_miss(decodes):
     cache = MediaCache(256 * MIB)
     cached = proc(cache)
@@ -316,7 +344,10 @@ def test_ingress_stats_and_metrics_show_hits(size):
     ingress = build_local_app(cfg, light_source()).ingress
 
     async def main():
-        turns = [await ingress.prepare(ingress.parse(_body())) for _ in range(3)]
+        turns = []
+        for _ in range(3):  # each a follow-up once the turn before it was stored
+            turns.append(await ingress.prepare(ingress.parse(_body())))
+            ingress.media_cache.wait()
         return turns, await ingress.stats()
 
     turns, stats = asyncio.run(main())
