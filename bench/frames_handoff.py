@@ -1,4 +1,4 @@
-"""CPU timing of the ingress's build of a benchmark clip with the frames handoff.
+"""CPU timing of the ingress's build of a benchmark clip with the media handoff.
 
     python -m bench.frames_handoff [--iters 9] [--data-dir /tmp/handoff-clips]
 
@@ -8,8 +8,9 @@ and its wav as a part of its own, the bench's `--media file` shape), alone and 8
 handoff; frames handed over 8 at a time while the video decodes, converted on 1 or on
 `HANDOFF_WORKERS` threads; and frames handed over only once all are decoded
 (`frames_while_decoding=False`). Prints the median build ms, when the first and the last
-frames went (ms into the build) and how many frames went ahead. The builds' requests are
-checked equal to the no-handoff build's first (exits 1 when not).
+frames went (ms into the build), how many frames went ahead and when the wav part's clip
+went (it decodes before the video). The builds' requests are checked equal to the
+no-handoff build's first (exits 1 when not).
 
 Last, what the ingress's media cache adds to a new clip's build: storing the clip's parts
 (its own copy of their tensors) 20 times under new keys, the cache growing as an ingress's
@@ -28,6 +29,7 @@ import torch
 
 from bench.datasets import make_synthetic_daily_omni, media_paths
 from pipeline.checkpoint import ModelSource, default_checkpoint
+from pipeline.handoff import ImageInput
 from pipeline.processing import video as V
 from pipeline.processing.media_cache import MediaCache
 from pipeline.processing.processor import Processor
@@ -54,24 +56,30 @@ def main() -> int:
             {"type": "video", "data": video}, {"type": "audio", "data": audio},
             {"type": "text", "text": "What happens? A. a B. b C. c D. d"}]}]
 
-    def build(i: int, mode: str) -> tuple[float, float | None, float | None, int, object]:
-        t0, sent = time.perf_counter(), []
+    def build(i: int, mode: str) -> tuple[float, float | None, float | None, int, float | None,
+                                          object]:
+        t0, sent, clip = time.perf_counter(), [], []
 
-        def on_frames(images: list) -> None:
-            sent.append(((time.perf_counter() - t0) * 1e3, len(images)))
+        def on_media(items: list) -> None:  # frames, or the audio part's clip
+            at = (time.perf_counter() - t0) * 1e3
+            frames = sum(isinstance(m, ImageInput) for m in items)
+            if frames:
+                sent.append((at, frames))
+            else:
+                clip.append(at)
 
         req = proc.build(messages(i), speech_output=True,
-                         on_frames=None if mode == "no handoff" else on_frames,
+                         on_media=None if mode == "no handoff" else on_media,
                          frames_while_decoding=mode == "chunks")
         ms = (time.perf_counter() - t0) * 1e3
         first, last = (sent[0][0], sent[-1][0]) if sent else (None, None)
-        return ms, first, last, sum(n for _, n in sent), req
+        return ms, first, last, sum(n for _, n in sent), (clip or [None])[0], req
 
     default = V.HANDOFF_WORKERS
-    ref = build(0, "no handoff")[4]
+    ref = build(0, "no handoff")[-1]
     for mode, workers in MODES[1:]:
         V.HANDOFF_WORKERS = workers or default
-        req = build(0, mode)[4]
+        req = build(0, mode)[-1]
         same = req.input_ids == ref.input_ids and all(
             a.content_hash == b.content_hash and all(
                 torch.equal(x, y) for x, y in zip(a.pixel_values, b.pixel_values, strict=True))
@@ -85,13 +93,13 @@ def main() -> int:
             rows: list[tuple] = []
             with ThreadPoolExecutor(at_once) as pool:
                 for it in range(args.iters + 1):  # the first round warms up
-                    got = list(pool.map(lambda i, m=mode: build(i, m)[:4], range(at_once)))
+                    got = list(pool.map(lambda i, m=mode: build(i, m)[:5], range(at_once)))
                     rows += got if it else []
 
             name = f"{mode}" + (f", {workers} thread(s)" if mode == "chunks" else "")
             print(f"{at_once} at once, {name:22s} build {_median(rows, 0)} ms, first "
                   f"{_median(rows, 1)} ms, last {_median(rows, 2)} ms, frames ahead "
-                  f"{_median(rows, 3)}", flush=True)
+                  f"{_median(rows, 3)}, audio clip {_median(rows, 4)} ms", flush=True)
     video, _ = clips[0]
     parts = V.pack_omni(V.decode_video(video), src.config.thinker.slicing, "bench")
     cache, stores = MediaCache(2**40), []

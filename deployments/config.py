@@ -67,9 +67,11 @@ class IngressSettings(_Settings):
         "request is built (same output; with several groups, to the group a turn would be "
         "routed to at that moment): 8 at a time while the video still decodes when this "
         "replica builds no other request, else all at once while the request's audio (its "
-        "track or another part) still decodes. On an H200 at c=1, 30 s clips with their "
-        "audio as a part of their own: TTFT 259 against 300 ms, first audio 484 against "
-        "530; clips with their own audio track: TTFT 266 against 331"))
+        "track or another part) still decodes; an audio part's clip goes to the audio "
+        "encoder the same way, while another part still decodes. On an H200 at c=1, 30 s "
+        "clips with their audio as a part of their own: TTFT 259 against 300 ms, first "
+        "audio 484 against 530 (frames only); clips with their own audio track: TTFT 266 "
+        "against 331"))
 
 
 class RealtimeSettings(_Settings):

@@ -194,12 +194,12 @@ class IngressServer:
         arrival = time.time()
         if req.speech and (req.ref_audio is not None or self._stored_voice(req)):
             await self.require_voices("ref_audio" if req.ref_audio is not None else "audio.voice")
-        on_frames = None
+        on_media = None
         if self.cfg.ingress.prefetch_frames:
             loop = asyncio.get_running_loop()
 
-            def on_frames(images: list[Any]) -> None:  # a decode thread
-                loop.call_soon_threadsafe(self._prefetch, images, req.speech)
+            def on_media(items: list[Any]) -> None:  # a decode thread
+                loop.call_soon_threadsafe(self._prefetch, items, req.speech)
 
         # A video's frames go a few at a time while it decodes only when this replica builds
         # no other request: with several at once its cores are what they compete for (H200,
@@ -209,26 +209,25 @@ class IngressServer:
         self._building += 1
         # Decoding and feature extraction are CPU work: keep them off the event loop.
         try:
-            turn = await asyncio.to_thread(self._prepare, req, rid, on_frames, alone)
+            turn = await asyncio.to_thread(self._prepare, req, rid, on_media, alone)
         finally:  # on the event loop: the metrics' running totals are updated by one thread
             self._building -= 1
             self.metrics.media_cache(self.media_cache_stats())
         turn.arrival, turn.prepared = arrival, time.time()
         return turn
 
-    def _prefetch(self, images: list[Any], speech: bool) -> None:
-        """A video's frames, decoded while the rest of the request still decodes (its later
-        frames, its audio track, another part), to the Thinker the turn will most likely go
-        to (the only one with one group): its vision encoder works on them while this replica
-        finishes the request. Best effort: a failed call costs the turn nothing but the head
-        start."""
+    def _prefetch(self, items: list[Any], speech: bool) -> None:
+        """Media ready while the rest of the request still decodes (a video's frames, an
+        audio part's clip), to the Thinker the turn will most likely go to (the only one with
+        one group): its encoders work on them while this replica finishes the request. Best
+        effort: a failed call costs the turn nothing but the head start."""
         thinker = self.turns.likely_group(speech).stages.thinker
 
         async def send() -> None:
             try:
-                await asyncio.wait_for(thinker.prefetch.remote(images), self.cfg.timeouts.hop_s)
+                await asyncio.wait_for(thinker.prefetch.remote(items), self.cfg.timeouts.hop_s)
             except Exception as e:  # noqa: BLE001 - the turn's own call will tell
-                log.info("prefetch of %d frames did not land: %s", len(images), error_line(e))
+                log.info("prefetch of %d media did not land: %s", len(items), error_line(e))
 
         self.turns.in_background(send())
 
@@ -253,7 +252,7 @@ class IngressServer:
         return None if key is None or key.lower() in DEFAULT_VOICES else key
 
     def _prepare(
-        self, req: ChatCompletionRequest, rid: str, on_frames: Any = None,
+        self, req: ChatCompletionRequest, rid: str, on_media: Any = None,
         frames_while_decoding: bool = True,
     ) -> PreparedTurn:
         from pipeline.handoff import SamplingParams
@@ -285,7 +284,7 @@ class IngressServer:
             voice = self._voice(req) if req.speech else None
             thinker_req = self.processor.build(messages, speech_output=req.speech,
                                                sampling=sampling, request_id=rid,
-                                               on_frames=on_frames,
+                                               on_media=on_media,
                                                frames_while_decoding=frames_while_decoding)
         except MediaError as e:
             raise ApiError(getattr(e, "http_status", 400), str(e)) from None

@@ -38,7 +38,7 @@ class FakeThinkerEngine:
         self.words = [w + " " for w in REPLY.split()]
         self.running: dict[str, tuple[ThinkerRequest, int]] = {}
         self.aborted = 0
-        self.prefetched: list[str] = []  # content hashes of the images sent ahead
+        self.prefetched: list[str] = []  # content hashes of the media sent ahead
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeThinkerEngine:
@@ -48,8 +48,8 @@ class FakeThinkerEngine:
     def open(self, rid: str, spec: ThinkerRequest) -> None:
         self.running[rid] = (spec, 0)
 
-    def prefetch(self, images: list[Any]) -> None:
-        self.prefetched.extend(im.content_hash for im in images)
+    def prefetch(self, items: list[Any]) -> None:
+        self.prefetched.extend(m.content_hash for m in items)
 
     def feed(self, rid: str, msg: Any) -> None:
         raise ValueError("the Thinker takes its whole prompt at open()")

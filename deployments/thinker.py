@@ -1,7 +1,8 @@
 """Thinker deployment: a ThinkerEngine behind the shared StageServer.
 
-`generate(req)` streams text back to its caller (the ingress); `prefetch(images)` hands over
-a request's images ahead of it (a video's frames, while the ingress decodes its audio). When
+`generate(req)` streams text back to its caller (the ingress); `prefetch(items)` hands over
+a request's media ahead of it (a video's frames, an audio clip, while the ingress decodes the
+rest). When
 the request asks for speech, the spoken span (token ids + final-norm hidden states, numpy)
 goes straight to the Talker through `talker.feed`, in order, so the ingress never carries
 hidden states.
@@ -57,10 +58,11 @@ class ThinkerServer(StageServer):
             async for item in items:
                 yield item
 
-    async def prefetch(self, images: list[Any]) -> None:
-        """Images (pipeline.handoff.ImageInput) of a request still being prepared: the
-        engine encodes them ahead of it (a video's frames while its audio track decodes)."""
-        await self.loop.call(lambda e: e.prefetch(images))
+    async def prefetch(self, items: list[Any]) -> None:
+        """Media (pipeline.handoff.ImageInput / AudioInput) of a request still being
+        prepared: the engine encodes them ahead of it (a video's frames, an audio part's
+        clip, while the rest decodes)."""
+        await self.loop.call(lambda e: e.prefetch(items))
 
     def _refused(self, e: Exception) -> StageFailure | None:
         if isinstance(e, ValueError):  # the engine refused this request (e.g. over the context)

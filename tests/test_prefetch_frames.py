@@ -1,6 +1,7 @@
-"""A video's frames handed to the Thinker while its audio track still decodes: the Processor's
-`on_frames` (the frames exactly as the request holds them, the request unchanged) and the
-ingress sending them to the Thinker's `prefetch` (in-process app over fake engines)."""
+"""A request's media handed to the Thinker while the rest still decodes (a video's frames,
+an audio part's clip): the Processor's `on_media` (the media exactly as the request holds
+them, the request unchanged) and the ingress sending them to the Thinker's `prefetch`
+(in-process app over fake engines)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from test_processing_video import encode_clip, make_mp4
 from deployments.schemas import Done
 from deployments.testing import build_local_app
 from pipeline.config import ThinkerConfig
+from pipeline.handoff import AudioInput, ImageInput
 from pipeline.processing import MediaBytes, Processor
 from pipeline.processing import processor as P
 from pipeline.processing import video as V
@@ -44,11 +46,11 @@ def slow_audio(monkeypatch):
     return _hold_back(monkeypatch, V, "_decode_audio_track")
 
 
-def _build(on_frames=None, clip=None, extra=()):
+def _build(on_media=None, clip=None, extra=()):
     proc = Processor(ThinkerConfig(), ByteTokenizer())
     content = [MediaBytes("video", clip or make_mp4(3.5)), *extra, "Q?"]
     return proc.build([{"role": "user", "content": content}], speech_output=True,
-                      on_frames=on_frames)
+                      on_media=on_media)
 
 
 def test_on_frames_hands_over_the_request_frames_before_the_audio(slow_audio):
@@ -194,9 +196,10 @@ def test_a_video_as_the_last_media_goes_ahead_while_it_still_decodes():
     got = []
     req = _build(got.append, data, [MediaBytes("audio", _wav())])
     plain = _build(clip=data, extra=[MediaBytes("audio", _wav())])
-    assert got and all(len(images) >= V.HANDOFF_FRAMES for images in got)
+    frames = [items for items in got if isinstance(items[0], ImageInput)]
+    assert frames and all(len(images) >= V.HANDOFF_FRAMES for images in frames)
     by_hash = {im.content_hash: im for im in req.images}
-    assert all(im is by_hash[im.content_hash] for images in got for im in images)
+    assert all(im is by_hash[im.content_hash] for images in frames for im in images)
     assert [im.content_hash for im in req.images] == [im.content_hash for im in plain.images]
     assert req.input_ids == plain.input_ids
 
@@ -242,5 +245,33 @@ def test_no_frames_while_decoding_when_asked_not_to():
     proc = Processor(ThinkerConfig(), ByteTokenizer())
     content = [MediaBytes("video", data), MediaBytes("audio", _wav()), "Q?"]
     req = proc.build([{"role": "user", "content": content}], speech_output=True,
-                     on_frames=got.append, frames_while_decoding=False)
-    assert len(req.images) == 13 and all(len(images) == 13 for images in got)
+                     on_media=got.append, frames_while_decoding=False)
+    frames = [items for items in got if isinstance(items[0], ImageInput)]
+    assert len(req.images) == 13 and all(len(images) == 13 for images in frames)
+
+
+def test_an_audio_part_goes_ahead_while_the_video_still_decodes(monkeypatch):
+    """The benchmark's shape: the clip's audio as a part of its own decodes first: its clip
+    goes ahead (the very object the request holds), once; an audio part that is the last to
+    finish goes with the request only."""
+    video = P.decode_video
+    released = _hold_back(monkeypatch, P, "decode_video")  # done once the clip went
+    got = []
+
+    def on_media(items):
+        got.append(items)
+        released.set()
+
+    req = _build(on_media, make_mp4(2.5, audio=False), [MediaBytes("audio", _wav())])
+    clips = [items for items in got if isinstance(items[0], AudioInput)]
+    assert clips == [[req.audios[0]]] and clips[0][0] is req.audios[0]
+    monkeypatch.setattr(P, "decode_video", video)
+    held = _hold_back(monkeypatch, P, "decode_audio")  # now the audio finishes last
+    got.clear()
+
+    def on_frames_only(items):
+        got.append(items)
+        held.set()
+
+    req = _build(on_frames_only, make_mp4(2.5, audio=False), [MediaBytes("audio", _wav())])
+    assert got and all(isinstance(m, ImageInput) for items in got for m in items)

@@ -342,49 +342,51 @@ def _vision_batches(eng) -> list[int]:
     return sizes
 
 
-def _counting_vision(eng) -> list[int]:
-    """Wraps the engine's vision encoder: the list grows by the images of each pass."""
+def _counting_vision(eng, name: str = "encode_images") -> list[int]:
+    """Wraps the engine's vision encoder (or `name`, another encoder): the list grows by the
+    items of each pass."""
     calls: list[int] = []
-    encode = eng.model.encode_images
+    encode = getattr(eng.model, name)
 
-    def counted(images, *a, **k):
-        calls.append(len(images))
-        return encode(images, *a, **k)
+    def counted(items, *a, **k):
+        calls.append(len(items))
+        return encode(items, *a, **k)
 
-    eng.model.encode_images = counted
+    setattr(eng.model, name, counted)
     return calls
 
 
 @pytest.mark.parametrize("ahead", [False, True])
 def test_images_encoded_ahead_give_the_same_stream(engine_factory, ahead):
-    """A request's images handed over before it (`prefetch`, here while another request
-    decodes) are encoded by the next step and wait for it: both streams equal the ones
-    without the prefetch, and the vision encoder does not run on them again."""
+    """A request's image and clip handed over before it (`prefetch`, here while another
+    request decodes) are encoded by the next step and wait for it: both streams equal the
+    ones without the prefetch, and no encoder runs on them again."""
     outs = []
     for prefetch in (False, True):
         eng = engine_factory(llm={"launch_ahead": ahead, "enable_prefix_caching": False})
         calls = _counting_vision(eng)
+        clips = _counting_vision(eng, "encode_audios")
         first = _request(eng, "a", image_seed=1, max_tokens=8)
         late = _request(eng, "b", image_seed=2, audio_freq=550.0, max_tokens=5)
         eng.open("a", first)
         early = [d for _ in range(3) for d in eng.step()]  # "a" decodes
         assert eng.llm.has_decodes()
         if prefetch:
-            eng.prefetch(late.images)
+            eng.prefetch(late.images + late.audios)
             early += eng.step()
             if ahead:  # the step in flight came back first; the encode is the next step's
                 assert eng._prefetch and not eng.llm.in_flight
                 early += eng.step()
-            assert not eng._prefetch and eng.stats()["prefetch_held"] == 1
-            assert calls == [1, 1]
-            eng.prefetch(late.images)  # held already: nothing to do
+            assert not eng._prefetch and eng.stats()["prefetch_held"] == 2
+            assert calls == [1, 1] and clips == [1, 1]
+            eng.prefetch(late.images + late.audios)  # held already: nothing to do
             assert not eng._prefetch
         eng.open("b", late)
         outs.append(_collect(eng, early, [first, late]))
-        assert calls == [1, 1]  # one pass per image, whichever way it came
+        assert calls == [1, 1] and clips == [1, 1]  # one pass each, whichever way it came
         st = eng.stats()
         assert (st["prefetched"], st["prefetch_hits"], st["prefetch_held"]) == (
-            (1, 1, 0) if prefetch else (0, 0, 0))
+            (2, 2, 0) if prefetch else (0, 0, 0))
         assert st["num_free_blocks"] == st["num_total_blocks"]
     plain, ahead_out = outs
     for rid, ref in plain.items():

@@ -64,7 +64,8 @@ from pipeline.processing.video import HANDOFF_FRAMES, decode_video, frame_parts,
 
 MEDIA_KINDS = ("image", "audio", "video")
 T = TypeVar("T")
-OnFrames = Callable[[list[ImageInput]], None]  # video frames, before the request is decoded
+# a request's media before the whole request is decoded: a video's frames, an audio clip
+OnMedia = Callable[[list[ImageInput | AudioInput]], None]
 
 
 class Tokenizer(Protocol):
@@ -182,7 +183,7 @@ class Processor:
         enable_thinking: bool = False,
         max_slice_nums: int | None = None,
         use_image_id: bool | None = None,
-        on_frames: OnFrames | None = None,
+        on_media: OnMedia | None = None,
         frames_while_decoding: bool = True,
     ) -> ThinkerRequest:
         """Messages -> ThinkerRequest.
@@ -192,10 +193,12 @@ class Processor:
                          <|tts_bos|>, as the reference's streamed decode starts (template.py)
         max_slice_nums / use_image_id: request-wide image options (vLLM's mm_processor_kwargs;
             Daily-Omni's interleaved frames use 1 / False); a part's own max_slice_nums wins
-        on_frames:       called (on decode threads) with a video's frames as the request will
-                         hold them, a few at a time as they are decoded while something of the
-                         request still is (the video's later frames or audio track, other media
-                         parts), so their encoding may start before this returns
+        on_media:        called (on decode threads) with media as the request will hold them,
+                         while something of the request still decodes, so their encoding may
+                         start before this returns: a video's frames, a few at a time as they
+                         are decoded (while its later frames, its audio track or other media
+                         parts still decode), and an audio part's clip (while another part
+                         still decodes)
         frames_while_decoding: False = a video's frames go only once all are decoded (when
                          something else of the request still decodes), not a few at a time
         """
@@ -205,10 +208,10 @@ class Processor:
         raw = [self._normalize(i, m) for i, m in enumerate(messages)]
         self._check_prompt_bound(raw, opts, enable_thinking)
         handoff = None
-        if on_frames is not None:
+        if on_media is not None:
             parts = sum(isinstance(p, MediaBytes) for m in raw if not isinstance(m.content, str)
                         for p in m.content)
-            handoff = _FrameHandoff(on_frames, parts,
+            handoff = _MediaHandoff(on_media, parts,
                                     HANDOFF_FRAMES if frames_while_decoding else 0)
         decoded = [self._decode_message(m, opts, handoff) for m in raw]
         self._check_vision_count(sum(_count_vision(m) for m in decoded))
@@ -363,7 +366,7 @@ class Processor:
     # -- media decoding ----------------------------------------------------------------
 
     def _decode_message(
-        self, m: Message, opts: _ImageOptions, handoff: _FrameHandoff | None = None
+        self, m: Message, opts: _ImageOptions, handoff: _MediaHandoff | None = None
     ) -> Message:
         if isinstance(m.content, str):
             return m
@@ -377,18 +380,21 @@ class Processor:
         return Message(m.role, [f.result() for f in futures])  # the first bad part raises
 
     def _decode(
-        self, p: Part | MediaBytes, opts: _ImageOptions, handoff: _FrameHandoff | None = None
+        self, p: Part | MediaBytes, opts: _ImageOptions, handoff: _MediaHandoff | None = None
     ) -> Part:
         if not isinstance(p, MediaBytes):
             return p
         try:
-            return self._decode_media(p, opts, handoff)
+            part = self._decode_media(p, opts, handoff)
+            if handoff is not None and isinstance(part, AudioPart):
+                handoff.send([part.clip], pending=False)
+            return part
         finally:
             if handoff is not None:
                 handoff.part_done()
 
     def _decode_media(
-        self, p: MediaBytes, opts: _ImageOptions, handoff: _FrameHandoff | None
+        self, p: MediaBytes, opts: _ImageOptions, handoff: _MediaHandoff | None
     ) -> Part:
         if p.kind == "image":
             return self._image(p, opts)
@@ -414,7 +420,7 @@ class Processor:
         return process_audio(decode_audio(p.data, max_seconds=self.limits.max_audio_seconds))
 
     def _video(
-        self, p: MediaBytes, digest: str, handoff: _FrameHandoff | None = None
+        self, p: MediaBytes, digest: str, handoff: _MediaHandoff | None = None
     ) -> OmniPart:
         lim = self.limits
         early: dict[int, ImagePart] = {}  # the frames' parts by pick, made as they decode
@@ -424,7 +430,7 @@ class Processor:
             parts = frame_parts(frames, timestamps, self.cfg.slicing, digest)
             early.update(zip(picks, parts, strict=True))
             assert handoff is not None
-            handoff.frames([part.image.image for part in parts], pending)
+            handoff.send([part.image.image for part in parts], pending)
 
         video = decode_video(
             p.data,
@@ -473,14 +479,15 @@ class Processor:
         return process_image(img, self.cfg.slicing, content_hash, max_slice_nums=max_slices)
 
 
-class _FrameHandoff:
-    """One request's video frames to `on_frames`, when they are decoded while something of
-    the request still is: the video's later frames, its own audio track, or another media part
-    (decoded side by side, or after this one). The frames decoded last, with nothing of the
-    request left to decode, go with the request only."""
+class _MediaHandoff:
+    """One request's media to `on_media`, when they are ready while something of the request
+    still decodes: a video's frames while its later frames, its own audio track or another
+    media part decode; an audio part's clip while another part decodes (side by side, or
+    after this one). What is ready last, with nothing of the request left to decode, goes with
+    the request only."""
 
-    def __init__(self, on_frames: OnFrames, parts: int, chunk: int):
-        self.on_frames = on_frames
+    def __init__(self, on_media: OnMedia, parts: int, chunk: int):
+        self.on_media = on_media
         self.chunk = chunk  # frames a call while later ones decode (0: none)
         self._left = parts  # media parts not decoded yet
         self._lock = threading.Lock()
@@ -489,11 +496,12 @@ class _FrameHandoff:
         with self._lock:
             self._left -= 1
 
-    def frames(self, images: list[ImageInput], pending: bool) -> None:
+    def send(self, items: list[ImageInput | AudioInput], pending: bool) -> None:
+        """items of one part; pending: more of that part is still to come."""
         with self._lock:
-            others = self._left > 1  # this video's part is one of them
+            others = self._left > 1  # the sending part is one of them
         if pending or others:
-            self.on_frames(images)
+            self.on_media(items)
 
 
 def _check_text(text: str, where: str) -> None:

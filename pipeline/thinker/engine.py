@@ -14,9 +14,9 @@ Each `step()`:
      encoders, the chosen images batched in one vision pass and the clips in one audio
      pass) and hands their rows to the LLM engine, which computes each prompt only up to
      its first slot still waiting for rows: a request's prefill chunks start while its
-     later frames are being encoded. Images sent ahead of their request (`prefetch`: a
-     video's frames while the ingress still decodes its audio) go in the same batch, after
-     the admitted requests' media, and wait for their request;
+     later frames are being encoded. Media sent ahead of their request (`prefetch`: a
+     video's frames, an audio part's clip, while the ingress still decodes the rest) go in
+     the same batches, after the admitted requests' media, and wait for their request;
   3) runs one continuous-batching step of the LLM engine (every running decode + at most
      `max_prefill_tokens_per_step` prompt tokens); with media to encode while an LLM step
      launched ahead is in flight, the step only returns that one's outputs (encoders
@@ -72,10 +72,10 @@ class ThinkerEngineConfig:
     # TTFT, since the steps it splits a request's encoding into also decode eagerly.
     max_encoder_items_per_step: int = 0
     audio_seconds_per_item: float = 5.0
-    # Images encoded ahead of their request (`prefetch`: a video's frames while the ingress
-    # still decodes the rest of it) wait for it here, outside the LRU above, at most this
-    # many (oldest dropped first: a request that never came). 512 (~256 MiB of bf16 rows)
-    # holds the frames of 8 clips at the 64-frame limit, all on their way at once.
+    # Media encoded ahead of their request (`prefetch`: a video's frames, an audio clip,
+    # while the ingress still decodes the rest) wait for it here, outside the LRU above, at
+    # most this many (oldest dropped first: a request that never came). 512 (~256 MiB of
+    # bf16 rows) holds the frames of 8 clips at the 64-frame limit, all on their way at once.
     prefetch_capacity: int = 512
     dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
     # CUDA only: two short requests before serving (warm_up), so that what a first request
@@ -179,7 +179,7 @@ class ThinkerStats:
     prefix_cache_queries: int  # prompt tokens looked up
     num_cached_blocks: int
     media_skipped: int  # images / clips not encoded: all their slots inside a cached prefix
-    prefetched: int  # images encoded ahead of their request (`prefetch`)
+    prefetched: int  # images and clips encoded ahead of their request (`prefetch`)
     prefetch_hits: int  # ... whose request took the rows
     prefetch_held: int  # ... waiting for their request now
     # Per-step work, the largest seen (what bounds how long a running decode waits):
@@ -212,7 +212,7 @@ class ThinkerEngine:
         self.cache = EncoderCache(config.encoder_cache_size)
         self.tokens = model.cfg.tokens
         self._pending: list[ThinkerRequest] = []
-        self._prefetch: dict[str, ImageInput] = {}  # to encode ahead of their request
+        self._prefetch: dict[str, ImageInput | AudioInput] = {}  # to encode ahead
         self._ahead: OrderedDict[str, torch.Tensor] = OrderedDict()  # encoded, not yet taken
         self.prefetched = self.prefetch_hits = 0
         self._streams: dict[str, _Stream] = {}
@@ -311,17 +311,18 @@ class ThinkerEngine:
         self._check_bounds(spec)
         self._pending.append(spec)
 
-    def prefetch(self, images: list[ImageInput]) -> None:
-        """Encode `images` before the request that holds them arrives (a video's frames
-        while the ingress still decodes the clip's audio): the next step encodes them, after
-        the admitted requests' media, and their rows wait for the request (`open`) in a store
-        of `prefetch_capacity` images. Images already encoded or waiting are skipped."""
+    def prefetch(self, items: list[ImageInput | AudioInput]) -> None:
+        """Encode `items` before the request that holds them arrives (a video's frames, an
+        audio part's clip, while the ingress still decodes the rest): the next step encodes
+        them, after the admitted requests' media, and their rows wait for the request (`open`)
+        in a store of `prefetch_capacity` items. Items already encoded or waiting are
+        skipped."""
         if not self.config.prefetch_capacity:
             return
-        for im in images:
-            key = im.content_hash
+        for m in items:
+            key = m.content_hash
             if key not in self._ahead and key not in self.cache:
-                self._prefetch.setdefault(key, im)
+                self._prefetch.setdefault(key, m)
 
     def feed(self, rid: str, msg: object) -> None:
         raise ValueError(
@@ -436,15 +437,19 @@ class ThinkerEngine:
                     audios[key] = m
             if full:
                 break
-        ahead: list[str] = []  # images encoded for requests still on their way
-        for key, im in list(self._prefetch.items()):
-            if key in images or key in self._ahead or key in self.cache:
+        ahead: list[str] = []  # media encoded for requests still on their way
+        for key, m in list(self._prefetch.items()):
+            if key in images or key in audios or key in self._ahead or key in self.cache:
                 del self._prefetch[key]  # an admitted request's own, or encoded meanwhile
                 continue
-            if full or (budget and used and used + im.num_slices > budget):
+            cost = self._item_cost(m)
+            if full or (budget and used and used + cost > budget):
                 break
-            used += im.num_slices
-            images[key] = im
+            used += cost
+            if isinstance(m, ImageInput):
+                images[key] = m
+            else:
+                audios[key] = m
             ahead.append(key)
             del self._prefetch[key]
         if not images and not audios:
@@ -524,7 +529,7 @@ class ThinkerEngine:
         return have, vision_end, audio_end
 
     def _hold(self, key: str, rows: torch.Tensor) -> None:
-        """Keep an image's rows, encoded ahead, until its request takes them."""
+        """Keep an item's rows, encoded ahead, until its request takes them."""
         self.prefetched += 1
         self._ahead[key] = rows
         while len(self._ahead) > self.config.prefetch_capacity:
