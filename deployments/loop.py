@@ -25,6 +25,8 @@ stream, so nothing it queues needs a cross-stream wait.
 `start(build)` builds the engine on the worker thread itself and then serves: its warm-up
 runs on the thread that serves, so what CUDA keeps per thread (cuBLAS and cuDNN handles,
 their workspaces) exists before the first request instead of being made in its step.
+
+`profile(steps)` profiles the next `steps` steps where they run (deployments/profiling.py).
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class EngineLoop:
         self.step_started_at = 0.0
         self._busy_since = 0.0  # monotonic start of the running step / command; 0 = waiting
         self._busy_what = ""
+        self._profiler: Any = None  # a StepProfiler while steps are to be profiled
 
     # -- event-loop side -----------------------------------------------------------------
 
@@ -162,6 +165,22 @@ class EngineLoop:
         fut: Future = Future()
         self._commands.put((fn, fut))
         return await asyncio.wrap_future(fut)
+
+    def profile(self, steps: int) -> Any:
+        """Profile the next `steps` steps (a StepProfiler: its `done` future gets them); one
+        armed before gets what it has."""
+        from deployments.profiling import StepProfiler
+
+        old, self._profiler = self._profiler, StepProfiler(steps)
+        if old is not None:
+            old.finish()
+        return self._profiler
+
+    def unprofile(self, profiler: Any) -> None:
+        """Stop profiling with `profiler` (it gets the steps it has)."""
+        if self._profiler is profiler:
+            self._profiler = None
+        profiler.finish()
 
     def post(self, fn: Callable[[StageEngine], Any]) -> None:
         """Fire-and-forget `fn(engine)` (errors are logged)."""
@@ -272,8 +291,15 @@ class EngineLoop:
         self.step_started_at = time.time()  # wall clock, read by route() for timings
         t0 = time.perf_counter()
         self._mark_busy("step")
+        prof = self._profiler
         try:
-            outputs = self.engine.step()
+            if prof is None:
+                outputs = self.engine.step()
+            else:
+                with prof.step():
+                    outputs = self.engine.step()
+                if prof.left <= 0 and self._profiler is prof:
+                    self._profiler = None
         finally:
             self._busy_since = 0.0
         dt = time.perf_counter() - t0

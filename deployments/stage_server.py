@@ -277,6 +277,17 @@ class StageServer:
         self.loop.close(rid)
         await self.loop.call(lambda e: e.abort(rid))
 
+    async def profile(self, steps: int = 8, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Profile the engine's next `steps` steps where they run (deployments/profiling.py):
+        returns once they ran, or after `timeout_s` with those that did:
+        {"stage": name, "steps": [per-step summary, ...]}."""
+        prof = self.loop.profile(steps)
+        done = asyncio.wrap_future(prof.done)
+        await asyncio.wait({done}, timeout=timeout_s)
+        if not done.done():
+            self.loop.unprofile(prof)
+        return {"stage": self.loop.name, "steps": prof.done.result()}
+
     async def stats(self) -> dict[str, Any]:
         engine = await self.loop.call(lambda e: e.stats())
         open_ = len(self.loop.open_keys)

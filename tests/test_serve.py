@@ -290,3 +290,13 @@ def test_metrics_reach_the_prometheus_export(serve_app, metrics_url):
         time.sleep(1)
     assert not missing, (missing, sorted(got)[:80])
     assert rejected >= 5 and hist, (rejected, hist)
+
+
+def test_a_stage_profiles_its_steps_through_its_handle(serve_app):
+    """What `bench.gpu_e2e --profile-first-turn` asks: armed through the handle before a
+    turn, the stage answers with the steps that turn made it run."""
+    pending = _stage("Talker").profile.remote(2, 60.0)
+    _stream(serve_app, _speech_body(max_tokens=6))
+    got = pending.result(timeout_s=90)
+    assert got["stage"] == "talker" and len(got["steps"]) == 2
+    assert all(s["wall_ms"] > 0 for s in got["steps"])
