@@ -171,10 +171,12 @@ class EngineLoop:
         armed before gets what it has."""
         from deployments.profiling import StepProfiler
 
-        old, self._profiler = self._profiler, StepProfiler(steps)
+        new = StepProfiler(steps)
+        self.post(lambda e: new.warm_up())  # on the worker thread, before its next step
+        old, self._profiler = self._profiler, new
         if old is not None:
             old.finish()
-        return self._profiler
+        return new
 
     def unprofile(self, profiler: Any) -> None:
         """Stop profiling with `profiler` (it gets the steps it has)."""
