@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,8 +42,8 @@ class StepProfiler:
         self.done: Future[list[dict[str, Any]]] = Future()
 
     def warm_up(self) -> None:
-        """One empty window: the profiler's own set-up (CUPTI's, on a GPU: ~1 s the first
-        time in a process) is then not paid inside the first profiled step."""
+        """One empty window: the profiler's own set-up (CUPTI's on a GPU, paid the first time
+        in a process) is then not paid inside the first profiled step."""
         with _profile():
             pass
 
@@ -60,8 +60,9 @@ class StepProfiler:
             self.finish()
 
     def finish(self) -> None:
-        """Hand over the steps profiled so far (once)."""
-        if not self.done.done():
+        """Hand over the steps profiled so far (once: the worker thread's last step and a
+        caller's timeout may both get here)."""
+        with contextlib.suppress(InvalidStateError):
             self.done.set_result([asdict(r) for r in self.records])
 
 
