@@ -369,14 +369,13 @@ class Scheduler:
         n = min((seq.num_tokens - 1) // bs, seq.cacheable_until // bs)
         return self.blocks.match_prefix(seq.prefix_hashes(bs, n))
 
-    def _publish(self, seq: Sequence, upto: int | None = None) -> None:
+    def _publish(self, seq: Sequence, upto: int = sys.maxsize) -> None:
         """Offer every block that is now full and computed (of the first `upto` tokens) to
         the prefix cache."""
         if not self.blocks.enable_caching:
             return
         bs = self.blocks.block_size
-        n = min(seq.num_computed, seq.cacheable_until, sys.maxsize if upto is None else upto)
-        n //= bs
+        n = min(seq.num_computed, seq.cacheable_until, upto) // bs
         if n <= seq.num_cached_blocks:
             return
         hashes = seq.prefix_hashes(bs, n)

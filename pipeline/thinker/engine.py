@@ -418,42 +418,37 @@ class ThinkerEngine:
         # The budget is there for running decodes: with none, nobody waits on this step.
         decoding = self.llm.has_decodes()
         budget = self.config.max_encoder_items_per_step if decoding else 0
-        images: dict[str, ImageInput] = {}
-        audios: dict[str, AudioInput] = {}
+        chosen: dict[str, ImageInput | AudioInput] = {}  # by key, in encoding order
         used = 0
         full = False
         for st in self._streams.values():
             for m in st.todo:
                 key = m.content_hash
-                free = key in images or key in audios or key in self.cache or key in self._ahead
+                free = key in chosen or key in self.cache or key in self._ahead
                 cost = 0 if free else self._item_cost(m)
                 if budget and used and used + cost > budget:
                     full = True
                     break
                 used += cost
-                if isinstance(m, ImageInput):
-                    images[key] = m
-                else:
-                    audios[key] = m
+                chosen[key] = m
             if full:
                 break
         ahead: list[str] = []  # media encoded for requests still on their way
         for key, m in list(self._prefetch.items()):
-            if key in images or key in audios or key in self._ahead or key in self.cache:
+            if key in chosen or key in self._ahead or key in self.cache:
                 del self._prefetch[key]  # an admitted request's own, or encoded meanwhile
                 continue
             cost = self._item_cost(m)
             if full or (budget and used and used + cost > budget):
                 break
             used += cost
-            if isinstance(m, ImageInput):
-                images[key] = m
-            else:
-                audios[key] = m
+            chosen[key] = m
             ahead.append(key)
             del self._prefetch[key]
-        if not images and not audios:
+        if not chosen:
             return
+        images = {k: m for k, m in chosen.items() if isinstance(m, ImageInput)}
+        audios = {k: m for k, m in chosen.items() if isinstance(m, AudioInput)}
         if decoding:
             self._max_step_items = max(self._max_step_items, used)
         have, vision_end, audio_end = self._encode(images, audios, time.time())
