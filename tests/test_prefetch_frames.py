@@ -266,12 +266,14 @@ def test_an_audio_part_goes_ahead_while_the_video_still_decodes(monkeypatch):
     clips = [items for items in got if isinstance(items[0], AudioInput)]
     assert clips == [[req.audios[0]]] and clips[0][0] is req.audios[0]
     monkeypatch.setattr(P, "decode_video", video)
-    held = _hold_back(monkeypatch, P, "decode_audio")  # now the audio finishes last
-    got.clear()
+    held = _hold_back(monkeypatch, P, "decode_audio")  # now the audio finishes last:
+    part_done = P._MediaHandoff.part_done  # once the video's part is all done
 
-    def on_frames_only(items):
-        got.append(items)
+    def video_done(self):
+        part_done(self)
         held.set()
 
-    req = _build(on_frames_only, make_mp4(2.5, audio=False), [MediaBytes("audio", _wav())])
+    monkeypatch.setattr(P._MediaHandoff, "part_done", video_done)
+    got.clear()
+    req = _build(got.append, make_mp4(2.5, audio=False), [MediaBytes("audio", _wav())])
     assert got and all(isinstance(m, ImageInput) for items in got for m in items)
