@@ -22,10 +22,10 @@ After each app run, every stage's `stats` (memory, engine counters such as graph
 fallbacks) is written next to its run.json as stats.json. Exits 1 if a request failed.
 `--groups N` runs N stage groups (one GPU each) and reports each group's turns and Code2Wav
 busy share beside the totals (code2wav.json).
-`--profile-first-turn STAGE:N` (main phase) profiles that stage's first N engine steps after
-the app reports RUNNING, where they run (deployments/profiling.py: per step its wall and
-device ms, top kernels and host ops), into <out>/main/profile_<stage>.txt: the first turn's
-steps and, with N large enough, the next turns' to compare them with.
+`--profile-first-turn STAGE:N[,STAGE:N...]` (main phase) profiles each stage's first N engine
+steps after the app reports RUNNING, where they run (deployments/profiling.py: per step its
+wall and device ms, top kernels and host ops), into <out>/main/profile_<stage>.txt: the first
+turn's steps and, with N large enough, the next turns' to compare them with.
 Needs Ray Serve importable (on the GPU machine: `source .gpu/ray/device-env.sh`).
 """
 
@@ -259,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attr-resume", default=None, metavar="DIR",
                     help="an earlier attribution folder: reuse its A, skip the Bs it has "
                          "(combine both with `python -m bench.attribution --collect`)")
-    ap.add_argument("--profile-first-turn", default=None, metavar="STAGE:N",
-                    help="profile STAGE's (Thinker, Talker, Code2Wav) first N steps after RUNNING")
+    ap.add_argument("--profile-first-turn", default=None, metavar="STAGE:N[,STAGE:N...]",
+                    help="profile each STAGE's (Thinker, Talker, Code2Wav) first N steps after "
+                         "RUNNING")
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-plots", action="store_true")
     add_client_args(ap, with_url=False)
@@ -291,10 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         if "main" in phases:
             app = app_args(args.config, args.checkpoint, base_over, media_dir)
             with srv.app(app, "main", out / "main") as url:
-                profiling = None
-                if args.profile_first_turn:
-                    stage, _, n = args.profile_first_turn.partition(":")
-                    profiling = (stage, srv.profile(stage, int(n or 40), timeout_s=600.0))
+                profiling = []
+                for spec in filter(None, (args.profile_first_turn or "").split(",")):
+                    stage, _, n = spec.strip().partition(":")
+                    profiling.append((stage, srv.profile(stage, int(n or 40), timeout_s=600.0)))
                 per_c = Code2WavShare(srv)
                 run = execute(specs, client_options(args, url), bench_config(args),
                               label="omniray", config={"serve_config": args.config, **vars(args)},
@@ -302,11 +303,11 @@ def main(argv: list[str] | None = None) -> int:
                 first = first_turn(run)
                 print(f"[main] {first}", flush=True)
                 (out / "main").mkdir(parents=True, exist_ok=True)
-                if profiling is not None:
+                for stage, pending in profiling:
                     from deployments.profiling import format_profile
 
-                    got = profiling[1].result()
-                    (out / "main" / f"profile_{profiling[0].lower()}.txt").write_text(
+                    got = pending.result()
+                    (out / "main" / f"profile_{stage.lower()}.txt").write_text(
                         format_profile(got["stage"], got["steps"]))
                 (out / "main" / "code2wav.json").write_text(json.dumps(per_c.rows, indent=1))
                 text_run = None
