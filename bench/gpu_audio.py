@@ -8,7 +8,7 @@ each, and prints the wall ms of the first and the second call: a first call much
 than the second is a per-shape cost (a kernel built or chosen for that shape), which a
 served turn pays whenever its audio has a new length. Modes: SDPA free to pick cuDNN
 attention (torch's own choice), cuDNN off for the convs as well as attention, and as
-shipped (SDPA off cuDNN attention: pipeline/thinker/audio.py). Then one batch of two clips
+shipped (SDPA off cuDNN attention: pipeline/sdpa.py). Then one batch of two clips
 in every mode, against the cuDNN one (the kernels may sum in another order; nothing else
 differs). `--profile` prints the top ops of one first call with cuDNN attention.
 """
@@ -20,11 +20,10 @@ import contextlib
 import time
 
 import torch
-from torch.nn.attention import SDPBackend
 
 from bench.gpu_vision import init_small
 from pipeline.config import ThinkerConfig
-from pipeline.thinker import audio
+from pipeline import sdpa
 from pipeline.thinker.audio import AudioEncoder
 
 
@@ -39,18 +38,18 @@ def build(device: torch.device) -> AudioEncoder:
 @contextlib.contextmanager
 def cudnn_attention_allowed():
     """SDPA free to pick any kernel, cuDNN attention included (torch's own choice)."""
-    shipped = audio.NO_CUDNN_ATTENTION
-    audio.NO_CUDNN_ATTENTION = [SDPBackend.CUDNN_ATTENTION, *shipped]
+    shipped = sdpa.KERNELS
+    sdpa.KERNELS = None
     try:
         yield
     finally:
-        audio.NO_CUDNN_ATTENTION = shipped
+        sdpa.KERNELS = shipped
 
 
 MODES = {
     "cuDNN attn": cudnn_attention_allowed,  # what torch 2.11 picks on an H200
     "no cuDNN convs": lambda: torch.backends.cudnn.flags(enabled=False),
-    "as shipped": contextlib.nullcontext,  # SDPA off cuDNN attention (audio.py)
+    "as shipped": contextlib.nullcontext,  # SDPA off cuDNN attention (pipeline/sdpa.py)
 }
 
 

@@ -1,12 +1,16 @@
 """What a shape's first call costs after start-up, where the app's first turn pays it.
 
-    python -m bench.gpu_first_turn [--parts vision code2wav] [--json out.json]
+    python -m bench.gpu_first_turn [--parts vision talker code2wav] [--json out.json]
 
 vision: the compiled SigLIP + resampler (full size, random bf16 weights), warmed up as the
   Thinker warms it (`ThinkerModel.warm_up_vision`: one slice, two, two of mixed sizes), then
   batches of shapes a turn brings (the 16 + 14 slices of a 30-frame clip, other remainders,
   16:9 frames, mixed sizes): each new shape's first call and a repeat, wall ms. Once with
   SDPA free to pick its kernel (cuDNN attention on an H200) and once as the Thinker runs it.
+talker: the engine as serve_config.yaml builds it (fused + compiled, decode graphs), full-size
+  random weights: streams whose spoken spans have other lengths (a streamed chunk's recompute
+  prompt has any length), some repeated: the step that prefills each and draws its first
+  code, wall ms. Once with SDPA free to pick its kernel and once as shipped (pipeline/sdpa.py).
 code2wav: the engine as serve_config.yaml builds it (slot pool, graphs, fp32), after its own
   warm-up: streams one at a time whose last chunks have different lengths (speech ends
   anywhere); ms of each step and the vocoder graph captures it made; then more streams with
@@ -47,15 +51,15 @@ def _ms(fn) -> float:
 
 @torch.inference_mode()
 def vision(cudnn_attention: bool) -> dict:
-    from pipeline.thinker import vision as vision_mod
+    from pipeline import sdpa
 
     torch._dynamo.reset()
     dev = torch.device("cuda")
     vpm, res = build_vision(dev)
     vpm, res = vpm.to(torch.bfloat16), res.to(torch.bfloat16)
     vpm.set_attn_backend("sdpa")
-    shipped = vision_mod.SDPA_BACKENDS
-    vision_mod.SDPA_BACKENDS = None if cudnn_attention else shipped
+    shipped = sdpa.KERNELS
+    sdpa.KERNELS = None if cudnn_attention else shipped
     try:
         compile_vision_layers(vpm)
         g = torch.Generator(device=dev).manual_seed(0)
@@ -78,7 +82,7 @@ def vision(cudnn_attention: bool) -> dict:
             print(f"  {name:<28} first {first:8.1f} ms   repeat {again:7.2f} ms", flush=True)
         return out
     finally:
-        vision_mod.SDPA_BACKENDS = shipped
+        sdpa.KERNELS = shipped
 
 
 def _serve_engine_config(section: str) -> dict:
@@ -86,6 +90,38 @@ def _serve_engine_config(section: str) -> dict:
 
     cfg = yaml.safe_load(Path("serve_config.yaml").read_text())
     return cfg["applications"][0]["args"][section]["engine"]
+
+
+def talker(lengths: list[int]) -> dict:
+    from pipeline import sdpa
+    from pipeline.checkpoint import ModelSource
+    from pipeline.handoff import SpokenChunk, TalkerSpec
+    from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
+
+    t0 = time.perf_counter()
+    config = TalkerEngineConfig(**_serve_engine_config("talker"))
+    eng = TalkerEngine.from_source(ModelSource.open("random-full"), config, "cuda")
+    out: dict = {"build_s": round(time.perf_counter() - t0, 1)}
+    print(f"  engine built and warmed up in {out['build_s']} s", flush=True)
+    g = torch.Generator().manual_seed(0)
+    shipped = sdpa.KERNELS
+    try:
+        for mode, kernels in (("sdpa_any_kernel", None), ("shipped", shipped)):
+            sdpa.KERNELS = kernels
+            rows = []
+            for i, n in enumerate(lengths):
+                sid = f"{mode}{i}"
+                eng.open(sid, TalkerSpec(mode="full_span", seed=i, max_codes=1))
+                ids = torch.randint(0, 151000, (n,), generator=g)
+                eng.feed(sid, SpokenChunk(ids, torch.randn(n, eng.cfg.llm_dim, generator=g), True))
+                rows.append({"span": n, "prefill_step_ms": round(_ms(eng.step), 1)})
+                eng.abort(sid)
+            out[mode] = rows
+            print(f"  {mode:<16} " + " ".join(f"{r['span']}:{r['prefill_step_ms']}" for r in rows)
+                  + "  (span rows: ms)", flush=True)
+    finally:
+        sdpa.KERNELS = shipped
+    return out
 
 
 def code2wav(lengths: list[int], eager_lengths: list[int]) -> dict:
@@ -139,7 +175,8 @@ def _streams(eng, voice, lengths: list[int], tag: str) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", nargs="+", default=["vision", "code2wav"])
+    ap.add_argument("--parts", nargs="+", default=["vision", "talker", "code2wav"])
+    ap.add_argument("--spans", type=int, nargs="+", default=[40, 40, 57, 23, 23, 81, 12, 40, 66])
     ap.add_argument("--lengths", type=int, nargs="+",
                     default=[57, 57, 66, 44, 44, 20, 20, 79, 57])
     ap.add_argument("--eager-lengths", type=int, nargs="+", default=[30, 37, 52, 30, 37])
@@ -150,6 +187,9 @@ def main() -> int:
         for mode, cudnn in (("sdpa_any_kernel", True), ("shipped", False)):
             print(f"vision, {mode}:", flush=True)
             res[f"vision_{mode}"] = vision(cudnn)
+    if "talker" in args.parts:
+        print("talker:", flush=True)
+        res["talker"] = talker(args.spans)
     if "code2wav" in args.parts:
         print("code2wav:", flush=True)
         res["code2wav"] = code2wav(args.lengths, args.eager_lengths)

@@ -258,7 +258,7 @@ def test_sdpa_without_cudnn_attention_matches_on_cuda(monkeypatch):
     from torch.nn.attention import SDPBackend
 
     from bench.gpu_audio import build
-    from pipeline.thinker import audio
+    from pipeline import sdpa
 
     enc = build(torch.device("cuda"))
     ref = copy.deepcopy(enc).float()
@@ -268,7 +268,7 @@ def test_sdpa_without_cudnn_attention_matches_on_cuda(monkeypatch):
     with torch.inference_mode():
         want = torch.cat(ref(mel, lens))
         shipped = torch.cat(enc(mel.bfloat16(), lens)).float()
-        monkeypatch.setattr(audio, "NO_CUDNN_ATTENTION", [SDPBackend.CUDNN_ATTENTION])
+        monkeypatch.setattr(sdpa, "KERNELS", [SDPBackend.CUDNN_ATTENTION])
         cudnn = torch.cat(enc(mel.bfloat16(), lens)).float()
     err_cudnn = (cudnn - want).abs().mean().item()
     err_shipped = (shipped - want).abs().mean().item()

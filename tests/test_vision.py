@@ -283,7 +283,7 @@ def test_sdpa_without_cudnn_attention_matches_on_cuda(monkeypatch, sizes):
     from torch.nn.attention import SDPBackend
 
     from bench.gpu_vision import build
-    from pipeline.thinker import vision
+    from pipeline import sdpa
 
     vpm, _ = build(torch.device("cuda"))
     ref = VisionEncoder.from_config(vpm.cfg, "eager").cuda().eval()
@@ -301,9 +301,9 @@ def test_sdpa_without_cudnn_attention_matches_on_cuda(monkeypatch, sizes):
     with torch.inference_mode():
         want = rows(ref(pv, tgt, mask))
         shipped = rows(vpm(pv.bfloat16(), tgt, mask))
-        monkeypatch.setattr(vision, "SDPA_BACKENDS", [SDPBackend.CUDNN_ATTENTION])
+        monkeypatch.setattr(sdpa, "KERNELS", [SDPBackend.CUDNN_ATTENTION])
         cudnn = rows(vpm(pv.bfloat16(), tgt, mask))
-        monkeypatch.setattr(vision, "SDPA_BACKENDS", vision.NO_CUDNN_ATTENTION)
+        monkeypatch.setattr(sdpa, "KERNELS", sdpa.NO_CUDNN_ATTENTION)
         torch._dynamo.reset()
         compile_vision_layers(vpm)
         compiled = rows(vpm(pv.bfloat16(), tgt, mask))

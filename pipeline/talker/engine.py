@@ -8,7 +8,8 @@ row + one sampler-state row):
                                    (CUDA graph per (rows, read_len) bucket, or eager); with
                                    `decode_steps` k > 1, k steps per call (see the config)
                                 2. start every unit whose text is ready: prefill its prompt
-                                   (eager, one stream at a time) and draw its first code
+                                   (eager, one stream at a time, attention without cuDNN's
+                                   per-shape graphs: pipeline/sdpa.py) and draw its first code
                                 3. release 25-code chunks once 25 + 3 lookahead codes exist;
                                    the last chunk flushes the rest (finished=True)
   abort(rid)                    free the slot (also cancels a running stream)
@@ -49,6 +50,7 @@ import torch
 from pipeline.config import TalkerConfig
 from pipeline.graphs import GraphRunner
 from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec
+from pipeline.sdpa import any_shape
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.graphs import bucket_up, power_of_two_buckets
 from pipeline.talker.model import TalkerKVCache, TalkerModel
@@ -264,7 +266,8 @@ class TalkerEngine:
         next prefill rewrites these positions) and, without graphs, the decode's at one row
         and at many (every row idle: nothing changes, as in a graph capture)."""
         warm = torch.zeros(7, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
-        self.decoder.prefill(self.cache, 0, warm)
+        with any_shape():
+            self.decoder.prefill(self.cache, 0, warm)
         if self.graphs is None:
             for rows in sorted({1, self.config.graph_batch_sizes[-1]}):
                 self._decode_steps(rows, self.config.graph_kv_lengths[0], 1)
@@ -424,7 +427,8 @@ class TalkerEngine:
         s.unit_draws = 0
         s.decoding = True
         s.position = length
-        logits = self.decoder.prefill(self.cache, s.slot, prompt)  # (V,)
+        with any_shape():  # a chunk's recompute prompt has any length
+            logits = self.decoder.prefill(self.cache, s.slot, prompt)  # (V,)
         self.state.noise[s.slot].exponential_(generator=s.generator)
         rows = self.state.rows(s.slot, s.slot + 1)
         code = self.sampler(logits[None], rows, self._one_active)  # (1,)

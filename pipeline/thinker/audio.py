@@ -27,17 +27,16 @@ usual one-clip call.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import sdpa_kernel
 
 from pipeline.config import AudioConfig, ThinkerConfig
-from pipeline.thinker.vision import NO_CUDNN_ATTENTION, load_stripped
+from pipeline.sdpa import any_shape
+from pipeline.thinker.vision import load_stripped
 
 MEL_FRAMES_PER_SECOND = 100  # hop 160 at 16 kHz
 HOP_LENGTH = 160
@@ -196,9 +195,8 @@ class WhisperEncoder(nn.Module):
         # 3) block-causal + padding mask, shared by all layers
         enc_lens = [encoder_frames(m) for m in lengths]
         mask = block_causal_mask(enc_lens, n, self.chunk_frames, dev)
-        # every clip length is a new shape: cuDNN attention would build a graph for each (on
-        # an H200 ~90 ms more at a new length, once ~950 ms: bench/gpu_audio.py)
-        with sdpa_kernel(NO_CUDNN_ATTENTION) if x.is_cuda else contextlib.nullcontext():
+        # every clip length is a new shape
+        with any_shape():
             for layer in self.layers:
                 x = layer(x, mask)
         return self.layer_norm(x)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import ThinkerConfig
+from pipeline.sdpa import any_shape
 from pipeline.thinker.vision import load_stripped
 
 
@@ -84,7 +85,8 @@ class ResamplerAttention(nn.Module):
         mask = None
         if key_padding_mask is not None:
             mask = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, L), True = attend
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, Q, hd)
+        with any_shape():  # B and L change with the batch
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, Q, hd)
         return self.out_proj(o.transpose(1, 2).reshape(b, nq, d))
 
 

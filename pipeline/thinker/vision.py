@@ -24,7 +24,6 @@ layer forward shared by all layers); see its docstring for the dynamic-shape pol
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import OrderedDict
 from typing import Mapping, Sequence
@@ -32,20 +31,12 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.config import ThinkerConfig, VisionConfig
+from pipeline.sdpa import any_shape
 
 ATTN_BACKENDS = ("eager", "sdpa", "flash")
 
-# SDPA's kernels for the encoders on CUDA, cuDNN attention left out: it builds a graph for
-# every new shape (an audio clip's length; a vision batch's B and L: a clip's last partial
-# batch, frames of another size), ~100 ms and up of host time at each new one on an H200
-# (bench/gpu_audio.py, bench/gpu_first_turn.py), while flash / memory-efficient attention
-# compute the same softmax(QK^T)V with no per-shape cost. None = torch's own choice.
-NO_CUDNN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                      SDPBackend.MATH]
-SDPA_BACKENDS: list[SDPBackend] | None = NO_CUDNN_ATTENTION
 POS_ID_CACHE_SIZE = 256  # distinct (h, w) slice grids whose position ids are kept
 
 
@@ -386,8 +377,8 @@ class VisionEncoder(nn.Module):
                 mask = torch.zeros(b, 1, 1, padded_len, dtype=x.dtype, device=device)
                 pad = ~valid_cpu.to(device, non_blocking=True)
                 mask.masked_fill_(pad[:, None, None, :], torch.finfo(x.dtype).min)
-            kernels = SDPA_BACKENDS if device.type == "cuda" else None
-            with sdpa_kernel(kernels) if kernels else contextlib.nullcontext():
+            # a vision batch's B and L change (a clip's last partial batch, frame sizes)
+            with any_shape():
                 for layer in self.encoder.layers:
                     x = layer(x, mask)
 

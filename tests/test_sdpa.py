@@ -1,0 +1,109 @@
+"""Attention of varying shapes runs without cuDNN attention (pipeline/sdpa.py): the Talker's
+prefills, the resampler, the vision and audio encoders. Attention a CUDA graph captures per
+shape (the Talker's decode) keeps SDPA's own choice. On the CPU the flags are observable at
+each SDPA call (the kernels themselves are CUDA's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_audio_encoder import TINY as AUDIO
+from test_audio_encoder import _thinker
+from test_talker_engine import make_talker, spoken, tiny_cfg
+from test_vision import TINY, _rand_strips
+
+from pipeline import sdpa
+from pipeline.handoff import SpokenChunk, TalkerSpec
+from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
+from pipeline.thinker.audio import AudioEncoder
+from pipeline.thinker.resampler import Resampler
+from pipeline.thinker.vision import VisionEncoder, pack_strips
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[tuple[int, bool]]:
+    """(query length, cuDNN attention allowed) of every SDPA call."""
+    seen: list[tuple[int, bool]] = []
+    sdpa_fn = F.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        seen.append((q.shape[-2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa_fn(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    return seen
+
+
+def test_any_shape_leaves_cudnn_attention_out_then_restores(monkeypatch):
+    b = torch.backends.cuda
+    assert b.cudnn_sdp_enabled()
+    with sdpa.any_shape():
+        assert not b.cudnn_sdp_enabled()
+        assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.math_sdp_enabled()
+    assert b.cudnn_sdp_enabled()
+    monkeypatch.setattr(sdpa, "KERNELS", None)  # SDPA's own choice
+    with sdpa.any_shape():
+        assert b.cudnn_sdp_enabled()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_talker_prefills_leave_cudnn_out_decodes_keep_sdpa_choice(calls, fused):
+    cfg = tiny_cfg()
+    engine = TalkerEngine(make_talker(cfg, eos_bias=2.0),
+                          TalkerEngineConfig(max_streams=2, talker_fused=fused))
+    ids, hidden = spoken(23, cfg, seed=3)
+    engine.open("s", TalkerSpec(mode="streaming", seed=5))
+    engine.feed("s", SpokenChunk(ids, hidden, True))
+    for _ in range(400):
+        engine.step()
+        if not engine.has_work():
+            break
+    assert engine._prefills >= 3  # chunks [0:10], [10:20], [20:23]: recompute prompts
+    prefills = [ok for n, ok in calls if n > 1]
+    decodes = [ok for n, ok in calls if n == 1]
+    assert prefills and not any(prefills)
+    assert decodes and all(decodes)
+
+
+def test_encoders_and_resampler_leave_cudnn_out(calls):
+    sizes = [(4, 5), (3, 3)]
+    enc = VisionEncoder(TINY, attn_backend="sdpa").eval()
+    res = Resampler(8, 128, TINY.hidden_size, max_size=(8, 8)).eval()
+    pv, tgt, mask = pack_strips(_rand_strips(sizes), sizes)
+    audio = AudioEncoder.from_config(_thinker()).eval()
+    with torch.no_grad():
+        assert res(enc(pv, tgt, mask), tgt).shape == (2, 8, 128)
+        audio(torch.randn(2, AUDIO.num_mel_bins, 150), [150, 97])
+    assert len(calls) == TINY.num_layers_run + 1 + AUDIO.encoder_layers
+    assert not any(ok for _, ok in calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_talker_prefill_without_cudnn_is_as_close_as_cudnn_on_cuda(monkeypatch):
+    """At the released Talker geometry (bf16 on CUDA), a prefill's logits without cuDNN
+    attention are as close to an fp32 prefill as with it."""
+    from torch.nn.attention import SDPBackend
+
+    from pipeline.config import TalkerConfig
+    from pipeline.talker.model import TalkerModel
+
+    torch.manual_seed(0)
+    ref = TalkerModel(TalkerConfig()).eval().cuda()
+    model = TalkerModel(TalkerConfig()).eval().cuda()
+    model.load_state_dict(ref.state_dict())
+    config = TalkerEngineConfig(max_streams=1, cuda_graphs=False, talker_compile=False)
+    want_e = TalkerEngine(ref, config)
+    got_e = TalkerEngine(model.to(torch.bfloat16), config)
+    prompt = torch.randn(57, ref.cfg.hidden_size, device="cuda")
+    with torch.no_grad():
+        want = want_e.decoder.prefill(want_e.cache, 0, prompt).float()
+        with sdpa.any_shape():
+            shipped = got_e.decoder.prefill(got_e.cache, 0, prompt.bfloat16()).float()
+        monkeypatch.setattr(sdpa, "KERNELS", [SDPBackend.CUDNN_ATTENTION])
+        with sdpa.any_shape():
+            cudnn = got_e.decoder.prefill(got_e.cache, 0, prompt.bfloat16()).float()
+    err_shipped = (shipped - want).abs().mean().item()
+    err_cudnn = (cudnn - want).abs().mean().item()
+    assert err_shipped <= 1.5 * err_cudnn + 1e-4, (err_shipped, err_cudnn)
+    assert err_shipped / want.abs().mean().item() < 2e-2
