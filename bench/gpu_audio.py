@@ -22,8 +22,8 @@ import time
 import torch
 
 from bench.gpu_vision import init_small
-from pipeline.config import ThinkerConfig
 from pipeline import sdpa
+from pipeline.config import ThinkerConfig
 from pipeline.thinker.audio import AudioEncoder
 
 
@@ -35,19 +35,8 @@ def build(device: torch.device) -> AudioEncoder:
     return enc.to(torch.bfloat16)
 
 
-@contextlib.contextmanager
-def cudnn_attention_allowed():
-    """SDPA free to pick any kernel, cuDNN attention included (torch's own choice)."""
-    shipped = sdpa.KERNELS
-    sdpa.KERNELS = None
-    try:
-        yield
-    finally:
-        sdpa.KERNELS = shipped
-
-
 MODES = {
-    "cuDNN attn": cudnn_attention_allowed,  # what torch 2.11 picks on an H200
+    "cuDNN attn": sdpa.sdpa_choice,  # what torch 2.11 picks on an H200
     "no cuDNN convs": lambda: torch.backends.cudnn.flags(enabled=False),
     "as shipped": contextlib.nullcontext,  # SDPA off cuDNN attention (pipeline/sdpa.py)
 }

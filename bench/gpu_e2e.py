@@ -303,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                 first = first_turn(run)
                 print(f"[main] {first}", flush=True)
                 (out / "main").mkdir(parents=True, exist_ok=True)
-                for stage, pending in profiling:
-                    from deployments.profiling import format_profile
+                from deployments.profiling import format_profile
 
+                for stage, pending in profiling:
                     got = pending.result()
                     (out / "main" / f"profile_{stage.lower()}.txt").write_text(
                         format_profile(got["stage"], got["steps"]))

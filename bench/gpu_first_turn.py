@@ -58,9 +58,7 @@ def vision(cudnn_attention: bool) -> dict:
     vpm, res = build_vision(dev)
     vpm, res = vpm.to(torch.bfloat16), res.to(torch.bfloat16)
     vpm.set_attn_backend("sdpa")
-    shipped = sdpa.KERNELS
-    sdpa.KERNELS = None if cudnn_attention else shipped
-    try:
+    with sdpa.sdpa_choice(cudnn_attention):
         compile_vision_layers(vpm)
         g = torch.Generator(device=dev).manual_seed(0)
 
@@ -81,8 +79,6 @@ def vision(cudnn_attention: bool) -> dict:
             out["batches"][name] = {"first_ms": round(first, 1), "repeat_ms": round(again, 2)}
             print(f"  {name:<28} first {first:8.1f} ms   repeat {again:7.2f} ms", flush=True)
         return out
-    finally:
-        sdpa.KERNELS = shipped
 
 
 def _serve_engine_config(section: str) -> dict:
@@ -104,10 +100,8 @@ def talker(lengths: list[int]) -> dict:
     out: dict = {"build_s": round(time.perf_counter() - t0, 1)}
     print(f"  engine built and warmed up in {out['build_s']} s", flush=True)
     g = torch.Generator().manual_seed(0)
-    shipped = sdpa.KERNELS
-    try:
-        for mode, kernels in (("sdpa_any_kernel", None), ("shipped", shipped)):
-            sdpa.KERNELS = kernels
+    for mode, choice in (("sdpa_any_kernel", True), ("shipped", False)):
+        with sdpa.sdpa_choice(choice):
             rows = []
             for i, n in enumerate(lengths):
                 sid = f"{mode}{i}"
@@ -119,8 +113,6 @@ def talker(lengths: list[int]) -> dict:
             out[mode] = rows
             print(f"  {mode:<16} " + " ".join(f"{r['span']}:{r['prefill_step_ms']}" for r in rows)
                   + "  (span rows: ms)", flush=True)
-    finally:
-        sdpa.KERNELS = shipped
     return out
 
 

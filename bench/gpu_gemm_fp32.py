@@ -31,13 +31,6 @@ import triton.language as tl
 CONFIGS = [(16, 32, 32, 4), (16, 64, 32, 4), (32, 32, 32, 4), (32, 64, 32, 4),
            (64, 32, 32, 4), (64, 64, 32, 4), (32, 64, 16, 4), (64, 64, 16, 4),
            (32, 128, 32, 4), (64, 128, 32, 8), (128, 64, 32, 8), (128, 128, 32, 8)]
-MAX_CUBLAS_TILES = 64  # cuBLAS's 128x128 tiles of the output at most this many: small tiles
-
-
-def use_small_tiles(m: int, n: int) -> bool:
-    return triton.cdiv(m, 128) * triton.cdiv(n, 128) <= MAX_CUBLAS_TILES
-
-
 def tile_config(m: int, n: int) -> tuple[int, int, int, int]:
     """The largest tiles that still give the GPU's SMs a block each (fewer loads per FMA),
     down to 16 x 32."""
@@ -140,9 +133,9 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     result = {}
     for b, shapes in STEPS.items():
-        rows, tot = [], {"cublas": 0.0, "tiles": 0.0, "best": 0.0, "chosen": 0.0}
+        rows, tot = [], {"cublas": 0.0, "tiles": 0.0, "best": 0.0}
         print(f"B={b}: count M K N | cuBLAS us | tile_config us | best us (config) | "
-              f"rel err cuBLAS / kernel | path")
+              f"rel err cuBLAS / kernel")
         for count, m, k, n in shapes:
             x = torch.randn(m, k, device="cuda", generator=g)
             w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
@@ -157,21 +150,16 @@ def main() -> int:
                 best = min(best, (t, c))
             e_cub = rel_err(F.linear(x, w, bias), ref)
             e_mine = rel_err(small_tile_mm(x, w, bias, cfg), ref)
-            small = use_small_tiles(m, n)
             tot["cublas"] += count * cub
             tot["tiles"] += count * mine
             tot["best"] += count * min(best[0], cub)
-            tot["chosen"] += count * (mine if small else cub)
             rows.append({"count": count, "m": m, "k": k, "n": n, "cublas_us": round(cub, 2),
                          "tiles_us": round(mine, 2), "tiles": cfg, "best_us": round(best[0], 2),
-                         "best": best[1], "err_cublas": e_cub, "err_kernel": e_mine,
-                         "small_tiles": small})
+                         "best": best[1], "err_cublas": e_cub, "err_kernel": e_mine})
             print(f"  {count:4d} {m:6d} {k:5d} {n:5d} | {cub:8.2f} | {mine:8.2f} {cfg} | "
-                  f"{best[0]:8.2f} {best[1]} | {e_cub:.1e} / {e_mine:.1e} | "
-                  f"{'kernel' if small else 'cuBLAS'}")
+                  f"{best[0]:8.2f} {best[1]} | {e_cub:.1e} / {e_mine:.1e}")
         print(f"  step sum ms: cuBLAS {tot['cublas'] / 1000:.2f}, kernel everywhere "
-              f"{tot['tiles'] / 1000:.2f}, use_small_tiles' choice {tot['chosen'] / 1000:.2f}, "
-              f"best of all {tot['best'] / 1000:.2f}")
+              f"{tot['tiles'] / 1000:.2f}, best of all {tot['best'] / 1000:.2f}")
         result[b] = {"rows": rows, "sum_ms": {k: round(v / 1000, 3) for k, v in tot.items()}}
     if args.out:
         with open(args.out, "w") as f:

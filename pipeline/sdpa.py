@@ -14,6 +14,7 @@ kernels allowed include SDPA's CPU ones (flash, math): nothing changes there.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -26,3 +27,16 @@ KERNELS: list[SDPBackend] | None = NO_CUDNN_ATTENTION
 def any_shape() -> contextlib.AbstractContextManager:
     """The context for SDPA calls whose shapes vary."""
     return sdpa_kernel(KERNELS) if KERNELS is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def sdpa_choice(on: bool = True) -> Iterator[None]:
+    """While `on`: `any_shape` calls get SDPA's own choice, cuDNN attention included (what
+    benchmarks compare the shipped kernels with)."""
+    global KERNELS
+    shipped = KERNELS
+    KERNELS = None if on else shipped
+    try:
+        yield
+    finally:
+        KERNELS = shipped
