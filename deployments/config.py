@@ -195,6 +195,11 @@ class AppConfig(_Settings):
     talker_mode: Literal["streaming", "full_span"] = Field("streaming", description=(
         "streaming: the Talker starts on the first spoken chunk; full_span: it waits for "
         "the whole spoken span (the offline reference behaviour)"))
+    hold_for_first_audio: bool = Field(True, description=(
+        "a speech turn's Thinker decode (once the Talker has its first text chunk) and Talker "
+        "decode (once its first code chunk is out) run only beside other work until the "
+        "turn's first audio is out (at most 1 s): on the GPU the stages share, they would "
+        "slow the stages making it; the same outputs (streaming talker_mode only)"))
     request_timeout_s: float = Field(600.0, gt=0)
     allowed_local_media_path: str | None = Field(None, description=(
         "file:// media is read only under this folder; null = no local files"))

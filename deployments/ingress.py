@@ -103,8 +103,10 @@ class IngressServer:
                              scalable=i >= always, asleep=i >= always)
                        for i, hs in enumerate(zip(*handles))]
         self.stages = self.groups[0].stages  # what is asked of any one group (voice support)
+        hold = cfg.hold_for_first_audio and cfg.talker_mode == "streaming"
         self.turns = TurnRunner(self.groups, self.metrics, cfg.request_timeout_s, cfg.timeouts,
-                                idle_s=cfg.group_idle_s)
+                                idle_s=cfg.group_idle_s,
+                                hold_rows=source.config.talker.streaming_text_chunk * hold)
         voices_dir = Path(cfg.voices_dir).expanduser() if cfg.voices_dir else cache_dir() / "voices"
         self.voices = VoiceStore(voices_dir, max_seconds=lim.max_ref_audio_seconds,
                                  max_voices=lim.max_voices)

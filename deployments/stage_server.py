@@ -277,6 +277,11 @@ class StageServer:
         self.loop.close(rid)
         await self.loop.call(lambda e: e.abort(rid))
 
+    async def resume(self, rid: str) -> None:
+        """End `rid`'s hold for its first audio (engines that hold: the Thinker's and the
+        Talker's); fire-and-forget, a stream that is gone is ignored."""
+        self.loop.post(lambda e: e.resume(rid) if hasattr(e, "resume") else None)
+
     async def profile(self, steps: int = 8, timeout_s: float = 300.0) -> dict[str, Any]:
         """Profile the engine's next `steps` steps where they run (deployments/profiling.py):
         returns once they ran, or after `timeout_s` with those that did:

@@ -50,12 +50,14 @@ class TalkerServer(StageServer):
         return TalkerEngine, settings
 
     async def session(
-        self, rid: str, seed: int | None = None, max_codes: int | None = None
+        self, rid: str, seed: int | None = None, max_codes: int | None = None,
+        hold: bool = False,
     ) -> AsyncIterator[Any]:
         """One turn's stream: Opened once the engine holds a slot for `rid`, Heartbeats while
         it speaks, a StageFailure if it cannot go on; it ends after the last code chunk was
-        handed to Code2Wav. Cancelling it (the turn is over) frees the slot."""
-        spec = TalkerSpec(self.mode, seed, max_codes)
+        handed to Code2Wav. Cancelling it (the turn is over) frees the slot. `hold`: held
+        after its first chunk until `resume(rid)` (TalkerSpec.hold)."""
+        spec = TalkerSpec(self.mode, seed, max_codes, hold)
         async with aclosing(self._serve(rid, spec, forward=True)) as items:
             async for item in items:
                 yield item

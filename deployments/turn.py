@@ -7,7 +7,9 @@
        directly). Both opens must answer Opened within `timeouts.open_s`, or the turn ends
        and whatever opened is released; the Thinker's text waits for them
     4. merge the streams into events as they come; free the slot on the last audio piece
-       (text-only: on the last text)
+       (text-only: on the last text); with `hold_rows`, the first audio piece resumes the
+       Thinker and the Talker, which held the turn's later work so the first audio came
+       sooner (AppConfig.hold_for_first_audio)
     5. end with exactly one terminal event: Done, or Error (bad input the engine refused,
        a stage failure, a stage that died or stopped answering, the request timeout)
 
@@ -28,7 +30,7 @@ import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deployments.config import TimeoutSettings
@@ -120,7 +122,7 @@ class _TurnError(Exception):
 class TurnRunner:
     def __init__(self, groups: list[Group], metrics: AppMetrics | None,
                  timeout_s: float, timeouts: TimeoutSettings | None = None, *,
-                 idle_s: float = 120.0, wake_timeout_s: float = 900.0):
+                 idle_s: float = 120.0, wake_timeout_s: float = 900.0, hold_rows: int = 0):
         if not groups:
             raise ValueError("a TurnRunner needs at least one group")
         self.groups = groups
@@ -129,6 +131,10 @@ class TurnRunner:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.timeouts = timeouts or TimeoutSettings()
+        # > 0: a speech turn's Thinker holds after this many spoken rows (the Talker's first
+        # text chunk) and its Talker after its first chunk, until the first audio is out
+        # (AppConfig.hold_for_first_audio)
+        self.hold_rows = hold_rows
         self._background: set[asyncio.Task] = set()
         self.in_flight: dict[str, bool] = {}  # request id -> speech
 
@@ -254,8 +260,11 @@ class TurnRunner:
                 self._start_speech(turn, stages, streams, pumps, merged, seen)
             # With the speech opens, not after them: the Thinker's prefill overlaps their
             # round trips (the Talker waits for its session should the span come first).
+            request = turn.thinker_request
+            if turn.speech and self.hold_rows:
+                request = replace(request, hold_after_spoken=self.hold_rows)
             self._start("text", stages.thinker.options(stream=True).generate.remote(
-                turn.thinker_request), streams, pumps, merged, seen)
+                request), streams, pumps, merged, seen)
             if turn.speech:
                 early = await self._opened(merged, seen, deadline)
 
@@ -292,7 +301,10 @@ class TurnRunner:
                     talker.extend(getattr(item, "talker_spans", None) or [])
                     if len(item.pcm):
                         now = time.perf_counter()
-                        first_audio = first_audio if first_audio is not None else now - t0
+                        if first_audio is None:
+                            first_audio = now - t0
+                            if self.hold_rows:
+                                self._tell(rid, [stages.thinker, stages.talker], "resume")
                         last_audio = now - t0
                         audio_s += len(item.pcm) / SAMPLE_RATE
                         yield AudioChunk(item.pcm, index)
@@ -336,7 +348,8 @@ class TurnRunner:
                       seen: dict[str, float]) -> None:
         rid = turn.request_id
         self._start("talker", stages.talker.options(stream=True).session.remote(
-            rid, turn.seed, turn.speech_codes), streams, pumps, merged, seen)
+            rid, turn.seed, turn.speech_codes, bool(self.hold_rows)), streams, pumps, merged,
+            seen)
         self._start("audio", stages.code2wav.options(stream=True).stream.remote(
             rid, turn.voice), streams, pumps, merged, seen)
 
@@ -444,18 +457,23 @@ class TurnRunner:
         out.put_nowait((src, _END))
 
     def _abort(self, rid: str, group: Stages, speech: bool) -> None:
-        """Fire-and-forget: the caller may already be cancelled, so this runs on its own."""
         stages = [group.thinker]
         if speech:
             stages += [group.talker, group.code2wav]
+        self._tell(rid, stages, "abort")
 
-        async def abort() -> None:
-            calls = [asyncio.wait_for(s.abort.remote(rid), self.timeouts.abort_s) for s in stages]
+    def _tell(self, rid: str, stages: list[Any], method: str) -> None:
+        """Call `method(rid)` on each stage, fire-and-forget: the caller may already be
+        cancelled, so this runs on its own."""
+
+        async def tell() -> None:
+            calls = [asyncio.wait_for(getattr(s, method).remote(rid), self.timeouts.abort_s)
+                     for s in stages]
             for r in await asyncio.gather(*calls, return_exceptions=True):
                 if isinstance(r, BaseException):
-                    log.info("abort of %s did not land: %s", rid, error_line(r))
+                    log.info("%s of %s did not land: %s", method, rid, error_line(r))
 
-        self.in_background(abort())
+        self.in_background(tell())
 
     def in_background(self, coro: Any) -> None:
         """Run `coro` on its own, kept alive until it ends. A fresh context: Serve links

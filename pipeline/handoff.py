@@ -166,6 +166,11 @@ class ThinkerRequest:
     audio_segments: list[tuple[int, int, int]] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     return_hidden: bool = False  # emit hidden states of the spoken span for the Talker
+    # > 0: once this many spoken rows are out (the Talker's first text chunk), the request
+    # decodes only beside other work until `resume` (its turn's first audio is out) or
+    # HOLD_LIMIT_S: its next tokens are not needed for the first audio, and on a GPU the
+    # stages share they would slow the Talker and Code2Wav that make it. 0 = no hold.
+    hold_after_spoken: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -198,6 +203,11 @@ class ThinkerDelta:
     timings: dict[str, float] | None = None
 
 
+# The longest a stage holds a turn's work for its first audio (`hold_after_spoken`, `hold`)
+# when no `resume` comes: the hold is a priority, never a stall.
+HOLD_LIMIT_S = 1.0
+
+
 @dataclass(frozen=True)
 class TalkerSpec:
     """How a Talker stream decodes (`TalkerEngine.open`).
@@ -211,6 +221,9 @@ class TalkerSpec:
     mode: str | None = None
     seed: int | None = None
     max_codes: int | None = None
+    # Once the stream's first chunk is released, it decodes only beside other work until
+    # `resume` (the turn's first audio is out) or HOLD_LIMIT_S (see ThinkerRequest).
+    hold: bool = False
 
 
 @dataclass

@@ -548,3 +548,46 @@ def test_cpu_replica_drops_talker_compile(tiny_source):
     eng = TalkerEngine.from_source(
         tiny_source, TalkerEngineConfig(talker_fused=True, talker_compile=True), "cpu")
     assert eng.config.talker_fused and not eng.config.talker_compile
+
+
+def test_a_held_stream_waits_for_resume_and_speaks_the_same(monkeypatch):
+    """TalkerSpec.hold: once its first chunk is released the stream is no work of its own
+    (the loop would idle) until resume; beside another stream's work it decodes as usual;
+    past HOLD_LIMIT_S it goes on alone. Its chunks equal an unheld stream's."""
+    cfg = tiny_cfg()
+    talker = make_talker(cfg, eos_bias=-100.0)
+    econf = TalkerEngineConfig(max_streams=2)
+    ids, hidden = spoken(12, cfg, seed=3)
+
+    def opened(hold: bool) -> TalkerEngine:
+        engine = TalkerEngine(talker, econf)
+        engine.open("a", TalkerSpec(mode="streaming", seed=5, max_codes=70, hold=hold))
+        engine.feed("a", SpokenChunk(ids, hidden, True))
+        return engine
+
+    ref = run(opened(False), ["a"])["a"]
+    engine = opened(True)
+    got: list[CodeChunk] = []
+    while engine.has_work():
+        got += engine.step()
+    assert [len(c.codes) for c in got] == [25]
+    held_codes = len(engine.stream_codes("a"))
+    assert held_codes == 28  # the first chunk and its lookahead, nothing more
+
+    # Another stream's work: the held stream decodes beside it.
+    engine.open("b", TalkerSpec(mode="streaming", seed=6, max_codes=3))
+    engine.feed("b", SpokenChunk(ids, hidden, True))
+    while engine.has_work():
+        got += [c for c in engine.step() if c.request_id == "a"]
+    assert len(engine.stream_codes("a")) > held_codes
+    assert not engine.has_work()  # b is done, a still held
+
+    engine.resume("a")
+    assert engine.has_work()
+    got += run(engine, ["a"])["a"]
+    assert [c.codes for c in got] == [c.codes for c in ref]
+
+    # No resume: the hold ends by itself.
+    monkeypatch.setattr("pipeline.talker.engine.HOLD_LIMIT_S", 0.0)
+    engine = opened(True)
+    assert all_codes(run(engine, ["a"])["a"]) == all_codes(ref)

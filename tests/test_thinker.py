@@ -9,6 +9,7 @@ per-step hidden states == one dense forward over the whole sequence.
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -418,3 +419,43 @@ def test_images_sent_ahead_are_bounded_and_skip_what_is_encoded(engine_factory):
     off = engine_factory(prefetch_capacity=0)
     off.prefetch(reqs[1].images)
     assert not off.has_work()
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_held_request_waits_for_resume_and_streams_the_same(engine_factory, ahead,
+                                                             monkeypatch):
+    """hold_after_spoken=n: once n spoken rows are out the request is no work of its own
+    (launching ahead, the step in flight is drained and none launched) until resume; beside
+    another request's work it decodes as usual; past HOLD_LIMIT_S it goes on alone. Its
+    stream equals the unheld one's."""
+    def opened(hold: int) -> tuple[ThinkerEngine, object]:
+        eng = engine_factory(llm={"launch_ahead": ahead})
+        req = replace(_request(eng, "r", max_tokens=12), hold_after_spoken=hold)
+        eng.open("r", req)
+        return eng, req
+
+    eng, req = opened(0)
+    ref = _collect(eng, [], [req])["r"]
+    eng, req = opened(3)
+    deltas = []
+    while eng.has_work():
+        deltas += eng.step()
+    spoken = sum(len(d.spoken_ids) for d in deltas)
+    assert 3 <= spoken <= 4 and not eng.llm.in_flight and not any(d.finished for d in deltas)
+    held_ids = sum(len(d.token_ids) for d in deltas)
+
+    other = _request(eng, "o", image_seed=7, max_tokens=3, speech=False)
+    eng.open("o", other)
+    while eng.has_work():  # the other request's steps decode the held one too
+        deltas += [d for d in eng.step() if d.request_id == "r"]
+    assert sum(len(d.token_ids) for d in deltas) > held_ids
+
+    eng.resume("r")
+    got = _collect(eng, deltas, [req])["r"]
+    for k in ("ids", "text", "spoken", "reason"):
+        assert got[k] == ref[k], k
+    torch.testing.assert_close(got["hidden"], ref["hidden"], atol=1e-4, rtol=1e-4)
+
+    monkeypatch.setattr("pipeline.thinker.engine.HOLD_LIMIT_S", 0.0)  # no resume comes
+    eng, req = opened(3)
+    assert _collect(eng, [], [req])["r"]["ids"] == ref["ids"]

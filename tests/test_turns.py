@@ -512,3 +512,41 @@ def test_a_span_that_comes_before_its_session_waits_for_it(app_cfg, source):
     assert never is False and 0.3 <= t_never < 0.6, t_never
     assert not waiters
     assert_clean(st)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_speech_turn_holds_for_its_first_audio_then_resumes(app_cfg, source, hold):
+    """hold_for_first_audio: the Thinker's request holds after the Talker's first text chunk
+    and the Talker's stream after its first chunk, and the first audio piece the ingress
+    gets resumes both (the stages would otherwise hold it up to HOLD_LIMIT_S); off: no
+    holds, no resumes."""
+    async def main():
+        local = build_local_app({**app_cfg, "hold_for_first_audio": hold}, source)
+        specs, resumed = {}, []
+        for name in ("thinker", "talker"):
+            engine = getattr(local, name).engine
+            real_open = engine.open
+
+            def open_(rid, spec, name=name, real_open=real_open):
+                specs[name] = spec
+                return real_open(rid, spec)
+
+            engine.open = open_
+            engine.resume = lambda rid, name=name: resumed.append((name, time.perf_counter()))
+        seen = []
+        async for ev in local.ingress.chat(SPEECH):
+            seen.append((time.perf_counter(), ev))
+        await settled(local)
+        return specs, resumed, seen
+
+    specs, resumed, seen = asyncio.run(main())
+    assert isinstance(one_terminal([ev for _, ev in seen]), Done)
+    first_audio = next(t for t, ev in seen if isinstance(ev, AudioChunk))
+    chunk = source.config.talker.streaming_text_chunk
+    assert specs["thinker"].hold_after_spoken == (chunk if hold else 0)
+    assert specs["talker"].hold is hold
+    if hold:
+        assert sorted(n for n, _ in resumed) == ["talker", "thinker"]
+        assert all(t >= first_audio - 0.05 for _, t in resumed), (resumed, first_audio)
+    else:
+        assert resumed == []

@@ -13,6 +13,12 @@ row + one sampler-state row):
                                 3. release 25-code chunks once 25 + 3 lookahead codes exist;
                                    the last chunk flushes the rest (finished=True)
   abort(rid)                    free the slot (also cancels a running stream)
+  resume(rid)                   end the stream's hold (below): its first audio is out
+
+A stream opened with `TalkerSpec.hold` is held once its first chunk is released: its work
+runs only in steps that another stream's work calls for, until `resume` or HOLD_LIMIT_S.
+What it computes is unchanged, only when: on a GPU shared with Code2Wav, the first chunk's
+audio comes sooner.
 
 A "unit" is what the reference decodes from one prompt:
   full_span   the whole spoken span: prompt [c_1..c_n, text_eos, audio_bos] once the text is
@@ -49,7 +55,7 @@ import torch
 
 from pipeline.config import TalkerConfig
 from pipeline.graphs import GraphRunner
-from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec
+from pipeline.handoff import HOLD_LIMIT_S, CodeChunk, SpokenChunk, TalkerSpec
 from pipeline.sdpa import any_shape
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.graphs import bucket_up, power_of_two_buckets
@@ -178,6 +184,8 @@ class _Stream:
     chunk_started_at: float = 0.0  # wall clock the chunk being decoded started
     chunks_sent: int = 0
     done_sent: bool = False
+    hold: bool = False  # TalkerSpec.hold: held once its first chunk is out, until resumed
+    held_since: float = 0.0  # monotonic start of the hold; 0 = not held
 
 
 class TalkerEngine:
@@ -279,11 +287,23 @@ class TalkerEngine:
         return len(self._free)
 
     def has_work(self) -> bool:
-        """True while a step() would decode, start a unit or release a chunk."""
+        """True while a step() would decode, start a unit or release a chunk for a stream
+        that is not held (a held stream's work runs only beside another's)."""
         return any(
-            s.decoding or (not s.finished and self._ready(s) is not None) or self._releasable(s)
+            (s.decoding or (not s.finished and self._ready(s) is not None)
+             or self._releasable(s)) and not self._held(s)
             for s in self._streams.values()
         )
+
+    def resume(self, rid: str) -> None:
+        """End the stream's hold (its first audio is out); unknown ids are ignored."""
+        s = self._streams.get(rid)
+        if s is not None:
+            s.held_since = 0.0
+
+    @staticmethod
+    def _held(s: _Stream) -> bool:
+        return bool(s.held_since) and time.monotonic() - s.held_since < HOLD_LIMIT_S
 
     def stats(self) -> dict[str, float]:
         return asdict(
@@ -330,7 +350,8 @@ class TalkerEngine:
         generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         pending = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         slot = heapq.heappop(self._free)
-        self._streams[rid] = _Stream(rid, slot, mode, generator, pending, max_codes=max_codes)
+        self._streams[rid] = _Stream(rid, slot, mode, generator, pending, max_codes=max_codes,
+                                     hold=spec.hold)
         min_new = self.cfg.min_new_tokens if mode == "full_span" else 0
         self.state.reset_row(slot, max(min_new, max_codes or 0))
         self._active[slot] = False
@@ -571,6 +592,8 @@ class TalkerEngine:
             s.chunk_started_at = now
             s.released += size
             s.chunks_sent += 1
+            if s.hold and s.chunks_sent == 1:
+                s.held_since = time.monotonic()
         if s.finished and not s.done_sent:
             out.append(
                 CodeChunk(

@@ -25,6 +25,12 @@ Each `step()`:
      token with the hidden state computed when it was the input token (what the Talker
      conditions on: spec section 2.2).
 
+A request with `hold_after_spoken` n is held once n spoken rows are out (the Talker's first
+text chunk): its decodes run only in steps other work calls for, until `resume` (its first
+audio is out) or HOLD_LIMIT_S; the last step launched for it is drained, none launched.
+What it computes is unchanged, only when: on a GPU shared with the Talker and Code2Wav,
+its turn's first audio comes sooner.
+
 Synchronous and single-threaded: the deployment drives it in a loop.
 """
 
@@ -41,7 +47,14 @@ import torch
 from pipeline.checkpoint import ModelSource
 from pipeline.engine.engine import EngineConfig, LLMEngine
 from pipeline.engine.scheduler import MediaSpan
-from pipeline.handoff import AudioInput, ImageInput, SamplingParams, ThinkerDelta, ThinkerRequest
+from pipeline.handoff import (
+    HOLD_LIMIT_S,
+    AudioInput,
+    ImageInput,
+    SamplingParams,
+    ThinkerDelta,
+    ThinkerRequest,
+)
 from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from pipeline.utils import resolve_device, resolve_dtype
@@ -159,6 +172,9 @@ class _Stream:
     num_hidden: int = 0  # output tokens whose hidden rows have been seen
     marks: dict[str, float] = field(default_factory=dict)  # wall-clock stage marks
     last_token_t: float | None = None  # perf_counter time of the last delta with tokens
+    spoken_out: int = 0  # spoken rows handed out
+    held_since: float = 0.0  # monotonic start of its hold (hold_after_spoken); 0 = not held
+    hold_done: bool = False  # a request is held once at most
 
 
 @dataclass(frozen=True)
@@ -336,7 +352,23 @@ class ThinkerEngine:
             self.llm.abort(rid)
 
     def has_work(self) -> bool:
-        return bool(self._pending) or bool(self._prefetch) or self.llm.has_unfinished()
+        """Anything to do but the decodes of held requests (those run beside other work)."""
+        if self._pending or self._prefetch:
+            return True
+        return self.llm.has_unfinished() and (self.llm.in_flight or not self._all_held())
+
+    def resume(self, rid: str) -> None:
+        """End the request's hold (its turn's first audio is out); unknown ids are ignored."""
+        st = self._streams.get(rid)
+        if st is not None:
+            st.held_since = 0.0
+
+    def _all_held(self) -> bool:
+        """Every admitted request is held (and nothing else is queued in the LLM)."""
+        now = time.monotonic()
+        return bool(self._streams) and all(
+            st.held_since and now - st.held_since < HOLD_LIMIT_S for st in self._streams.values()
+        )
 
     def step(self) -> list[ThinkerDelta]:
         t0 = time.perf_counter()
@@ -352,6 +384,8 @@ class ThinkerEngine:
             # that step's ids first (the next step encodes, then launches), or they would
             # wait for the encoders too.
             outs = self.llm.drain()
+        elif self.llm.in_flight and self._all_held():
+            outs = self.llm.drain()  # the last step launched for them: launch no more
         else:
             self._encode_step()
             outs = self.llm.step()
@@ -575,6 +609,11 @@ class ThinkerEngine:
                     spoken_ids.append(st.output_ids[i])
                     spoken_rows.append(hidden[j])
             st.num_hidden += hidden.shape[0]
+        st.spoken_out += len(spoken_rows)
+        hold = st.request.hold_after_spoken
+        if hold and not st.hold_done and not finished and st.spoken_out >= hold:
+            st.hold_done = True
+            st.held_since = time.monotonic()
         timings = None
         if new_ids and "first_token" not in st.marks:
             st.marks["first_token"] = time.time()
