@@ -1,11 +1,12 @@
 """Talker deployment: a TalkerEngine behind the shared StageServer.
 
-Per turn: the ingress holds `session(rid, seed)` open (a stream: Opened, then heartbeats);
-the Thinker calls `feed(rid, ids, hidden, final)` as spoken text arrives (handed to the
-engine as a SpokenChunk); every 25-code chunk (+3 lookahead) the engine releases goes
-straight to Code2Wav through `code2wav.push`, in order. The session ends after its last
-chunk was taken; cancelling it, or `abort(rid)`, frees the slot. A step failure or a failed
-push ends the session with a StageFailure, which the ingress turns into the turn's error.
+Per turn: the ingress holds `session(rid, seed)` open (a stream: Opened, then heartbeats,
+and a TextWanted should a held turn's first unit end before its first chunk); the Thinker
+calls `feed(rid, ids, hidden, final)` as spoken text arrives (handed to the engine as a
+SpokenChunk); every 25-code chunk (+3 lookahead) the engine releases goes straight to
+Code2Wav through `code2wav.push`, in order. The session ends after its last chunk was
+taken; cancelling it, or `abort(rid)`, frees the slot. A step failure or a failed push ends
+the session with a StageFailure, which the ingress turns into the turn's error.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from deployments.config import AppConfig
 from deployments.loop import StageFailure
 from deployments.stage import Forwarder, Tombstones
 from deployments.stage_server import StageServer
-from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec
+from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec, TextWanted
 
 
 class TalkerServer(StageServer):
@@ -70,13 +71,17 @@ class TalkerServer(StageServer):
             return StageFailure("talker", message, 400, "invalid_request")
         return None
 
-    def _emit(self, rid: str, chunks: list[CodeChunk], fwd: Forwarder | None) -> tuple[list, bool]:
-        """Code chunks go to Code2Wav, not to this stream's reader."""
+    def _emit(self, rid: str, outputs: list[CodeChunk | TextWanted],
+              fwd: Forwarder | None) -> tuple[list, bool]:
+        """Code chunks go to Code2Wav; a TextWanted goes to this stream's reader (the
+        ingress, which resumes the Thinker)."""
+        chunks = [c for c in outputs if isinstance(c, CodeChunk)]
         for chunk in chunks:
             fwd.push(chunk)
-        if chunks[-1].finished:
+        done = bool(chunks) and chunks[-1].finished
+        if done:
             self._spoken.add(rid)
-        return [], chunks[-1].finished
+        return [o for o in outputs if isinstance(o, TextWanted)], done
 
     async def _send(self, rid: str, chunks: list[CodeChunk], final: bool) -> bool:
         # Lookahead codes are not sent: Code2Wav buffers the stream's codes itself, and

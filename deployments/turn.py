@@ -39,6 +39,7 @@ from deployments.metrics import AppMetrics
 from deployments.schemas import SAMPLE_RATE, AudioChunk, Done, Error, Event, TextDelta, Usage
 from deployments.stage import Heartbeat, Opened, error_line
 from deployments.window import ActiveStreamWindow
+from pipeline.handoff import TextWanted
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +284,9 @@ class TurnRunner:
                     continue
                 if isinstance(item, (Heartbeat, Opened)):
                     continue
-                if src == "talker":  # the session only ever says it failed, or ends
+                if src == "talker":  # the session says it failed, ends, or wants text
+                    if isinstance(item, TextWanted) and self.hold_rows:
+                        self._tell(rid, [stages.thinker], "resume")
                     continue
                 if src == "text":
                     if item.text:

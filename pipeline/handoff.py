@@ -203,6 +203,16 @@ class ThinkerDelta:
     timings: dict[str, float] | None = None
 
 
+@dataclass(frozen=True)
+class TextWanted:
+    """A held turn's Talker stream (TalkerSpec.hold) has no text left to decode and no
+    chunk out yet (its first unit ended early): the first audio needs the text the Thinker
+    holds back, so the ingress resumes the Thinker."""
+
+    request_id: str
+    finished: bool = False
+
+
 # The longest a stage holds a turn's work for its first audio (`hold_after_spoken`, `hold`)
 # when no `resume` comes: the hold is a priority, never a stall.
 HOLD_LIMIT_S = 1.0

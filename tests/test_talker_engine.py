@@ -17,7 +17,7 @@ from test_talker_model import hf_llama
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from pipeline.config import TalkerConfig, talker_config_from_hf
-from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec
+from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec, TextWanted
 from pipeline.presets import tiny_hf_config
 from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
 from pipeline.talker.fused import FusedTalker
@@ -591,3 +591,28 @@ def test_a_held_stream_waits_for_resume_and_speaks_the_same(monkeypatch):
     monkeypatch.setattr("pipeline.talker.engine.HOLD_LIMIT_S", 0.0)
     engine = opened(True)
     assert all_codes(run(engine, ["a"])["a"]) == all_codes(ref)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_held_stream_whose_first_unit_ends_early_asks_for_the_held_text(hold):
+    """A held turn's Thinker holds its text after the first text chunk; should the Talker's
+    first unit end (EOS) before its first chunk, the stream says once that it wants text
+    (TextWanted, for the ingress to resume the Thinker). Nothing is said before a unit ran,
+    nor without a hold, nor once the text is finished."""
+    cfg = tiny_cfg()
+    engine = TalkerEngine(make_talker(cfg, eos_bias=2.0), TalkerEngineConfig(max_streams=1))
+    engine.open("a", TalkerSpec(mode="streaming", seed=1, hold=hold))
+    assert engine.step() == []  # no text yet: nothing wanted
+    ids, hidden = spoken(14, cfg, seed=4)
+    engine.feed("a", SpokenChunk(ids[:10], hidden[:10], False))  # the first text chunk
+    wanted, chunks = [], []
+    for _ in range(200):
+        for out in engine.step():
+            (chunks if isinstance(out, CodeChunk) else wanted).append(out)
+        if not engine.has_work():
+            break
+    assert not chunks and len(engine.stream_codes("a")) < 28  # the unit ended early
+    assert wanted == ([TextWanted("a")] if hold else [])
+    engine.feed("a", SpokenChunk(ids[10:], hidden[10:], True))
+    chunks = run(engine, ["a"])["a"]
+    assert chunks[-1].finished

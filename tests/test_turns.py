@@ -20,6 +20,7 @@ from deployments.loop import EngineLoop
 from deployments.schemas import AudioChunk, Done, Error, TextDelta
 from deployments.stage import Opened
 from deployments.testing import FakeThinkerEngine, LocalHandle, build_local_app
+from pipeline.handoff import TextWanted
 
 
 @pytest.fixture(scope="module")
@@ -550,3 +551,34 @@ def test_a_speech_turn_holds_for_its_first_audio_then_resumes(app_cfg, source, h
         assert all(t >= first_audio - 0.05 for _, t in resumed), (resumed, first_audio)
     else:
         assert resumed == []
+
+
+def test_a_talker_that_wants_held_text_resumes_the_thinker_at_once(app_cfg, source):
+    """The Talker's TextWanted (its first unit ended before its first chunk, so the first
+    audio needs the text its Thinker holds) resumes the Thinker before any audio."""
+    async def main():
+        local = build_local_app(app_cfg, source)
+        resumed = []
+        local.thinker.engine.resume = lambda rid: resumed.append(time.perf_counter())
+        talker = local.talker.engine
+        real_step, said = talker.step, set()
+
+        def step():
+            out = real_step()
+            for rid in talker.streams:
+                if rid not in said:
+                    said.add(rid)
+                    out.append(TextWanted(rid))
+            return out
+
+        talker.step = step
+        seen = []
+        async for ev in local.ingress.chat(SPEECH):
+            seen.append((time.perf_counter(), ev))
+        await settled(local)
+        return resumed, seen
+
+    resumed, seen = asyncio.run(main())
+    assert isinstance(one_terminal([ev for _, ev in seen]), Done)
+    first_audio = next(t for t, ev in seen if isinstance(ev, AudioChunk))
+    assert len(resumed) == 2 and resumed[0] < first_audio, (resumed, first_audio)

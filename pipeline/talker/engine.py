@@ -17,6 +17,9 @@ row + one sampler-state row):
 
 A stream opened with `TalkerSpec.hold` is held once its first chunk is released: its work
 runs only in steps that another stream's work calls for, until `resume` or HOLD_LIMIT_S.
+Should its first unit end before that chunk, the stream waits for text its Thinker holds
+for the same first audio: step() says so once (TextWanted), and the ingress resumes the
+Thinker.
 What it computes is unchanged, only when: on a GPU shared with Code2Wav, the first chunk's
 audio comes sooner.
 
@@ -55,7 +58,7 @@ import torch
 
 from pipeline.config import TalkerConfig
 from pipeline.graphs import GraphRunner
-from pipeline.handoff import HOLD_LIMIT_S, CodeChunk, SpokenChunk, TalkerSpec
+from pipeline.handoff import HOLD_LIMIT_S, CodeChunk, SpokenChunk, TalkerSpec, TextWanted
 from pipeline.sdpa import any_shape
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.graphs import bucket_up, power_of_two_buckets
@@ -185,6 +188,7 @@ class _Stream:
     chunks_sent: int = 0
     done_sent: bool = False
     hold: bool = False  # TalkerSpec.hold: held once its first chunk is out, until resumed
+    text_wanted: bool = False  # told that it waits for held text (TextWanted), once
     held_since: float = 0.0  # monotonic start of the hold; 0 = not held
 
 
@@ -388,7 +392,7 @@ class TalkerEngine:
         s.text_finished = msg.finished
 
     @torch.no_grad()
-    def step(self) -> list[CodeChunk]:
+    def step(self) -> list[CodeChunk | TextWanted]:
         decoding = [s for s in self._streams.values() if s.decoding]
         if decoding:
             self._decode(decoding)
@@ -397,10 +401,19 @@ class TalkerEngine:
                 unit = self._ready(s)
                 if unit is not None:
                     self._start(s, *unit)
-        out: list[CodeChunk] = []
+        out: list[CodeChunk | TextWanted] = []
         for s in self._streams.values():
             out.extend(self._release(s))
+            if self._wants_held_text(s):
+                s.text_wanted = True
+                out.append(TextWanted(s.stream_id))
         return out
+
+    def _wants_held_text(self, s: _Stream) -> bool:
+        """A held turn's stream whose first unit ended before its first chunk: it waits for
+        text its Thinker holds until the first audio, which needs this stream's chunk."""
+        return (s.hold and not s.text_wanted and s.started_units and not s.chunks_sent
+                and not s.decoding and not s.text_finished and self._ready(s) is None)
 
     def abort(self, rid: str) -> None:
         s = self._streams.pop(rid, None)
