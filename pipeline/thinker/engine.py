@@ -361,7 +361,7 @@ class ThinkerEngine:
         """End the request's hold (its turn's first audio is out); unknown ids are ignored."""
         st = self._streams.get(rid)
         if st is not None:
-            st.held_since = 0.0
+            st.held_since, st.hold_done = 0.0, True  # a resume that came first cancels it
 
     def _all_held(self) -> bool:
         """Every admitted request is held (and nothing else is queued in the LLM)."""
