@@ -198,7 +198,7 @@ class AppConfig(_Settings):
     hold_for_first_audio: bool = Field(True, description=(
         "a speech turn's Thinker decode (once the Talker has its first text chunk) and Talker "
         "decode (once its first code chunk is out) run only beside other work until the "
-        "turn's first audio is out (at most 1 s): on the GPU the stages share, they would "
+        "turn's first audio is out (at most 0.25 s): on the GPU the stages share, they would "
         "slow the stages making it; the same outputs (streaming talker_mode only)"))
     request_timeout_s: float = Field(600.0, gt=0)
     allowed_local_media_path: str | None = Field(None, description=(

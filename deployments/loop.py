@@ -50,7 +50,9 @@ __all__ = ["EngineLoop", "StageFailure", "StepRecord"]
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.5  # wake-up period of an idle worker (only to notice `stop()`)
+# Wake-up period of an idle worker: to notice `stop()`, and a hold that ran out
+# (pipeline.handoff.HOLD_LIMIT_S: held work is no work until then, and no command comes).
+IDLE_POLL_S = 0.05
 
 
 @dataclass

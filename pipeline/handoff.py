@@ -213,9 +213,11 @@ class TextWanted:
     finished: bool = False
 
 
-# The longest a stage holds a turn's work for its first audio (`hold_after_spoken`, `hold`)
-# when no `resume` comes: the hold is a priority, never a stall.
-HOLD_LIMIT_S = 1.0
+# The longest a stage holds a turn's work for its first audio (`hold_after_spoken`, `hold`):
+# the hold is a short priority, never a stall. A c=1 turn's holds last ~75-130 ms on an H200
+# (the Talker's first chunk, then Code2Wav's); under load, where Code2Wav's queue keeps the
+# first audio waiting, a longer hold only delays the text (measured with 1 s at c=8).
+HOLD_LIMIT_S = 0.25
 
 
 @dataclass(frozen=True)

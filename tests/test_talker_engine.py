@@ -554,6 +554,7 @@ def test_a_held_stream_waits_for_resume_and_speaks_the_same(monkeypatch):
     """TalkerSpec.hold: once its first chunk is released the stream is no work of its own
     (the loop would idle) until resume; beside another stream's work it decodes as usual;
     past HOLD_LIMIT_S it goes on alone. Its chunks equal an unheld stream's."""
+    monkeypatch.setattr("pipeline.talker.engine.HOLD_LIMIT_S", 60.0)  # no expiry mid-test
     cfg = tiny_cfg()
     talker = make_talker(cfg, eos_bias=-100.0)
     econf = TalkerEngineConfig(max_streams=2)

@@ -428,6 +428,8 @@ def test_a_held_request_waits_for_resume_and_streams_the_same(engine_factory, ah
     (launching ahead, the step in flight is drained and none launched) until resume; beside
     another request's work it decodes as usual; past HOLD_LIMIT_S it goes on alone. Its
     stream equals the unheld one's."""
+    monkeypatch.setattr("pipeline.thinker.engine.HOLD_LIMIT_S", 60.0)  # no expiry mid-test
+
     def opened(hold: int) -> tuple[ThinkerEngine, object]:
         eng = engine_factory(llm={"launch_ahead": ahead})
         req = replace(_request(eng, "r", max_tokens=12), hold_after_spoken=hold)
