@@ -252,6 +252,31 @@ class RequestRecord:
         return rec
 
 
+# Where a turn's first audio was made, in the server's spans (seconds since arrival): its
+# first token, the Talker's first chunk (its first prefill to its release) and the Code2Wav
+# step that made the first audio; and the two chunks' lengths.
+FIRST_AUDIO_MARKS = ("first_token", "talker_start", "talker_released", "code2wav_start",
+                     "code2wav_end", "talker", "code2wav")
+
+
+def first_audio_marks(timings: dict[str, Any] | None) -> dict[str, float]:
+    """FIRST_AUDIO_MARKS found in a server `timings` object (docs/bench.md), in seconds."""
+    out: dict[str, float] = {}
+    for span in (timings or {}).get("spans", []) or []:
+        stage, chunk = span.get("stage"), span.get("chunk")
+        try:
+            start, end = float(span["start"]), float(span["end"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if stage == "decode":
+            out["first_token"] = start
+        elif stage in ("talker", "code2wav") and chunk == 0:
+            first, last = ("talker_start", "talker_released") if stage == "talker" else (
+                "code2wav_start", "code2wav_end")
+            out[first], out[last], out[stage] = start, end, end - start
+    return out
+
+
 def stage_durations(timings: dict[str, Any] | None) -> dict[str, float]:
     """Per-stage seconds from a server `timings` object (docs/bench.md).
 
@@ -375,6 +400,12 @@ def summarize(
         for k, v in r.stage_durations().items():
             stages.setdefault(k, []).append(v * 1e3)
     out["stages_ms"] = {k: distribution(v, percentiles) for k, v in _ordered(stages).items()}
+    marks: dict[str, list[float]] = {}
+    for r in ok:
+        for k, v in first_audio_marks(r.timings).items():
+            marks.setdefault(k, []).append(v * 1e3)
+    out["first_audio_ms"] = {k: distribution(marks[k], percentiles)
+                             for k in FIRST_AUDIO_MARKS if k in marks}
     graded = [r.correct for r in ok if r.correct is not None]
     out["accuracy"] = (sum(graded) / len(graded)) if graded else None
     out["graded"] = len(graded)
@@ -427,7 +458,9 @@ __all__ = [
     "RequestRecord",
     "RoundResult",
     "STAGES",
+    "FIRST_AUDIO_MARKS",
     "distribution",
+    "first_audio_marks",
     "headline",
     "ratio",
     "records_to_json",

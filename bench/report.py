@@ -241,6 +241,32 @@ def format_stages(run: dict[str, Any], baseline: dict[str, Any] | None = None) -
     return "per-stage median ms (sum of a stage's spans per request)\n" + _render(rows, header)
 
 
+def format_first_audio(run: dict[str, Any]) -> str:
+    """Where the first audio was made (medians, ms since arrival; server spans), beside the
+    client's TTFP: empty when the run has no speech timings."""
+    header = ["c", "first token", "Talker chunk 0", "ms", "Code2Wav chunk 0", "ms", "TTFP"]
+    rows = []
+    for key in sorted(run["summaries"], key=int):
+        s = run["summaries"][key]
+        fa = s.get("first_audio_ms") or {}
+        if "talker" not in fa:
+            continue
+
+        def m(k: str, fa: dict = fa) -> float:
+            return fa.get(k, {}).get("median", float("nan"))
+
+        rows.append([key, _fmt(m("first_token"), 1),
+                     f"{_fmt(m('talker_start'), 1)} -> {_fmt(m('talker_released'), 1)}",
+                     _fmt(m("talker"), 1),
+                     f"{_fmt(m('code2wav_start'), 1)} -> {_fmt(m('code2wav_end'), 1)}",
+                     _fmt(m("code2wav"), 1),
+                     _fmt(s.get("audio_ttfp_ms", {}).get("median"), 1)])
+    if not rows:
+        return ""
+    return ("where the first audio was made (median ms since arrival: server spans; TTFP: "
+            "client)\n" + _render(rows, header))
+
+
 def format_accuracy(run: dict[str, Any]) -> str:
     lines = []
     for key in sorted(run["summaries"], key=int):
@@ -294,6 +320,9 @@ def format_targets(run: dict[str, Any],
 def format_report(run: dict[str, Any], baseline: dict[str, Any] | None = None,
                   targets: dict[int, dict[str, tuple[str, float]]] | None = None) -> str:
     parts = [format_table(run, baseline), "", format_stages(run, baseline)]
+    first = format_first_audio(run)
+    if first:
+        parts += ["", first]
     acc = format_accuracy(run)
     if acc:
         parts += ["", acc]

@@ -144,6 +144,39 @@ def test_summarize_exact_values():
     assert list(s["stages_ms"]) == ["queue", "code2wav"]
 
 
+def test_where_the_first_audio_was_made_from_the_spans():
+    """first_audio_ms: the first token (decode span start), the Talker's chunk 0 and the
+    Code2Wav step of chunk 0, per request then medians; the report's table shows them
+    beside the client's TTFP, and is left out for runs without speech spans."""
+    from bench.report import format_first_audio
+
+    recs = []
+    for i, shift in enumerate((0.0, 0.010, 0.030)):
+        r = _rec(i, float(i), 0.2, 0.4 + shift, [(0.4 + shift, 1.0)], 1.0)
+        r.timings = {"spans": [
+            {"stage": "prefill", "start": 0.1, "end": 0.2},
+            {"stage": "decode", "start": 0.2 + shift, "end": 0.3},
+            {"stage": "talker", "start": 0.25 + shift, "end": 0.3 + shift, "chunk": 0},
+            {"stage": "talker", "start": 0.3 + shift, "end": 0.5, "chunk": 1},
+            {"stage": "code2wav", "start": 0.31 + shift, "end": 0.38 + 2 * shift, "chunk": 0},
+            {"stage": "code2wav", "start": 0.5, "end": 0.55, "chunk": 1}]}
+        recs.append(r)
+    s = summarize([RoundResult(1, 0, 0.0, 3.0, recs)], percentiles=(50,))
+    fa = s["first_audio_ms"]
+    assert list(fa) == ["first_token", "talker_start", "talker_released", "code2wav_start",
+                        "code2wav_end", "talker", "code2wav"]
+    assert fa["first_token"]["median"] == pytest.approx(210.0)
+    assert fa["talker_start"]["median"] == pytest.approx(260.0)
+    assert fa["talker"]["median"] == pytest.approx(50.0)
+    assert fa["code2wav_end"]["median"] == pytest.approx(400.0)
+    assert fa["code2wav"]["median"] == pytest.approx(80.0)
+    run = {"summaries": {"1": s}}
+    table = format_first_audio(run)
+    assert "260.0 -> 310.0" in table and "320.0 -> 400.0" in table and "410.0" in table
+    s_text = summarize([RoundResult(1, 0, 0.0, 3.0, [_rec(9, 0.0, 0.1, 0.2, [], 0.5)])])
+    assert format_first_audio({"summaries": {"1": s_text}}) == ""
+
+
 def test_max_inter_token_gap_per_request_and_in_the_table():
     from bench.report import format_table
 
