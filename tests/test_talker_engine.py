@@ -587,11 +587,16 @@ def test_a_held_stream_waits_for_resume_and_speaks_the_same(monkeypatch):
     assert engine.has_work()
     got += run(engine, ["a"])["a"]
     assert [c.codes for c in got] == [c.codes for c in ref]
+    assert (engine.stats()["holds"], engine.stats()["holds_timed_out"]) == (1, 0)
 
     # No resume: the hold ends by itself.
     monkeypatch.setattr("pipeline.talker.engine.HOLD_LIMIT_S", 0.0)
     engine = opened(True)
-    assert all_codes(run(engine, ["a"])["a"]) == all_codes(ref)
+    alone: list[CodeChunk] = []
+    while engine.has_work():  # as the engine loop drives it
+        alone += engine.step()
+    assert all_codes(alone) == all_codes(ref)
+    assert (engine.stats()["holds"], engine.stats()["holds_timed_out"]) == (1, 1)
 
 
 @pytest.mark.parametrize("hold", [True, False])

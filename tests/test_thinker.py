@@ -457,7 +457,9 @@ def test_a_held_request_waits_for_resume_and_streams_the_same(engine_factory, ah
     for k in ("ids", "text", "spoken", "reason"):
         assert got[k] == ref[k], k
     torch.testing.assert_close(got["hidden"], ref["hidden"], atol=1e-4, rtol=1e-4)
+    assert (eng.stats()["holds"], eng.stats()["holds_timed_out"]) == (1, 0)
 
     monkeypatch.setattr("pipeline.thinker.engine.HOLD_LIMIT_S", 0.0)  # no resume comes
     eng, req = opened(3)
     assert _collect(eng, [], [req])["r"]["ids"] == ref["ids"]
+    assert (eng.stats()["holds"], eng.stats()["holds_timed_out"]) == (1, 1)

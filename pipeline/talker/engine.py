@@ -161,6 +161,8 @@ class TalkerStats:
     prefills: int  # units started (one prefill each)
     codes: int  # codes kept (EOS excluded)
     unaccounted_slots: int = 0  # slots neither free nor held by an unfinished stream (a leak)
+    holds: int = 0  # streams held after their first chunk (TalkerSpec.hold)
+    holds_timed_out: int = 0  # ... whose hold ran out before a resume came (HOLD_LIMIT_S)
 
 
 @dataclass
@@ -234,6 +236,7 @@ class TalkerEngine:
         self._streams: dict[str, _Stream] = {}
         self._free: list[int] = list(range(slots))  # a heap: lowest slot first keeps R small
         self._steps = self._prefills = self._codes = 0
+        self.holds = self.holds_timed_out = 0
         self.graphs: GraphRunner | None = None
         if self.config.cuda_graphs and self.device.type == "cuda":
             keys = [
@@ -305,9 +308,11 @@ class TalkerEngine:
         if s is not None:
             s.held_since = 0.0
 
-    @staticmethod
-    def _held(s: _Stream) -> bool:
-        return bool(s.held_since) and time.monotonic() - s.held_since < HOLD_LIMIT_S
+    def _held(self, s: _Stream) -> bool:
+        if s.held_since and time.monotonic() - s.held_since >= HOLD_LIMIT_S:
+            s.held_since = 0.0
+            self.holds_timed_out += 1
+        return bool(s.held_since)
 
     def stats(self) -> dict[str, float]:
         return asdict(
@@ -322,6 +327,8 @@ class TalkerEngine:
                 unaccounted_slots=self.config.max_streams
                 - len(self._free)
                 - sum(not s.finished for s in self._streams.values()),
+                holds=self.holds,
+                holds_timed_out=self.holds_timed_out,
             )
         )
 
@@ -607,6 +614,7 @@ class TalkerEngine:
             s.chunks_sent += 1
             if s.hold and s.chunks_sent == 1:
                 s.held_since = time.monotonic()
+                self.holds += 1
         if s.finished and not s.done_sent:
             out.append(
                 CodeChunk(

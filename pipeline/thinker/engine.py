@@ -204,6 +204,8 @@ class ThinkerStats:
     max_decode_wait_steps: int  # most steps in a row a running decode got no token (0: none)
     max_step_ms: float  # the longest step(): encoders + LLM step
     max_decode_gap_ms: float  # the longest time between two token deltas of one request
+    holds: int = 0  # requests held for their first audio (hold_after_spoken)
+    holds_timed_out: int = 0  # ... whose hold ran out before a resume came (HOLD_LIMIT_S)
 
 
 class ThinkerEngine:
@@ -236,6 +238,7 @@ class ThinkerEngine:
         self._max_step_items = 0
         self._max_step_ms = 0.0
         self._max_gap_ms = 0.0
+        self.holds = self.holds_timed_out = 0
 
     @classmethod
     def from_source(
@@ -364,11 +367,13 @@ class ThinkerEngine:
             st.held_since, st.hold_done = 0.0, True  # a resume that came first cancels it
 
     def _all_held(self) -> bool:
-        """Every admitted request is held (and nothing else is queued in the LLM)."""
+        """Every admitted request is held (a hold that ran out ends here)."""
         now = time.monotonic()
-        return bool(self._streams) and all(
-            st.held_since and now - st.held_since < HOLD_LIMIT_S for st in self._streams.values()
-        )
+        for st in self._streams.values():
+            if st.held_since and now - st.held_since >= HOLD_LIMIT_S:
+                st.held_since = 0.0
+                self.holds_timed_out += 1
+        return bool(self._streams) and all(st.held_since for st in self._streams.values())
 
     def step(self) -> list[ThinkerDelta]:
         t0 = time.perf_counter()
@@ -614,6 +619,7 @@ class ThinkerEngine:
         if hold and not st.hold_done and not finished and st.spoken_out >= hold:
             st.hold_done = True
             st.held_since = time.monotonic()
+            self.holds += 1
         timings = None
         if new_ids and "first_token" not in st.marks:
             st.marks["first_token"] = time.time()
@@ -680,6 +686,8 @@ class ThinkerEngine:
                 max_decode_wait_steps=s.max_decode_wait_steps,
                 max_step_ms=self._max_step_ms,
                 max_decode_gap_ms=self._max_gap_ms,
+                holds=self.holds,
+                holds_timed_out=self.holds_timed_out,
             )
         )
 
