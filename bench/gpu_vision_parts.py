@@ -3,8 +3,8 @@
     python -m bench.gpu_vision_parts [--batch 32] [--iters 10]
 
 1. The shipped path (sdpa + regional compile, SDPA without cuDNN attention) over B
-   448x448 slices: ms a slice, then a torch.profiler table of its kernels (name, ms a
-   slice, calls, share of the device time).
+   448x448 slices: ms a slice, then its top kernels (ms a slice, calls, share of the
+   device time).
 2. Its attention alone, (B, 16 heads, 1024, 72), 26 layers' worth: each SDPA kernel SDPA
    can pick here (flash, memory-efficient, cuDNN) and flash on q/k/v zero-padded to
    head dims 80 / 96 / 128 (the same scores: zero columns add nothing).
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.cuda_timing import cuda_ms
+from bench.gpu_talker import kernel_table
 from bench.gpu_vision import build, run
 from pipeline.thinker.vision import compile_vision_layers
 
@@ -31,20 +31,13 @@ LAYERS = 26
 PATCHES = 1024
 
 
-def kernel_table(fn, slices: int, top: int) -> str:
-    """Profile one call of `fn`: its kernels by total device time."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name][0] += e.device_time_total / 1e3
-            per[e.name][1] += 1
-    total = sum(ms for ms, _ in per.values())
-    lines = [f"kernels: {sum(n for _, n in per.values())}, device {total / slices:.3f} ms a slice"]
-    for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {ms / slices:7.3f} ms  {n:5d}x  {100 * ms / total:5.1f}%  {name[:110]}")
+def kernel_lines(fn, slices: int) -> str:
+    """One call of `fn` profiled (bench.gpu_talker.kernel_table): its top kernels a slice."""
+    n, ms, top = kernel_table(fn)
+    lines = [f"kernels: {n}, device {ms / slices:.3f} ms a slice"]
+    for name, us, count in top:
+        lines.append(f"  {us / 1e3 / slices:7.3f} ms  {count:5d}x  {100 * us / 1e3 / ms:5.1f}%  "
+                     f"{name}")
     return "\n".join(lines)
 
 
@@ -110,7 +103,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--top", type=int, default=14)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -130,7 +122,7 @@ def main() -> int:
         enc = cuda_ms(lambda: vpm(x, t, m), args.iters)
         both = cuda_ms(lambda: run(vpm, res, x, t, m), args.iters)
         print(f"\n1. shipped: encoder {enc / b:.3f} ms a slice, + resampler {both / b:.3f}")
-        print(kernel_table(lambda: run(vpm, res, x, t, m), b, args.top))
+        print(kernel_lines(lambda: run(vpm, res, x, t, m), b))
         attention_parts(b, args.iters)
         matmul_parts(b, args.iters)
     return 0

@@ -51,7 +51,7 @@ __all__ = ["EngineLoop", "StageFailure", "StepRecord"]
 log = logging.getLogger(__name__)
 
 # Wake-up period of an idle worker: to notice `stop()`, and a hold that ran out
-# (pipeline.handoff.HOLD_LIMIT_S: held work is no work until then, and no command comes).
+# (pipeline.stage_engine.Holds: held work is no work until then, and no command comes).
 IDLE_POLL_S = 0.05
 
 

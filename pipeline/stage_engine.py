@@ -15,11 +15,17 @@ one thread (deployments/loop.py) that only ever calls these six methods:
     stats()           numbers, among them `open_streams` (streams the engine holds)
 
 Not thread-safe: every call comes from the driving thread.
+
+`Holds` is the clock of the Thinker's and the Talker's holds for a turn's first audio
+(`ThinkerRequest.hold_after_spoken`, `TalkerSpec.hold`; ended by their `resume(rid)`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol, runtime_checkable
+
+from pipeline.handoff import HOLD_LIMIT_S
 
 
 @runtime_checkable
@@ -43,3 +49,24 @@ class StageEngine(Protocol):
     def has_work(self) -> bool: ...
 
     def stats(self) -> dict[str, float]: ...
+
+
+class Holds:
+    """A stage's holds for first audio: a held stream keeps its hold's start (`start()`, a
+    monotonic time; 0.0 = not held), and `check(since)` ends a hold that ran out, counting
+    it. `started` and `timed_out` are the stage's counts for its stats."""
+
+    def __init__(self, limit_s: float = HOLD_LIMIT_S):
+        self.limit_s = limit_s
+        self.started = self.timed_out = 0
+
+    def start(self) -> float:
+        self.started += 1
+        return time.monotonic()
+
+    def check(self, since: float) -> float:
+        """`since`, or 0.0 once that hold has lasted `limit_s`."""
+        if since and time.monotonic() - since >= self.limit_s:
+            self.timed_out += 1
+            return 0.0
+        return since

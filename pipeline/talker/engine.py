@@ -60,6 +60,7 @@ from pipeline.config import TalkerConfig
 from pipeline.graphs import GraphRunner
 from pipeline.handoff import HOLD_LIMIT_S, CodeChunk, SpokenChunk, TalkerSpec, TextWanted
 from pipeline.sdpa import any_shape
+from pipeline.stage_engine import Holds
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.graphs import bucket_up, power_of_two_buckets
 from pipeline.talker.model import TalkerKVCache, TalkerModel
@@ -236,7 +237,7 @@ class TalkerEngine:
         self._streams: dict[str, _Stream] = {}
         self._free: list[int] = list(range(slots))  # a heap: lowest slot first keeps R small
         self._steps = self._prefills = self._codes = 0
-        self.holds = self.holds_timed_out = 0
+        self.holds = Holds(HOLD_LIMIT_S)
         self.graphs: GraphRunner | None = None
         if self.config.cuda_graphs and self.device.type == "cuda":
             keys = [
@@ -309,9 +310,7 @@ class TalkerEngine:
             s.held_since = 0.0
 
     def _held(self, s: _Stream) -> bool:
-        if s.held_since and time.monotonic() - s.held_since >= HOLD_LIMIT_S:
-            s.held_since = 0.0
-            self.holds_timed_out += 1
+        s.held_since = self.holds.check(s.held_since)
         return bool(s.held_since)
 
     def stats(self) -> dict[str, float]:
@@ -327,8 +326,8 @@ class TalkerEngine:
                 unaccounted_slots=self.config.max_streams
                 - len(self._free)
                 - sum(not s.finished for s in self._streams.values()),
-                holds=self.holds,
-                holds_timed_out=self.holds_timed_out,
+                holds=self.holds.started,
+                holds_timed_out=self.holds.timed_out,
             )
         )
 
@@ -613,8 +612,7 @@ class TalkerEngine:
             s.released += size
             s.chunks_sent += 1
             if s.hold and s.chunks_sent == 1:
-                s.held_since = time.monotonic()
-                self.holds += 1
+                s.held_since = self.holds.start()
         if s.finished and not s.done_sent:
             out.append(
                 CodeChunk(

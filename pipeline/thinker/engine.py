@@ -55,6 +55,7 @@ from pipeline.handoff import (
     ThinkerDelta,
     ThinkerRequest,
 )
+from pipeline.stage_engine import Holds
 from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from pipeline.utils import resolve_device, resolve_dtype
@@ -238,7 +239,7 @@ class ThinkerEngine:
         self._max_step_items = 0
         self._max_step_ms = 0.0
         self._max_gap_ms = 0.0
-        self.holds = self.holds_timed_out = 0
+        self.holds = Holds(HOLD_LIMIT_S)
 
     @classmethod
     def from_source(
@@ -368,11 +369,8 @@ class ThinkerEngine:
 
     def _all_held(self) -> bool:
         """Every admitted request is held (a hold that ran out ends here)."""
-        now = time.monotonic()
         for st in self._streams.values():
-            if st.held_since and now - st.held_since >= HOLD_LIMIT_S:
-                st.held_since = 0.0
-                self.holds_timed_out += 1
+            st.held_since = self.holds.check(st.held_since)
         return bool(self._streams) and all(st.held_since for st in self._streams.values())
 
     def step(self) -> list[ThinkerDelta]:
@@ -618,8 +616,7 @@ class ThinkerEngine:
         hold = st.request.hold_after_spoken
         if hold and not st.hold_done and not finished and st.spoken_out >= hold:
             st.hold_done = True
-            st.held_since = time.monotonic()
-            self.holds += 1
+            st.held_since = self.holds.start()
         timings = None
         if new_ids and "first_token" not in st.marks:
             st.marks["first_token"] = time.time()
@@ -686,8 +683,8 @@ class ThinkerEngine:
                 max_decode_wait_steps=s.max_decode_wait_steps,
                 max_step_ms=self._max_step_ms,
                 max_decode_gap_ms=self._max_gap_ms,
-                holds=self.holds,
-                holds_timed_out=self.holds_timed_out,
+                holds=self.holds.started,
+                holds_timed_out=self.holds.timed_out,
             )
         )
 
