@@ -9,6 +9,7 @@ around the flow step), steady state (caches trimmed to prompt + 100 frames), B s
 with a full chunk ready:
   * plain eager (the old engine path, B equal-shape streams), slot pool eager, slot pool + graphs;
   * a new stream's first chunk (template cache on);
+  * the shipped configuration with and without its split DiT matmuls (both in --quick);
   * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
     and the top kernels.
 
@@ -43,7 +44,9 @@ FAST_C = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_cfm_cuda_graph
                               token2wav_hift_cuda_graph=True, token2wav_compile_estimator=True)
 SHIPPED = Code2WavEngineConfig(  # serve_config.yaml's
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
-    token2wav_compile_estimator=True, token2wav_vocoder_gemm_convs=True)
+    token2wav_compile_estimator=True, token2wav_vocoder_gemm_convs=True,
+    token2wav_dit_split_matmuls=True)
+UNSPLIT = dataclasses.replace(SHIPPED, token2wav_dit_split_matmuls=False)  # shipped before
 SHIPPED_BF16 = dataclasses.replace(SHIPPED, token2wav_precision="bf16")  # opt-in
 FAST_C_TF32 = Code2WavEngineConfig(
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
@@ -291,8 +294,9 @@ def main() -> int:
     Code2WavEngine(flow, hift, cfg)  # back to fp32 flags
     for name, ecfg in (("slots + graphs + compile", FAST_C),
                        ("slots + graphs + compile tf32", FAST_C_TF32),
-                       ("shipped (+ vocoder convs as GEMMs)", SHIPPED)):
-        if not (args.quick and ecfg is not SHIPPED):
+                       ("shipped, DiT matmuls not split", UNSPLIT),
+                       ("shipped (+ vocoder convs as GEMMs, DiT matmuls split)", SHIPPED)):
+        if not (args.quick and ecfg not in (SHIPPED, UNSPLIT)):
             timings(name, ecfg)
     flow = flow_bf16
     timings("shipped bf16 (opt-in)", SHIPPED_BF16)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 
 @contextlib.contextmanager
@@ -34,3 +35,18 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def fuse_into_views(linears: list[nn.Linear], name: str = "weight") -> torch.Tensor:
+    """Concatenate the linears' `name` tensors (weight or bias) along the output dim and make
+    each a view of the joined tensor (no extra memory; state_dict and load_state_dict see the
+    same parameters). A later `.to()` or load that replaces the parameters breaks the views:
+    join after those."""
+    params = [getattr(lin, name) for lin in linears]
+    fused = torch.cat([p.data for p in params], dim=0)
+    row = 0
+    for lin, p in zip(linears, params):
+        n = p.shape[0]
+        setattr(lin, name, nn.Parameter(fused[row : row + n], requires_grad=p.requires_grad))
+        row += n
+    return fused

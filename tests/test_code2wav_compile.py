@@ -142,13 +142,18 @@ def test_compiled_blocks_on_cuda_match_eager(ckpt, voice):
 
 
 @needs_inductor
-def test_compiled_slot_pool_matches_eager(ckpt, voice):
+def test_compiled_slot_pool_matches_eager(ckpt, voice, monkeypatch):
     """The slot path compiled (its two parts around the pool, `compile_slot_blocks`) against
-    the same path eager, batches of 1 and 3 rows: one graph per part for every batch size."""
-    slots = Code2WavEngineConfig(token2wav_slot_pool=True)
+    the same path eager, batches of 1 and 3 rows: one graph per part for every batch size.
+    Both with the shipped split matmuls, made to split the tiny DiT's products too."""
+    from pipeline.code2wav import dit
+
+    monkeypatch.setattr(dit, "SPLIT_MIN_K", 1)
+    slots = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_dit_split_matmuls=True)
     eager = Code2WavEngine(*load_code2wav(ckpt, "cpu", torch.float32), slots)
     compiled = Code2WavEngine(*load_code2wav(ckpt, "cpu", torch.float32), Code2WavEngineConfig(
-        token2wav_slot_pool=True, token2wav_compile_estimator=True))
+        token2wav_slot_pool=True, token2wav_compile_estimator=True,
+        token2wav_dit_split_matmuls=True))
     for n in (1, 3):
         a, b = _run(eager, _feeds(n), voice), _run(compiled, _feeds(n), voice)
         for sid in a:

@@ -302,6 +302,77 @@ def test_vocoder_convs_as_matmuls_within_the_bound(model, voices):
     _compare(ref, got, "gemm convs")
 
 
+def test_linear_split_k_is_the_same_product_summed_in_another_order():
+    from pipeline.code2wav.dit import SPLIT_MIN_K, linear_split_k
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 56, SPLIT_MIN_K, generator=g)
+    w = torch.randn(40, SPLIT_MIN_K, generator=g) / SPLIT_MIN_K ** 0.5
+    b = torch.randn(40, generator=g)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    for splits in (2, 8):
+        got = linear_split_k(x, w, b, splits)
+        assert got.shape == ref.shape
+        assert (got.double() - ref).abs().max() < 1e-5
+        assert not torch.equal(got, torch.nn.functional.linear(x, w, b))  # it did split
+    # below SPLIT_MIN_K, a split that does not divide K, or one split: the plain product
+    small = x[..., :512]
+    assert torch.equal(linear_split_k(small, w[:, :512], b, 8),
+                       torch.nn.functional.linear(small, w[:, :512], b))
+    assert torch.equal(linear_split_k(x, w, None, 7), torch.nn.functional.linear(x, w))
+
+
+def test_dit_split_matmuls_within_the_bound(model, voices):
+    """`token2wav_dit_split_matmuls` (the slot path's q|k|v as one product, its large-K
+    products split over K) against the plain path, over a 12-chunk stream (no drift), and
+    against the slot path without it. The tiny DiT's products are below the split size, so
+    SPLIT_MIN_K is lowered here to split them as the full-size ones are."""
+    from pipeline.code2wav import dit
+
+    flow, hift, cfg = model
+    rounds = _schedule(3, [300, 60, 33], seed=9)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    base = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
+    old = dit.SPLIT_MIN_K
+    dit.SPLIT_MIN_K = 1
+    try:
+        eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
+            token2wav_slot_pool=True, token2wav_dit_split_matmuls=True))
+        estimator = flow.decoder.estimator
+        assert all(b.split_k == dit.SPLIT_K and b.attn.qkv_weight is not None
+                   for b in estimator.blocks)
+        attn = estimator.blocks[0].attn
+        inner = attn.num_heads * attn.head_dim
+        assert attn.to_k.weight.data_ptr() == attn.qkv_weight[inner:].data_ptr()
+        got = _play(eng, rounds, voice_of)
+    finally:
+        dit.SPLIT_MIN_K = old
+        Code2WavEngine(flow, hift, cfg)  # the module-scoped estimator back to plain matmuls
+    assert all(b.split_k == 1 and b.attn.qkv_weight is None for b in flow.decoder.estimator.blocks)
+    _compare(ref, got, "split matmuls")
+    assert any(not np.array_equal(a, c) for s in base for a, c in zip(base[s], got[s]))
+
+
+def test_a_bf16_dit_joins_qkv_but_keeps_its_products_whole():
+    """Split products would round each partial sum to bf16: a bf16 estimator only joins."""
+    from pipeline.code2wav.dit import DiT, DiTConfig
+
+    est = DiT(DiTConfig(hidden_size=64, depth=1, num_heads=4, head_dim=16)).to(torch.bfloat16)
+    est.split_matmuls(True)
+    block = est.blocks[0]
+    assert block.split_k == 1 and block.attn.qkv_weight.dtype == torch.bfloat16
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    q, k, v = block.attn.qkv(x)
+    est.split_matmuls(False)
+    q0, k0, v0 = block.attn.qkv(x)
+    for a, b in ((q, q0), (k, k0), (v, v0)):
+        torch.testing.assert_close(a, b)
+
+
 def _snr_db(a: np.ndarray, b: np.ndarray) -> float:
     return float(10 * np.log10((a.astype(np.float64) ** 2).sum()
                                / max(((a - b).astype(np.float64) ** 2).sum(), 1e-300)))

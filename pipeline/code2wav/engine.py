@@ -29,6 +29,9 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
                                   the streams' generators and fed in, so it is the same draw
   token2wav_vocoder_gemm_convs  : the causal vocoder's convs as matmuls over unfolded windows
                                   (fp32 cuDNN convs of these sizes are several times slower)
+  token2wav_dit_split_matmuls   : the slot path's DiT matmuls shaped for a few chunks: q|k|v as
+                                  one product, the large-K products split over K and summed
+                                  (dit.py `linear_split_k`; fp32 SIMT kernels fill few SMs)
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
                                   a few codes short of a chunk (batching.py)
 """
@@ -85,6 +88,7 @@ class Code2WavEngineConfig:
     token2wav_compile_estimator: bool = False  # compiles the flow's DiT blocks in place
     token2wav_hift_cuda_graph: bool = False  # replay HiFT as a CUDA graph (graphs.py)
     token2wav_vocoder_gemm_convs: bool = False  # the causal vocoder's convs as matmuls
+    token2wav_dit_split_matmuls: bool = False  # slot path: q|k|v joined, large K split
     code2wav_batch_wait_ms: float = 0.0
     max_batch_size: int = 8  # streams per decode step
     # Slot pool: resident streams and the longest voice prompt it holds (mel frames, 50 a
@@ -130,6 +134,11 @@ class Code2WavEngine:
         self.crossfade = Crossfade(cfg.mel_overlap_frames * cfg.hift.hop_length, self.device)
         if engine_cfg.token2wav_precision == "bf16":
             flow.decoder.estimator.to(torch.bfloat16)
+        # set either way (engines may share the module); after the dtype change, which
+        # replaces the parameters the joined q|k|v views point into
+        flow.decoder.estimator.split_matmuls(
+            engine_cfg.token2wav_dit_split_matmuls and engine_cfg.token2wav_slot_pool
+        )
         if engine_cfg.token2wav_compile_estimator:
             # in place; compiles lazily on first use (setup_cache, the graph runner's warm-up)
             compile_dit_blocks(flow.decoder.estimator)

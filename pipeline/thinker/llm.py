@@ -42,6 +42,7 @@ from torch import nn
 
 from pipeline.config import LLMConfig
 from pipeline.engine.attention import current_forward_batch
+from pipeline.utils import fuse_into_views
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -363,8 +364,8 @@ class Qwen3LM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qkv_weight is not None:
                 continue
-            attn.qkv_weight = _fuse_into_views([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.gate_up_weight = _fuse_into_views([mlp.gate_proj, mlp.up_proj])
+            attn.qkv_weight = fuse_into_views([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up_weight = fuse_into_views([mlp.gate_proj, mlp.up_proj])
 
     def compile_ops(self, **compile_kwargs) -> None:
         """torch.compile each layer's halves around attention and the final norm, shared by
@@ -375,12 +376,3 @@ class Qwen3LM(nn.Module):
         self.ops.layer_post = _compiled(layer_post, (0, 1), **compile_kwargs)
         self.ops.final_norm = _compiled(final_norm, (0, 1), **compile_kwargs)
 
-
-def _fuse_into_views(linears: list[nn.Linear]) -> torch.Tensor:
-    fused = torch.cat([lin.weight.data for lin in linears], dim=0)
-    row = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(fused[row : row + n], requires_grad=lin.weight.requires_grad)
-        row += n
-    return fused
