@@ -1,4 +1,5 @@
-"""Code2Wav's fp32 matmuls on one GPU: cuBLAS against a small-tile Triton kernel.
+"""Code2Wav's fp32 matmuls on one GPU: cuBLAS against a small-tile Triton kernel, against
+cuBLAS split over K, and the DiT's attention kernels.
 
 Why: cuBLAS's fp32 (SIMT) kernels tile the output in 64-128-row blocks, so the DiT's 112-row
 matmuls at one chunk fill few of the H200's 132 SMs. The kernel below tiles them small (16 x 32
@@ -13,7 +14,14 @@ cost), the median of 10 replays; the error of each against a float64 product, re
 output's largest value. Prints per shape cuBLAS, the kernel at `tile_config`'s tiles and at the
 best of `CONFIGS`, and the step's sum over its matmuls (count x time).
 
-    python bench/gpu_gemm_fp32.py [--out F.json]
+Split over K (`--split-k`): the same cuBLAS kernels on S slices of K as one batched product,
+then the S partial outputs summed (another order of sums; S times the output tiles, so S times
+the SMs busy on a 112-row product), and q|k|v as one 1536-wide product. `--attention`: the
+DiT's fp32 attention at one chunk (2B rows, 8 heads of 64, a window of keys, a key mask) with
+SDPA's memory-efficient kernel as shipped against its math path (two batched matmuls and a
+softmax).
+
+    python bench/gpu_gemm_fp32.py [--no-triton] [--split-k] [--attention] [--out F.json]
 """
 
 from __future__ import annotations
@@ -119,6 +127,89 @@ def graph_us(fn, *args) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def split_k_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                   splits: int) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T + b as `splits` products over slices of K in one batched
+    cuBLAS call, summed: views only, no copies of x or w."""
+    m, k = x.shape
+    n = w.shape[0]
+    xs = x.view(m, splits, k // splits).transpose(0, 1)  # (S, M, K/S)
+    ws = w.view(n, splits, k // splits).permute(1, 2, 0)  # (S, K/S, N)
+    y = torch.bmm(xs, ws).sum(0)
+    return y if b is None else y + b
+
+
+def split_k_rows(shapes) -> None:
+    """Per shape: cuBLAS as is, split over K in 2, 4, 8, 16 (where K divides), the error
+    of each against float64."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    print("split over K: count M K N | cuBLAS us | S=2 | S=4 | S=8 | S=16 | best (S) | "
+          "rel err cuBLAS / best")
+    tot = {"cublas": 0.0, "best": 0.0}
+    for count, m, k, n in shapes:
+        x = torch.randn(m, k, device="cuda", generator=g)
+        w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
+        bias = torch.randn(n, device="cuda", generator=g)
+        ref = torch.addmm(bias.double(), x.double(), w.double().t())
+        cub = graph_us(F.linear, x, w, bias)
+        times = {}
+        for s in (2, 4, 8, 16):
+            if k % s == 0:
+                times[s] = graph_us(split_k_linear, x, w, bias, s)
+        best_s = min(times, key=times.get)
+        cells = " | ".join(f"{times[s]:7.2f}" if s in times else "      -" for s in (2, 4, 8, 16))
+        e_cub = rel_err(F.linear(x, w, bias), ref)
+        e_s = rel_err(split_k_linear(x, w, bias, best_s), ref)
+        tot["cublas"] += count * cub
+        tot["best"] += count * min(cub, times[best_s])
+        print(f"  {count:4d} {m:6d} {k:5d} {n:5d} | {cub:8.2f} | {cells} | "
+              f"{times[best_s]:7.2f} ({best_s}) | {e_cub:.1e} / {e_s:.1e}")
+    print(f"  sum ms: cuBLAS {tot['cublas'] / 1000:.2f}, best split {tot['best'] / 1000:.2f}")
+
+
+def qkv_rows(rows: int) -> None:
+    """q, k, v as three 512-wide products against one 1536-wide product (same dot products)."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(rows, 512, device="cuda", generator=g)
+    ws = [torch.randn(512, 512, device="cuda", generator=g) / 512 ** 0.5 for _ in range(3)]
+    bs = [torch.randn(512, device="cuda", generator=g) for _ in range(3)]
+    w, b = torch.cat(ws), torch.cat(bs)
+    three = graph_us(lambda x: [F.linear(x, wi, bi) for wi, bi in zip(ws, bs)], x)
+    one = graph_us(F.linear, x, w, b)
+    split = min(graph_us(split_k_linear, x, w, b, s) for s in (2, 4, 8))
+    same = torch.equal(torch.cat([F.linear(x, wi, bi) for wi, bi in zip(ws, bs)], -1),
+                       F.linear(x, w, b))
+    print(f"q|k|v at {rows} rows: three products {three:.2f} us, one {one:.2f} us "
+          f"(bitwise equal: {same}), one split over K {split:.2f} us")
+
+
+def attention_rows(batch: int, window: int, t: int = 56) -> None:
+    """The DiT's attention at `batch` chunks: memory-efficient SDPA against the math path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(3)
+    b = 2 * batch
+    q = torch.randn(b, 8, t, 64, device="cuda", generator=g)
+    kv = torch.randn(b, 8, window, 64, device="cuda", generator=g)
+    vv = torch.randn(b, 8, window, 64, device="cuda", generator=g)
+    mask = torch.zeros(b, 1, 1, window, dtype=torch.bool, device="cuda")
+    mask[..., : window - 40] = True  # a window with free positions, as in the pool
+
+    def run(backend):
+        def f(q, k, v, m):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        return f
+
+    ref = F.scaled_dot_product_attention(q.double(), kv.double(), vv.double(), attn_mask=mask)
+    cells = []
+    for name, backend in (("mem-efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("math", SDPBackend.MATH)):
+        f = run(backend)
+        us = graph_us(f, q, kv, vv, mask)
+        cells.append(f"{name} {us:.2f} us (err {rel_err(f(q, kv, vv, mask), ref):.1e})")
+    print(f"attention, {batch} chunk(s), window {window}: " + ", ".join(cells))
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).abs().max() / ref.abs().max())
 
@@ -126,13 +217,26 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-triton", action="store_true", help="skip the Triton kernel")
+    ap.add_argument("--split-k", action="store_true", help="cuBLAS split over K, q|k|v joined")
+    ap.add_argument("--attention", action="store_true", help="the DiT's attention kernels")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
     result = {}
-    for b, shapes in STEPS.items():
+    if args.split_k:
+        for b in (1, 2, 4, 8):
+            dit = [(c, m * b, k, n) for c, m, k, n in STEPS[1] if m in (2, 112)]
+            print(f"B={b}, the DiT's matmuls")
+            split_k_rows(dit)
+            qkv_rows(112 * b)
+    if args.attention:
+        for b in (1, 2, 4, 8):
+            for window in (192, 256):
+                attention_rows(b, window)
+    for b, shapes in STEPS.items() if not args.no_triton else ():
         rows, tot = [], {"cublas": 0.0, "tiles": 0.0, "best": 0.0}
         print(f"B={b}: count M K N | cuBLAS us | tile_config us | best us (config) | "
               f"rel err cuBLAS / kernel")
