@@ -13,7 +13,8 @@ with a full chunk ready:
   * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
     and the top kernels.
 
-    python bench/gpu_code2wav.py [--prompt-codes 25] [--iters 10] [--profile] [--out F.json]
+    python bench/gpu_code2wav.py [--prompt-codes 25] [--iters 10] [--profile] [--quick]
+        [--no-precision] [--out F.json]
 """
 
 from __future__ import annotations
@@ -213,6 +214,8 @@ def main() -> int:
                     default="minicpmo-utils-1.0.7", help="which streaming vocoder")
     ap.add_argument("--quick", action="store_true",
                     help="only the shipped configuration's precision and timings")
+    ap.add_argument("--no-precision", action="store_true",
+                    help="timings only (no comparison against the plain eager path)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
@@ -228,7 +231,8 @@ def main() -> int:
 
     print("precision: slot pool + graphs vs plain eager")
     refs = {}
-    for label, lengths, stagger in (("30-chunk", [747], 1), ("8 streams", [150, 57, 33, 120, 9, 90, 61, 200], 1)):
+    plays = (("30-chunk", [747], 1), ("8 streams", [150, 57, 33, 120, 9, 90, 61, 200], 1))
+    for label, lengths, stagger in plays if not args.no_precision else ():
         sched = schedule(lengths, stagger, seed=len(lengths))
         ref = play(Code2WavEngine(flow, hift, cfg), sched, voices)
         refs[label] = (sched, ref)

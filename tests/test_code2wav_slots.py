@@ -306,7 +306,7 @@ def test_linear_split_k_is_the_same_product_summed_in_another_order():
     from pipeline.code2wav.dit import SPLIT_MIN_K, linear_split_k
 
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 56, SPLIT_MIN_K, generator=g)
+    x = torch.randn(2, 56, SPLIT_MIN_K, generator=g)  # one chunk's rows
     w = torch.randn(40, SPLIT_MIN_K, generator=g) / SPLIT_MIN_K ** 0.5
     b = torch.randn(40, generator=g)
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
@@ -320,6 +320,8 @@ def test_linear_split_k_is_the_same_product_summed_in_another_order():
     assert torch.equal(linear_split_k(small, w[:, :512], b, 8),
                        torch.nn.functional.linear(small, w[:, :512], b))
     assert torch.equal(linear_split_k(x, w, None, 7), torch.nn.functional.linear(x, w))
+    many = torch.randn(3, 112, SPLIT_MIN_K, generator=g)  # more rows than SPLIT_MAX_ROWS
+    assert torch.equal(linear_split_k(many, w, b, 8), torch.nn.functional.linear(many, w, b))
 
 
 def test_dit_split_matmuls_within_the_bound(model, voices):

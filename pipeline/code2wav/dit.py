@@ -40,10 +40,12 @@ from pipeline.utils import fuse_into_views
 # kernels tile such an output in a handful of blocks, so most SMs idle: on the H200 a 112 x 512
 # x 512 product takes 20 us (3 TFLOP/s). Products over K = 1536 / 2048 (the conv branch's
 # windows, fc2) run as SPLIT_K products over slices of K, summed: 17 / 20 against 30 / 35 us at
-# one chunk, and no slower up to 8 (bench/gpu_gemm_fp32.py --split-k). Only products with a
-# K this large are split: at K = 512 a split pays at one chunk only.
+# one chunk alone (bench/gpu_gemm_fp32.py --split-k). In the graphed step it pays up to two
+# chunks (224 rows) and costs beyond (the partial sums' traffic: +5 ms a step at 8 chunks), so
+# larger batches keep whole products; at K = 512 a split pays at one chunk only.
 SPLIT_K = 8
 SPLIT_MIN_K = 1536
+SPLIT_MAX_ROWS = 224
 
 
 def linear_split_k(
@@ -51,10 +53,11 @@ def linear_split_k(
 ) -> torch.Tensor:
     """x (..., K) @ weight (N, K).T + bias as `splits` products over slices of K in one batched
     call, then summed: every output the same dot product with its sum in another order. Views
-    of x and weight, no copies. Plain `F.linear` when `splits` is 1, does not divide K, or K
-    is below SPLIT_MIN_K."""
+    of x and weight, no copies. Plain `F.linear` when `splits` is 1, does not divide K, K is
+    below SPLIT_MIN_K or the rows are more than SPLIT_MAX_ROWS (under torch.compile the row
+    test is a guard: one graph for each side of it)."""
     k = x.shape[-1]
-    if splits == 1 or k % splits or k < SPLIT_MIN_K:
+    if splits == 1 or k % splits or k < SPLIT_MIN_K or x.numel() > SPLIT_MAX_ROWS * k:
         return F.linear(x, weight, bias)
     n = weight.shape[0]
     xs = x.reshape(-1, splits, k // splits).transpose(0, 1)  # (S, M, K/S)
