@@ -463,3 +463,122 @@ def test_a_held_request_waits_for_resume_and_streams_the_same(engine_factory, ah
     eng, req = opened(3)
     assert _collect(eng, [], [req])["r"]["ids"] == ref["ids"]
     assert (eng.stats()["holds"], eng.stats()["holds_timed_out"]) == (1, 1)
+
+
+class _StaticRunner:
+    """GraphRunner's contract on the CPU: a key's inputs are copied into its static buffers,
+    its output is one static tensor overwritten by every run of that key, and at most
+    `max_graphs` keys are kept (least recently used evicted)."""
+
+    def __init__(self, max_graphs: int = 32):
+        self.max_graphs, self.static = max_graphs, {}
+        self.replays = self.captures = self.fallbacks = 0
+        self.keys = []
+
+    def __contains__(self, key) -> bool:
+        return key in self.static
+
+    def fallback(self) -> None:
+        self.fallbacks += 1
+
+    def run(self, key, inputs, fn, example=None):
+        self.keys.append(key)
+        if key not in self.static:
+            self.captures += 1
+            bufs = [x.clone() for x in inputs]
+            self.static[key] = (bufs, fn(*bufs).clone())
+            while len(self.static) > self.max_graphs:
+                self.static.pop(next(iter(self.static)))
+        bufs, out = self.static.pop(key)
+        self.static[key] = (bufs, out)  # most recently used last
+        for b, x in zip(bufs, inputs):
+            b.copy_(x)
+        out.copy_(fn(*bufs))
+        self.replays += 1
+        return out
+
+
+def _strips_image(sizes, seed, patch):
+    from pipeline.handoff import ImageInput
+
+    g = torch.Generator().manual_seed(seed)
+    strips = [torch.randint(0, 256, (3, patch, patch * h * w), generator=g, dtype=torch.uint8)
+              for h, w in sizes]
+    return ImageInput(strips, torch.tensor(sizes, dtype=torch.int32), f"im{seed}")
+
+
+def test_vision_graphs_give_what_eager_gives(engine_factory):
+    """`vision_cuda_graphs`: each batch holds one patch grid and replays its graph (one per
+    slices and grid; the key's plan made once), and two batches of one key in a call keep
+    their own rows (the graph's output is copied out). Where the batches are the eager
+    path's (one grid), the rows are bitwise its; slices of other grids are batched apart
+    instead of padded together, the same up to the padded batch's masked kernels."""
+    from pipeline.thinker.model import VisionGraphs
+
+    model = engine_factory().model
+    p = model.cfg.slicing.patch_size
+    one_grid = [_strips_image([(4, 6)] * 5, 1, p)]
+    graphs = VisionGraphs.of(model)
+    graphs.runner = _StaticRunner()
+    got, ref = model.encode_images(one_grid, 2, graphs), model.encode_images(one_grid, 2)
+    assert torch.equal(got[0], ref[0])
+    assert graphs.runner.keys == [(2, (4, 6)), (2, (4, 6)), (1, (4, 6))]
+
+    mixed = one_grid + [_strips_image([(6, 6), (3, 8)], 2, p), _strips_image([(4, 6)], 3, p)]
+    graphs.runner = _StaticRunner()
+    got, ref = model.encode_images(mixed, 2, graphs), model.encode_images(mixed, 2)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # by length, then grid: (3, 8), six (4, 6) in twos, (6, 6)
+    assert graphs.runner.keys == [(1, (3, 8)), (2, (4, 6)), (2, (4, 6)), (2, (4, 6)), (1, (6, 6))]
+    assert graphs.runner.fallbacks == 0
+
+
+def test_vision_graphs_drop_plans_with_evicted_graphs(engine_factory):
+    from pipeline.thinker.model import VisionGraphs
+
+    model = engine_factory().model
+    p = model.cfg.slicing.patch_size
+    graphs = VisionGraphs.of(model)
+    graphs.runner = _StaticRunner(max_graphs=1)
+    for seed, grid in enumerate([(4, 6), (5, 5), (4, 6)]):
+        image = _strips_image([grid], seed, p)
+        got = model.encode_images([image], 4, graphs)
+        assert torch.equal(got[0], model.encode_images([image], 4)[0])
+        assert set(graphs.plans) == {(1, grid)}
+    assert graphs.runner.captures == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_vision_graphs_on_cuda_equal_eager(tiny_source):
+    from pipeline.thinker.model import ThinkerModel, VisionGraphs
+
+    model = ThinkerModel.load(tiny_source, "cuda", torch.bfloat16)
+    p = model.cfg.slicing.patch_size
+    # batches of one grid either way: (4, 6) x 2 twice, (6, 6) x 2
+    images = [_strips_image([(4, 6)] * 4, 1, p), _strips_image([(6, 6)] * 2, 2, p)]
+    graphs = VisionGraphs.of(model)
+    for _ in range(2):  # capture, then replay
+        got = model.encode_images(images, 2, graphs)
+        ref = model.encode_images(images, 2)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert graphs.runner.captures == 2 and graphs.runner.replays == 6
+
+
+def test_an_engine_with_vision_graphs_streams_the_same(engine_factory):
+    """The engine hands its vision batches to its graphs (CUDA only: on the CPU the knob
+    builds none, so the CPU runner stands in) and streams what an engine without them does;
+    its stats count the replays and the eager batches."""
+    plain, eng = engine_factory(), engine_factory(vision_cuda_graphs=True)
+    assert eng.vision_graphs is None  # not on the CPU
+    from pipeline.thinker.model import VisionGraphs
+
+    eng.vision_graphs = VisionGraphs.of(eng.model)
+    eng.vision_graphs.runner = _StaticRunner()
+    a = _run(eng, [_request(eng, "g", image_seed=5)])["g"]
+    b = _run(plain, [_request(plain, "g", image_seed=5)])["g"]
+    assert a["ids"] == b["ids"]  # an image's overview and slices: one batch each with graphs
+    torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-5, rtol=1e-5)
+    stats = eng.stats()
+    assert stats["vision_graph_replays"] == len(eng.vision_graphs.runner.keys) >= 2
+    assert stats["vision_graph_fallbacks"] == 0

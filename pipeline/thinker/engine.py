@@ -56,7 +56,7 @@ from pipeline.handoff import (
     ThinkerRequest,
 )
 from pipeline.stage_engine import Holds
-from pipeline.thinker.model import ThinkerModel
+from pipeline.thinker.model import ThinkerModel, VisionGraphs
 from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from pipeline.utils import resolve_device, resolve_dtype
 
@@ -74,6 +74,10 @@ class ThinkerEngineConfig:
     compile_llm_ops: bool = True  # torch.compile each LLM layer's halves around attention (CUDA)
     encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
     vision_batch_size: int = 16  # slices per vision forward
+    # CUDA only: a vision batch of one patch grid (a video's frames, an image's equal
+    # slices) as a CUDA graph per (slices, grid), captured at its first use (model.py
+    # VisionGraphs): the same kernels without the ~11-16 ms of host work a pass costs.
+    vision_cuda_graphs: bool = False
     max_admit_per_step: int = 8  # requests admitted (handed to the encoders and LLM) per step
     # Encoder work per step, in items: one item = one vision slice (448x448, ~2.4 ms on an
     # H200) or `audio_seconds_per_item` seconds of one audio clip (~0.5 ms/s). An image or a
@@ -207,6 +211,9 @@ class ThinkerStats:
     max_decode_gap_ms: float  # the longest time between two token deltas of one request
     holds: int = 0  # requests held for their first audio (hold_after_spoken)
     holds_timed_out: int = 0  # ... whose hold ran out before a resume came (HOLD_LIMIT_S)
+    vision_graph_replays: int = 0  # vision batches run as CUDA graphs (vision_cuda_graphs)
+    vision_graph_captures: int = 0
+    vision_graph_fallbacks: int = 0  # ... run eagerly: slices of mixed grids, float pixels
 
 
 class ThinkerEngine:
@@ -229,6 +236,9 @@ class ThinkerEngine:
         self.dtype = dtype
         self.llm = LLMEngine(model.llm, config.llm, self.device, dtype, self._load_media)
         self.cache = EncoderCache(config.encoder_cache_size)
+        self.vision_graphs = (
+            VisionGraphs.of(model) if config.vision_cuda_graphs and self.device.type == "cuda" else None
+        )
         self.tokens = model.cfg.tokens
         self._pending: list[ThinkerRequest] = []
         self._prefetch: dict[str, ImageInput | AudioInput] = {}  # to encode ahead
@@ -549,7 +559,7 @@ class ThinkerEngine:
         todo_audios = {k: v for k, v in audios.items() if k not in have}
         if todo_images:
             rows = self.model.encode_images(
-                list(todo_images.values()), self.config.vision_batch_size
+                list(todo_images.values()), self.config.vision_batch_size, self.vision_graphs
             )
             have.update(zip(todo_images, rows))
         vision_end = _synced_time(self.device) if todo_images else start
@@ -657,6 +667,14 @@ class ThinkerEngine:
                     f"audio slot [{s}, {e}) does not match segment of clip {clip} ({n} tokens)"
                 )
 
+    def _vision_graph_stats(self) -> dict[str, int]:
+        g = self.vision_graphs
+        if g is None:
+            return {}
+        runner = g.runner
+        return {"vision_graph_replays": runner.replays, "vision_graph_captures": runner.captures,
+                "vision_graph_fallbacks": runner.fallbacks}
+
     def stats(self) -> dict[str, float]:
         s = self.llm.stats()
         return asdict(
@@ -685,6 +703,7 @@ class ThinkerEngine:
                 max_decode_gap_ms=self._max_gap_ms,
                 holds=self.holds.started,
                 holds_timed_out=self.holds.timed_out,
+                **self._vision_graph_stats(),
             )
         )
 

@@ -19,7 +19,7 @@ turn into gigabytes).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +117,7 @@ class Resampler(nn.Module):
         )
 
     @classmethod
-    def from_config(cls, cfg: ThinkerConfig) -> "Resampler":
+    def from_config(cls, cfg: ThinkerConfig) -> Resampler:
         return cls(cfg.query_num, cfg.llm.hidden_size, cfg.vision.hidden_size)
 
     def pos_table(self, h: int, w: int) -> torch.Tensor:
@@ -150,14 +150,24 @@ class Resampler(nn.Module):
         self, x: torch.Tensor, tgt_sizes: torch.Tensor | Sequence[Sequence[int]]
     ) -> torch.Tensor:
         """x (B, L, kv_dim) vision features, tgt_sizes (B, 2) -> (B, Q, D)."""
+        return self.run(x, self.plan(tgt_sizes, x.shape[1], x.dtype))
+
+    def plan(
+        self, tgt_sizes: torch.Tensor | Sequence[Sequence[int]], seq_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host's part of a batch, on the device: positions (B, L, D) and the key padding
+        (B, L), True on padded patches."""
         sizes = [(int(h), int(w)) for h, w in torch.as_tensor(tgt_sizes).reshape(-1, 2).tolist()]
-        b, seq_len, _ = x.shape
         lens = torch.tensor([h * w for h, w in sizes])
         key_padding = (torch.arange(seq_len)[None, :] >= lens[:, None]).to(
-            x.device, non_blocking=True
+            self.pos_embed.device, non_blocking=True
         )
-        pos = self.pos_for(sizes, seq_len, x.dtype)  # (B, L, D)
+        return self.pos_for(sizes, seq_len, dtype), key_padding
 
+    def run(self, x: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The device work of `forward` for a batch planned by `plan`: no host syncs."""
+        pos, key_padding = plan
+        b = x.shape[0]
         kv = self.ln_kv(self.kv_proj(x))  # (B, L, D)
         q = self.ln_q(self.query).unsqueeze(0).expand(b, -1, -1)  # (B, Q, D)
         out = self.attn(q, kv + pos, kv, key_padding)  # (B, Q, D)

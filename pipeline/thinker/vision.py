@@ -20,13 +20,18 @@ the resampler reads this output and it masks them.
 
 `compile_vision_layers(encoder)` applies regional torch.compile from outside (one compiled
 layer forward shared by all layers); see its docstring for the dynamic-shape policy.
+
+`forward` = `run(pixels, plan(sizes, ...))`: `plan` does the host's part of a batch (position
+ids, masks, packing indices, all put on the device), `run` only device work, so a CUDA graph
+can capture `run` for a batch shape and replay it with the plan made once.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +159,18 @@ def flash_available(device: torch.device | str = "cuda") -> bool:
 
 # ---------------------------------------------------------------------------------------
 # Modules
+
+
+@dataclass
+class VisionPlan:
+    """The host's part of one vision batch, on the device: what `VisionEncoder.run` needs
+    besides the pixels."""
+
+    seq_len: int  # patches per strip in the batch (the longest strip's)
+    padded_len: int  # seq_len rounded up to pad_multiple (eager / sdpa under a static compile)
+    pos_ids: torch.Tensor  # (B, padded_len) int64
+    mask: torch.Tensor | None  # eager / sdpa: additive key-padding (B, 1, 1, padded_len); None = all real
+    packed: tuple[torch.Tensor, torch.Tensor, int] | None  # flash: real-patch index, cu_seqlens, max len
 
 
 class VisionEmbeddings(nn.Module):
@@ -289,7 +306,7 @@ class VisionEncoder(nn.Module):
     @classmethod
     def from_config(
         cls, cfg: VisionConfig | ThinkerConfig, attn_backend: str = "sdpa"
-    ) -> "VisionEncoder":
+    ) -> VisionEncoder:
         return cls(cfg.vision if isinstance(cfg, ThinkerConfig) else cfg, attn_backend)
 
     @property
@@ -332,26 +349,29 @@ class VisionEncoder(nn.Module):
         """pixel_values (B, 3, P, P*L), tgt_sizes (B, 2) patch grid (h, w) per strip,
         patch_attention_mask (B, 1, L) or (B, L) bool, True on real patches (derived from
         tgt_sizes when omitted; real patches must come first) -> (B, L, D)."""
-        sizes = [(int(h), int(w)) for h, w in torch.as_tensor(tgt_sizes).reshape(-1, 2).tolist()]
-        b = pixel_values.shape[0]
-        p = self.cfg.patch_size
-        seq_len = pixel_values.shape[-1] // p
-        lens = [h * w for h, w in sizes]
-        device = pixel_values.device
+        seq_len = pixel_values.shape[-1] // self.cfg.patch_size
+        plan = self.plan(tgt_sizes, seq_len, pixel_values.device, patch_attention_mask)
+        return self.run(pixel_values, plan)
 
+    def plan(
+        self,
+        tgt_sizes: torch.Tensor | Sequence[Sequence[int]],
+        seq_len: int,
+        device: torch.device | str,
+        patch_attention_mask: torch.Tensor | None = None,
+    ) -> VisionPlan:
+        """The host's part of a batch of strips of `tgt_sizes` padded to `seq_len` patches."""
+        sizes = [(int(h), int(w)) for h, w in torch.as_tensor(tgt_sizes).reshape(-1, 2).tolist()]
+        b, lens = len(sizes), [h * w for h, w in sizes]
+        device = torch.device(device)
         padded_len = seq_len
         if self.pad_multiple and self.attn_backend != "flash":
             padded_len = math.ceil(seq_len / self.pad_multiple) * self.pad_multiple
-            if padded_len != seq_len:
-                pixel_values = F.pad(pixel_values, (0, (padded_len - seq_len) * p))
-
-        # 1) patches + NaViT position embedding
         pos_ids = self.position_ids(sizes, padded_len).to(device, non_blocking=True)
-        x = self.embeddings(pixel_values, pos_ids)  # (B, L, D)
 
-        # 2) which keys are real: the first h*w of each row. tgt_sizes is the source of
-        # truth; a CPU patch_attention_mask is checked against it (a GPU one is not read,
-        # to avoid a sync).
+        # which keys are real: the first h*w of each row. tgt_sizes is the source of truth;
+        # a CPU patch_attention_mask is checked against it (a GPU one is not read, to avoid
+        # a sync).
         lens_t = torch.tensor(lens, device="cpu")
         valid_cpu = torch.arange(padded_len, device="cpu")[None, :] < lens_t[:, None]  # (B, L)
         if patch_attention_mask is not None and patch_attention_mask.device.type == "cpu":
@@ -360,43 +380,51 @@ class VisionEncoder(nn.Module):
                 raise ValueError(
                     "patch_attention_mask must mark the first h*w patches of each strip"
                 )
-        all_full = min(lens) == padded_len
-
-        # 3) encoder layers
+        mask = packed = None
         if self.attn_backend == "flash":
             if not flash_available(device):
                 raise RuntimeError(
                     f"vision_attn_backend='flash' has no varlen kernel on {device} "
                     f"(found: {VARLEN_KERNEL_NAME}); use 'sdpa'"
                 )
-            x = self._run_packed(x, lens)
+            # flat indices of real patches and cu_seqlens, built on CPU (no device sync)
+            idx = torch.cat([torch.arange(m, device="cpu") + i * padded_len
+                             for i, m in enumerate(lens)])
+            cu = torch.zeros(b + 1, dtype=torch.int32, device="cpu")
+            cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32, device="cpu"), 0)
+            packed = (idx.to(device, non_blocking=True), cu.to(device, non_blocking=True),
+                      max(lens))
+        elif min(lens) != padded_len:
+            # additive key-padding mask, (B, 1, 1, L): broadcasts over heads and queries
+            dtype = self.embeddings.patch_embedding.weight.dtype
+            mask = torch.zeros(b, 1, 1, padded_len, dtype=dtype, device=device)
+            pad = ~valid_cpu.to(device, non_blocking=True)
+            mask.masked_fill_(pad[:, None, None, :], torch.finfo(dtype).min)
+        return VisionPlan(seq_len, padded_len, pos_ids, mask, packed)
+
+    def run(self, pixel_values: torch.Tensor, plan: VisionPlan) -> torch.Tensor:
+        """The device work of `forward` for a batch planned by `plan`: no host syncs."""
+        p = self.cfg.patch_size
+        if plan.padded_len != plan.seq_len:
+            pixel_values = F.pad(pixel_values, (0, (plan.padded_len - plan.seq_len) * p))
+        x = self.embeddings(pixel_values, plan.pos_ids)  # (B, L, D)
+        if plan.packed is not None:
+            x = self._run_packed(x, *plan.packed)
         else:
-            mask = None
-            if not all_full:
-                # additive key-padding mask, (B, 1, 1, L): broadcasts over heads and queries
-                mask = torch.zeros(b, 1, 1, padded_len, dtype=x.dtype, device=device)
-                pad = ~valid_cpu.to(device, non_blocking=True)
-                mask.masked_fill_(pad[:, None, None, :], torch.finfo(x.dtype).min)
             # a vision batch's B and L change (a clip's last partial batch, frame sizes)
             with any_shape():
                 for layer in self.encoder.layers:
-                    x = layer(x, mask)
-
-        # 4) post-LN
+                    x = layer(x, plan.mask)
         x = self.post_layernorm(x)
-        return x[:, :seq_len]
+        return x[:, : plan.seq_len]
 
-    def _run_packed(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def _run_packed(
+        self, x: torch.Tensor, idx: torch.Tensor, cu: torch.Tensor, max_len: int
+    ) -> torch.Tensor:
         b, n, d = x.shape
-        # flat indices of real patches, built on CPU (no device sync)
-        idx = torch.cat([torch.arange(m, device="cpu") + i * n for i, m in enumerate(lens)])
-        idx = idx.to(x.device, non_blocking=True)  # (T,)
         h = x.reshape(b * n, d).index_select(0, idx)  # (T, D)
-        cu = torch.zeros(b + 1, dtype=torch.int32, device="cpu")
-        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32, device="cpu"), 0)
-        cu = cu.to(x.device, non_blocking=True)
         for layer in self.encoder.layers:
-            h = layer(h, None, cu, max(lens))
+            h = layer(h, None, cu, max_len)
         out = x.new_zeros(b * n, d)
         out.index_copy_(0, idx, h)
         return out.view(b, n, d)
