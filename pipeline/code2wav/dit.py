@@ -220,8 +220,9 @@ class Attention(nn.Module):
 
     def join_qkv(self) -> None:
         """q|k|v weights and biases as views of one joined tensor each, for `qkv`: one 1536-wide
-        product instead of three (4x faster at one chunk on the H200, the same dot products).
-        Join after any dtype change or load that replaces the parameters."""
+        product instead of three (4x faster at one chunk on the H200; the same dot products,
+        which cuBLAS sums in another order at one chunk's rows). Join after any dtype change
+        or load that replaces the parameters."""
         linears = [self.to_q, self.to_k, self.to_v]
         self.qkv_weight = fuse_into_views(linears, "weight")
         self.qkv_bias = fuse_into_views(linears, "bias")

@@ -74,8 +74,8 @@ class ThinkerEngineConfig:
     compile_llm_ops: bool = True  # torch.compile each LLM layer's halves around attention (CUDA)
     encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
     vision_batch_size: int = 16  # slices per vision forward
-    # CUDA only: a vision batch of one patch grid (a video's frames, an image's equal
-    # slices) as a CUDA graph per (slices, grid), captured at its first use (model.py
+    # CUDA only: vision batches of one patch grid each (an image's overview and its slices
+    # go apart) as a CUDA graph per (slices, grid), captured at its first use (model.py
     # VisionGraphs): the same kernels without the ~11-16 ms of host work a pass costs.
     vision_cuda_graphs: bool = False
     max_admit_per_step: int = 8  # requests admitted (handed to the encoders and LLM) per step
@@ -213,7 +213,7 @@ class ThinkerStats:
     holds_timed_out: int = 0  # ... whose hold ran out before a resume came (HOLD_LIMIT_S)
     vision_graph_replays: int = 0  # vision batches run as CUDA graphs (vision_cuda_graphs)
     vision_graph_captures: int = 0
-    vision_graph_fallbacks: int = 0  # ... run eagerly: slices of mixed grids, float pixels
+    vision_graph_fallbacks: int = 0  # ... run eagerly (float pixels)
 
 
 class ThinkerEngine:

@@ -171,9 +171,10 @@ class VisionGraphs:
     ~11 ms of host work for one slice's ~2.6 ms of kernels, 16 ms for 8 slices' 19 ms), and
     an image request or a video's first frames come in such batches. A replay runs the same
     kernels on the same values as eager: the batch's position ids and masks (`plan`) are
-    made once per key, before its capture, and kept beside it. Batches of mixed grids and
-    float pixels run eagerly (`runner.fallbacks`). Outputs are copied out of the graph's
-    static buffer, so two batches of one key in a call keep their own rows."""
+    made once per key, before its capture, and kept beside it. `encode_images` hands it
+    batches of one grid each; float pixels run eagerly (`runner.fallbacks`). Outputs are
+    copied out of the graph's static buffer, so two batches of one key in a call keep their
+    own rows."""
 
     def __init__(self, vpm: VisionEncoder, resampler: Resampler, dtype: torch.dtype,
                  max_graphs: int = 32):
