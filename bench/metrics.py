@@ -254,9 +254,11 @@ class RequestRecord:
 
 # Where a turn's first audio was made, in the server's spans (seconds since arrival): its
 # first token, the Talker's first chunk (its first prefill to its release) and the Code2Wav
-# step that made the first audio; and the two chunks' lengths.
+# step that made the first audio; and the two chunks' lengths. Then when the ingress got that
+# audio (its own `first_audio_s`, same origin): Code2Wav's step to the ingress, and the
+# ingress to the client (TTFP), are the two hops after it.
 FIRST_AUDIO_MARKS = ("first_token", "talker_start", "talker_released", "code2wav_start",
-                     "code2wav_end", "talker", "code2wav")
+                     "code2wav_end", "talker", "code2wav", "ingress")
 
 
 def first_audio_marks(timings: dict[str, Any] | None) -> dict[str, float]:
@@ -402,7 +404,10 @@ def summarize(
     out["stages_ms"] = {k: distribution(v, percentiles) for k, v in _ordered(stages).items()}
     marks: dict[str, list[float]] = {}
     for r in ok:
-        for k, v in first_audio_marks(r.timings).items():
+        found = first_audio_marks(r.timings)
+        if found and isinstance(r.server_metrics.get("first_audio_s"), (int, float)):
+            found["ingress"] = float(r.server_metrics["first_audio_s"])
+        for k, v in found.items():
             marks.setdefault(k, []).append(v * 1e3)
     out["first_audio_ms"] = {k: distribution(marks[k], percentiles)
                              for k in FIRST_AUDIO_MARKS if k in marks}

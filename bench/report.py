@@ -244,7 +244,8 @@ def format_stages(run: dict[str, Any], baseline: dict[str, Any] | None = None) -
 def format_first_audio(run: dict[str, Any]) -> str:
     """Where the first audio was made (medians, ms since arrival; server spans), beside the
     client's TTFP: empty when the run has no speech timings."""
-    header = ["c", "first token", "Talker chunk 0", "ms", "Code2Wav chunk 0", "ms", "TTFP"]
+    header = ["c", "first token", "Talker chunk 0", "ms", "Code2Wav chunk 0", "ms", "ingress",
+              "TTFP"]
     rows = []
     for key in sorted(run["summaries"], key=int):
         s = run["summaries"][key]
@@ -259,12 +260,12 @@ def format_first_audio(run: dict[str, Any]) -> str:
                      f"{_fmt(m('talker_start'), 1)} -> {_fmt(m('talker_released'), 1)}",
                      _fmt(m("talker"), 1),
                      f"{_fmt(m('code2wav_start'), 1)} -> {_fmt(m('code2wav_end'), 1)}",
-                     _fmt(m("code2wav"), 1),
+                     _fmt(m("code2wav"), 1), _fmt(m("ingress"), 1),
                      _fmt(s.get("audio_ttfp_ms", {}).get("median"), 1)])
     if not rows:
         return ""
-    return ("where the first audio was made (median ms since arrival: server spans; TTFP: "
-            "client)\n" + _render(rows, header))
+    return ("where the first audio was made (median ms since arrival: server spans; ingress: "
+            "when it got that audio; TTFP: client)\n" + _render(rows, header))
 
 
 def format_accuracy(run: dict[str, Any]) -> str:

@@ -145,9 +145,10 @@ def test_summarize_exact_values():
 
 
 def test_where_the_first_audio_was_made_from_the_spans():
-    """first_audio_ms: the first token (decode span start), the Talker's chunk 0 and the
-    Code2Wav step of chunk 0, per request then medians; the report's table shows them
-    beside the client's TTFP, and is left out for runs without speech spans."""
+    """first_audio_ms: the first token (decode span start), the Talker's chunk 0, the
+    Code2Wav step of chunk 0 and the ingress's own first audio, per request then medians;
+    the report's table shows them beside the client's TTFP, and is left out for runs
+    without speech spans."""
     from bench.report import format_first_audio
 
     recs = []
@@ -160,11 +161,12 @@ def test_where_the_first_audio_was_made_from_the_spans():
             {"stage": "talker", "start": 0.3 + shift, "end": 0.5, "chunk": 1},
             {"stage": "code2wav", "start": 0.31 + shift, "end": 0.38 + 2 * shift, "chunk": 0},
             {"stage": "code2wav", "start": 0.5, "end": 0.55, "chunk": 1}]}
+        r.server_metrics = {"first_audio_s": 0.39 + 2 * shift, "ttft_s": 0.2}
         recs.append(r)
     s = summarize([RoundResult(1, 0, 0.0, 3.0, recs)], percentiles=(50,))
     fa = s["first_audio_ms"]
     assert list(fa) == ["first_token", "talker_start", "talker_released", "code2wav_start",
-                        "code2wav_end", "talker", "code2wav"]
+                        "code2wav_end", "talker", "code2wav", "ingress"]
     assert fa["first_token"]["median"] == pytest.approx(210.0)
     assert fa["talker_start"]["median"] == pytest.approx(260.0)
     assert fa["talker"]["median"] == pytest.approx(50.0)
@@ -172,6 +174,7 @@ def test_where_the_first_audio_was_made_from_the_spans():
     assert fa["code2wav"]["median"] == pytest.approx(80.0)
     run = {"summaries": {"1": s}}
     table = format_first_audio(run)
+    assert fa["ingress"]["median"] == pytest.approx(410.0)  # the ingress's own first audio
     assert "260.0 -> 310.0" in table and "320.0 -> 400.0" in table and "410.0" in table
     s_text = summarize([RoundResult(1, 0, 0.0, 3.0, [_rec(9, 0.0, 0.1, 0.2, [], 0.5)])])
     assert format_first_audio({"summaries": {"1": s_text}}) == ""
