@@ -35,6 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pipeline.code2wav.dit import split_k
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by output size; see `tile_config`.
 CONFIGS = [(16, 32, 32, 4), (16, 64, 32, 4), (32, 32, 32, 4), (32, 64, 32, 4),
            (64, 32, 32, 4), (64, 64, 32, 4), (32, 64, 16, 4), (64, 64, 16, 4),
@@ -127,16 +129,13 @@ def graph_us(fn, *args) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def split_k_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                   splits: int) -> torch.Tensor:
-    """x (M, K) @ w (N, K).T + b as `splits` products over slices of K in one batched
-    cuBLAS call, summed: views only, no copies of x or w."""
-    m, k = x.shape
-    n = w.shape[0]
-    xs = x.view(m, splits, k // splits).transpose(0, 1)  # (S, M, K/S)
-    ws = w.view(n, splits, k // splits).permute(1, 2, 0)  # (S, K/S, N)
-    y = torch.bmm(xs, ws).sum(0)
-    return y if b is None else y + b
+def operands(m: int, k: int, n: int, g: torch.Generator):
+    """x (M, K), w (N, K), bias (N,) on CUDA, their float64 product, cuBLAS's time (us)."""
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
+    bias = torch.randn(n, device="cuda", generator=g)
+    ref = torch.addmm(bias.double(), x.double(), w.double().t())
+    return x, w, bias, ref, graph_us(F.linear, x, w, bias)
 
 
 def split_k_rows(shapes) -> None:
@@ -147,19 +146,15 @@ def split_k_rows(shapes) -> None:
           "rel err cuBLAS / best")
     tot = {"cublas": 0.0, "best": 0.0}
     for count, m, k, n in shapes:
-        x = torch.randn(m, k, device="cuda", generator=g)
-        w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
-        bias = torch.randn(n, device="cuda", generator=g)
-        ref = torch.addmm(bias.double(), x.double(), w.double().t())
-        cub = graph_us(F.linear, x, w, bias)
+        x, w, bias, ref, cub = operands(m, k, n, g)
         times = {}
         for s in (2, 4, 8, 16):
             if k % s == 0:
-                times[s] = graph_us(split_k_linear, x, w, bias, s)
+                times[s] = graph_us(split_k, x, w, bias, s)
         best_s = min(times, key=times.get)
         cells = " | ".join(f"{times[s]:7.2f}" if s in times else "      -" for s in (2, 4, 8, 16))
         e_cub = rel_err(F.linear(x, w, bias), ref)
-        e_s = rel_err(split_k_linear(x, w, bias, best_s), ref)
+        e_s = rel_err(split_k(x, w, bias, best_s), ref)
         tot["cublas"] += count * cub
         tot["best"] += count * min(cub, times[best_s])
         print(f"  {count:4d} {m:6d} {k:5d} {n:5d} | {cub:8.2f} | {cells} | "
@@ -176,7 +171,7 @@ def qkv_rows(rows: int) -> None:
     w, b = torch.cat(ws), torch.cat(bs)
     three = graph_us(lambda x: [F.linear(x, wi, bi) for wi, bi in zip(ws, bs)], x)
     one = graph_us(F.linear, x, w, b)
-    split = min(graph_us(split_k_linear, x, w, b, s) for s in (2, 4, 8))
+    split = min(graph_us(split_k, x, w, b, s) for s in (2, 4, 8))
     same = torch.equal(torch.cat([F.linear(x, wi, bi) for wi, bi in zip(ws, bs)], -1),
                        F.linear(x, w, b))
     print(f"q|k|v at {rows} rows: three products {three:.2f} us, one {one:.2f} us "
@@ -241,11 +236,7 @@ def main() -> int:
         print(f"B={b}: count M K N | cuBLAS us | tile_config us | best us (config) | "
               f"rel err cuBLAS / kernel")
         for count, m, k, n in shapes:
-            x = torch.randn(m, k, device="cuda", generator=g)
-            w = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
-            bias = torch.randn(n, device="cuda", generator=g)
-            ref = torch.addmm(bias.double(), x.double(), w.double().t())
-            cub = graph_us(F.linear, x, w, bias)
+            x, w, bias, ref, cub = operands(m, k, n, g)
             cfg = tile_config(m, n)
             mine = graph_us(small_tile_mm, x, w, bias, cfg)
             best = (mine, cfg)

@@ -46,6 +46,15 @@ def build(device: torch.device) -> tuple[VisionEncoder, Resampler]:
     return vpm, res
 
 
+def build_shipped(device: torch.device) -> tuple[VisionEncoder, Resampler]:
+    """`build` as the Thinker runs it: bf16, sdpa, the encoder's layers compiled."""
+    vpm, res = build(device)
+    vpm, res = vpm.to(torch.bfloat16), res.to(torch.bfloat16)
+    vpm.set_attn_backend("sdpa")
+    compile_vision_layers(vpm)
+    return vpm, res
+
+
 def init_small(module: torch.nn.Module) -> None:
     """Small random weights and unit LayerNorms: activations stay O(1) over many layers."""
     for name, p in module.named_parameters():

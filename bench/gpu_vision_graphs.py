@@ -20,10 +20,9 @@ import time
 
 import torch
 
-from bench.gpu_vision import build
+from bench.gpu_vision import build_shipped
 from pipeline.processing.image import normalize_pixels
 from pipeline.thinker.model import VisionGraphs
-from pipeline.thinker.vision import compile_vision_layers
 
 GRIDS = [(32, 32), (20, 36)]
 BATCHES = [1, 2, 4, 8, 16]
@@ -54,10 +53,7 @@ def main() -> int:
         print("needs CUDA")
         return 2
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    vpm, res = build(dev)
-    vpm, res = vpm.to(dtype), res.to(dtype)
-    vpm.set_attn_backend("sdpa")
-    compile_vision_layers(vpm)
+    vpm, res = build_shipped(dev)
     graphs = VisionGraphs(vpm, res, dtype)
     g = torch.Generator(device=dev).manual_seed(0)
     rows, ok = [], True

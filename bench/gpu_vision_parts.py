@@ -24,8 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.cuda_timing import cuda_ms
 from bench.gpu_talker import kernel_table
-from bench.gpu_vision import build, run
-from pipeline.thinker.vision import compile_vision_layers
+from bench.gpu_vision import build_shipped, run
 
 LAYERS = 26
 PATCHES = 1024
@@ -109,10 +108,7 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
-    vpm, res = build(dev)
-    vpm, res = vpm.to(torch.bfloat16), res.to(torch.bfloat16)
-    vpm.set_attn_backend("sdpa")
-    compile_vision_layers(vpm)
+    vpm, res = build_shipped(dev)
     b = args.batch
     x = torch.randn(b, 3, 14, 14 * PATCHES, device=dev, dtype=torch.bfloat16)
     t = torch.tensor([(32, 32)] * b, dtype=torch.int32)

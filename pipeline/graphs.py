@@ -62,6 +62,11 @@ class GraphRunner:
     def fallback(self) -> None:
         self.fallbacks += 1
 
+    def counts(self, name: str) -> dict[str, int]:
+        """Replays, captures and fallbacks, keyed `{name}_graph_*`, for an engine's stats."""
+        return {f"{name}_graph_replays": self.replays, f"{name}_graph_captures": self.captures,
+                f"{name}_graph_fallbacks": self.fallbacks}
+
     def add(self, key: Hashable, fn, example: Sequence[torch.Tensor] = ()) -> None:
         """Capture `key` now (start-up capture of known shapes) instead of at its first run."""
         self.graphs[key] = self.capture(fn, example)

@@ -20,6 +20,7 @@ from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from pipeline.code2wav.flow import HISTORY_FRAMES, FlowCache
 from pipeline.code2wav.slots import Row
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
+from pipeline.graphs import GraphRunner
 from pipeline.handoff import CodeChunk
 
 SLOTS = Code2WavEngineConfig(token2wav_slot_pool=True)
@@ -227,6 +228,7 @@ class _EagerGraphs:
     the warm-up before a capture does), then every call runs `fn` on the real inputs."""
 
     replays = captures = fallbacks = 0
+    counts = GraphRunner.counts
 
     def __init__(self):
         self.keys: set = set()

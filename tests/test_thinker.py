@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from pipeline.engine.engine import EngineConfig
+from pipeline.graphs import GraphRunner
 from pipeline.handoff import SamplingParams
 from pipeline.processing.processor import Processor
 from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
@@ -469,6 +470,8 @@ class _StaticRunner:
     """GraphRunner's contract on the CPU: a key's inputs are copied into its static buffers,
     its output is one static tensor overwritten by every run of that key, and at most
     `max_graphs` keys are kept (least recently used evicted)."""
+
+    counts = GraphRunner.counts
 
     def __init__(self, max_graphs: int = 32):
         self.max_graphs, self.static = max_graphs, {}

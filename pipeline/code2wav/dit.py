@@ -59,7 +59,14 @@ def linear_split_k(
     k = x.shape[-1]
     if splits == 1 or k % splits or k < SPLIT_MIN_K or x.numel() > SPLIT_MAX_ROWS * k:
         return F.linear(x, weight, bias)
-    n = weight.shape[0]
+    return split_k(x, weight, bias, splits)
+
+
+def split_k(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, splits: int
+) -> torch.Tensor:
+    """`linear_split_k`'s product at any shape (`splits` must divide K): no size rules."""
+    k, n = x.shape[-1], weight.shape[0]
     xs = x.reshape(-1, splits, k // splits).transpose(0, 1)  # (S, M, K/S)
     ws = weight.view(n, splits, k // splits).permute(1, 2, 0)  # (S, K/S, N)
     y = torch.bmm(xs, ws).sum(0)

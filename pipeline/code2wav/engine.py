@@ -384,9 +384,7 @@ class Code2WavEngine:
             self.counters["busy_ms"] += round((time.perf_counter() - t0) * 1e3, 3)
         for name, runner in (("cfm", self.graphs), ("hift", self.hift_graphs)):
             if runner is not None:
-                self.counters[f"{name}_graph_replays"] = runner.replays
-                self.counters[f"{name}_graph_captures"] = runner.captures
-                self.counters[f"{name}_graph_fallbacks"] = runner.fallbacks
+                self.counters.update(runner.counts(name))
         self.counters["batch_waits"] = self.batcher.waits
         return out
 

@@ -667,14 +667,6 @@ class ThinkerEngine:
                     f"audio slot [{s}, {e}) does not match segment of clip {clip} ({n} tokens)"
                 )
 
-    def _vision_graph_stats(self) -> dict[str, int]:
-        g = self.vision_graphs
-        if g is None:
-            return {}
-        runner = g.runner
-        return {"vision_graph_replays": runner.replays, "vision_graph_captures": runner.captures,
-                "vision_graph_fallbacks": runner.fallbacks}
-
     def stats(self) -> dict[str, float]:
         s = self.llm.stats()
         return asdict(
@@ -703,7 +695,7 @@ class ThinkerEngine:
                 max_decode_gap_ms=self._max_gap_ms,
                 holds=self.holds.started,
                 holds_timed_out=self.holds.timed_out,
-                **self._vision_graph_stats(),
+                **(self.vision_graphs.runner.counts("vision") if self.vision_graphs else {}),
             )
         )
 
