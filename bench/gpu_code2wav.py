@@ -198,7 +198,7 @@ def profile(engine, v, b: int) -> dict:
             kernels[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             calls[e.name] += 1
     total = sum(kernels.values()) / 1000
-    top = [(name[:90], round(us / 1000, 2), calls[name]) for name, us in kernels.most_common(12)]
+    top = [(name[:90], round(us / 1000, 2), calls[name]) for name, us in kernels.most_common(25)]
     print(f"  profile B={b}: {sum(calls.values())} kernels, {total:.1f} ms of kernel time")
     for name, ms, n in top:
         print(f"    {ms:7.2f} ms {n:6d}x  {name}")

@@ -246,11 +246,17 @@ def _pixel_lut() -> torch.Tensor:
 
 
 PIXEL_LUT = _pixel_lut()
+_LUTS: dict[torch.device, torch.Tensor] = {}  # PIXEL_LUT per device
 
 
 def normalize_pixels(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels (any shape, any device) -> float32 in [-1, 1], bit-equal to the reference."""
-    return PIXEL_LUT.to(pixels.device)[pixels.long()]
+    """uint8 pixels (any shape, any device) -> float32 in [-1, 1], bit-equal to the reference.
+    The table is copied to a device once: a copy per call would be a host-to-device copy
+    inside the vision pass, which a CUDA graph cannot capture."""
+    lut = _LUTS.get(pixels.device)
+    if lut is None:
+        lut = _LUTS[pixels.device] = PIXEL_LUT.to(pixels.device)
+    return lut[pixels.long()]
 
 
 def image_content_hash(data: bytes, cfg: SliceConfig, max_slice_nums: int, extra: str = "") -> str:
