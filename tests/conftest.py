@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)  # tiny matmuls: threads only add overhead on 2 cores
+if not torch.cuda.is_available():
+    # Triton kernels (pipeline/code2wav/pool_attention.py) run on CPU tensors in Triton's
+    # interpreter; set before any kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

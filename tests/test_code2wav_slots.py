@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pipeline.code2wav.assets import load_code2wav
 from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
@@ -359,6 +360,92 @@ def test_dit_split_matmuls_within_the_bound(model, voices):
     assert all(b.split_k == 1 and b.attn.qkv_weight is None for b in flow.decoder.estimator.blocks)
     _compare(ref, got, "split matmuls")
     assert any(not np.array_equal(a, c) for s in base for a, c in zip(base[s], got[s]))
+
+
+@pytest.mark.parametrize("t,w", [(7, 90), (56, 130), (16, 64)])
+def test_pool_attention_kernel_is_sdpa_over_the_gathered_window(t, w):
+    """`pool_attention` against the slot path's gathers + SDPA: rows of both CFG halves at
+    their own slots, q strided as `_heads` leaves it, T and W off the kernel's tiles, a row
+    whose first block of keys is all masked, and NaN at pool positions no row attends (the
+    kernel must not read them into a sum). On CUDA where there is one (the GPU's kernel),
+    else in Triton's interpreter."""
+    from pipeline.code2wav import pool_attention as pa
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not pa.runs_here(dev):
+        pytest.skip("needs Triton (its interpreter on CPU)")
+    g = torch.Generator().manual_seed(t + w)
+    heads, dh, slots_n, cap = 4, 16, 3, 160
+    k_pool = torch.randn(2, slots_n, cap, heads, dh, generator=g)
+    v_pool = torch.randn(2, slots_n, cap, heads, dh, generator=g)
+    mask = torch.rand(4, 1, 1, w, generator=g) < 0.5
+    mask[..., -3:] = True  # every row keeps a key
+    mask[1, ..., : min(64, w - 3)] = False
+    unread = ~mask[:, 0, 0].reshape(2, 2, w).any(0)  # (slot in batch, position): no row keeps it
+    slots = torch.tensor([2, 0])
+    for i, slot in enumerate(slots.tolist()):
+        k_pool[:, slot, :w][:, unread[i]] = float("nan")
+        v_pool[:, slot, :w][:, unread[i]] = float("nan")
+    q = torch.randn(4, t, heads, dh, generator=g).transpose(1, 2)  # (R, H, T, dh), strided
+    cfg, rows = torch.tensor([[0], [0], [1], [1]]), slots.repeat(2)[:, None]
+    got = pa.pool_attention(*(x.to(dev) for x in (q, k_pool, v_pool, cfg, rows, mask)), w).cpu()
+    keys = k_pool[:, slots, :w].reshape(4, w, heads, dh).transpose(1, 2).nan_to_num()
+    vals = v_pool[:, slots, :w].reshape(4, w, heads, dh).transpose(1, 2).nan_to_num()
+    ref = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+    torch.testing.assert_close(got, ref.transpose(1, 2).reshape(4, t, heads * dh),
+                               rtol=0, atol=2e-6)
+
+
+def test_dit_pool_attention_within_the_bound(model, voices, monkeypatch):
+    """`token2wav_dit_pool_attention` (the slot path's attention read in place from the pool by
+    one kernel, up to MAX_ROWS estimator rows) against the plain path over a 12-chunk stream
+    (no drift), and not bitwise the slot path without it (the kernel ran)."""
+    from pipeline.code2wav import pool_attention as pa
+
+    if not pa.runs_here(torch.device("cpu")):
+        pytest.skip("needs Triton (its interpreter on CPU)")
+    monkeypatch.setattr(pa, "available", lambda device: True)  # the engine takes it on CPU here
+    # one stream's rows take the kernel, two streams' the gathers + SDPA: both paths in a run
+    monkeypatch.setattr(pa, "MAX_ROWS", 2)
+    kernel_rows = []
+
+    def counted(q, *args):
+        kernel_rows.append(q.shape[0])
+        return pool_kernel(q, *args)
+
+    pool_kernel = pa.pool_attention
+    monkeypatch.setattr(pa, "pool_attention", counted)
+    flow, hift, cfg = model
+    rounds = _schedule(2, [300, 45], seed=11)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    base = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
+    try:
+        eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
+            token2wav_slot_pool=True, token2wav_dit_pool_attention=True))
+        assert eng.pool_attention
+        assert all(b.attn.pool_kernel for b in flow.decoder.estimator.blocks)
+        got = _play(eng, rounds, voice_of)
+    finally:
+        Code2WavEngine(flow, hift, cfg)  # the module-scoped estimator back to SDPA
+    assert not any(b.attn.pool_kernel for b in flow.decoder.estimator.blocks)
+    assert kernel_rows and set(kernel_rows) == {2}
+    _compare(ref, got, "pool attention")
+    assert any(not np.array_equal(a, c) for s in base for a, c in zip(base[s], got[s]))
+
+
+def test_a_bf16_dit_keeps_sdpa(monkeypatch):
+    """A bf16 estimator has flash SDPA: the fp32 kernel is not switched on for it."""
+    from pipeline.code2wav import pool_attention as pa
+    from pipeline.code2wav.dit import DiT, DiTConfig
+
+    est = DiT(DiTConfig(hidden_size=64, depth=1, num_heads=4, head_dim=16)).to(torch.bfloat16)
+    monkeypatch.setattr(pa, "available", lambda device: True)
+    assert not est.use_pool_attention(True)
+    assert not est.blocks[0].attn.pool_kernel
 
 
 def test_a_bf16_dit_joins_qkv_but_keeps_its_products_whole():

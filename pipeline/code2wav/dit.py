@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.code2wav import pool_attention
 from pipeline.config import DiTConfig
 from pipeline.utils import fuse_into_views
 
@@ -224,6 +225,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(inner, dim)
         self.qkv_weight: torch.Tensor | None = None  # joined q|k|v (join_qkv), slot path only
         self.qkv_bias: torch.Tensor | None = None
+        self.pool_kernel = False  # attend_slots through pool_attention (DiT.use_pool_attention)
 
     def join_qkv(self) -> None:
         """q|k|v weights and biases as views of one joined tensor each, for `qkv`: one 1536-wide
@@ -273,6 +275,9 @@ class Attention(nn.Module):
         b, _, t, dh = q.shape
         k_pool[ix.cfg, ix.rows, ix.write] = k
         v_pool[ix.cfg, ix.rows, ix.write] = v
+        if self.pool_kernel and b <= pool_attention.MAX_ROWS:  # read in place, no gathered copies
+            return pool_attention.pool_attention(q, k_pool, v_pool, ix.cfg, ix.rows, ix.mask,
+                                                 ix.window)
         slots, w = ix.rows[: b // 2, 0], ix.window
         keys = k_pool[:, slots, :w].reshape(b, w, self.num_heads, dh).transpose(1, 2)
         vals = v_pool[:, slots, :w].reshape(b, w, self.num_heads, dh).transpose(1, 2)
@@ -409,6 +414,16 @@ class DiT(nn.Module):
             else:
                 block.attn.qkv_weight = block.attn.qkv_bias = None
             block.split_k = SPLIT_K if on and fp32 else 1
+
+    def use_pool_attention(self, on: bool) -> bool:
+        """The slot path's attention as `pool_attention`'s kernel (K / V read in place from
+        the pool, 16 query rows a thread block) where it can run: an fp32 estimator (a bf16
+        one has fast flash SDPA) on a device the kernel supports. Returns whether it is on."""
+        weight = self.in_proj.weight
+        on = on and weight.dtype == torch.float32 and pool_attention.available(weight.device)
+        for block in self.blocks:
+            block.attn.pool_kernel = on
+        return on
 
     def time_embedding(self, t: torch.Tensor) -> torch.Tensor:
         """t (N,) -> (N, D). Constant per Euler step, so the CFM computes it once per schedule."""

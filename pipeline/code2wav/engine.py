@@ -32,6 +32,9 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
   token2wav_dit_split_matmuls   : the slot path's DiT matmuls shaped for a few chunks: q|k|v as
                                   one product, the large-K products split over K and summed
                                   (dit.py `linear_split_k`; fp32 SIMT kernels fill few SMs)
+  token2wav_dit_pool_attention  : the slot path's attention as one Triton kernel reading K / V in
+                                  place from the pool (pool_attention.py; fp32, CUDA; reordered
+                                  sums)
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
                                   a few codes short of a chunk (batching.py)
 """
@@ -89,6 +92,7 @@ class Code2WavEngineConfig:
     token2wav_hift_cuda_graph: bool = False  # replay HiFT as a CUDA graph (graphs.py)
     token2wav_vocoder_gemm_convs: bool = False  # the causal vocoder's convs as matmuls
     token2wav_dit_split_matmuls: bool = False  # slot path: q|k|v joined, large K split
+    token2wav_dit_pool_attention: bool = False  # slot path: attention read in place from the pool
     code2wav_batch_wait_ms: float = 0.0
     max_batch_size: int = 8  # streams per decode step
     # Slot pool: resident streams and the longest voice prompt it holds (mel frames, 50 a
@@ -138,6 +142,9 @@ class Code2WavEngine:
         # replaces the parameters the joined q|k|v views point into
         flow.decoder.estimator.split_matmuls(
             engine_cfg.token2wav_dit_split_matmuls and engine_cfg.token2wav_slot_pool
+        )
+        self.pool_attention = flow.decoder.estimator.use_pool_attention(
+            engine_cfg.token2wav_dit_pool_attention and engine_cfg.token2wav_slot_pool
         )
         if engine_cfg.token2wav_compile_estimator:
             # in place; compiles lazily on first use (setup_cache, the graph runner's warm-up)

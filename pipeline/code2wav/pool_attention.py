@@ -1,0 +1,116 @@
+"""The DiT's slot-path attention as one Triton kernel that reads K / V from the slot pool.
+
+Why: at one or two chunks the slot path's attention is ~40 us a call on the H200 (PyTorch's
+fp32 memory-efficient kernel tiles 64 query rows per (row, head): 16 thread blocks for 132
+SMs), plus two gathers that copy each row's window of K / V out of the pool first. This
+kernel tiles 16 query rows, so a chunk is 64 blocks, and loads K / V straight from the pool
+at each row's (CFG half, slot): no gathered copies. It computes the same softmax(q k^T
+scale + mask) v in fp32 (products in IEEE fp32, no TF32; an online softmax over blocks of
+keys), so its outputs differ from the plain path's only in the order of float sums.
+
+On CUDA it needs Triton (shipped with PyTorch's CUDA builds). Under `TRITON_INTERPRET=1`
+the same kernel runs on CPU tensors (the tests run it that way; the engine never does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: `available` is False and the caller stays on SDPA
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Query rows a thread block (the interpreter runs programs one by one, so it takes fewer,
+# larger ones: a row's sums do not depend on the rows beside it), and keys an iteration.
+BLOCK_M = 64 if INTERPRET else 16
+BLOCK_N = 64
+# Estimator rows (2 a chunk) up to which the kernel runs: 13-29 us against 35-51 us for the
+# gathers + SDPA up to 4 chunks; at 8 chunks SDPA's larger tiles win (50 against 55 us).
+MAX_ROWS = 8
+
+
+def available(device: torch.device) -> bool:
+    """Whether the engine may use the kernel on `device`: CUDA with Triton. (On CPU it runs
+    only in Triton's interpreter, far slower than SDPA: for tests, which call it directly.)"""
+    return triton is not None and device.type == "cuda"
+
+
+def runs_here(device: torch.device) -> bool:
+    """Whether the kernel can run on `device` at all: `available`, or CPU in the interpreter."""
+    return available(device) or (triton is not None and INTERPRET and device.type == "cpu")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pool_attention_kernel(
+        q_ptr, k_ptr, v_ptr, cfg_ptr, slot_ptr, mask_ptr, out_ptr,
+        t, w, scale,
+        sq_b, sq_h, sq_t,
+        sk_c, sk_s, sk_p, sk_h,
+        sv_c, sv_s, sv_p, sv_h,
+        sm_b, so_b, so_t,
+        DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ):
+        row, head, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        half, slot = tl.load(cfg_ptr + row), tl.load(slot_ptr + row)
+        offs_m = mb * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, DH)
+        rows_in = offs_m < t
+        q = tl.load(q_ptr + row * sq_b + head * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
+                    mask=rows_in[:, None], other=0.0)
+        k_base = k_ptr + half * sk_c + slot * sk_s + head * sk_h
+        v_base = v_ptr + half * sv_c + slot * sv_s + head * sv_h
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, DH], tl.float32)
+        for start in range(0, w, BN):
+            offs_n = start + tl.arange(0, BN)
+            keep = tl.load(mask_ptr + row * sm_b + offs_n, mask=offs_n < w, other=0) != 0
+            # masked keys load as zeros: a pool position nobody attends may hold anything
+            k = tl.load(k_base + offs_n[:, None] * sk_p + offs_d[None, :], mask=keep[:, None],
+                        other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = tl.where(keep[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key kept yet: exp(-inf) = 0
+            alpha = tl.exp(m_i - m_sub)
+            p = tl.exp(s - m_sub[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * sv_p + offs_d[None, :], mask=keep[:, None],
+                        other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + row * so_b + offs_m[:, None] * so_t + head * DH + offs_d[None, :],
+                 out, mask=rows_in[:, None])
+
+
+def pool_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   cfg: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                   window: int) -> torch.Tensor:
+    """Each row r of q (R, H, T, dh) attends the keys / values at positions [0, window) of
+    k_pool / v_pool[cfg[r], slots[r]] ((2, S, C, H, dh) each) that mask[r] ((R, 1, 1, >=
+    window) bool) keeps, at scale 1/sqrt(dh): SDPA's result, as (R, T, H * dh)."""
+    r, h, t, dh = q.shape
+    if q.stride(3) != 1 or k_pool.stride(4) != 1 or v_pool.stride(4) != 1:
+        raise ValueError("pool_attention: the head dim must be contiguous")
+    mask = mask.reshape(r, mask.shape[-1])
+    if mask.stride(1) != 1:
+        mask = mask.contiguous()
+    out = torch.empty(r, t, h * dh, dtype=q.dtype, device=q.device)
+    grid = (r, h, triton.cdiv(t, BLOCK_M))
+    _pool_attention_kernel[grid](
+        q, k_pool, v_pool, cfg.reshape(-1), slots.reshape(-1), mask.view(torch.uint8), out,
+        t, window, dh ** -0.5,
+        q.stride(0), q.stride(1), q.stride(2),
+        *k_pool.stride()[:4], *v_pool.stride()[:4],
+        mask.stride(0), out.stride(0), out.stride(1),
+        DH=dh, BM=BLOCK_M, BN=BLOCK_N,
+    )
+    return out
