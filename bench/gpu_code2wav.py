@@ -10,11 +10,14 @@ with a full chunk ready:
   * plain eager (the old engine path, B equal-shape streams), slot pool eager, slot pool + graphs;
   * a new stream's first chunk (template cache on);
   * the shipped configuration with and without its split DiT matmuls (both in --quick);
+  * with --pool-attention only the shipped configuration against it without the DiT's
+    attention read in place from the slot pool (`token2wav_dit_pool_attention`), no precision
+    pass and no start-up warm-up (graphs are captured in the timed engines' first steps);
   * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
     and the top kernels.
 
     python bench/gpu_code2wav.py [--prompt-codes 25] [--iters 10] [--profile] [--quick]
-        [--no-precision] [--out F.json]
+        [--no-precision] [--pool-attention] [--out F.json]
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ FAST_C = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_cfm_cuda_graph
 SHIPPED = Code2WavEngineConfig(  # serve_config.yaml's
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
     token2wav_compile_estimator=True, token2wav_vocoder_gemm_convs=True,
-    token2wav_dit_split_matmuls=True)
-UNSPLIT = dataclasses.replace(SHIPPED, token2wav_dit_split_matmuls=False)  # shipped before
+    token2wav_dit_split_matmuls=True, token2wav_dit_pool_attention=True)
+NO_POOL = dataclasses.replace(SHIPPED, token2wav_dit_pool_attention=False)  # --pool-attention
+UNSPLIT = dataclasses.replace(SHIPPED, token2wav_dit_split_matmuls=False)
 SHIPPED_BF16 = dataclasses.replace(SHIPPED, token2wav_precision="bf16")  # opt-in
 FAST_C_TF32 = Code2WavEngineConfig(
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
@@ -216,8 +220,11 @@ def main() -> int:
                     help="only the shipped configuration's precision and timings")
     ap.add_argument("--no-precision", action="store_true",
                     help="timings only (no comparison against the plain eager path)")
+    ap.add_argument("--pool-attention", action="store_true",
+                    help="time the shipped configuration against it without the pool attention kernel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.no_precision |= args.pool_attention
     assert torch.cuda.is_available(), "needs CUDA"
     dev = torch.device("cuda")
     cfg = Code2WavConfig()
@@ -256,7 +263,7 @@ def main() -> int:
     def timings(name, ecfg):
         eng = Code2WavEngine(flow, hift, cfg, ecfg)
         t0 = time.perf_counter()
-        if ecfg.token2wav_cfm_cuda_graph:
+        if ecfg.token2wav_cfm_cuda_graph and not args.pool_attention:
             eng.warmup(voices[0])
         warm = time.perf_counter() - t0
         rows[name] = {}
@@ -270,12 +277,21 @@ def main() -> int:
         print(f"  {name:15s} first chunk of a new stream {rows[name]['first_chunk_ms']} ms; "
               f"warm-up {warm:.1f} s; pool {eng.pool.nbytes() / 2**30 if eng.pool else 0:.2f} GiB")
         if ecfg.token2wav_cfm_cuda_graph:
-            print(f"  graphs: {eng.graphs.captures} captures, {len(eng.graphs.graphs)} kept")
+            print(f"  graphs: {eng.graphs.captures} captures, {len(eng.graphs.graphs)} kept; "
+                  f"pool attention kernel {eng.pool_attention}")
             if args.profile:
                 result[f"profile {name}"] = {b: profile(eng, voices[0], b) for b in (1, 8)}
         del eng
         torch.cuda.empty_cache()
 
+    if args.pool_attention:
+        for name, ecfg in (("shipped without the pool kernel", NO_POOL), ("shipped", SHIPPED)):
+            timings(name, ecfg)
+        result["timings"] = rows
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     for name, ecfg in (("plain eager", Code2WavEngineConfig()), ("slots eager", SLOTS_EAGER),
                        ("slots + graphs", FAST), ("slots + graphs tf32", FAST_TF32)):
         if not args.quick:

@@ -19,7 +19,8 @@ then the S partial outputs summed (another order of sums; S times the output til
 the SMs busy on a 112-row product), and q|k|v as one 1536-wide product. `--attention`: the
 DiT's fp32 attention at one chunk (2B rows, 8 heads of 64, a window of keys, a key mask) with
 SDPA's memory-efficient kernel as shipped against its math path (two batched matmuls and a
-softmax).
+softmax), and the slot path as it runs: each row's window gathered from the slot pool then
+SDPA, against `pool_attention`'s kernel reading the pool in place.
 
     python bench/gpu_gemm_fp32.py [--no-triton] [--split-k] [--attention] [--out F.json]
 """
@@ -203,6 +204,41 @@ def attention_rows(batch: int, window: int, t: int = 56) -> None:
         us = graph_us(f, q, kv, vv, mask)
         cells.append(f"{name} {us:.2f} us (err {rel_err(f(q, kv, vv, mask), ref):.1e})")
     print(f"attention, {batch} chunk(s), window {window}: " + ", ".join(cells))
+    pool_rows(batch, window, t)
+
+
+def pool_rows(batch: int, window: int, t: int = 56, slots_n: int = 8) -> None:
+    """The slot path's attention at `batch` chunks: gathers + SDPA (as `attend_slots` without
+    the kernel) against `pool_attention` reading K / V in place from the pool."""
+    from pipeline.code2wav.pool_attention import pool_attention
+    g = torch.Generator(device="cuda").manual_seed(4)
+    b, cap = 2 * batch, window + 64
+    k_pool = torch.randn(2, slots_n, cap, 8, 64, device="cuda", generator=g)
+    v_pool = torch.randn(2, slots_n, cap, 8, 64, device="cuda", generator=g)
+    slots = torch.randperm(slots_n, device="cuda", generator=g)[:batch]
+    cfg = torch.arange(2, device="cuda").repeat_interleave(batch)[:, None]
+    rows = slots.repeat(2)[:, None]
+    q = torch.randn(b, t, 8, 64, device="cuda", generator=g).transpose(1, 2)
+    mask = torch.zeros(b, 1, 1, window, dtype=torch.bool, device="cuda")
+    mask[..., : window - 40] = True
+
+    def gathered(q, k_pool, v_pool, mask):
+        keys = k_pool[:, slots, :window].reshape(b, window, 8, 64).transpose(1, 2)
+        vals = v_pool[:, slots, :window].reshape(b, window, 8, 64).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+    def kernel(q, k_pool, v_pool, mask):
+        return pool_attention(q, k_pool, v_pool, cfg, rows, mask, window)
+
+    keys = k_pool[:, slots, :window].reshape(b, window, 8, 64).transpose(1, 2)
+    vals = v_pool[:, slots, :window].reshape(b, window, 8, 64).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q.double(), keys.double(), vals.double(), attn_mask=mask)
+    ref = ref.transpose(1, 2).reshape(b, t, -1)
+    a, k = gathered(q, k_pool, v_pool, mask), kernel(q, k_pool, v_pool, mask)
+    print(f"  slot path: gathers + SDPA {graph_us(gathered, q, k_pool, v_pool, mask):.2f} us "
+          f"(err {rel_err(a, ref):.1e}), pool kernel {graph_us(kernel, q, k_pool, v_pool, mask):.2f}"
+          f" us (err {rel_err(k, ref):.1e}; max abs against SDPA {(k - a).abs().max():.1e})")
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
