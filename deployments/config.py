@@ -153,7 +153,8 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
     "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.18, "engine": {
         "token2wav_slot_pool": True, "token2wav_cfm_cuda_graph": True,
         "token2wav_compile_estimator": True, "token2wav_hift_cuda_graph": True,
-        "token2wav_vocoder_gemm_convs": True, "token2wav_dit_split_matmuls": True}},
+        "token2wav_vocoder_gemm_convs": True, "token2wav_dit_split_matmuls": True,
+        "token2wav_dit_pool_attention": True}},
 }
 
 
