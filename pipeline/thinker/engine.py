@@ -76,7 +76,9 @@ class ThinkerEngineConfig:
     vision_batch_size: int = 16  # slices per vision forward
     # CUDA only: vision batches of one patch grid each (an image's overview and its slices
     # go apart) as a CUDA graph per (slices, grid), captured at its first use (model.py
-    # VisionGraphs): the same kernels without the ~11-16 ms of host work a pass costs.
+    # VisionGraphs): the same kernels without the ~11-16 ms of host work a pass costs. Off:
+    # in the app a video's passes run while it still decodes, so no turn ended sooner, and a
+    # new (slices, grid) costs a 50-140 ms capture at its first turn (docs/performance.md).
     vision_cuda_graphs: bool = False
     max_admit_per_step: int = 8  # requests admitted (handed to the encoders and LLM) per step
     # Encoder work per step, in items: one item = one vision slice (448x448, ~2.4 ms on an
