@@ -231,10 +231,7 @@ def pool_rows(batch: int, window: int, t: int = 56, slots_n: int = 8) -> None:
     def kernel(q, k_pool, v_pool, mask):
         return pool_attention(q, k_pool, v_pool, cfg, rows, mask, window)
 
-    keys = k_pool[:, slots, :window].reshape(b, window, 8, 64).transpose(1, 2)
-    vals = v_pool[:, slots, :window].reshape(b, window, 8, 64).transpose(1, 2)
-    ref = F.scaled_dot_product_attention(q.double(), keys.double(), vals.double(), attn_mask=mask)
-    ref = ref.transpose(1, 2).reshape(b, t, -1)
+    ref = gathered(q.double(), k_pool.double(), v_pool.double(), mask)
     a, k = gathered(q, k_pool, v_pool, mask), kernel(q, k_pool, v_pool, mask)
     print(f"  slot path: gathers + SDPA {graph_us(gathered, q, k_pool, v_pool, mask):.2f} us "
           f"(err {rel_err(a, ref):.1e}), pool kernel {graph_us(kernel, q, k_pool, v_pool, mask):.2f}"

@@ -100,6 +100,8 @@ def pool_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     r, h, t, dh = q.shape
     if q.stride(3) != 1 or k_pool.stride(4) != 1 or v_pool.stride(4) != 1:
         raise ValueError("pool_attention: the head dim must be contiguous")
+    if dh < 16 or dh & (dh - 1) or mask.dtype != torch.bool:
+        raise ValueError("pool_attention: needs a power-of-two head dim >= 16 and a bool mask")
     mask = mask.reshape(r, mask.shape[-1])
     if mask.stride(1) != 1:
         mask = mask.contiguous()
