@@ -288,10 +288,7 @@ def main() -> int:
         for name, ecfg in (("shipped without the pool kernel", NO_POOL), ("shipped", SHIPPED)):
             timings(name, ecfg)
         result["timings"] = rows
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-        return 0
+        return finish(result, args.out, ok)
     for name, ecfg in (("plain eager", Code2WavEngineConfig()), ("slots eager", SLOTS_EAGER),
                        ("slots + graphs", FAST), ("slots + graphs tf32", FAST_TF32)):
         if not args.quick:
@@ -321,9 +318,14 @@ def main() -> int:
     flow = flow_bf16
     timings("shipped bf16 (opt-in)", SHIPPED_BF16)
     result["timings"] = rows
+    return finish(result, args.out, ok)
+
+
+def finish(result: dict, out: str | None, ok: bool) -> int:
+    """Peak memory, the JSON (with --out), OK / FAILED: the exit status."""
     print("max memory allocated", round(torch.cuda.max_memory_allocated() / 2**30, 2), "GiB")
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(result, f, indent=1)
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
