@@ -167,6 +167,33 @@ def test_pool_writes_and_trims_equal_cat_and_trim_bitwise(model, voices):
     assert ref.est_len == tpl.prompt_frames + HISTORY_FRAMES  # trimming was exercised
 
 
+def test_flat_pool_indices_address_what_cfg_rows_and_write_do(model, voices):
+    """`DiTSlots.at(pool)`: the one flat index per pool write / read the DiT uses reaches the
+    same positions as indexing with (cfg, rows, write) and (cfg, rows), bit for bit, padding
+    rows included."""
+    from pipeline.code2wav.dit import DiTPool
+
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    pool = eng.pool
+    slots = [pool.admit(eng.initial_state(v).flow, eng.initial_state(v).prompt_frames)
+             for v in voices]
+    g = torch.Generator().manual_seed(5)
+    plan = pool.plan([Row(s, _codes(g, 28), False) for s in slots], 3)  # one padding row
+    ix = plan.index.dit
+    _, _, _, n, cap, h, dh = pool.pool.dit.k.shape
+    k = torch.zeros(2, n, cap, h, dh)
+    cnn = torch.randn(2, n, *pool.pool.dit.cnn.shape[-2:], generator=g)
+    at = ix.at(DiTPool(k, k, cnn))
+    assert at.at(DiTPool(k, k, cnn)) is at  # computed once
+    new = torch.randn(*ix.write.shape, h, dh, generator=g)
+    ref = k.clone()
+    ref[ix.cfg, ix.rows, ix.write] = new
+    k.view(-1, h, dh).index_put_((at.kv_at,), new.flatten(0, 1))
+    assert torch.equal(k, ref)
+    assert torch.equal(cnn.flatten(0, 1).index_select(0, at.cnn_at), cnn[ix.cfg[:, 0], ix.rows[:, 0]])
+
+
 @pytest.mark.parametrize("n_streams", [1, 3, 8])
 def test_batched_rows_equal_one_stream_at_a_time(model, voices, n_streams):
     flow, hift, cfg = model
@@ -500,3 +527,4 @@ def test_bf16_estimator_stays_close_to_fp32_without_drift(model, voices, slot_po
         half = len(snrs) // 2
         if half >= 3:
             assert min(snrs[half:]) >= min(snrs[:half]) - 6
+

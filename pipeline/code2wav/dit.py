@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,10 @@ class DiTSlots:
                          dropped and padded ones to a per-batch scratch range)
     mask      : (2B, 1, 1, W)  positions each row attends (its cached frames and its new ones)
     window    : W, positions [0, W) hold everything the batch attends (static per graph)
-    conv_tail : (2B, 1, 2)  index into [cached tail || frames] of the last two valid frames"""
+    conv_tail : (2B, 1, 2)  index into [cached tail || frames] of the last two valid frames
+    kv_at     : (2B T,)  `at(pool)`: each new frame's row in a block's K / V pool seen as
+                         (2 slots C, H, dh), i.e. (cfg, rows, write) as one index
+    cnn_at    : (2B,)    `at(pool)`: each row's conv tails in the cnn pool as (2 slots, 2D, 2)"""
 
     cfg: torch.Tensor
     rows: torch.Tensor
@@ -110,6 +113,19 @@ class DiTSlots:
     mask: torch.Tensor
     window: int
     conv_tail: torch.Tensor
+    kv_at: torch.Tensor | None = None
+    cnn_at: torch.Tensor | None = None
+
+    def at(self, pool: DiTPool) -> DiTSlots:
+        """These slots with the flat pool indices filled in (once per chunk, for every Euler
+        step and block): one index per pool read or write instead of three, which the
+        indexing kernels would first broadcast to the frames' shape (two copies each)."""
+        if self.kv_at is not None:
+            return self
+        slots, capacity = pool.k.shape[-4:-2]  # (..., 2, slots, C, H, dh)
+        row = self.cfg * slots + self.rows  # (2B, 1)
+        return replace(self, kv_at=(row * capacity + self.write).reshape(-1),
+                       cnn_at=row.reshape(-1))
 
 
 @dataclass
@@ -273,8 +289,8 @@ class Attention(nn.Module):
         [new || cache], in another order (attention without positions ignores it).
         Returns (B, T, H*dh), before the output projection."""
         b, _, t, dh = q.shape
-        k_pool[ix.cfg, ix.rows, ix.write] = k
-        v_pool[ix.cfg, ix.rows, ix.write] = v
+        k_pool.view(-1, self.num_heads, dh).index_put_((ix.kv_at,), k.flatten(0, 1))
+        v_pool.view(-1, self.num_heads, dh).index_put_((ix.kv_at,), v.flatten(0, 1))
         if self.pool_kernel and b <= pool_attention.MAX_ROWS:  # read in place, no gathered copies
             return pool_attention.pool_attention(q, k_pool, v_pool, ix.cfg, ix.rows, ix.mask,
                                                  ix.window)
@@ -365,12 +381,12 @@ class DiTBlock(nn.Module):
     ) -> torch.Tensor:
         """`forward` on padded rows with the caches in the slot pool (read and written in
         place). cnn_pool (2, slots, 2D, 2) of this step and block."""
-        cfg, rows = ix.cfg[:, 0], ix.rows[:, 0]
-        cnn = cnn_pool[cfg, rows]
+        cnn_pool = cnn_pool.flatten(0, 1)  # (2 slots, 2D, 2)
+        cnn = cnn_pool.index_select(0, ix.cnn_at)
         q, k, v, *mod = self._slot_pre(x, c)
         out = self.attn.attend_slots(q, k, v, k_pool, v_pool, ix)
         x, new_cnn = self._slot_post(x, out, mod, cnn, ix.conv_tail)
-        cnn_pool[cfg, rows] = new_cnn
+        cnn_pool.index_put_((ix.cnn_at,), new_cnn)
         return x
 
     def _slot_pre(self, x, c):  # replaced by a compiled one in compile_slot_blocks
@@ -493,6 +509,7 @@ class DiT(nn.Module):
         returns v (2B, 80, T). Valid frames are a prefix of each row."""
         c = t_emb[:, None]
         h = self.in_proj(self._inputs(x, mu, spks, cond))
+        ix = ix.at(pool)
         for i, block in enumerate(self.blocks):
             h = block.forward_slots(h, c, pool.k[step, i], pool.v[step, i], pool.cnn[step, i], ix)
         return self.final_layer(h, c).transpose(1, 2).to(x.dtype)

@@ -632,10 +632,11 @@ class CausalCFM(nn.Module):
         mu_in = torch.cat([mu, torch.zeros_like(mu)])
         spk_in = torch.cat([spks, torch.zeros_like(spks)])
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
+        dit = ix.dit.at(pool)  # the pools' flat indices, once for the 10 steps
         for i in range(self.n_timesteps):
             v = self.estimator.forward_slots(
                 torch.cat([x, x]), mu_in, t_emb[i].expand(2 * b, -1), spk_in, cond_in, pool, i,
-                ix.dit,
+                dit,
             )
             x = x + dt[i] * self._guide(v, b)
         return x
