@@ -10,14 +10,15 @@ with a full chunk ready:
   * plain eager (the old engine path, B equal-shape streams), slot pool eager, slot pool + graphs;
   * a new stream's first chunk (template cache on);
   * the shipped configuration with and without its split DiT matmuls (both in --quick);
-  * with --pool-attention only the shipped configuration against it without the DiT's
-    attention read in place from the slot pool (`token2wav_dit_pool_attention`), no precision
-    pass and no start-up warm-up (graphs are captured in the timed engines' first steps);
+  * with --compare KNOB only the shipped configuration with that boolean knob off and on (e.g.
+    `token2wav_dit_pool_attention`, `token2wav_vocoder_fused_snakes`), its precision pass on the
+    shipped configuration with the knob on (skip it with --no-precision), and no start-up
+    warm-up (graphs are captured in the timed engines' first steps);
   * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
-    and the top kernels.
+    and the top kernels; with --sequence also one DiT block's kernels in launch order.
 
-    python bench/gpu_code2wav.py [--prompt-codes 25] [--iters 10] [--profile] [--quick]
-        [--no-precision] [--pool-attention] [--out F.json]
+    python bench/gpu_code2wav.py [--prompt-codes 25] [--iters 10] [--profile [--sequence]] [--quick]
+        [--no-precision] [--compare KNOB] [--out F.json]
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ SHIPPED = Code2WavEngineConfig(  # serve_config.yaml's
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
     token2wav_compile_estimator=True, token2wav_vocoder_gemm_convs=True,
     token2wav_dit_split_matmuls=True, token2wav_dit_pool_attention=True)
-NO_POOL = dataclasses.replace(SHIPPED, token2wav_dit_pool_attention=False)  # --pool-attention
 UNSPLIT = dataclasses.replace(SHIPPED, token2wav_dit_split_matmuls=False)
 SHIPPED_BF16 = dataclasses.replace(SHIPPED, token2wav_precision="bf16")  # opt-in
 FAST_C_TF32 = Code2WavEngineConfig(
@@ -176,7 +176,7 @@ def first_chunk_ms(engine, v, iters: int) -> float:
     return float(np.median(times))
 
 
-def profile(engine, v, b: int) -> dict:
+def profile(engine, v, b: int, sequence: bool = False) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
@@ -197,16 +197,44 @@ def profile(engine, v, b: int) -> dict:
         engine.abort(sid)
     kernels: Counter = Counter()
     calls: Counter = Counter()
+    seq = []  # (start us, name, us) of every kernel, in launch order
     for e in p.events():
         if e.device_type.name == "CUDA":
-            kernels[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            kernels[e.name] += us
             calls[e.name] += 1
+            seq.append((e.time_range.start, e.name, us))
     total = sum(kernels.values()) / 1000
     top = [(name[:90], round(us / 1000, 2), calls[name]) for name, us in kernels.most_common(25)]
     print(f"  profile B={b}: {sum(calls.values())} kernels, {total:.1f} ms of kernel time")
     for name, ms, n in top:
         print(f"    {ms:7.2f} ms {n:6d}x  {name}")
-    return {"kernels": sum(calls.values()), "kernel_ms": round(total, 2), "top": top}
+    out = {"kernels": sum(calls.values()), "kernel_ms": round(total, 2), "top": top}
+    if sequence:
+        out["sequence"] = block_sequence(sorted(seq))
+    return out
+
+
+def block_sequence(seq: list[tuple[float, str, float]], dit_calls: int = 160) -> dict:
+    """One DiT block's kernels in launch order (from the DiT's second attention kernel to its
+    third: a block of the first Euler step), and how many kernels run before the DiT's first
+    attention (the flow encoder, in_proj) and after its last (final layer, vocoder). The DiT's
+    attentions are the last `dit_calls` (16 blocks x 10 Euler steps): the encoder's come first
+    and the vocoder has none."""
+    att = [i for i, (_, name, _) in enumerate(seq) if "attention" in name.lower()
+           or "fmha" in name.lower()][-dit_calls:]
+    if len(att) < 3:
+        print("  sequence: fewer than 3 attention kernels found")
+        return {}
+    a, z = att[1], att[2]
+    block = [(name[:100], round(us, 2)) for _, name, us in seq[a:z]]
+    print(f"  one DiT block: {len(block)} kernels, {sum(u for _, u in block) / 1e3:.3f} ms; "
+          f"{att[0]} kernels before the first attention, {len(seq) - att[-1] - 1} after the "
+          f"last; {len(att)} attention kernels")
+    for name, us in block:
+        print(f"    {us:8.2f} us  {name}")
+    return {"block": block, "before_first_attention": att[0],
+            "after_last_attention": len(seq) - att[-1] - 1, "attention_kernels": len(att)}
 
 
 def main() -> int:
@@ -214,17 +242,18 @@ def main() -> int:
     ap.add_argument("--prompt-codes", type=int, default=25)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--sequence", action="store_true",
+                    help="with --profile: one DiT block's kernels in launch order")
     ap.add_argument("--layout", choices=["minicpmo-utils-1.0.7", "cosyvoice2"],
                     default="minicpmo-utils-1.0.7", help="which streaming vocoder")
     ap.add_argument("--quick", action="store_true",
                     help="only the shipped configuration's precision and timings")
     ap.add_argument("--no-precision", action="store_true",
                     help="timings only (no comparison against the plain eager path)")
-    ap.add_argument("--pool-attention", action="store_true",
-                    help="time the shipped configuration against it without the pool attention kernel")
+    ap.add_argument("--compare", default=None, metavar="KNOB",
+                    help="time the shipped configuration with this boolean knob off and on")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.no_precision |= args.pool_attention
     assert torch.cuda.is_available(), "needs CUDA"
     dev = torch.device("cuda")
     cfg = Code2WavConfig()
@@ -236,20 +265,24 @@ def main() -> int:
     result: dict = {"prompt_codes": args.prompt_codes}
     ok = True
 
-    print("precision: slot pool + graphs vs plain eager")
+    # with --compare: the shipped configuration with the knob on, else the slot pool + graphs
+    checked = dataclasses.replace(SHIPPED, **{args.compare: True}) if args.compare else FAST
+    print(f"precision: {'shipped, ' + args.compare if args.compare else 'slot pool + graphs'} "
+          "vs plain eager")
     refs = {}
     plays = (("30-chunk", [747], 1), ("8 streams", [150, 57, 33, 120, 9, 90, 61, 200], 1))
     for label, lengths, stagger in plays if not args.no_precision else ():
         sched = schedule(lengths, stagger, seed=len(lengths))
-        ref = play(Code2WavEngine(flow, hift, cfg), sched, voices)
-        refs[label] = (sched, ref)
-        fast = Code2WavEngine(flow, hift, cfg, FAST)
+        refs[label] = (sched, play(Code2WavEngine(flow, hift, cfg), sched, voices))
+    # every reference first: a compiled configuration compiles the shared flow in place
+    for label, (sched, ref) in refs.items():
+        fast = Code2WavEngine(flow, hift, cfg, checked)
         got = play(fast, sched, voices)
         worst, low = compare(ref, got, label)
         sizes = {k: v for k, v in fast.counters.items() if k.startswith("batch_size")}
         result[f"precision_{label}"] = {"max_abs": worst, "min_snr_db": low, "batches": sizes}
         ok &= worst <= 1e-4 and low >= 80
-        if args.quick:
+        if args.quick or args.compare:
             continue
         # opt-in TF32 against the same fp32 reference: reported, not a check
         got = play(Code2WavEngine(flow, hift, cfg, FAST_TF32), sched, voices)
@@ -263,7 +296,7 @@ def main() -> int:
     def timings(name, ecfg):
         eng = Code2WavEngine(flow, hift, cfg, ecfg)
         t0 = time.perf_counter()
-        if ecfg.token2wav_cfm_cuda_graph and not args.pool_attention:
+        if ecfg.token2wav_cfm_cuda_graph and args.compare is None:
             eng.warmup(voices[0])
         warm = time.perf_counter() - t0
         rows[name] = {}
@@ -280,13 +313,15 @@ def main() -> int:
             print(f"  graphs: {eng.graphs.captures} captures, {len(eng.graphs.graphs)} kept; "
                   f"pool attention kernel {eng.pool_attention}")
             if args.profile:
-                result[f"profile {name}"] = {b: profile(eng, voices[0], b) for b in (1, 8)}
+                result[f"profile {name}"] = {b: profile(eng, voices[0], b, args.sequence)
+                                            for b in (1, 8)}
         del eng
         torch.cuda.empty_cache()
 
-    if args.pool_attention:
-        for name, ecfg in (("shipped without the pool kernel", NO_POOL), ("shipped", SHIPPED)):
-            timings(name, ecfg)
+    if args.compare:
+        for on in (False, True):
+            timings(f"shipped, {args.compare}={on}",
+                    dataclasses.replace(SHIPPED, **{args.compare: on}))
         result["timings"] = rows
         return finish(result, args.out, ok)
     for name, ecfg in (("plain eager", Code2WavEngineConfig()), ("slots eager", SLOTS_EAGER),

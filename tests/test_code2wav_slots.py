@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -330,6 +332,42 @@ def test_vocoder_convs_as_matmuls_within_the_bound(model, voices):
         token2wav_slot_pool=True, token2wav_vocoder_gemm_convs=True)), rounds, voice_of)
     Code2WavEngine(flow, hift, cfg)  # back to cuDNN convs for the module-scoped vocoder
     _compare(ref, got, "gemm convs")
+
+
+def test_compiled_snake_is_snake_for_any_shape():
+    """One compiled Snake for every batch, channel count and length, within a few fp32 ulps
+    of the eager operations (a fused multiply-add, another sin); off again, exactly eager."""
+    from pipeline.code2wav.hift import Snake, fuse_snakes
+
+    g = torch.Generator().manual_seed(11)
+    for b, c, t in ((1, 16, 37), (3, 16, 80), (2, 8, 200), (1, 8, 5)):
+        act = Snake(c)
+        with torch.no_grad():
+            act.alpha.copy_(torch.rand(c, generator=g) * 3 + 0.05)
+        x = torch.randn(b, c, t, generator=g) * 4
+        ref = act(x)
+        fuse_snakes(act, True)
+        got = act(x)
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+        fuse_snakes(act, False)
+        assert torch.equal(act(x), ref)
+
+
+def test_vocoder_fused_snakes_within_the_bound(model, voices):
+    """`token2wav_vocoder_fused_snakes` against the same engine with eager Snakes over a long
+    stream and two short ones: within the precision contract, no drift."""
+    flow, hift, cfg = model
+    rounds = _schedule(3, [300, 60, 33], seed=13)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    base = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_vocoder_gemm_convs=True)
+    ref = _play(Code2WavEngine(flow, hift, cfg, base), rounds, voice_of)
+    got = _play(Code2WavEngine(flow, hift, cfg, dataclasses.replace(
+        base, token2wav_vocoder_fused_snakes=True)), rounds, voice_of)
+    Code2WavEngine(flow, hift, cfg)  # eager Snakes and cuDNN convs for the module-scoped vocoder
+    _compare(ref, got, "fused snakes")
 
 
 def test_linear_split_k_is_the_same_product_summed_in_another_order():

@@ -35,6 +35,9 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
   token2wav_dit_pool_attention  : the slot path's attention as one Triton kernel reading K / V in
                                   place from the pool (pool_attention.py; fp32, CUDA; reordered
                                   sums)
+  token2wav_vocoder_fused_snakes: the vocoder's Snake activations (x + sin(a x)^2 / a, 146 a
+                                  chunk) as one compiled kernel each instead of five
+                                  (hift.py `fuse_snakes`; a fused multiply-add, libdevice's sin)
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
                                   a few codes short of a chunk (batching.py)
 """
@@ -56,7 +59,7 @@ from pipeline.code2wav.causal_hift import CausalHiFT
 from pipeline.code2wav.dit import compile_dit_blocks, compile_slot_blocks
 from pipeline.code2wav.flow import Flow
 from pipeline.code2wav.graphs import CausalVocoderGraphs, HiFTGraphRunner
-from pipeline.code2wav.hift import HiFTGenerator
+from pipeline.code2wav.hift import HiFTGenerator, fuse_snakes
 from pipeline.code2wav.slots import FlowSlotPool, Row, flatten, index_to, unflatten
 from pipeline.code2wav.stream import (
     DEFAULT_REFERENCE,
@@ -93,6 +96,7 @@ class Code2WavEngineConfig:
     token2wav_vocoder_gemm_convs: bool = False  # the causal vocoder's convs as matmuls
     token2wav_dit_split_matmuls: bool = False  # slot path: q|k|v joined, large K split
     token2wav_dit_pool_attention: bool = False  # slot path: attention read in place from the pool
+    token2wav_vocoder_fused_snakes: bool = False  # each vocoder Snake one compiled kernel
     code2wav_batch_wait_ms: float = 0.0
     max_batch_size: int = 8  # streams per decode step
     # Slot pool: resident streams and the longest voice prompt it holds (mel frames, 50 a
@@ -183,6 +187,7 @@ class Code2WavEngine:
         )
         if isinstance(hift, CausalHiFT):  # set either way: engines may share the module
             hift.gemm_convs(engine_cfg.token2wav_vocoder_gemm_convs)
+        fuse_snakes(hift, engine_cfg.token2wav_vocoder_fused_snakes)
         self.hift_graphs = None
         if engine_cfg.token2wav_hift_cuda_graph and cuda:
             runner = CausalVocoderGraphs if isinstance(hift, CausalHiFT) else HiFTGraphRunner
@@ -229,9 +234,10 @@ class Code2WavEngine:
         else:
             flow, hift, c2w_cfg = load_code2wav(source.path, device, torch.float32)
             voice_dir = source.path
-        if torch.device(device).type != "cuda" and config.token2wav_compile_estimator:
-            # Inductor on CPU needs a C++ compiler and minutes of start-up; the knob is for GPUs
-            config = replace(config, token2wav_compile_estimator=False)
+        if torch.device(device).type != "cuda":
+            # Inductor on CPU needs a C++ compiler and minutes of start-up; the knobs are for GPUs
+            config = replace(config, token2wav_compile_estimator=False,
+                             token2wav_vocoder_fused_snakes=False)
         engine = cls(flow, hift, c2w_cfg, config, voices=VoiceCache(token2wav_dir(voice_dir)))
         engine.warmup()  # default voice's template; CFM graph captures before the first request
         return engine

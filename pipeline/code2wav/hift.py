@@ -36,14 +36,45 @@ def _pad(kernel: int, dilation: int = 1) -> int:
     return (kernel * dilation - dilation) // 2
 
 
+def snake(x: torch.Tensor, alpha: torch.Tensor, inv_alpha: torch.Tensor) -> torch.Tensor:
+    """Snake, x + sin(alpha x)^2 / alpha, with 1 / (alpha + 1e-9) given: `Snake`'s operations."""
+    return x + inv_alpha * torch.pow(torch.sin(x * alpha), 2)
+
+
+_compiled_snake = None
+
+
+def compiled_snake():
+    """`snake` compiled once for every Snake of the process: one fused kernel (x read once,
+    written once) instead of five, every dim symbolic (batch, channels and frames vary from
+    call to call). The same operations; the compiler may join the last multiply and add into
+    one rounding, and its sin is libdevice's (both within a few fp32 ulps)."""
+    global _compiled_snake
+    if _compiled_snake is None:
+        _compiled_snake = torch.compile(snake, fullgraph=True, dynamic=True)
+    return _compiled_snake
+
+
 class Snake(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
+        self.inv_alpha: torch.Tensor | None = None  # set by fuse_snakes: the compiled path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alpha = self.alpha[None, :, None]
+        if self.inv_alpha is not None:
+            return compiled_snake()(x, alpha, self.inv_alpha)
         return x + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+def fuse_snakes(vocoder: nn.Module, on: bool) -> None:
+    """Every Snake of `vocoder` as `compiled_snake` (on) or its eager operations (off). Its
+    1 / (alpha + 1e-9) is computed here, once, by the same operations as each eager call:
+    fuse after the weights are loaded and on their device."""
+    for m in vocoder.modules():
+        if isinstance(m, Snake):
+            m.inv_alpha = (1.0 / (m.alpha.detach()[None, :, None] + 1e-9)) if on else None
 
 
 class ResBlock(nn.Module):
