@@ -67,10 +67,12 @@ class _Conv(nn.Conv1d):
         weight = self.weight
         win = x.unfold(2, d * (k - 1) + 1, st)[..., ::d]  # (B, C, T, k)
         b, c, t, _ = win.shape
-        cols = win.permute(0, 2, 1, 3).reshape(b * t, c * k)
-        w = weight.reshape(weight.shape[0], c * k).t()
-        out = cols @ w if self.bias is None else torch.addmm(self.bias, cols, w)
-        return out.view(b, t, -1).transpose(1, 2)
+        # Windows as (B, C k, T), frames innermost like x: the copy reads and writes along the
+        # frames, and the product lands in the conv's own (B, C_out, T) layout, so the ops
+        # after it read it contiguously.
+        cols = win.transpose(2, 3).reshape(b, c * k, t)
+        out = torch.matmul(weight.reshape(weight.shape[0], c * k), cols)
+        return out if self.bias is None else out + self.bias[:, None]
 
 
 class CausalConv1d(_Conv):
