@@ -50,7 +50,8 @@ FAST_C = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_cfm_cuda_graph
 SHIPPED = Code2WavEngineConfig(  # serve_config.yaml's
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
     token2wav_compile_estimator=True, token2wav_vocoder_gemm_convs=True,
-    token2wav_dit_split_matmuls=True, token2wav_dit_pool_attention=True)
+    token2wav_dit_split_matmuls=True, token2wav_dit_pool_attention=True,
+    token2wav_vocoder_fused_snakes=True)
 UNSPLIT = dataclasses.replace(SHIPPED, token2wav_dit_split_matmuls=False)
 SHIPPED_BF16 = dataclasses.replace(SHIPPED, token2wav_precision="bf16")  # opt-in
 FAST_C_TF32 = Code2WavEngineConfig(

@@ -154,7 +154,7 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
         "token2wav_slot_pool": True, "token2wav_cfm_cuda_graph": True,
         "token2wav_compile_estimator": True, "token2wav_hift_cuda_graph": True,
         "token2wav_vocoder_gemm_convs": True, "token2wav_dit_split_matmuls": True,
-        "token2wav_dit_pool_attention": True}},
+        "token2wav_dit_pool_attention": True, "token2wav_vocoder_fused_snakes": True}},
 }
 
 
