@@ -243,16 +243,29 @@ def test_chunks_of_25_released_with_3_lookahead():
     assert not first.finished and not second.finished
 
 
-@pytest.mark.parametrize("fused", FORWARDS)
-def test_streaming_matches_reference_generate_with_buffer(fused):
+@pytest.mark.parametrize("knobs", [{}, {"talker_fused": True},
+                                   {"talker_fused": True, "prefill_graphs": True}],
+                         ids=["plain", "fused", "padded prefills"])
+def test_streaming_matches_reference_generate_with_buffer(knobs, monkeypatch):
+    """The padded prefills: prompts up to 32 rows padded to 16 / 32 in the staging slot
+    (the recompute prompts of later chunks are longer and prefill as before); fp32 on the
+    CPU, so the padding changes no code."""
+    monkeypatch.setattr("pipeline.talker.engine.PREFILL_GRAPH_ROWS", 32)
     cfg = tiny_cfg()
     cap = 30
     talker = make_talker(cfg, eos_bias=2.0)
     ref = Reference(talker, TalkerSamplingParams.from_config(cfg))
     engine = TalkerEngine(
-        talker,
-        TalkerEngineConfig(max_streams=4, streaming_chunk_max_codes=cap, talker_fused=fused),
+        talker, TalkerEngineConfig(max_streams=4, streaming_chunk_max_codes=cap, **knobs)
     )
+    padded, unpadded = [], []
+    if knobs.get("prefill_graphs"):
+        assert engine.prefill_lengths == (16, 32)
+        pad, plain = engine._prefill_padded, engine.decoder.prefill
+        monkeypatch.setattr(engine, "_prefill_padded", lambda r, i: padded.append(
+            r.shape[0]) or pad(r, i))
+        monkeypatch.setattr(engine.decoder, "prefill", lambda c, s, p: unpadded.append(
+            p.shape[0]) or plain(c, s, p))
     ids, hidden = spoken(27, cfg, seed=7)
 
     # Stream A: 7 rows (too few to start), then the other 20 with the end of text:
@@ -284,6 +297,9 @@ def test_streaming_matches_reference_generate_with_buffer(fused):
         )
     assert all_codes(chunks["A"]) == [c for part in expected_a for c in part]
     assert all_codes(chunks["B"]) == [c for part in expected_b for c in part]
+    if knobs.get("prefill_graphs"):  # both paths ran: first chunks padded, long recomputes not
+        assert padded and set(padded) <= {16, 32} and all(n > 32 for n in unpadded)
+        assert unpadded
     # The test exercises both ways a chunk ends: EOS (short chunks) and the draw cap.
     lengths = [len(p) for p in expected_a + expected_b]
     assert any(n < cap for n in lengths) and any(n == cap for n in lengths), lengths
@@ -394,6 +410,8 @@ def test_engine_config_resolution():
         TalkerEngineConfig(max_seq_len=100, kv_cache_bytes=10).resolved(cfg, torch.bfloat16)
     with pytest.raises(ValueError, match="talker_fused"):
         TalkerEngineConfig(talker_compile=True)
+    with pytest.raises(ValueError, match="prefill_graphs pads the fused"):
+        TalkerEngineConfig(prefill_graphs=True)
 
 
 VARIANTS = {

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.config import TalkerConfig
 from pipeline.graphs import GraphRunner
@@ -66,6 +67,7 @@ from pipeline.talker.graphs import bucket_up, power_of_two_buckets
 from pipeline.talker.model import TalkerKVCache, TalkerModel
 from pipeline.talker.sampling import CodeSampler, SamplerState, TalkerSamplingParams
 
+PREFILL_GRAPH_ROWS = 128  # prefill_graphs: the longest prompt prefilled padded (a graph)
 TalkerMode = Literal["full_span", "streaming"]
 MODES: tuple[str, ...] = ("full_span", "streaming")
 
@@ -97,12 +99,22 @@ class TalkerEngineConfig:
     # Inductor-compiled layer parts of the fused forward (needs talker_fused); compiled at
     # start (graph warm-up, one prefill), reordered sums in the norms.
     talker_compile: bool = False
+    # A unit's prefill (the fused forward's) padded at its end to a power of two up to
+    # PREFILL_GRAPH_ROWS rows in a one-slot staging cache, as a CUDA graph per length (captured
+    # at start; eagerly on the CPU), then its K / V copied into the stream's slot; longer
+    # prompts prefill as before. An eager prefill is ~9 ms of host work for ~1 ms of GPU
+    # work on an H200. The padded rows' products may sum in another order: off by default.
+    prefill_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.talker_compile and not self.talker_fused:
             raise ValueError(
                 "talker_compile compiles the fused forward: set talker_fused too, or "
                 "talker_compile to false")
+        if self.prefill_graphs and not self.talker_fused:
+            raise ValueError(
+                "prefill_graphs pads the fused forward's prefills: set talker_fused too, or "
+                "prefill_graphs to false")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_streams < 1:
@@ -238,6 +250,13 @@ class TalkerEngine:
         self._free: list[int] = list(range(slots))  # a heap: lowest slot first keeps R small
         self._steps = self._prefills = self._codes = 0
         self.holds = Holds(HOLD_LIMIT_S)
+        # prefill_graphs: prompt lengths padded to these, prefilled in a one-slot cache
+        self.prefill_lengths: tuple[int, ...] = ()
+        if self.config.prefill_graphs:
+            top = min(PREFILL_GRAPH_ROWS, max_len)
+            self.prefill_lengths = power_of_two_buckets(min(16, top), top)
+            self.staging = TalkerKVCache(self.cfg, 1, top, self.dtype, self.device, "heads")
+            self._last = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graphs: GraphRunner | None = None
         if self.config.cuda_graphs and self.device.type == "cuda":
             keys = [
@@ -246,11 +265,16 @@ class TalkerEngine:
                 for n in self.config.graph_kv_lengths
                 for k in sorted({1, self.config.decode_steps})
             ]
-            self.graphs = GraphRunner(max_graphs=len(keys))
+            self.graphs = GraphRunner(max_graphs=len(keys) + len(self.prefill_lengths))
             with torch.no_grad():
                 # largest first, so smaller graphs reuse the pool blocks of larger ones
                 for key in sorted(keys, reverse=True):
                     self.graphs.add(key, lambda key=key: self._decode_steps(*key))
+                for n in reversed(self.prefill_lengths):
+                    rows = torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype,
+                                       device=self.device)
+                    with any_shape():
+                        self.graphs.add(("prefill", n), self._prefill_padded, (rows, self._last))
             torch.cuda.synchronize()
         if self.config.talker_compile:
             self._compile_now()
@@ -284,6 +308,8 @@ class TalkerEngine:
         warm = torch.zeros(7, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         with any_shape():
             self.decoder.prefill(self.cache, 0, warm)
+            if self.prefill_lengths:  # the padded prefill (a replay where it was captured)
+                self._prefill(0, warm)
         if self.graphs is None:
             for rows in sorted({1, self.config.graph_batch_sizes[-1]}):
                 self._decode_steps(rows, self.config.graph_kv_lengths[0], 1)
@@ -468,7 +494,7 @@ class TalkerEngine:
         s.decoding = True
         s.position = length
         with any_shape():  # a chunk's recompute prompt has any length
-            logits = self.decoder.prefill(self.cache, s.slot, prompt)  # (V,)
+            logits = self._prefill(s.slot, prompt)  # (V,)
         self.state.noise[s.slot].exponential_(generator=s.generator)
         rows = self.state.rows(s.slot, s.slot + 1)
         code = self.sampler(logits[None], rows, self._one_active)  # (1,)
@@ -476,6 +502,30 @@ class TalkerEngine:
         self._positions[s.slot] = length
         self._active[s.slot] = True
         self._accept(s, int(code.item()))
+
+    def _prefill(self, slot: int, prompt: torch.Tensor) -> torch.Tensor:
+        """A unit's prompt (L, E) into `slot` from position 0; its logits at the last row.
+        With prefill_graphs and L within the lengths: padded to a length's rows in the staging
+        slot (that length's CUDA graph where there are graphs), then rows [0, L) of its K / V
+        copied into `slot`: the padding after the prompt changes none of its rows' values
+        but may change the order in which their products sum."""
+        length = prompt.shape[0]
+        if not self.prefill_lengths or length > self.prefill_lengths[-1]:
+            return self.decoder.prefill(self.cache, slot, prompt)
+        rows = F.pad(prompt, (0, 0, 0, bucket_up(length, self.prefill_lengths) - length))
+        self._last.fill_(length - 1)
+        if self.graphs is not None:
+            logits = self.graphs.run(("prefill", rows.shape[0]), (rows, self._last),
+                                     self._prefill_padded)
+        else:
+            logits = self._prefill_padded(rows, self._last)
+        assert self.cache.kv is not None and self.staging.kv is not None
+        self.cache.kv[:, :, slot, :, :length].copy_(self.staging.kv[:, :, 0, :, :length])
+        return logits
+
+    def _prefill_padded(self, rows: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.decoder, FusedTalker)
+        return self.decoder.prefill_padded(self.staging, rows, last)
 
     def _group_size(self, decoding: list[_Stream]) -> int:
         """config.decode_steps if no decoding stream can reach a cap within that many draws,

@@ -172,6 +172,20 @@ class FusedTalker:
         hidden = self._forward(embeds[None].clone(), positions, cache, batch)
         return self.model.head(hidden[0])  # a vector, as the plain path's head sees it
 
+    def prefill_padded(
+        self, staging: TalkerKVCache, embeds: torch.Tensor, last: torch.Tensor
+    ) -> torch.Tensor:
+        """`prefill` of a prompt padded at its end to P rows, into slot 0 of `staging` (a
+        one-slot cache): embeds (P, E), `last` (1,) the prompt's last row. The padding comes
+        after the prompt, so causal attention keeps it out of the prompt's rows, and its K / V
+        land past the prompt. Returns the logits at `last` (V,). Every shape is fixed by P: a
+        CUDA graph per P replays it (the engine's `prefill_graphs`)."""
+        length = embeds.shape[0]
+        positions = staging.position_ids[:length][None, :]  # (1, P)
+        batch = AttentionBatch(slice(0, 1), staging.row_ids[:1], positions, length, None)
+        hidden = self._forward(embeds[None].clone(), positions, staging, batch, last)
+        return self.model.head(hidden[0])
+
     def decode(
         self,
         cache: TalkerKVCache,
@@ -192,9 +206,15 @@ class FusedTalker:
         return self.model.head(self._forward(x, pos[:, None], cache, batch))
 
     def _forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: TalkerKVCache, batch: AttentionBatch
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: TalkerKVCache,
+        batch: AttentionBatch,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (B, L, E) -> final-norm hidden of the last position (B, E)."""
+        """x (B, L, E) -> final-norm hidden of the last position (B, E), or of position
+        `last` (1,)."""
         if cache.kv is None or cache.rope_cs is None:
             raise ValueError("the fused path needs a TalkerKVCache with layout 'heads'")
         b, length, _ = x.shape
@@ -214,6 +234,8 @@ class FusedTalker:
             )
             x, qkv = self._pre(x, delta, norm_weight, qkv_weight, cs, eps, h, hkv)
             x, delta = self._attend_and_mlp(i, x, qkv, cache, batch, index)
+        if last is not None:
+            x, delta = x.index_select(1, last), delta.index_select(1, last)
         return self._final(x, delta, self.model.model.norm.weight, eps)
 
     def _attend_and_mlp(
