@@ -418,14 +418,15 @@ VARIANTS = {
     "plain": {},
     "fused": {"talker_fused": True},
     "compiled": {"talker_fused": True, "talker_compile": True},
+    "padded": {"talker_fused": True, "talker_compile": True, "prefill_graphs": True},
 }
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_cuda_graph_decode_matches_eager(variant):
-    """Each forward (plain, fused, fused + compiled) gives the same codes eagerly and in its
-    decode graphs, one step or four per replay."""
+    """Each forward (plain, fused, fused + compiled, + padded prefills) gives the same codes
+    eagerly and in its graphs (decode, one step or four per replay; the padded prefills)."""
     torch._dynamo.reset()
     cfg = tiny_cfg(max_new_tokens=80, min_new_tokens=10)
     talker = make_talker(cfg, eos_bias=2.0, device="cuda")
@@ -448,8 +449,10 @@ def test_cuda_graph_decode_matches_eager(variant):
             ids, hidden = spoken(24 + 7 * i, cfg, seed=i)
             engine.feed(f"s{i}", SpokenChunk(ids, hidden, True))
         results.append(run(engine, ["s0", "s1", "s2"]))
-        if graphs and steps == 1:
-            assert engine.stats()["graph_replays"] == engine.stats()["steps"] > 0
+        if graphs and steps == 1:  # every decode step and (padded) every prefill replayed
+            stats = engine.stats()
+            padded = stats["prefills"] if variant == "padded" else 0
+            assert stats["graph_replays"] == stats["steps"] + padded > padded
     assert results[0] == results[1] == results[2]
 
 
