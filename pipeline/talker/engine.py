@@ -170,7 +170,7 @@ class TalkerStats:
     decoding_streams: int
     free_slots: int
     steps: int  # batched decode steps
-    graph_replays: int  # of which replayed a CUDA graph
+    graph_replays: int  # CUDA graph replays: decode steps (and prefills, prefill_graphs)
     prefills: int  # units started (one prefill each)
     codes: int  # codes kept (EOS excluded)
     unaccounted_slots: int = 0  # slots neither free nor held by an unfinished stream (a leak)
