@@ -20,8 +20,9 @@ the GPU):
                each at --attr-concurrency; table under <out>/attribution
 After each app run, every stage's `stats` (memory, engine counters such as graph replays and
 fallbacks) is written next to its run.json as stats.json. Exits 1 if a request failed.
-`--groups N` runs N stage groups (one GPU each) and reports each group's turns and Code2Wav
-busy share beside the totals (code2wav.json).
+Per concurrency, the Code2Wav busy share (per group with `--groups N`, with its turns) and the
+Talker's wall ms a prefill and a decode call (its engine's counters over the measured rounds),
+printed and written as stages.json.
 `--profile-first-turn STAGE:N[,STAGE:N...]` (main phase) profiles each stage's first N engine
 steps after the app reports RUNNING, where they run (deployments/profiling.py: per step its
 wall and device ms, top kernels and host ops), into <out>/main/profile_<stage>.txt: the first
@@ -159,34 +160,37 @@ class InProcessServe:
         self.ray.shutdown()
 
 
-class Code2WavShare:
+class StageShares:
     """Per concurrency, over its measured rounds: each group's Code2Wav busy share of the wall
     clock (its engine's `busy_ms`: decode time with the PCM on the host), batch-size
-    histogram, and the turns the ingress sent to the group."""
+    histogram, and the turns the ingress sent to the group; and the first group's Talker:
+    wall ms a unit start (prefill + first draw) and a decode call (replay + codes read)."""
 
     def __init__(self, srv: InProcessServe):
         self.srv, self.rows, self._start = srv, {}, None
 
-    def _snapshot(self) -> tuple[float, list[dict[str, float]], list[int]]:
+    def _snapshot(self) -> tuple[float, list[dict[str, float]], list[int], dict[str, float]]:
         # called on the load generator's event loop, where a handle's blocking `result()` is
         # refused: ask from a worker thread (the loop waits; no request is in flight then)
-        def ask() -> tuple[list[dict[str, float]], list[int]]:
-            engines = []
-            for name in self.srv.stage_names("Code2Wav"):
-                h = self.srv.serve.get_deployment_handle(name, app_name="omniray")
-                engines.append(h.stats.remote().result().get("engine", {}))
+        def engine_stats(name: str) -> dict[str, float]:
+            h = self.srv.serve.get_deployment_handle(name, app_name="omniray")
+            return h.stats.remote().result().get("engine", {})
+
+        def ask() -> tuple[list[dict[str, float]], list[int], dict[str, float]]:
+            engines = [engine_stats(name) for name in self.srv.stage_names("Code2Wav")]
             groups = self.srv.ingress_stats().get("groups", [])
-            return engines, [g["turns"] for g in groups] or [0]
+            talker = engine_stats(self.srv.stage_names("Talker")[0])
+            return engines, [g["turns"] for g in groups] or [0], talker
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            engines, turns = pool.submit(ask).result()
-        return time.perf_counter(), engines, turns
+            engines, turns, talker = pool.submit(ask).result()
+        return time.perf_counter(), engines, turns, talker
 
     def __call__(self, c: int, phase: str) -> None:
         if phase == "start":
             self._start = self._snapshot()
             return
-        (t0, a_all, turns0), (t1, b_all, turns1) = self._start, self._snapshot()
+        (t0, a_all, turns0, ta), (t1, b_all, turns1, tb) = self._start, self._snapshot()
         per_group = []
         for g, (a, b) in enumerate(zip(a_all, b_all)):
             delta = {k: b[k] - a.get(k, 0) for k in b if isinstance(b[k], int | float)}
@@ -202,6 +206,15 @@ class Code2WavShare:
         row = {"wall_s": round(t1 - t0, 2), **per_group[0]}
         if len(per_group) > 1:
             row = {"wall_s": round(t1 - t0, 2), "groups": per_group}
+        talker = {k: tb.get(k, 0) - ta.get(k, 0) for k in
+                  ("prefills", "prefill_ms", "steps", "decode_ms", "codes")}
+        if talker["prefills"] and talker["steps"]:
+            talker["ms_a_prefill"] = round(talker["prefill_ms"] / talker["prefills"], 2)
+            talker["ms_a_step"] = round(talker["decode_ms"] / talker["steps"], 2)
+            print(f"Talker at c={c}: {talker['ms_a_prefill']} ms a unit start (prefill + first "
+                  f"draw; {talker['prefills']}), {talker['ms_a_step']} ms a decode step "
+                  f"({talker['steps']} steps, {talker['codes']} codes)", flush=True)
+        row["talker"] = talker
         self.rows[c] = row
 
 
@@ -296,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 for spec in filter(None, (args.profile_first_turn or "").split(",")):
                     stage, _, n = spec.strip().partition(":")
                     profiling.append((stage, srv.profile(stage, int(n or 40), timeout_s=600.0)))
-                per_c = Code2WavShare(srv)
+                per_c = StageShares(srv)
                 run = execute(specs, client_options(args, url), bench_config(args),
                               label="omniray", config={"serve_config": args.config, **vars(args)},
                               on_rounds=per_c)
@@ -309,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                     got = pending.result()
                     (out / "main" / f"profile_{stage.lower()}.txt").write_text(
                         format_profile(got["stage"], got["steps"]))
-                (out / "main" / "code2wav.json").write_text(json.dumps(per_c.rows, indent=1))
+                (out / "main" / "stages.json").write_text(json.dumps(per_c.rows, indent=1))
                 text_run = None
                 if args.text_concurrency:
                     text_specs = load_specs(argparse.Namespace(**{**vars(args),

@@ -284,3 +284,38 @@ def test_first_turn_reports_the_first_request_sent():
         "first turn after RUNNING: TTFT 105900 ms (the round's others: median 310 ms); "
         "spans ms, it / the others' median: prefill 500 / 70")  # no others' queue: left out
     assert "no request" in first_turn({"rounds": []})
+
+
+def test_stage_shares_report_code2wav_busy_and_talker_times(capsys):
+    """bench.gpu_e2e.StageShares over one concurrency's rounds, against a stand-in app: the
+    deltas of the engines' counters between the rounds' start and end."""
+    from types import SimpleNamespace
+
+    from bench.gpu_e2e import StageShares
+
+    stats = {"Code2Wav": {"busy_ms": 100.0, "batch_size_1": 3, "chunks": 3},
+             "Talker": {"prefills": 2, "prefill_ms": 20.0, "steps": 50, "decode_ms": 60.0,
+                        "codes": 50}}
+    turns = [4]
+
+    def handle(name, app_name):
+        return SimpleNamespace(stats=SimpleNamespace(remote=lambda: SimpleNamespace(
+            result=lambda: {"engine": dict(stats[name])})))
+
+    srv = SimpleNamespace(stage_names=lambda stage: [stage],
+                          serve=SimpleNamespace(get_deployment_handle=handle),
+                          ingress_stats=lambda: {"groups": [{"turns": turns[0]}]})
+    shares = StageShares(srv)
+    shares(1, "start")
+    stats["Code2Wav"] = {"busy_ms": 400.0, "batch_size_1": 9, "chunks": 9}
+    stats["Talker"] = {"prefills": 6, "prefill_ms": 60.0, "steps": 170, "decode_ms": 204.0,
+                       "codes": 170}
+    turns[0] = 6
+    shares(1, "end")
+    row = shares.rows[1]
+    assert row["chunks"] == 6 and row["batches"] == {1: 6} and row["turns"] == 2
+    assert row["busy_share"] > 0  # 300 busy ms over the stand-in rounds' wall clock
+    talker = row["talker"]
+    assert talker["ms_a_prefill"] == 10.0 and talker["ms_a_step"] == 1.2
+    assert talker["prefills"] == 4 and talker["steps"] == 120 and talker["codes"] == 120
+    assert "10.0 ms a unit start" in capsys.readouterr().out

@@ -176,6 +176,10 @@ class TalkerStats:
     unaccounted_slots: int = 0  # slots neither free nor held by an unfinished stream (a leak)
     holds: int = 0  # streams held after their first chunk (TalkerSpec.hold)
     holds_timed_out: int = 0  # ... whose hold ran out before a resume came (HOLD_LIMIT_S)
+    # wall ms inside unit starts (prefill + first draw) and decode calls (replay + codes
+    # read back); both end on the host reading the GPU's result, so they hold the GPU time
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
 
 
 @dataclass
@@ -249,6 +253,7 @@ class TalkerEngine:
         self._streams: dict[str, _Stream] = {}
         self._free: list[int] = list(range(slots))  # a heap: lowest slot first keeps R small
         self._steps = self._prefills = self._codes = 0
+        self._prefill_ms = self._decode_ms = 0.0
         self.holds = Holds(HOLD_LIMIT_S)
         # prefill_graphs: prompt lengths padded to these, prefilled in a one-slot cache
         self.prefill_lengths: tuple[int, ...] = ()
@@ -354,6 +359,8 @@ class TalkerEngine:
                 - sum(not s.finished for s in self._streams.values()),
                 holds=self.holds.started,
                 holds_timed_out=self.holds.timed_out,
+                prefill_ms=round(self._prefill_ms, 3),
+                decode_ms=round(self._decode_ms, 3),
             )
         )
 
@@ -466,6 +473,7 @@ class TalkerEngine:
 
     def _start(self, s: _Stream, take: int, final: bool) -> None:
         """Prefill the next unit's prompt into the slot and draw its first code."""
+        t0 = time.perf_counter()
         text_rows, s.pending = s.pending[:take], s.pending[take:]
         if s.mode == "full_span":
             prompt = self.model.offline_prompt(text_rows)
@@ -502,6 +510,7 @@ class TalkerEngine:
         self._positions[s.slot] = length
         self._active[s.slot] = True
         self._accept(s, int(code.item()))
+        self._prefill_ms += 1e3 * (time.perf_counter() - t0)
 
     def _prefill(self, slot: int, prompt: torch.Tensor) -> torch.Tensor:
         """A unit's prompt (L, E) into `slot` from position 0; its logits at the last row.
@@ -547,6 +556,7 @@ class TalkerEngine:
         return k
 
     def _decode(self, decoding: list[_Stream]) -> None:
+        t0 = time.perf_counter()
         k = self._group_size(decoding)
         rows = bucket_up(max(s.slot for s in decoding) + 1, self.config.graph_batch_sizes)
         read_len = bucket_up(max(s.position for s in decoding) + k, self.config.graph_kv_lengths)
@@ -563,6 +573,7 @@ class TalkerEngine:
         else:
             self._decode_steps(rows, read_len, k)
         codes = self._out_k[:k, :rows].tolist()
+        self._decode_ms += 1e3 * (time.perf_counter() - t0)
         for s in decoding:
             for i in range(k):
                 s.position += 1
