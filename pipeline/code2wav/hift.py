@@ -20,6 +20,7 @@ are drawn before the source runs (`draw_noise`), so a CUDA graph can take them a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -41,18 +42,13 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, inv_alpha: torch.Tensor) -> torc
     return x + inv_alpha * torch.pow(torch.sin(x * alpha), 2)
 
 
-_compiled_snake = None
-
-
+@functools.cache
 def compiled_snake():
     """`snake` compiled once for every Snake of the process: one fused kernel (x read once,
     written once) instead of five, every dim symbolic (batch, channels and frames vary from
     call to call). The same operations; the compiler may join the last multiply and add into
     one rounding, and its sin is libdevice's (both within a few fp32 ulps)."""
-    global _compiled_snake
-    if _compiled_snake is None:
-        _compiled_snake = torch.compile(snake, fullgraph=True, dynamic=True)
-    return _compiled_snake
+    return torch.compile(snake, fullgraph=True, dynamic=True)
 
 
 class Snake(nn.Module):
