@@ -2,10 +2,11 @@
 
     1. speech: wait for a slot in the active stream window (FIFO); text-only turns need no
        Talker or Code2Wav state and skip the window
-    2. speech: open Talker.session and Code2Wav.stream (with the voice), and at the same time
-    3. start Thinker.generate (text back here; spoken span Thinker -> Talker -> Code2Wav
-       directly). Both opens must answer Opened within `timeouts.open_s`, or the turn ends
-       and whatever opened is released; the Thinker's text waits for them
+    2. start Thinker.generate (text back here; spoken span Thinker -> Talker -> Code2Wav
+       directly), and right after it
+    3. speech: open Talker.session and Code2Wav.stream (with the voice). Both opens must
+       answer Opened within `timeouts.open_s`, or the turn ends and whatever opened is
+       released; the Thinker's text waits for them
     4. merge the streams into events as they come; free the slot on the last audio piece
        (text-only: on the last text); with `hold_rows`, the first audio piece resumes the
        Thinker and the Talker, which held the turn's later work so the first audio came
@@ -258,15 +259,17 @@ class TurnRunner:
                 self._window_metrics()
                 slot = await self._bounded(window.acquire(rid), deadline)
                 self._window_metrics()
-                self._start_speech(turn, stages, streams, pumps, merged, seen)
-            # With the speech opens, not after them: the Thinker's prefill overlaps their
-            # round trips (the Talker waits for its session should the span come first).
+            # The Thinker's call first: its prefill is what the first token waits for, and
+            # each call the ingress submits before it delays its start (~1 ms a call). The
+            # speech opens follow at once and their round trips overlap the prefill (the
+            # Talker waits for its session should the span come first).
             request = turn.thinker_request
             if turn.speech and self.hold_rows:
                 request = replace(request, hold_after_spoken=self.hold_rows)
             self._start("text", stages.thinker.options(stream=True).generate.remote(
                 request), streams, pumps, merged, seen)
             if turn.speech:
+                self._start_speech(turn, stages, streams, pumps, merged, seen)
                 early = await self._opened(merged, seen, deadline)
 
             marks: dict[str, float] = {}
