@@ -1,5 +1,6 @@
-"""The stage hops on Ray Serve: today's inline numpy arguments against an ObjectRef that the
-producer puts once and passes inside a small header.
+"""The stage hops on Ray Serve: inline numpy arguments over Ray actor calls (Serve's default),
+an ObjectRef that the producer puts once and passes inside a small header, and inline
+arguments over Serve's gRPC data plane between replicas.
 
 Two toy deployments (zero CPUs, like the stages): `Caller` holds a DeploymentHandle to
 `Callee` and times, inside its replica, the hop at each stage boundary with that boundary's
@@ -8,15 +9,18 @@ payload:
     round trip from the producer holding the payload to the callee's answer.
     inline: `callee.take.remote(rid, payload, final, meta)` (Ray puts args over 100 KiB
     into the object store itself); ref: `ray.put(payload)`, then
-    `callee.take_ref.remote(Header(rid, final, meta, ref))` and the callee awaits the ref.
+    `callee.take_ref.remote(Header(rid, final, meta, ref))` and the callee awaits the ref;
+    grpc: the inline call through `callee.options(_by_reference=False)`, which Serve sends
+    to the replica's gRPC server (pickled arguments, no Ray task, no object store).
     Both ends read the arrays' last elements (the callee answers their byte count).
   * the streamed PCM (Code2Wav -> ingress): `Callee.stream` yields `Piece`s holding the numpy
-    chunk (inline) or a ref it put (ref). "paced": chunks 10 ms apart, one-way ms from the
+    chunk (inline, grpc) or a ref it put (ref). "paced": chunks 10 ms apart, one-way ms from the
     producer starting the hand-over to the reader holding the array (one host, one clock);
     "back to back": ms between arrivals when the producer never waits. The producer holds
     the last 256 refs it streamed alive (see `Callee.__init__`).
 Before timing, each case checks once that the bytes arrive intact (CRC32 of every array).
-Inline and ref runs alternate in rounds so that load from other work hits both alike.
+The transports take turns in rounds (reversed every other round) so that load from other
+work hits all alike.
 
     python -m bench.hops [--iters 300] [--warmup 10] [--rounds 6] [--only media,codes]
                          [--json F.json]
@@ -44,7 +48,10 @@ import ray
 from ray import serve
 
 APP = "omniray-hops-bench"
-TRANSPORTS = ("inline", "ref")
+TRANSPORTS = ("inline", "ref", "grpc")
+# A replica's gRPC server takes messages up to 4 MiB by default (Serve's
+# RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH): larger payloads are not measured over grpc.
+GRPC_MAX_BYTES = 4 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +64,10 @@ class Case:
     @property
     def nbytes(self) -> int:
         return sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in self.arrays)
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        return TRANSPORTS if self.nbytes < GRPC_MAX_BYTES else ("inline", "ref")
 
     @property
     def measure(self) -> str:
@@ -183,21 +194,25 @@ class Caller:
     async def check(self, case_name: str, transport: str) -> None:
         """Raises unless the callee (or this reader) got the exact bytes."""
         case = CASES[case_name]
-        arrays, by_ref = payload(case), transport == "ref"
+        arrays, by_ref, callee = payload(case), transport == "ref", self._via(transport)
         want = digest(arrays)
         if case.stream_gap_s is not None:
             got = [
                 await self._arrays(p, by_ref)
-                async for p in self.callee.options(stream=True).stream.remote(case_name, 2, by_ref)
+                async for p in callee.options(stream=True).stream.remote(case_name, 2, by_ref)
             ]
             seen = [digest(a) for a in got]
         elif by_ref:
             head = Header("check", True, _meta(case), ray.put(arrays))
-            seen = [await self.callee.digest_ref.remote(head)]
+            seen = [await callee.digest_ref.remote(head)]
         else:
-            seen = [await self.callee.digest.remote("check", arrays, True, _meta(case))]
+            seen = [await callee.digest.remote("check", arrays, True, _meta(case))]
         if not seen or any(s != want for s in seen):
             raise RuntimeError(f"{case_name}/{transport}: payload changed on the hop")
+
+    def _via(self, transport: str) -> Any:
+        """The callee's handle for `transport`: Serve's gRPC data plane for grpc."""
+        return self.callee.options(_by_reference=False) if transport == "grpc" else self.callee
 
     @staticmethod
     async def _arrays(piece: Piece, by_ref: bool) -> dict[str, np.ndarray]:
@@ -208,35 +223,36 @@ class Caller:
     ) -> list[float]:
         """`iters` samples in ms after `warmup` discarded ones."""
         case = CASES[case_name]
+        callee, by_ref = self._via(transport), transport == "ref"
         if case.stream_gap_s is not None:
-            out = await self._stream(case, transport == "ref", iters + warmup, chunks)
+            out = await self._stream(callee, case, by_ref, iters + warmup, chunks)
         else:
-            out = await self._calls(case, transport == "ref", iters + warmup)
+            out = await self._calls(callee, case, by_ref, iters + warmup)
         return out[warmup:]
 
-    async def _calls(self, case: Case, by_ref: bool, n: int) -> list[float]:
+    async def _calls(self, callee: Any, case: Case, by_ref: bool, n: int) -> list[float]:
         arrays, meta, nbytes = payload(case), _meta(case), case.nbytes
         out = []
         for i in range(n):
             rid = f"r{i}"
             t0 = time.perf_counter()
             if by_ref:
-                got = await self.callee.take_ref.remote(Header(rid, False, meta, ray.put(arrays)))
+                got = await callee.take_ref.remote(Header(rid, False, meta, ray.put(arrays)))
             else:
-                got = await self.callee.take.remote(rid, arrays, False, meta)
+                got = await callee.take.remote(rid, arrays, False, meta)
             out.append((time.perf_counter() - t0) * 1e3)
             if got != nbytes:
                 raise RuntimeError(f"{case.name}: callee saw {got} bytes, sent {nbytes}")
         return out
 
-    async def _stream(self, case: Case, by_ref: bool, n: int, chunks: int) -> list[float]:
+    async def _stream(
+        self, callee: Any, case: Case, by_ref: bool, n: int, chunks: int
+    ) -> list[float]:
         out: list[float] = []
         paced = bool(case.stream_gap_s)
         while len(out) < n:
             last = None
-            async for p in self.callee.options(stream=True).stream.remote(
-                case.name, chunks, by_ref
-            ):
+            async for p in callee.options(stream=True).stream.remote(case.name, chunks, by_ref):
                 _touch(await self._arrays(p, by_ref))
                 now = time.time()
                 if paced:
@@ -258,15 +274,15 @@ class Row:
     def stat(self, transport: str, q: float) -> float:
         return float(np.percentile(self.ms[transport], q))
 
-    @property
-    def ratio(self) -> float:
-        return self.stat("ref", 50) / self.stat("inline", 50)
+    def ratio(self, transport: str) -> float:
+        """Median of `transport` over the median of inline (Serve's default)."""
+        return self.stat(transport, 50) / self.stat("inline", 50)
 
-    def faster(self, margin: float = 0.10) -> str:
-        """Which transport wins on the median; "same" within `margin` (noise on a busy box)."""
-        if abs(self.ratio - 1.0) <= margin:
-            return "same"
-        return "ref" if self.ratio < 1.0 else "inline"
+    def fastest(self, margin: float = 0.10) -> str:
+        """The transport with the lowest median; "same" when none is more than `margin`
+        faster than inline (noise on a busy box)."""
+        best = min(self.ms, key=lambda t: self.stat(t, 50))
+        return best if self.ratio(best) < 1.0 - margin else "same"
 
 
 def _ensure_ray() -> bool:
@@ -305,18 +321,18 @@ def run(
         try:
             rows = []
             for name in names:
-                for t in TRANSPORTS:
+                c = CASES[name]
+                for t in c.transports:
                     caller.check.remote(name, t).result(timeout_s=120)
-                ms: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+                ms: dict[str, list[float]] = {t: [] for t in c.transports}
                 per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
                 for r, k in enumerate(per_round):
                     if k == 0:
                         continue
-                    for t in TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]:
+                    for t in c.transports if r % 2 == 0 else c.transports[::-1]:
                         ms[t] += caller.measure.remote(name, t, k, warmup, chunks).result(
                             timeout_s=600
                         )
-                c = CASES[name]
                 rows.append(Row(name, c.boundary, c.nbytes, c.measure, ms))
             return rows
         finally:
@@ -335,18 +351,26 @@ def _size(n: int) -> str:
 
 
 def table(rows: list[Row]) -> str:
+    others = [t for t in TRANSPORTS if t != "inline"]
     head = (
-        "| boundary | payload | bytes | measure | inline median | inline p90 | ref median "
-        "| ref p90 | ref / inline | faster |"
+        "| boundary | payload | bytes | measure | "
+        + " | ".join(f"{t} median | {t} p90" for t in TRANSPORTS)
+        + " | "
+        + " | ".join(f"{t} / inline" for t in others)
+        + " | fastest |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * (5 + 2 * len(TRANSPORTS) + len(others))]
     for r in rows:
         shapes = ", ".join(f"{d} {'x'.join(map(str, s))}" for _, s, d in CASES[r.case].arrays)
+        cells = [
+            f"{r.stat(t, 50):.2f} | {r.stat(t, 90):.2f}" if t in r.ms else "- | -"
+            for t in TRANSPORTS
+        ]
+        cells += [f"{r.ratio(t):.2f}" if t in r.ms else "-" for t in others]
         lines.append(
-            f"| {r.boundary} | {r.case}: {shapes} | {_size(r.nbytes)} | {r.measure} "
-            f"| {r.stat('inline', 50):.2f} | {r.stat('inline', 90):.2f} "
-            f"| {r.stat('ref', 50):.2f} | {r.stat('ref', 90):.2f} | {r.ratio:.2f} "
-            f"| {r.faster()} |"
+            f"| {r.boundary} | {r.case}: {shapes} | {_size(r.nbytes)} | {r.measure} | "
+            + " | ".join(cells)
+            + f" | {r.fastest()} |"
         )
     return "\n".join(lines)
 
@@ -355,17 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=300, help="timed samples per case and transport")
     p.add_argument("--warmup", type=int, default=10, help="discarded samples per round")
-    p.add_argument("--rounds", type=int, default=6, help="inline / ref alternations")
+    p.add_argument("--rounds", type=int, default=6, help="rounds the transports take turns in")
     p.add_argument("--chunks", type=int, default=10, help="chunks per PCM stream")
     p.add_argument("--only", default="", help=f"comma list of {','.join(CASES)}")
     p.add_argument("--json", default="", help="write the raw samples here")
     a = p.parse_args(argv)
     only = [s for s in a.only.split(",") if s] or None
     rows = run(a.iters, a.warmup, a.rounds, a.chunks, only)
-    print(
-        f"{a.iters} samples per cell in {a.rounds} alternating rounds, "
-        f"{a.warmup} warm-up per round; ms"
-    )
+    print(f"{a.iters} samples per cell in {a.rounds} rounds, {a.warmup} warm-up per round; ms")
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:
