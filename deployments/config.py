@@ -225,6 +225,12 @@ class AppConfig(_Settings):
         "process's kernels at a time); mps = through an MPS daemon the operator started "
         "(kernels of several stages at once), with each stage's mps_thread_percentage; "
         "each GPU stage reports at start what it actually found"))
+    stage_transport: Literal["grpc", "ray"] = Field("grpc", description=(
+        "how a turn's calls between the ingress and the stages, and between the stages, "
+        "travel: grpc = Serve's gRPC data plane between replicas (a small call or streamed "
+        "item in about half the time); ray = Ray actor calls (Serve's default). Calls "
+        "carrying media or other arrays over 2 MiB go as actor calls either way (the object "
+        "store hands them over without a copy; a replica's gRPC messages stop at 4 MiB)"))
     limits: LimitSettings = Field(default_factory=LimitSettings)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)

@@ -98,7 +98,8 @@ class IngressServer:
         n = len(handles[0])
         # Autoscaled groups past min_groups start with no replicas (app.scaling_options).
         always = cfg.min_groups if cfg.autoscaled else n
-        self.groups = [Group(f"g{i}" if n > 1 else "", Stages(*hs),
+        grpc = cfg.stage_transport == "grpc"
+        self.groups = [Group(f"g{i}" if n > 1 else "", Stages(*hs, grpc=grpc),
                              ActiveStreamWindow(cfg.window_per_ingress()),
                              scalable=i >= always, asleep=i >= always)
                        for i, hs in enumerate(zip(*handles))]

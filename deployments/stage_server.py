@@ -80,6 +80,7 @@ class StageServer:
         self.engine = self.loop.start(build)
         self.metrics.engine_stats = self.engine.stats
         self.timeouts = cfg.timeouts
+        self.grpc = cfg.stage_transport == "grpc"  # the hops to the next stage (`via`)
         self.hold_forward = False  # the Forwarder keeps everything until the stream's end
         self._serving: set[str] = set()  # streams inside their generator
         self._forwarders: dict[str, Forwarder] = {}

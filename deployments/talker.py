@@ -19,7 +19,7 @@ import numpy as np
 
 from deployments.config import AppConfig
 from deployments.loop import StageFailure
-from deployments.stage import Forwarder, Tombstones
+from deployments.stage import Forwarder, Tombstones, via
 from deployments.stage_server import StageServer
 from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec, TextWanted
 
@@ -88,7 +88,8 @@ class TalkerServer(StageServer):
         # they open the next chunk anyway.
         codes = np.array([c for ch in chunks for c in ch.codes], dtype=np.int64)
         spans = [(ch.started_at, ch.released_at) for ch in chunks if ch.released_at]
-        return await self.code2wav.push.remote(rid, codes, final, spans)
+        code2wav = via(self.code2wav, self.grpc, codes.nbytes)
+        return await code2wav.push.remote(rid, codes, final, spans)
 
     async def feed(self, rid: str, ids: list[int], hidden: np.ndarray | None, final: bool) -> bool:
         """Spoken ids (n,) + hidden (n, llm_dim) from the Thinker; False if rid is gone

@@ -21,7 +21,7 @@ import numpy as np
 
 from deployments.config import GIB, AppConfig
 from deployments.loop import StageFailure
-from deployments.stage import Forwarder, Heartbeat, TextOut
+from deployments.stage import Forwarder, Heartbeat, TextOut, via
 from deployments.stage_server import StageServer
 
 
@@ -87,7 +87,8 @@ class ThinkerServer(StageServer):
     async def _send(self, rid: str, chunks: list[tuple[list, np.ndarray]], final: bool) -> bool:
         ids = [i for c, _ in chunks for i in c]
         hidden = np.concatenate([h for _, h in chunks]) if chunks else None
-        return await self.talker.feed.remote(rid, ids, hidden, final)
+        talker = via(self.talker, self.grpc, 0 if hidden is None else hidden.nbytes)
+        return await talker.feed.remote(rid, ids, hidden, final)
 
     def _leaks(self, engine: dict[str, Any]) -> list[str]:
         total = engine.get("num_total_blocks")

@@ -38,7 +38,7 @@ from deployments.config import TimeoutSettings
 from deployments.loop import StageFailure
 from deployments.metrics import AppMetrics
 from deployments.schemas import SAMPLE_RATE, AudioChunk, Done, Error, Event, TextDelta, Usage
-from deployments.stage import Heartbeat, Opened, error_line
+from deployments.stage import Heartbeat, NamedVoice, Opened, error_line, via
 from deployments.window import ActiveStreamWindow
 from pipeline.handoff import TextWanted
 
@@ -51,11 +51,17 @@ _STAGE = {"text": "thinker", "talker": "talker", "audio": "code2wav"}
 
 @dataclass
 class Stages:
-    """Handles (DeploymentHandle, or deployments.testing.LocalHandle in-process)."""
+    """Handles (DeploymentHandle, or deployments.testing.LocalHandle in-process). `grpc`:
+    a turn's own calls go over Serve's gRPC data plane (AppConfig.stage_transport)."""
 
     thinker: Any
     talker: Any
     code2wav: Any
+    grpc: bool = False
+
+    def via(self, stage: str, nbytes: int = 0) -> Any:
+        """The handle of `stage` for a turn's call carrying `nbytes` of arrays."""
+        return via(getattr(self, stage), self.grpc, nbytes)
 
     async def answer(self, timeout: float) -> None:
         """All three stages answer a stats call within `timeout` (raises otherwise)."""
@@ -266,8 +272,9 @@ class TurnRunner:
             request = turn.thinker_request
             if turn.speech and self.hold_rows:
                 request = replace(request, hold_after_spoken=self.hold_rows)
-            self._start("text", stages.thinker.options(stream=True).generate.remote(
-                request), streams, pumps, merged, seen)
+            thinker = stages.via("thinker", request.media_bytes)
+            self._start("text", thinker.options(stream=True).generate.remote(request), streams,
+                        pumps, merged, seen)
             if turn.speech:
                 self._start_speech(turn, stages, streams, pumps, merged, seen)
                 early = await self._opened(merged, seen, deadline)
@@ -289,7 +296,7 @@ class TurnRunner:
                     continue
                 if src == "talker":  # the session says it failed, ends, or wants text
                     if isinstance(item, TextWanted) and self.hold_rows:
-                        self._tell(rid, [stages.thinker], "resume")
+                        self._tell(rid, [stages.via("thinker")], "resume")
                     continue
                 if src == "text":
                     if item.text:
@@ -310,7 +317,8 @@ class TurnRunner:
                         if first_audio is None:
                             first_audio = now - t0
                             if self.hold_rows:
-                                self._tell(rid, [stages.thinker, stages.talker], "resume")
+                                resume = [stages.via("thinker"), stages.via("talker")]
+                                self._tell(rid, resume, "resume")
                         last_audio = now - t0
                         audio_s += len(item.pcm) / SAMPLE_RATE
                         yield AudioChunk(item.pcm, index)
@@ -353,11 +361,13 @@ class TurnRunner:
                       pumps: list[asyncio.Task], merged: asyncio.Queue,
                       seen: dict[str, float]) -> None:
         rid = turn.request_id
-        self._start("talker", stages.talker.options(stream=True).session.remote(
+        self._start("talker", stages.via("talker").options(stream=True).session.remote(
             rid, turn.seed, turn.speech_codes, bool(self.hold_rows)), streams, pumps, merged,
             seen)
-        self._start("audio", stages.code2wav.options(stream=True).stream.remote(
-            rid, turn.voice), streams, pumps, merged, seen)
+        voice = turn.voice.samples if isinstance(turn.voice, NamedVoice) else turn.voice
+        code2wav = stages.via("code2wav", 0 if voice is None else voice.nbytes)
+        self._start("audio", code2wav.options(stream=True).stream.remote(rid, turn.voice),
+                    streams, pumps, merged, seen)
 
     async def _opened(self, merged: asyncio.Queue, seen: dict[str, float],
                       deadline: float) -> list[tuple[str, Any]]:
@@ -463,10 +473,8 @@ class TurnRunner:
         out.put_nowait((src, _END))
 
     def _abort(self, rid: str, group: Stages, speech: bool) -> None:
-        stages = [group.thinker]
-        if speech:
-            stages += [group.talker, group.code2wav]
-        self._tell(rid, stages, "abort")
+        names = ("thinker", "talker", "code2wav") if speech else ("thinker",)
+        self._tell(rid, [group.via(name) for name in names], "abort")
 
     def _tell(self, rid: str, stages: list[Any], method: str) -> None:
         """Call `method(rid)` on each stage, fire-and-forget: the caller may already be

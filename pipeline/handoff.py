@@ -176,6 +176,12 @@ class ThinkerRequest:
     def num_prompt_tokens(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def media_bytes(self) -> int:
+        """Bytes of the images' pixels and the audio clips' features it carries."""
+        pixels = sum(t.nbytes for im in self.images for t in im.pixel_values)
+        return pixels + sum(a.features.nbytes for a in self.audios)
+
 
 @dataclass
 class ThinkerDelta:
