@@ -114,12 +114,18 @@ class InProcessServe:
     def app(self, args: dict[str, Any], label: str, stats_out: Path | None = None
             ) -> Iterator[str]:
         from deployments.app import build_omni_app
+        from deployments.config import AppConfig
 
         t = time.perf_counter()
         self.serve.run(build_omni_app(args), name="omniray", route_prefix="/")
         self.groups = len(self.ingress_stats().get("groups", [None]))
+        # What moves the serving path's milliseconds: the stage hops' transport, and the
+        # Serve settings this process's Ray was started with (e.g. RAY_SERVE_PROXY_USE_GRPC).
+        serve_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
         print(f"[{label}] app RUNNING after {time.perf_counter() - t:.1f} s "
-              f"({self.groups} group(s))", flush=True)
+              f"({self.groups} group(s); stage_transport "
+              f"{AppConfig.model_validate(args).stage_transport}; Serve environment "
+              f"{serve_env or 'default'})", flush=True)
         try:
             yield self.url
             if stats_out is not None:
