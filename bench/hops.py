@@ -285,8 +285,9 @@ class Row:
         return best if self.ratio(best) < 1.0 - margin else "same"
 
 
-def _ensure_ray() -> bool:
-    """True if this call started Ray (then `run` shuts it down again)."""
+def ensure_ray(http_port: int | None = None) -> bool:
+    """A small local Ray + Serve unless one runs in this process (HTTP on 127.0.0.1:http_port,
+    or no proxy); True if this call started it (the caller shuts it down again)."""
     if ray.is_initialized():
         return False
     for k, v in (
@@ -298,7 +299,10 @@ def _ensure_ray() -> bool:
     ray.init(
         num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 2**20
     )
-    serve.start(proxy_location="Disabled")
+    if http_port is None:
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     return True
 
 
@@ -315,7 +319,7 @@ def run(
         raise ValueError(f"unknown cases {unknown}; known: {sorted(CASES)}")
     if iters < 1 or warmup < 0 or rounds < 1 or not 2 <= chunks <= 64:
         raise ValueError("need iters >= 1, warmup >= 0, rounds >= 1, 2 <= chunks <= 64")
-    started = _ensure_ray()
+    started = ensure_ray()
     try:
         caller = serve.run(Caller.bind(Callee.bind()), name=APP, route_prefix=None)
         try:

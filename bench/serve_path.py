@@ -30,10 +30,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 import ray
-import yaml
 from ray import serve
 
+from bench.gpu_e2e import app_args
+from bench.hops import ensure_ray
+
 APP = "omniray-serve-path-bench"
+HTTP_PORT = 8000  # when this starts Ray
 ROUTE = "/serve-path-bench"
 TRANSPORTS = ("ray", "grpc")
 BODY = json.dumps(
@@ -49,8 +52,7 @@ BODY = json.dumps(
 
 def app_config(transport: str) -> dict[str, Any]:
     """serve_config.yaml's app settings with `transport`; the fakes take no engine settings."""
-    path = Path(__file__).resolve().parent.parent / "serve_config.yaml"
-    args = yaml.safe_load(path.read_text())["applications"][0]["args"]
+    args = app_args(str(Path(__file__).resolve().parent.parent / "serve_config.yaml"), None)
     for stage in ("thinker", "talker", "code2wav"):
         args[stage]["engine"] = {}
     return {**args, "stage_transport": transport}
@@ -109,24 +111,11 @@ def run(
         raise ValueError(f"unknown transports {unknown}; known: {list(TRANSPORTS)}")
     if requests < 1 or warmup < 0 or rounds < 1:
         raise ValueError("need requests >= 1, warmup >= 0, rounds >= 1")
-    started = not ray.is_initialized()
-    if started:
-        for k, v in (
-            ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
-            ("RAY_USAGE_STATS_ENABLED", "0"),
-            ("RAY_AUTH_MODE", "disabled"),
-        ):
-            os.environ.setdefault(k, v)
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=256 * 2**20,
-        )
-        serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-        base = "http://127.0.0.1:8000"
-    elif base is None:
+    if ray.is_initialized() and base is None:
         raise ValueError("Ray is running here: pass the HTTP base URL of its Serve")
+    started = ensure_ray(HTTP_PORT)
+    if started:
+        base = f"http://127.0.0.1:{HTTP_PORT}"
     out = {t: {"ttft": [], "ttfp": []} for t in transports}
     per_round = [requests // rounds + (r < requests % rounds) for r in range(rounds)]
     try:
