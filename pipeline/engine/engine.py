@@ -49,7 +49,12 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.engine.attention import FlashInferAttention, make_backend
-from pipeline.engine.graphs import DecodeGraphs, PiecewiseGraphs, default_graph_sizes
+from pipeline.engine.graphs import (
+    DecodeGraphs,
+    PiecewiseGraphs,
+    PrefillGraphs,
+    default_graph_sizes,
+)
 from pipeline.engine.kv_cache import BlockManager, KVCache, num_blocks_for_budget
 from pipeline.engine.runner import LaunchedStep, ModelRunner
 from pipeline.engine.sampling import make_generator
@@ -88,6 +93,12 @@ class EngineConfig:
     # per bucket of tokens (16, 32, ... this), attention eager between the pieces. Such a step
     # is otherwise host-bound (~0.8 ms a layer of op-by-op launches). CUDA only; 0 = off.
     piecewise_graph_tokens: int = 0
+    # A step of one sequence (a prompt, a chunk of one, a new turn over a cached history) of
+    # at most this many tokens runs as one CUDA graph per bucket of tokens (16, 32, ...
+    # this), attention included (FlashInfer's prefill in its CUDA-graph mode): none of the
+    # piecewise path's host work between layers. CUDA + flashinfer only; 0 = off. Its GEMMs
+    # over the padded bucket and its attention's split of the keys may sum in another order.
+    prefill_graph_tokens: int = 0
     enable_prefix_caching: bool = True  # reuse K/V of cached full-block prompt prefixes
     device_sampling: bool = True  # batched sampling on the device (False: the per-row host Sampler)
     # Plan and launch step N+1 before waiting for step N (needs device sampling). None: on
@@ -105,6 +116,8 @@ class EngineConfig:
             raise ValueError("max_prefill_tokens_per_step must be >= 1 (or None)")
         if self.piecewise_graph_tokens < 0:
             raise ValueError("piecewise_graph_tokens must be >= 0 (0 = off)")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError("prefill_graph_tokens must be >= 0 (0 = off)")
         if self.num_blocks is None and self.kv_cache_bytes is None:
             raise ValueError("set kv_cache_bytes or num_blocks")
         if self.launch_ahead and not self.device_sampling:
@@ -199,6 +212,13 @@ class LLMEngine:
         if config.cuda_graphs and config.piecewise_graph_tokens and self.device.type == "cuda":
             pieces = PiecewiseGraphs(model, config.piecewise_graph_tokens, dtype, self.device)
             pieces.capture()
+        whole = None
+        if config.prefill_graph_tokens and graphs is not None:  # CUDA + flashinfer
+            whole = PrefillGraphs(
+                model, self.kv_cache, self.backend, config.prefill_graph_tokens,
+                cfg.head_dim**-0.5, dtype, self.device,
+            )
+            whole.capture()
         self.runner = ModelRunner(
             model,
             self.kv_cache,
@@ -208,6 +228,7 @@ class LLMEngine:
             graphs,
             config.device_sampling,
             pieces,
+            whole,
         )
 
         ahead = config.launch_ahead

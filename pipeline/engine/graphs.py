@@ -18,8 +18,9 @@ bucket first):
 - Only the FlashInfer backend is capturable (the torch backend syncs to read lengths).
 - Prefill and mixed steps, steps with multimodal rows, and batches above the largest
   bucket run eagerly, or, with `piecewise_graph_tokens`, as `PiecewiseGraphs` (everything
-  but attention captured per bucket of tokens). `cuda_graphs=False` in the engine config
-  turns graphs off entirely.
+  but attention captured per bucket of tokens), or, for a step of one sequence with
+  `prefill_graph_tokens`, as `PrefillGraphs` (the whole forward, attention included, per
+  bucket of tokens). `cuda_graphs=False` in the engine config turns graphs off entirely.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from pipeline.engine.attention import AttnMetadata, FlashInferAttention, ForwardBatch, forward_batch
+from pipeline.engine.attention import (
+    AttnMetadata,
+    FlashInferAttention,
+    ForwardBatch,
+    forward_batch,
+    write_kv,
+)
 from pipeline.engine.kv_cache import KVCache
 from pipeline.engine.sampling import SamplingTensors, pack_rows, sample_batch, sampling_fields
 from pipeline.graphs import GraphRunner
@@ -406,4 +413,191 @@ class PiecewiseGraphs:
             if i > 0:
                 self.o[:t].copy_(attend(i - 1, self.q[:t], self.k[:t], self.v[:t]))
             self.runner.run((n, i), (), fn=None)  # every piece was captured at start
+        return self.hidden[:t]
+
+
+def prefill_fields(max_tokens: int, max_pages: int) -> Fields:
+    """A one-sequence step's inputs besides its embeddings: positions and KV slots per row,
+    and FlashInfer's query offsets and page table for the one sequence."""
+    long, i32 = torch.int64, torch.int32
+    return {
+        "positions": (long, (max_tokens,)),
+        "slot_mapping": (long, (max_tokens,)),
+        "qo_indptr": (i32, (2,)),
+        "kv_indptr": (i32, (2,)),
+        "kv_last_page_len": (i32, (1,)),
+        "kv_indices": (i32, (max_pages,)),
+    }
+
+
+class _PlannedPrefill:
+    """A prefill graph's attention (the AttentionBackend interface): the new K/V written at
+    the staged slots, then the bucket's FlashInfer prefill wrapper, planned before each
+    replay, into a static output. FlashInfer writes only the planned rows, so the padded
+    rows keep earlier, finite values (never uninitialized memory)."""
+
+    name = "flashinfer-prefill-graph"
+
+    def __init__(self, wrapper, out: torch.Tensor) -> None:
+        self.wrapper, self.out = wrapper, out
+
+    def prepare(self, meta: AttnMetadata) -> None:
+        pass
+
+    def forward(self, kv, q, k, v, meta, scale, rows=None):
+        assert rows is not None, "a prefill graph writes K/V at the rows its ForwardBatch computed"
+        write_kv(kv, rows, k, v)
+        return self.wrapper.run(q.contiguous(), kv, out=self.out[: q.shape[0]])
+
+
+class PrefillGraphs:
+    """Whole-step CUDA graphs for a step of one sequence's new tokens (a prompt, a chunk of
+    one, a new turn over a cached history), per bucket of tokens, attention included.
+
+    Why: with attention between the pieces (`PiecewiseGraphs`), a short prefill's wall time
+    is still the host's: 36 layers of FlashInfer calls, K/V writes and piece launches, ~13 ms
+    for ~7 ms of kernels on an H200 (docs/performance.md). One sequence's attention can be
+    captured too: FlashInfer's prefill in its CUDA-graph mode takes a fixed batch (one) and
+    at most the rows of its first plan, and a plan before each replay rewrites its buffers.
+
+    Contract:
+    - a step of T tokens of one sequence runs in the smallest bucket >= T; the embeddings
+      (multimodal rows spliced in) are an input, the final-norm hidden rows [:T] the output
+      (`hidden`, read before the next step);
+    - padded rows T..bucket: zero embeddings at position 0, writing K/V into the KV cache's
+      scratch slot; attention is planned for the T real rows only (bottom-right causal over
+      the sequence's cached + new tokens); every other op works row by row, so padding never
+      reaches a real row. A GEMM over the bucket may pick another kernel than over T rows,
+      and FlashInfer's graph mode splits the keys its own way: reordered sums, bounded by
+      the tests against the plain forward;
+    - the host stages positions, slots and the page table in one pinned buffer (`Staging`),
+      uploads it with one copy, and plans the bucket's wrapper from it without a sync.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        backend: FlashInferAttention,
+        max_tokens: int,
+        scale: float,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if not isinstance(backend, FlashInferAttention):
+            raise TypeError("prefill graphs need the flashinfer attention backend")
+        cfg = model.cfg
+        self.model, self.kv_cache, self.backend, self.scale = model, kv_cache, backend, scale
+        self.buckets = piece_buckets(max_tokens)
+        kw = {"dtype": dtype, "device": device}
+        self.staging = Staging(prefill_fields(max_tokens, backend.max_num_pages), device)
+        self.x = torch.zeros(max_tokens, cfg.hidden_size, **kw)
+        self.hidden = torch.zeros(max_tokens, cfg.hidden_size, **kw)
+        self.out = torch.zeros(
+            max_tokens, cfg.num_attention_heads, cfg.head_dim, **kw
+        )  # attention output
+        self.runner = GraphRunner(max_graphs=len(self.buckets), warmup_iters=1)
+        self.steps = 0  # observability: steps run as prefill graphs
+
+    def bucket(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def _stage(
+        self,
+        n: int,
+        positions: Sequence[int],
+        slots: Sequence[int],
+        kv_len: int,
+        block_table: Sequence[int],
+    ) -> int:
+        """Write bucket n's inputs for the len(positions) real rows into the host buffer;
+        returns the number of page indices."""
+        t, h, kv = len(positions), self.staging.host, self.kv_cache
+        h["positions"][:t] = positions
+        h["positions"][t:n] = 0
+        h["slot_mapping"][:t] = slots
+        h["slot_mapping"][t:n] = kv.scratch_slot
+        h["qo_indptr"][:] = (0, t)
+        return page_table(
+            [kv_len],
+            [block_table],
+            kv.block_size,
+            kv.scratch_block,
+            h["kv_indptr"],
+            h["kv_indices"],
+            h["kv_last_page_len"],
+        )
+
+    def _plan(self, n: int, used: int) -> None:
+        """Plan bucket n's wrapper from the staged host arrays (pinned: no blocking copy)
+        and the uploaded page indices."""
+        b, h = self.backend, self.staging.host_t
+        b.graph_prefill_wrapper(n).plan(
+            h["qo_indptr"],
+            h["kv_indptr"],
+            self.staging.dev["kv_indices"][:used],
+            h["kv_last_page_len"],
+            b.num_qo_heads,
+            b.num_kv_heads,
+            b.head_dim,
+            b.block_size,
+            causal=True,
+            q_data_type=b.dtype,
+            kv_data_type=b.dtype,
+            non_blocking=True,
+        )
+
+    def _forward(self, n: int) -> None:
+        """The model over rows [:n] of the buffers (captured as bucket n's graph)."""
+        d, kv = self.staging.dev, self.kv_cache
+        meta = AttnMetadata(  # only the slots are read inside: the wrapper was planned
+            qo_indptr=torch.tensor([0, n], dtype=torch.int32),
+            kv_lens=torch.tensor([n], dtype=torch.int32),
+            block_tables=d["kv_indices"][None, :1],
+            block_tables_cpu=torch.zeros(1, 1, dtype=torch.int32),
+            slot_mapping=d["slot_mapping"][:n],
+            is_decode=False,
+            block_size=kv.block_size,
+        )
+        attention = _PlannedPrefill(self.backend.graph_prefill_wrapper(n), self.out)
+        with forward_batch(ForwardBatch(attention, meta, kv.layers, self.scale)):
+            h = self.model(self.x[:n], d["positions"][:n])
+        self.hidden[:n].copy_(h)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every bucket, largest first (smaller ones reuse its pool memory), each planned
+        first for its full n rows of padding in the scratch block: the most rows it takes."""
+        kv = self.kv_cache
+        for n in sorted(self.buckets, reverse=True):
+            pages = -(-n // kv.block_size)
+            used = self._stage(n, [0] * n, [kv.scratch_slot] * n, n, [kv.scratch_block] * pages)
+            self.staging.upload()
+            self._plan(n, used)
+            self.runner.add(n, lambda n=n: self._forward(n))
+        torch.cuda.synchronize()
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        positions: Sequence[int],
+        slots: Sequence[int],
+        kv_len: int,
+        block_table: Sequence[int],
+    ) -> torch.Tensor:
+        """One sequence's step over T = len(positions) <= max bucket new tokens (its KV
+        covers kv_len tokens after the step, through `block_table`) -> final-norm hidden
+        (T, H), a view of `hidden`."""
+        t = embeds.shape[0]
+        n = self.bucket(t)
+        assert n is not None, f"{t} tokens exceed the largest prefill graph {self.buckets[-1]}"
+        self.staging.wait_consumed()  # the previous step's plan has read the host buffer
+        used = self._stage(n, positions, slots, kv_len, block_table)
+        self.staging.upload()
+        self.x[:t].copy_(embeds)
+        self.x[t:n].zero_()
+        self._plan(n, used)
+        self.staging.mark_consumed()
+        self.steps += 1
+        self.runner.run(n, (), fn=None)  # every bucket was captured at start
         return self.hidden[:t]

@@ -12,7 +12,9 @@ one event) and returns them. Steps of `launch`:
      `mm_embeds` (only the rows inside this step's chunk).
   4. Plan attention once, run the model inside the scoped forward context, or, for steps
      of at most `piecewise_graph_tokens` tokens, as piecewise graphs (everything but
-     attention replayed, attention eager between the pieces: graphs.PiecewiseGraphs).
+     attention replayed, attention eager between the pieces: graphs.PiecewiseGraphs); a
+     step of one sequence's at most `prefill_graph_tokens` tokens replays a whole graph
+     instead, attention inside (graphs.PrefillGraphs).
   5. Logits for the last row of every sequence that reached its last token, sampled by
      the same batched sampler (`sampling.sample_batch`), eagerly.
   With `device_sampling=False` both paths sample row by row on the host instead
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.engine.attention import AttentionBackend, AttnMetadata, ForwardBatch, forward_batch
-from pipeline.engine.graphs import DecodeGraphs, PiecewiseGraphs, Staging
+from pipeline.engine.graphs import DecodeGraphs, PiecewiseGraphs, PrefillGraphs, Staging
 from pipeline.engine.kv_cache import KVCache
 from pipeline.engine.sampling import (
     PENDING_ID,
@@ -90,6 +92,7 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         device_sampling: bool = True,
         pieces: PiecewiseGraphs | None = None,
+        prefill_graphs: PrefillGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -98,6 +101,7 @@ class ModelRunner:
         self.dtype = dtype
         self.graphs = graphs
         self.pieces = pieces
+        self.prefill_graphs = prefill_graphs
         self.device_sampling = device_sampling
         self.block_size = kv_cache.block_size
         self.scale = model.cfg.head_dim**-0.5
@@ -244,7 +248,6 @@ class ModelRunner:
         if src:
             rows = torch.tensor([row for row, _ in fb.pending], device=self.device)
             ids[rows] = self._prev_ids[torch.tensor(src, device=self.device)]
-        positions = torch.tensor(fb.positions, dtype=torch.long)
         # 3) embeddings with multimodal rows spliced in
         embeds = self.model.embed(ids)  # (T, H)
         for s, m, lo in zip(plan.seqs, mm, fb.qo_indptr):
@@ -252,14 +255,20 @@ class ModelRunner:
                 rows, vals = m
                 embeds[lo + rows.to(self.device)] = vals.to(self.device, embeds.dtype)
         # 4) attention plan + model
-        meta = self._meta(plan, fb)
-        self.backend.prepare(meta)
-        batch = ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)
-        if self.pieces is not None and self.pieces.bucket(len(fb.ids)) is not None:
-            hidden = self.pieces.forward(embeds, positions.to(self.device), batch.attend)
+        whole = self.prefill_graphs
+        if whole is not None and len(plan.seqs) == 1 and whole.bucket(len(fb.ids)) is not None:
+            table = plan.seqs[0].seq.block_table
+            hidden = whole.forward(embeds, fb.positions, fb.slots, fb.kv_lens[0], table)
         else:
-            with forward_batch(batch):
-                hidden = self.model(embeds, positions.to(self.device))  # (T, H)
+            positions = torch.tensor(fb.positions, dtype=torch.long)
+            meta = self._meta(plan, fb)
+            self.backend.prepare(meta)
+            batch = ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)
+            if self.pieces is not None and self.pieces.bucket(len(fb.ids)) is not None:
+                hidden = self.pieces.forward(embeds, positions.to(self.device), batch.attend)
+            else:
+                with forward_batch(batch):
+                    hidden = self.model(embeds, positions.to(self.device))  # (T, H)
         spans = self._hidden_spans(plan, fb)
 
         # 5) sampling

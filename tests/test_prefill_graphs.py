@@ -1,0 +1,232 @@
+"""Whole-step prefill graphs (`graphs.PrefillGraphs`, EngineConfig.prefill_graph_tokens).
+
+Claims tested here:
+  * on CPU, the graphs' host side (buckets, staging, padded rows in the scratch slot,
+    FlashInfer's one-sequence plan, the static attention output) computes what the plain
+    forward does: the same tokens for requests run one at a time (every step a single
+    sequence: prompt chunks and decodes in buckets 16 and 24) and in a staggered mix (steps
+    of several sequences take the plain forward), a new turn over a cached prefix, and
+    multimodal rows; hidden rows to fp32 rounding. Only the capture (a direct call) and
+    FlashInfer's kernel (the torch backend over the plan the step made, writing only the
+    planned rows, as FlashInfer does) are replaced;
+  * CUDA (bf16, FlashInfer, captured): the same tokens as the eager engine and hidden rows
+    within bf16 rounding over a 200-token run, no drift.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm  # tests/ is on sys.path
+
+import pipeline.engine.graphs as graphs_module
+from pipeline.config import LLMConfig
+from pipeline.engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
+from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.engine.graphs import PrefillGraphs, prefill_fields
+from pipeline.handoff import SamplingParams
+from tests.test_device_sampling import (
+    ARRIVAL,
+    CFG,
+    REQUESTS,
+    _DirectRunner,
+    _engine,
+    _prompt,
+    _staggered,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_lm(CFG)
+
+
+class _TorchPrefillWrapper:
+    """FlashInfer's graph-mode prefill wrapper as the graphs use it: `plan` copies the CSR
+    page table (as FlashInfer copies it into its buffers), `run` attends over it with the
+    torch backend and writes only the planned rows of `out`."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size, self.plans, self.csr = block_size, [], None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, causal, **kw) -> None:
+        assert causal and qo_indptr.shape == (2,) and kv_indptr.shape == (2,)
+        self.csr = tuple(x.clone() for x in (qo_indptr, kv_indptr, kv_indices, last_page_len))
+        self.plans.append(int(qo_indptr[1]))
+
+    def run(self, q, kv, out):
+        qo_indptr, kv_indptr, indices, last = self.csr
+        pages = int(kv_indptr[1])
+        t = int(qo_indptr[1])
+        bt = indices[:pages][None].to(torch.int32)
+        meta = AttnMetadata(
+            qo_indptr=qo_indptr.clone(),
+            kv_lens=((pages - 1) * self.block_size + last).to(torch.int32),
+            block_tables=bt,
+            block_tables_cpu=bt,
+            slot_mapping=torch.zeros(0, dtype=torch.long),  # K/V were written by the caller
+            is_decode=False,
+            block_size=self.block_size,
+        )
+        out[:t] = TorchAttention()._prefill(kv, q, meta, CFG.head_dim**-0.5)[:t]
+        return out
+
+
+class _PlannedTorchAttention(FlashInferAttention):
+    def __init__(self, cfg: LLMConfig, max_num_pages: int, block_size: int) -> None:
+        self.num_qo_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.block_size, self.max_num_pages = cfg.head_dim, block_size, max_num_pages
+        self.dtype, self.wrappers = torch.float32, {}
+
+    def graph_prefill_wrapper(self, tokens: int):
+        return self.wrappers.setdefault(tokens, _TorchPrefillWrapper(self.block_size))
+
+
+def _graph_engine(model, monkeypatch, max_tokens: int, **kw) -> LLMEngine:
+    monkeypatch.setattr(graphs_module, "GraphRunner", _DirectRunner)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    eng = _engine(model, **kw)
+    backend = _PlannedTorchAttention(CFG, eng.kv_cache.num_blocks + 1, eng.kv_cache.block_size)
+    whole = PrefillGraphs(
+        model, eng.kv_cache, backend, max_tokens, CFG.head_dim**-0.5, torch.float32, CPU
+    )
+    whole.capture()
+    eng.runner.prefill_graphs = whole
+    return eng
+
+
+def _alone(eng: LLMEngine) -> dict[str, list[int]]:
+    """Every request of REQUESTS run by itself: every step holds one sequence."""
+    got = {}
+    for rid, (prompt, sp) in REQUESTS.items():
+        eng.add_request(rid, prompt, sp)
+        ids = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                ids += o.token_ids
+        got[rid] = ids
+    return got
+
+
+def _hidden(eng: LLMEngine, rid: str, prompt: list[int], **kw) -> torch.Tensor:
+    eng.add_request(
+        rid, prompt, SamplingParams(max_tokens=12, stop_ids=()), return_hidden=True, **kw
+    )
+    rows = []
+    while eng.has_unfinished():
+        rows += [o.hidden for o in eng.step() if o.hidden is not None]
+    return torch.cat(rows)
+
+
+def test_prefill_graph_steps_equal_the_plain_forward_on_cpu(model, monkeypatch):
+    assert list(prefill_fields(24, 9)) == [
+        "positions",
+        "slot_mapping",
+        "qo_indptr",
+        "kv_indptr",
+        "kv_last_page_len",
+        "kv_indices",
+    ]
+    torch.manual_seed(0)
+    ref = _alone(_engine(model, enable_prefix_caching=False))
+    for max_tokens in (16, 24):
+        torch.manual_seed(0)
+        eng = _graph_engine(model, monkeypatch, max_tokens, enable_prefix_caching=False)
+        whole = eng.runner.prefill_graphs
+        assert whole.buckets == ((16,) if max_tokens == 16 else (16, 24))
+        got = _alone(eng)
+        # every step of one sequence: the prompt chunks (16 tokens a step) and each decode
+        assert whole.steps == sum(sp.max_tokens + (len(p) > 16) for p, sp in REQUESTS.values())
+        for rid in REQUESTS:
+            assert got[rid] == ref[rid], (max_tokens, rid)
+        plans = [p for w in eng.runner.prefill_graphs.backend.wrappers.values() for p in w.plans]
+        assert len(plans) == whole.steps + len(whole.buckets)  # + one plan per capture
+        assert set(plans) >= {1, 16}  # the real rows are planned, not the bucket's
+    # a mix: steps of several sequences take the plain forward, single ones the graphs
+    torch.manual_seed(0)
+    ref = _staggered(_engine(model))
+    torch.manual_seed(0)
+    eng = _graph_engine(model, monkeypatch, 16)
+    got = _staggered(eng)
+    assert 0 < eng.runner.prefill_graphs.steps
+    for rid in REQUESTS:
+        assert got[rid] == ref[rid], rid
+
+
+def test_prefill_graph_hidden_rows_over_a_cached_prefix_and_media(model, monkeypatch):
+    """A new turn over a cached history (the KV covers more than the step's rows) and a
+    prompt with multimodal rows: the returned hidden rows of the graphs' steps equal the
+    plain forward's to fp32 rounding (a GEMM over the padded bucket may sum in another
+    order), and the cache hit happened on both."""
+    history = _prompt(40, 21)
+    media = torch.randn(6, CFG.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.1
+    rows = {}
+    for name, eng in (("graphs", _graph_engine(model, monkeypatch, 16)), ("plain", _engine(model))):
+        first = _hidden(eng, "a", history + _prompt(5, 22))
+        turn = _hidden(eng, "b", history + _prompt(7, 23))
+        mm = _hidden(eng, "m", _prompt(14, 24), mm_positions=torch.arange(3, 9), mm_embeds=media)
+        assert eng.stats().prefix_cache_hits == 40
+        rows[name] = (first, turn, mm)
+        if name == "graphs":  # the turn: its 7 new rows over 40 cached, one graph step
+            (wrapper,) = eng.runner.prefill_graphs.backend.wrappers.values()
+            assert 7 in wrapper.plans and eng.runner.prefill_graphs.steps >= 3 + 3 * 11
+    for got, want in zip(rows["graphs"], rows["plain"]):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
+@torch.no_grad()
+def test_prefill_graphs_match_the_plain_forward_on_cuda():
+    """Captured whole-step graphs (bf16, FlashInfer's graph-mode prefill inside) against the
+    eager forward: requests one at a time (every prompt a graph step) and a staggered mix
+    draw the same greedy and seeded tokens; over a 200-token run after a 40-token prompt
+    (one graph step), every decode row's hidden state stays within bf16 rounding of the eager
+    run's, the last rows no further off than the first (no drift)."""
+    m = random_lm(CUDA_LLM).to("cuda", torch.bfloat16)
+    reqs = {k: v for k, v in REQUESTS.items() if k != "hot"}
+    arrival = {k: ARRIVAL[k] for k in reqs}
+    outs, alone, hidden = {}, {}, {}
+    for tokens in (0, 64):
+        eng = LLMEngine(
+            m,
+            EngineConfig(
+                num_blocks=256,
+                block_size=16,
+                attention_backend="flashinfer",
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                enable_prefix_caching=False,
+                prefill_graph_tokens=tokens,
+            ),
+            "cuda",
+            torch.bfloat16,
+        )
+        assert (eng.runner.prefill_graphs is not None) == bool(tokens)
+        outs[tokens] = _staggered(eng, reqs, arrival)
+        alone[tokens] = {}
+        for rid, (prompt, sp) in reqs.items():
+            eng.add_request(rid, prompt, sp)
+            ids = []
+            while eng.has_unfinished():
+                for o in eng.step():
+                    ids += o.token_ids
+            alone[tokens][rid] = ids
+        if tokens:
+            assert eng.runner.prefill_graphs.steps >= len(reqs)
+        eng.add_request("h", _prompt(40, 9), REQUESTS["greedy"][1], return_hidden=True)
+        rows = []
+        while eng.has_unfinished():
+            rows += [o.hidden for o in eng.step() if o.hidden is not None]
+        hidden[tokens] = torch.cat(rows).float()
+    for rid in reqs:
+        assert outs[64][rid] == outs[0][rid], rid
+        assert alone[64][rid] == alone[0][rid], rid
+    diff = (hidden[64] - hidden[0]).abs().amax(dim=-1)  # per row
+    scale = hidden[0].abs().amax()
+    print(f"prefill graphs vs eager: max |diff| / max |h| {(diff.max() / scale).item():.2e}")
+    assert diff.max() <= 3e-2 * scale, (diff.max(), scale)
+    assert diff[-50:].mean() <= 2 * diff[:50].mean() + 1e-3 * scale, (diff[:50], diff[-50:])
