@@ -24,8 +24,8 @@ one, cold and over a cached 2000-token history (wall ms), then the kernels and t
 top ops of one such cached step (a short turn's prefill measured 50-90 ms in the app).
 --pieces T (with --profile-prefill): the same on an engine with piecewise_graph_tokens=T,
 in the same run, plus greedy tokens and hidden rows of each engine against the eager one.
---whole T (with --profile-prefill): also an engine with prefill_graph_tokens=T (a step of one
-sequence as one CUDA graph, attention inside; piecewise graphs as --pieces for other steps).
+--whole T (with --profile-prefill): also an engine with prefill_graph_tokens=T (a prefill step
+as one CUDA graph, attention inside; piecewise graphs as --pieces for larger steps).
 
 Weights: built directly on the GPU (no disk), seeded. Residual-branch outputs are scaled
 down and lm_head is tied to a permutation of the embedding plus noise, so greedy choices
@@ -397,8 +397,8 @@ def profile_prefill(
     (nothing cached) and as a new turn over a cached `prefix`-token history (the realtime
     and follow-up shape); then the kernels and the host's top ops of one cached step.
     With `pieces` > 0, the same on an engine whose such steps run as piecewise graphs
-    (`piecewise_graph_tokens`), and with `whole` > 0 on one whose one-sequence steps run as
-    whole graphs (`prefill_graph_tokens`), measured in the same run, and each engine's greedy
+    (`piecewise_graph_tokens`), and with `whole` > 0 on one whose such steps run as whole
+    graphs (`prefill_graph_tokens`), measured in the same run, and each engine's greedy
     tokens and returned hidden rows compared with the eager one's after each length's
     prefill."""
     from torch.profiler import ProfilerActivity, profile

@@ -1,12 +1,12 @@
 """Whole-step prefill graphs (`graphs.PrefillGraphs`, EngineConfig.prefill_graph_tokens).
 
 Claims tested here:
-  * on CPU, the graphs' host side (buckets, staging, padded rows in the scratch slot,
-    FlashInfer's one-sequence plan, the static attention output) computes what the plain
-    forward does: the same tokens for requests run one at a time (every step a single
-    sequence: prompt chunks and decodes in buckets 16 and 24) and in a staggered mix (steps
-    of several sequences take the plain forward), a new turn over a cached prefix, and
-    multimodal rows; hidden rows to fp32 rounding. Only the capture (a direct call) and
+  * on CPU, the graphs' host side (keys, staging, padded rows and one-row padding
+    sequences in the scratch slot, FlashInfer's plan, the static attention output) computes
+    what the plain forward does: the same tokens for requests run one at a time (prompt
+    chunks and decodes in buckets 16 and 24) and in a staggered mix (up to 4 sequences a
+    step), a new turn over a cached prefix, and multimodal rows; hidden rows to fp32
+    rounding. Only the capture (a direct call) and
     FlashInfer's kernel (the torch backend over the plan the step made, writing only the
     planned rows, as FlashInfer does) are replaced;
   * CUDA (bf16, FlashInfer, captured): the same tokens as the eager engine and hidden rows
@@ -48,28 +48,30 @@ class _TorchPrefillWrapper:
     page table (as FlashInfer copies it into its buffers), `run` attends over it with the
     torch backend and writes only the planned rows of `out`."""
 
-    def __init__(self, block_size: int) -> None:
-        self.block_size, self.plans, self.csr = block_size, [], None
+    def __init__(self, seqs: int, block_size: int) -> None:
+        self.seqs, self.block_size, self.plans, self.csr = seqs, block_size, [], None
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, causal, **kw) -> None:
-        assert causal and qo_indptr.shape == (2,) and kv_indptr.shape == (2,)
+        assert causal and qo_indptr.shape == kv_indptr.shape == (self.seqs + 1,)
         self.csr = tuple(x.clone() for x in (qo_indptr, kv_indptr, kv_indices, last_page_len))
-        self.plans.append(int(qo_indptr[1]))
+        self.plans.append(qo_indptr.tolist())
 
     def run(self, q, kv, out):
         qo_indptr, kv_indptr, indices, last = self.csr
-        pages = int(kv_indptr[1])
-        t = int(qo_indptr[1])
-        bt = indices[:pages][None].to(torch.int32)
+        pages = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+        bt = torch.zeros(self.seqs, max(pages), dtype=torch.int32)
+        for i, (lo, p) in enumerate(zip(kv_indptr.tolist(), pages)):
+            bt[i, :p] = indices[lo : lo + p]
         meta = AttnMetadata(
             qo_indptr=qo_indptr.clone(),
-            kv_lens=((pages - 1) * self.block_size + last).to(torch.int32),
+            kv_lens=((torch.tensor(pages) - 1) * self.block_size + last).to(torch.int32),
             block_tables=bt,
             block_tables_cpu=bt,
             slot_mapping=torch.zeros(0, dtype=torch.long),  # K/V were written by the caller
             is_decode=False,
             block_size=self.block_size,
         )
+        t = int(qo_indptr[-1])
         out[:t] = TorchAttention()._prefill(kv, q, meta, CFG.head_dim**-0.5)[:t]
         return out
 
@@ -80,8 +82,8 @@ class _PlannedTorchAttention(FlashInferAttention):
         self.head_dim, self.block_size, self.max_num_pages = cfg.head_dim, block_size, max_num_pages
         self.dtype, self.wrappers = torch.float32, {}
 
-    def graph_prefill_wrapper(self, tokens: int):
-        return self.wrappers.setdefault(tokens, _TorchPrefillWrapper(self.block_size))
+    def graph_prefill_wrapper(self, seqs: int, tokens: int):
+        return self.wrappers.setdefault((seqs, tokens), _TorchPrefillWrapper(seqs, self.block_size))
 
 
 def _graph_engine(model, monkeypatch, max_tokens: int, **kw) -> LLMEngine:
@@ -90,7 +92,14 @@ def _graph_engine(model, monkeypatch, max_tokens: int, **kw) -> LLMEngine:
     eng = _engine(model, **kw)
     backend = _PlannedTorchAttention(CFG, eng.kv_cache.num_blocks + 1, eng.kv_cache.block_size)
     whole = PrefillGraphs(
-        model, eng.kv_cache, backend, max_tokens, CFG.head_dim**-0.5, torch.float32, CPU
+        model,
+        eng.kv_cache,
+        backend,
+        max_tokens,
+        (1, 2, 4),
+        CFG.head_dim**-0.5,
+        torch.float32,
+        CPU,
     )
     whole.capture()
     eng.runner.prefill_graphs = whole
@@ -120,15 +129,26 @@ def _hidden(eng: LLMEngine, rid: str, prompt: list[int], **kw) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def _counting(eng: LLMEngine) -> list[int]:
+    """Counts the steps the engine launches (a list of one counter)."""
+    count, launch = [0], eng.runner.launch
+
+    def counted(plan):
+        count[0] += 1
+        return launch(plan)
+
+    eng.runner.launch = counted
+    return count
+
+
 def test_prefill_graph_steps_equal_the_plain_forward_on_cpu(model, monkeypatch):
-    assert list(prefill_fields(24, 9)) == [
-        "positions",
-        "slot_mapping",
-        "qo_indptr",
-        "kv_indptr",
-        "kv_last_page_len",
-        "kv_indices",
-    ]
+    """Requests one at a time (every step one sequence: prompt chunks of 16 and decodes)
+    and the staggered mix (up to 4 sequences a step, padded to a batch bucket with one-row
+    sequences): the same tokens as the plain forward. With 24-token buckets every step of
+    the mix fits a graph; with 16 the steps whose padding would not fit take the plain
+    forward."""
+    fields = prefill_fields(4, 24, 9)
+    assert fields["qo_indptr"][1] == (5,) and fields["kv_last_page_len"][1] == (4,)
     torch.manual_seed(0)
     ref = _alone(_engine(model, enable_prefix_caching=False))
     for max_tokens in (16, 24):
@@ -136,23 +156,39 @@ def test_prefill_graph_steps_equal_the_plain_forward_on_cpu(model, monkeypatch):
         eng = _graph_engine(model, monkeypatch, max_tokens, enable_prefix_caching=False)
         whole = eng.runner.prefill_graphs
         assert whole.buckets == ((16,) if max_tokens == 16 else (16, 24))
+        assert whole.key(1, 1) == (1, 16) and whole.key(3, 16) == (
+            None if max_tokens == 16 else (4, 24)
+        )
+        assert whole.key(5, 5) is None and whole.key(1, 25) is None
+        launched = _counting(eng)
         got = _alone(eng)
-        # every step of one sequence: the prompt chunks (16 tokens a step) and each decode
-        assert whole.steps == sum(sp.max_tokens + (len(p) > 16) for p, sp in REQUESTS.values())
+        assert (
+            whole.steps
+            == launched[0]
+            == sum(sp.max_tokens + (len(p) > 16) for p, sp in REQUESTS.values())
+        )
         for rid in REQUESTS:
             assert got[rid] == ref[rid], (max_tokens, rid)
-        plans = [p for w in eng.runner.prefill_graphs.backend.wrappers.values() for p in w.plans]
-        assert len(plans) == whole.steps + len(whole.buckets)  # + one plan per capture
-        assert set(plans) >= {1, 16}  # the real rows are planned, not the bucket's
-    # a mix: steps of several sequences take the plain forward, single ones the graphs
+        plans = [p for w in whole.backend.wrappers.values() for p in w.plans]
+        assert len(plans) == whole.steps + len(whole.keys)  # + one plan per capture
+        assert [0, 1] in plans and [0, 16] in plans  # the real rows, not the bucket's
     torch.manual_seed(0)
     ref = _staggered(_engine(model))
-    torch.manual_seed(0)
-    eng = _graph_engine(model, monkeypatch, 16)
-    got = _staggered(eng)
-    assert 0 < eng.runner.prefill_graphs.steps
-    for rid in REQUESTS:
-        assert got[rid] == ref[rid], rid
+    for max_tokens in (16, 24):
+        torch.manual_seed(0)
+        eng = _graph_engine(model, monkeypatch, max_tokens)
+        launched = _counting(eng)
+        got = _staggered(eng)
+        whole = eng.runner.prefill_graphs
+        for rid in REQUESTS:
+            assert got[rid] == ref[rid], (max_tokens, rid)
+        if max_tokens == 24:
+            assert whole.steps == launched[0]
+        else:
+            assert 0 < whole.steps < launched[0]
+        # steps of 3 sequences ran padded to 4: a fourth sequence of one row
+        padded = [p for p in whole.backend.wrappers[4, max_tokens].plans[1:] if p[4] == p[3] + 1]
+        assert padded and whole.backend.wrappers[2, 16].plans[1:]
 
 
 def test_prefill_graph_hidden_rows_over_a_cached_prefix_and_media(model, monkeypatch):
@@ -170,8 +206,8 @@ def test_prefill_graph_hidden_rows_over_a_cached_prefix_and_media(model, monkeyp
         assert eng.stats().prefix_cache_hits == 40
         rows[name] = (first, turn, mm)
         if name == "graphs":  # the turn: its 7 new rows over 40 cached, one graph step
-            (wrapper,) = eng.runner.prefill_graphs.backend.wrappers.values()
-            assert 7 in wrapper.plans and eng.runner.prefill_graphs.steps >= 3 + 3 * 11
+            whole = eng.runner.prefill_graphs
+            assert [0, 7] in whole.backend.wrappers[1, 16].plans and whole.steps >= 3 + 3 * 11
     for got, want in zip(rows["graphs"], rows["plain"]):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ Backends (same interface, `AttentionBackend`):
 - `FlashInferAttention`: BatchPrefillWithPagedKVCacheWrapper for steps with any prefill
   rows, BatchDecodeWithPagedKVCacheWrapper for pure decode steps, plus one
   CUDA-graph decode wrapper per captured batch size and one CUDA-graph prefill wrapper per
-  bucket of one sequence's tokens (see graphs.py). flashinfer is imported lazily.
+  bucket of sequences and tokens (see graphs.py). flashinfer is imported lazily.
 
 KV layout: per layer (num_blocks, 2, block_size, num_kv_heads, head_dim), FlashInfer's
 "NHD" paged layout, with [:, 0] = K and [:, 1] = V.
@@ -257,8 +257,8 @@ class FlashInferAttention:
 
     For CUDA graphs, `graph_decode_wrapper(bs)` returns a per-batch-size decode wrapper
     whose metadata buffers are static; `use_graph_wrapper(bs)` routes the next decode
-    plans/runs to it; `graph_prefill_wrapper(tokens)` is the same for one sequence's
-    prefill, planned and run by graphs.PrefillGraphs itself (see graphs.py)."""
+    plans/runs to it; `graph_prefill_wrapper(seqs, tokens)` is the same for prefill steps,
+    planned and run by graphs.PrefillGraphs itself (see graphs.py)."""
 
     name = "flashinfer"
 
@@ -283,7 +283,7 @@ class FlashInferAttention:
         self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._graph_wrappers: dict[int, object] = {}
-        self._prefill_graph_wrappers: dict[int, object] = {}
+        self._prefill_graph_wrappers: dict[tuple[int, int], object] = {}
         self._graph_bs: int | None = None  # when set, decode steps use that graph wrapper
         self._active = None
 
@@ -307,22 +307,23 @@ class FlashInferAttention:
     def use_graph_wrapper(self, bs: int | None) -> None:
         self._graph_bs = bs
 
-    def graph_prefill_wrapper(self, tokens: int):
-        """A prefill wrapper in FlashInfer's CUDA-graph mode for one sequence of at most
-        `tokens` query rows (graphs.PrefillGraphs: one per bucket). Its first plan fixes the
-        most rows it takes, and so its grid and tiles; later plans only rewrite its buffers."""
-        if tokens not in self._prefill_graph_wrappers:
+    def graph_prefill_wrapper(self, seqs: int, tokens: int):
+        """A prefill wrapper in FlashInfer's CUDA-graph mode for `seqs` sequences of at most
+        `tokens` query rows in all (graphs.PrefillGraphs: one per key). Its first plan fixes
+        the most rows it takes, and so its grid and tiles; later plans rewrite its buffers."""
+        key = (seqs, tokens)
+        if key not in self._prefill_graph_wrappers:
             i32 = {"dtype": torch.int32, "device": self.device}
-            self._prefill_graph_wrappers[tokens] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._prefill_graph_wrappers[key] = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
-                qo_indptr_buf=torch.zeros(2, **i32),
-                paged_kv_indptr_buf=torch.zeros(2, **i32),
+                qo_indptr_buf=torch.zeros(seqs + 1, **i32),
+                paged_kv_indptr_buf=torch.zeros(seqs + 1, **i32),
                 paged_kv_indices_buf=torch.zeros(self.max_num_pages, **i32),
-                paged_kv_last_page_len_buf=torch.zeros(1, **i32),
+                paged_kv_last_page_len_buf=torch.zeros(seqs, **i32),
             )
-        return self._prefill_graph_wrappers[tokens]
+        return self._prefill_graph_wrappers[key]
 
     # -- step --------------------------------------------------------------------------
     def prepare(self, meta: AttnMetadata) -> None:

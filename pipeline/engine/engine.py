@@ -93,11 +93,12 @@ class EngineConfig:
     # per bucket of tokens (16, 32, ... this), attention eager between the pieces. Such a step
     # is otherwise host-bound (~0.8 ms a layer of op-by-op launches). CUDA only; 0 = off.
     piecewise_graph_tokens: int = 0
-    # A step of one sequence (a prompt, a chunk of one, a new turn over a cached history) of
-    # at most this many tokens runs as one CUDA graph per bucket of tokens (16, 32, ...
-    # this), attention included (FlashInfer's prefill in its CUDA-graph mode): none of the
-    # piecewise path's host work between layers. CUDA + flashinfer only; 0 = off. Its GEMMs
-    # over the padded bucket and its attention's split of the keys may sum in another order.
+    # Steps decode graphs do not take (prompts, chunks of them, prefills beside decodes) of
+    # at most this many tokens run as one CUDA graph per bucket of sequences (the decode
+    # graphs' sizes) and of tokens (16, 32, ... this), attention included (FlashInfer's
+    # prefill in its CUDA-graph mode): none of the piecewise path's host work between
+    # layers. CUDA + flashinfer only; 0 = off. Its GEMMs over the padded bucket and its
+    # attention's split of the keys may sum in another order.
     prefill_graph_tokens: int = 0
     enable_prefix_caching: bool = True  # reuse K/V of cached full-block prompt prefixes
     device_sampling: bool = True  # batched sampling on the device (False: the per-row host Sampler)
@@ -215,7 +216,7 @@ class LLMEngine:
         whole = None
         if config.prefill_graph_tokens and graphs is not None:  # CUDA + flashinfer
             whole = PrefillGraphs(
-                model, self.kv_cache, self.backend, config.prefill_graph_tokens,
+                model, self.kv_cache, self.backend, config.prefill_graph_tokens, graphs.sizes,
                 cfg.head_dim**-0.5, dtype, self.device,
             )
             whole.capture()

@@ -18,9 +18,9 @@ bucket first):
 - Only the FlashInfer backend is capturable (the torch backend syncs to read lengths).
 - Prefill and mixed steps, steps with multimodal rows, and batches above the largest
   bucket run eagerly, or, with `piecewise_graph_tokens`, as `PiecewiseGraphs` (everything
-  but attention captured per bucket of tokens), or, for a step of one sequence with
-  `prefill_graph_tokens`, as `PrefillGraphs` (the whole forward, attention included, per
-  bucket of tokens). `cuda_graphs=False` in the engine config turns graphs off entirely.
+  but attention captured per bucket of tokens), or, with `prefill_graph_tokens`, as
+  `PrefillGraphs` (the whole forward, attention included, per bucket of sequences and of
+  tokens). `cuda_graphs=False` in the engine config turns graphs off entirely.
 """
 
 from __future__ import annotations
@@ -416,25 +416,25 @@ class PiecewiseGraphs:
         return self.hidden[:t]
 
 
-def prefill_fields(max_tokens: int, max_pages: int) -> Fields:
-    """A one-sequence step's inputs besides its embeddings: positions and KV slots per row,
-    and FlashInfer's query offsets and page table for the one sequence."""
+def prefill_fields(max_seqs: int, max_tokens: int, max_pages: int) -> Fields:
+    """A prefill graph step's inputs besides its embeddings: positions and KV slots per row,
+    FlashInfer's query offsets and page table per sequence."""
     long, i32 = torch.int64, torch.int32
     return {
         "positions": (long, (max_tokens,)),
         "slot_mapping": (long, (max_tokens,)),
-        "qo_indptr": (i32, (2,)),
-        "kv_indptr": (i32, (2,)),
-        "kv_last_page_len": (i32, (1,)),
+        "qo_indptr": (i32, (max_seqs + 1,)),
+        "kv_indptr": (i32, (max_seqs + 1,)),
+        "kv_last_page_len": (i32, (max_seqs,)),
         "kv_indices": (i32, (max_pages,)),
     }
 
 
 class _PlannedPrefill:
     """A prefill graph's attention (the AttentionBackend interface): the new K/V written at
-    the staged slots, then the bucket's FlashInfer prefill wrapper, planned before each
-    replay, into a static output. FlashInfer writes only the planned rows, so the padded
-    rows keep earlier, finite values (never uninitialized memory)."""
+    the staged slots, then the key's FlashInfer prefill wrapper, planned before each
+    replay, into a static output. FlashInfer writes only the planned rows, so the rows
+    past them keep earlier, finite values (never uninitialized memory)."""
 
     name = "flashinfer-prefill-graph"
 
@@ -451,27 +451,30 @@ class _PlannedPrefill:
 
 
 class PrefillGraphs:
-    """Whole-step CUDA graphs for a step of one sequence's new tokens (a prompt, a chunk of
-    one, a new turn over a cached history), per bucket of tokens, attention included.
+    """Whole-step CUDA graphs for the steps decode graphs do not take (prompts, chunks of
+    them, new turns over a cached history, prefills beside decodes), per (bucket of
+    sequences, bucket of tokens), attention included.
 
     Why: with attention between the pieces (`PiecewiseGraphs`), a short prefill's wall time
     is still the host's: 36 layers of FlashInfer calls, K/V writes and piece launches, ~13 ms
-    for ~7 ms of kernels on an H200 (docs/performance.md). One sequence's attention can be
-    captured too: FlashInfer's prefill in its CUDA-graph mode takes a fixed batch (one) and
-    at most the rows of its first plan, and a plan before each replay rewrites its buffers.
+    for ~7 ms of kernels on an H200 (docs/performance.md). Attention can be captured too:
+    FlashInfer's prefill in its CUDA-graph mode takes a fixed number of sequences and at
+    most the rows of its first plan, and a plan before each replay rewrites its buffers.
 
     Contract:
-    - a step of T tokens of one sequence runs in the smallest bucket >= T; the embeddings
-      (multimodal rows spliced in) are an input, the final-norm hidden rows [:T] the output
-      (`hidden`, read before the next step);
-    - padded rows T..bucket: zero embeddings at position 0, writing K/V into the KV cache's
-      scratch slot; attention is planned for the T real rows only (bottom-right causal over
-      the sequence's cached + new tokens); every other op works row by row, so padding never
-      reaches a real row. A GEMM over the bucket may pick another kernel than over T rows,
-      and FlashInfer's graph mode splits the keys its own way: reordered sums, bounded by
-      the tests against the plain forward;
+    - a step of b sequences and T tokens runs in the key (B, n): B the smallest batch bucket
+      >= b, n the smallest token bucket >= T + B - b; the embeddings (multimodal rows
+      spliced in) are an input, the final-norm hidden rows [:T] the output (`hidden`, read
+      before the next step);
+    - padding: B - b sequences of one row each (rows T, T + 1, ...), attending over the KV
+      cache's scratch block, as decode graphs pad; rows up to n after them are planned for
+      no sequence. Every padded row has a zero embedding at position 0 and writes its K/V
+      into the scratch slot. Every op but attention works row by row, so padding never
+      reaches a real row. A GEMM over n rows may pick another kernel than over T, and
+      FlashInfer's graph mode splits the keys its own way: reordered sums, bounded by the
+      tests against the plain forward;
     - the host stages positions, slots and the page table in one pinned buffer (`Staging`),
-      uploads it with one copy, and plans the bucket's wrapper from it without a sync.
+      uploads it with one copy, and plans the key's wrapper from it without a sync.
     """
 
     def __init__(
@@ -480,6 +483,7 @@ class PrefillGraphs:
         kv_cache: KVCache,
         backend: FlashInferAttention,
         max_tokens: int,
+        batch_sizes: tuple[int, ...],
         scale: float,
         dtype: torch.dtype,
         device: torch.device,
@@ -488,116 +492,130 @@ class PrefillGraphs:
             raise TypeError("prefill graphs need the flashinfer attention backend")
         cfg = model.cfg
         self.model, self.kv_cache, self.backend, self.scale = model, kv_cache, backend, scale
+        self.batch_sizes = tuple(sorted(b for b in batch_sizes if b <= max_tokens))
         self.buckets = piece_buckets(max_tokens)
         kw = {"dtype": dtype, "device": device}
-        self.staging = Staging(prefill_fields(max_tokens, backend.max_num_pages), device)
+        fields = prefill_fields(self.batch_sizes[-1], max_tokens, backend.max_num_pages)
+        self.staging = Staging(fields, device)
         self.x = torch.zeros(max_tokens, cfg.hidden_size, **kw)
         self.hidden = torch.zeros(max_tokens, cfg.hidden_size, **kw)
-        self.out = torch.zeros(
-            max_tokens, cfg.num_attention_heads, cfg.head_dim, **kw
-        )  # attention output
-        self.runner = GraphRunner(max_graphs=len(self.buckets), warmup_iters=1)
+        self.out = torch.zeros(max_tokens, cfg.num_attention_heads, cfg.head_dim, **kw)
+        self.keys = [(b, n) for b in self.batch_sizes for n in self.buckets if b <= n]
+        self.runner = GraphRunner(max_graphs=len(self.keys), warmup_iters=1)
         self.steps = 0  # observability: steps run as prefill graphs
 
-    def bucket(self, tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= tokens), None)
+    def key(self, seqs: int, tokens: int) -> tuple[int, int] | None:
+        """The graph a step of `seqs` sequences and `tokens` tokens replays; None: none."""
+        b = next((b for b in self.batch_sizes if b >= seqs), None)
+        if b is None:
+            return None
+        n = next((n for n in self.buckets if n >= tokens + b - seqs), None)
+        return None if n is None else (b, n)
 
     def _stage(
         self,
-        n: int,
+        key: tuple[int, int],
+        qo_indptr: Sequence[int],
         positions: Sequence[int],
         slots: Sequence[int],
-        kv_len: int,
-        block_table: Sequence[int],
+        kv_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
     ) -> int:
-        """Write bucket n's inputs for the len(positions) real rows into the host buffer;
-        returns the number of page indices."""
-        t, h, kv = len(positions), self.staging.host, self.kv_cache
+        """Write the key's inputs for the real sequences and rows, then the padding, into
+        the host buffer; returns the number of page indices."""
+        (b, n), seqs, t = key, len(kv_lens), len(positions)
+        h, kv = self.staging.host, self.kv_cache
         h["positions"][:t] = positions
         h["positions"][t:n] = 0
         h["slot_mapping"][:t] = slots
         h["slot_mapping"][t:n] = kv.scratch_slot
-        h["qo_indptr"][:] = (0, t)
+        h["qo_indptr"][: seqs + 1] = qo_indptr
+        h["qo_indptr"][seqs + 1 : b + 1] = range(t + 1, t + 1 + b - seqs)  # one row each
         return page_table(
-            [kv_len],
-            [block_table],
+            kv_lens,
+            block_tables,
             kv.block_size,
             kv.scratch_block,
-            h["kv_indptr"],
+            h["kv_indptr"][: b + 1],
             h["kv_indices"],
-            h["kv_last_page_len"],
+            h["kv_last_page_len"][:b],
         )
 
-    def _plan(self, n: int, used: int) -> None:
-        """Plan bucket n's wrapper from the staged host arrays (pinned: no blocking copy)
-        and the uploaded page indices."""
-        b, h = self.backend, self.staging.host_t
-        b.graph_prefill_wrapper(n).plan(
-            h["qo_indptr"],
-            h["kv_indptr"],
+    def _plan(self, key: tuple[int, int], used: int) -> None:
+        """Plan the key's wrapper from the staged host arrays (pinned: no blocking copy) and
+        the uploaded page indices."""
+        (b, _), host, bk = key, self.staging.host_t, self.backend
+        bk.graph_prefill_wrapper(*key).plan(
+            host["qo_indptr"][: b + 1],
+            host["kv_indptr"][: b + 1],
             self.staging.dev["kv_indices"][:used],
-            h["kv_last_page_len"],
-            b.num_qo_heads,
-            b.num_kv_heads,
-            b.head_dim,
-            b.block_size,
+            host["kv_last_page_len"][:b],
+            bk.num_qo_heads,
+            bk.num_kv_heads,
+            bk.head_dim,
+            bk.block_size,
             causal=True,
-            q_data_type=b.dtype,
-            kv_data_type=b.dtype,
+            q_data_type=bk.dtype,
+            kv_data_type=bk.dtype,
             non_blocking=True,
         )
 
-    def _forward(self, n: int) -> None:
-        """The model over rows [:n] of the buffers (captured as bucket n's graph)."""
-        d, kv = self.staging.dev, self.kv_cache
+    def _forward(self, key: tuple[int, int]) -> None:
+        """The model over rows [:n] of the buffers (captured as the key's graph)."""
+        (b, n), d, kv = key, self.staging.dev, self.kv_cache
         meta = AttnMetadata(  # only the slots are read inside: the wrapper was planned
-            qo_indptr=torch.tensor([0, n], dtype=torch.int32),
-            kv_lens=torch.tensor([n], dtype=torch.int32),
+            qo_indptr=torch.zeros(b + 1, dtype=torch.int32),
+            kv_lens=torch.ones(b, dtype=torch.int32),
             block_tables=d["kv_indices"][None, :1],
             block_tables_cpu=torch.zeros(1, 1, dtype=torch.int32),
             slot_mapping=d["slot_mapping"][:n],
             is_decode=False,
             block_size=kv.block_size,
         )
-        attention = _PlannedPrefill(self.backend.graph_prefill_wrapper(n), self.out)
+        attention = _PlannedPrefill(self.backend.graph_prefill_wrapper(*key), self.out)
         with forward_batch(ForwardBatch(attention, meta, kv.layers, self.scale)):
             h = self.model(self.x[:n], d["positions"][:n])
         self.hidden[:n].copy_(h)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Every bucket, largest first (smaller ones reuse its pool memory), each planned
-        first for its full n rows of padding in the scratch block: the most rows it takes."""
+        """Every key, largest first (smaller ones reuse its pool memory), each planned first
+        for all its n rows (its first sequence takes those the other B - 1 leave), padding in
+        the scratch block: the most rows it takes."""
         kv = self.kv_cache
-        for n in sorted(self.buckets, reverse=True):
-            pages = -(-n // kv.block_size)
-            used = self._stage(n, [0] * n, [kv.scratch_slot] * n, n, [kv.scratch_block] * pages)
+        for b, n in sorted(self.keys, reverse=True):
+            first = n - (b - 1)
+            pages = [kv.scratch_block] * -(-first // kv.block_size)
+            used = self._stage(
+                (b, n), [0, first], [0] * first, [kv.scratch_slot] * first, [first], [pages]
+            )
             self.staging.upload()
-            self._plan(n, used)
-            self.runner.add(n, lambda n=n: self._forward(n))
+            self._plan((b, n), used)
+            self.runner.add((b, n), lambda key=(b, n): self._forward(key))
         torch.cuda.synchronize()
 
     def forward(
         self,
+        key: tuple[int, int],
         embeds: torch.Tensor,
+        qo_indptr: Sequence[int],
         positions: Sequence[int],
         slots: Sequence[int],
-        kv_len: int,
-        block_table: Sequence[int],
+        kv_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
     ) -> torch.Tensor:
-        """One sequence's step over T = len(positions) <= max bucket new tokens (its KV
-        covers kv_len tokens after the step, through `block_table`) -> final-norm hidden
-        (T, H), a view of `hidden`."""
-        t = embeds.shape[0]
-        n = self.bucket(t)
-        assert n is not None, f"{t} tokens exceed the largest prefill graph {self.buckets[-1]}"
+        """A step of len(kv_lens) sequences (rows qo_indptr[i]:qo_indptr[i + 1] of
+        `embeds`, their KV covering kv_lens[i] tokens after the step through
+        block_tables[i]) in the graph of `key` (`self.key`) -> final-norm hidden (T, H), a
+        view of `hidden`."""
+        t, n = embeds.shape[0], key[1]
         self.staging.wait_consumed()  # the previous step's plan has read the host buffer
-        used = self._stage(n, positions, slots, kv_len, block_table)
+        used = self._stage(key, qo_indptr, positions, slots, kv_lens, block_tables)
         self.staging.upload()
         self.x[:t].copy_(embeds)
         self.x[t:n].zero_()
-        self._plan(n, used)
+        self._plan(key, used)
         self.staging.mark_consumed()
         self.steps += 1
-        self.runner.run(n, (), fn=None)  # every bucket was captured at start
+        self.runner.run(key, (), fn=None)  # every key was captured at start
         return self.hidden[:t]

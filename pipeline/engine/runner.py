@@ -13,8 +13,8 @@ one event) and returns them. Steps of `launch`:
   4. Plan attention once, run the model inside the scoped forward context, or, for steps
      of at most `piecewise_graph_tokens` tokens, as piecewise graphs (everything but
      attention replayed, attention eager between the pieces: graphs.PiecewiseGraphs); a
-     step of one sequence's at most `prefill_graph_tokens` tokens replays a whole graph
-     instead, attention inside (graphs.PrefillGraphs).
+     step of at most `prefill_graph_tokens` tokens replays a whole graph instead,
+     attention inside (graphs.PrefillGraphs).
   5. Logits for the last row of every sequence that reached its last token, sampled by
      the same batched sampler (`sampling.sample_batch`), eagerly.
   With `device_sampling=False` both paths sample row by row on the host instead
@@ -256,9 +256,12 @@ class ModelRunner:
                 embeds[lo + rows.to(self.device)] = vals.to(self.device, embeds.dtype)
         # 4) attention plan + model
         whole = self.prefill_graphs
-        if whole is not None and len(plan.seqs) == 1 and whole.bucket(len(fb.ids)) is not None:
-            table = plan.seqs[0].seq.block_table
-            hidden = whole.forward(embeds, fb.positions, fb.slots, fb.kv_lens[0], table)
+        key = None if whole is None else whole.key(len(plan.seqs), len(fb.ids))
+        if key is not None:
+            tables = [s.seq.block_table for s in plan.seqs]
+            hidden = whole.forward(
+                key, embeds, fb.qo_indptr, fb.positions, fb.slots, fb.kv_lens, tables
+            )
         else:
             positions = torch.tensor(fb.positions, dtype=torch.long)
             meta = self._meta(plan, fb)
