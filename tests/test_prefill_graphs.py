@@ -25,6 +25,7 @@ from pipeline.engine.attention import AttnMetadata, FlashInferAttention, TorchAt
 from pipeline.engine.engine import EngineConfig, LLMEngine
 from pipeline.engine.graphs import PrefillGraphs, prefill_fields
 from pipeline.handoff import SamplingParams
+from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from tests.test_device_sampling import (
     ARRIVAL,
     CFG,
@@ -34,6 +35,8 @@ from tests.test_device_sampling import (
     _prompt,
     _staggered,
 )
+from tests.test_thinker import _request as thinker_request
+from tests.test_thinker import _run
 
 CPU = torch.device("cpu")
 
@@ -48,8 +51,14 @@ class _TorchPrefillWrapper:
     page table (as FlashInfer copies it into its buffers), `run` attends over it with the
     torch backend and writes only the planned rows of `out`."""
 
-    def __init__(self, seqs: int, block_size: int) -> None:
-        self.seqs, self.block_size, self.plans, self.csr = seqs, block_size, [], None
+    def __init__(self, seqs: int, block_size: int, scale: float) -> None:
+        self.seqs, self.block_size, self.scale, self.plans, self.csr = (
+            seqs,
+            block_size,
+            scale,
+            [],
+            None,
+        )
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, causal, **kw) -> None:
         assert causal and qo_indptr.shape == kv_indptr.shape == (self.seqs + 1,)
@@ -72,7 +81,7 @@ class _TorchPrefillWrapper:
             block_size=self.block_size,
         )
         t = int(qo_indptr[-1])
-        out[:t] = TorchAttention()._prefill(kv, q, meta, CFG.head_dim**-0.5)[:t]
+        out[:t] = TorchAttention()._prefill(kv, q, meta, self.scale)[:t]
         return out
 
 
@@ -83,7 +92,10 @@ class _PlannedTorchAttention(FlashInferAttention):
         self.dtype, self.wrappers = torch.float32, {}
 
     def graph_prefill_wrapper(self, seqs: int, tokens: int):
-        return self.wrappers.setdefault((seqs, tokens), _TorchPrefillWrapper(seqs, self.block_size))
+        if (seqs, tokens) not in self.wrappers:
+            scale = self.head_dim**-0.5
+            self.wrappers[seqs, tokens] = _TorchPrefillWrapper(seqs, self.block_size, scale)
+        return self.wrappers[seqs, tokens]
 
 
 def _graph_engine(model, monkeypatch, max_tokens: int, **kw) -> LLMEngine:
@@ -211,6 +223,37 @@ def test_prefill_graph_hidden_rows_over_a_cached_prefix_and_media(model, monkeyp
     for got, want in zip(rows["graphs"], rows["plain"]):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_thinker_with_prefill_graphs_streams_the_same(tiny_source, monkeypatch):
+    """Two media requests (an image's slices and an audio clip spliced into the prompt) at
+    once through the Thinker with its LLM's steps in prefill graphs: the same ids and spoken
+    hidden rows as the plain Thinker, and its stats count the graph steps."""
+    monkeypatch.setattr(graphs_module, "GraphRunner", _DirectRunner)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    cfg = ThinkerEngineConfig(llm=EngineConfig(kv_cache_bytes=32 * 2**20))
+    plain, eng = (ThinkerEngine.from_source(tiny_source, cfg, device="cpu") for _ in range(2))
+    llm = eng.llm
+    backend = _PlannedTorchAttention(
+        eng.model.cfg.llm, llm.kv_cache.num_blocks + 1, llm.kv_cache.block_size
+    )
+    llm.runner.prefill_graphs = PrefillGraphs(
+        eng.model.llm, llm.kv_cache, backend, 512, (1, 2), llm.runner.scale, torch.float32, CPU
+    )
+    llm.runner.prefill_graphs.capture()
+    reqs = {"a": {"image_seed": 5}, "b": {"image_seed": 6, "audio_freq": 330.0}}
+    got = _run(eng, [thinker_request(eng, rid, **kw) for rid, kw in reqs.items()])
+    want = _run(plain, [thinker_request(plain, rid, **kw) for rid, kw in reqs.items()])
+    for rid in reqs:
+        assert got[rid]["ids"] == want[rid]["ids"], rid
+        assert got[rid]["hidden"].shape[0] > 0
+        torch.testing.assert_close(got[rid]["hidden"], want[rid]["hidden"], rtol=1e-5, atol=1e-5)
+    stats = eng.stats()
+    assert stats["llm_prefill_graph_steps"] == llm.runner.prefill_graphs.steps > 0
+    assert plain.stats()["llm_prefill_graph_steps"] == 0
+    # both prompts (media rows and all, > 256 tokens together) in one step of two sequences
+    (step,) = [p for p in backend.wrappers[2, 512].plans[1:] if p[1] > 1 and p[2] - p[1] > 1]
+    assert step[2] > 256
 
 
 @pytest.mark.gpu

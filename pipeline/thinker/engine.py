@@ -216,6 +216,8 @@ class ThinkerStats:
     vision_graph_replays: int = 0  # vision batches run as CUDA graphs (vision_cuda_graphs)
     vision_graph_captures: int = 0
     vision_graph_fallbacks: int = 0  # ... run eagerly (float pixels)
+    llm_piecewise_steps: int = 0  # LLM steps run as piecewise graphs (piecewise_graph_tokens)
+    llm_prefill_graph_steps: int = 0  # ... as whole prefill graphs (prefill_graph_tokens)
 
 
 class ThinkerEngine:
@@ -670,7 +672,7 @@ class ThinkerEngine:
                 )
 
     def stats(self) -> dict[str, float]:
-        s = self.llm.stats()
+        s, runner = self.llm.stats(), self.llm.runner
         return asdict(
             ThinkerStats(
                 open_streams=len(self._pending) + len(self._streams),
@@ -698,6 +700,10 @@ class ThinkerEngine:
                 holds=self.holds.started,
                 holds_timed_out=self.holds.timed_out,
                 **(self.vision_graphs.runner.counts("vision") if self.vision_graphs else {}),
+                llm_piecewise_steps=runner.pieces.steps if runner.pieces else 0,
+                llm_prefill_graph_steps=(
+                    runner.prefill_graphs.steps if runner.prefill_graphs else 0
+                ),
             )
         )
 
