@@ -471,8 +471,8 @@ class PrefillGraphs:
       no sequence. Every padded row has a zero embedding at position 0 and writes its K/V
       into the scratch slot. Every op but attention works row by row, so padding never
       reaches a real row. A GEMM over n rows may pick another kernel than over T, and
-      FlashInfer's graph mode splits the keys its own way: reordered sums, bounded by the
-      tests against the plain forward;
+      FlashInfer's graph mode schedules attention its own way (its FA2 kernels always split
+      the keys): reordered sums, bounded by the tests against the plain forward;
     - the host stages positions, slots and the page table in one pinned buffer (`Staging`),
       uploads it with one copy, and plans the key's wrapper from it without a sync.
     """
