@@ -274,3 +274,27 @@ def test_sdpa_without_cudnn_attention_matches_on_cuda(monkeypatch):
     err_shipped = (shipped - want).abs().mean().item()
     assert err_shipped <= 1.5 * err_cudnn + 1e-4, (err_shipped, err_cudnn)
     assert err_shipped / want.abs().mean().item() < 2e-2
+
+
+def test_audio_graphs_pad_a_clip_to_its_bucket(encoder):
+    """AudioGraphs (a CUDA graph of one clip per bucket of mel frames; on the CPU the runner
+    stand-in keeps GraphRunner's static buffers): a clip zero-padded to its bucket and masked
+    as a shorter clip of a batch gives the tokens it gets alone, for lengths across the
+    buckets and at their edges, each bucket one graph that every length of it reuses."""
+    from pipeline.thinker.model import AudioGraphs
+    from tests.test_thinker import _StaticRunner
+
+    graphs = AudioGraphs(encoder, torch.float32, buckets=(64, 128, 512))
+    assert graphs.buckets == (64, 128, 300)  # the window (300 frames here) is always the last
+    assert graphs.bucket(300) == 300 and graphs.bucket(301) is None
+    graphs.runner = _StaticRunner()
+    g = torch.Generator().manual_seed(5)
+    lengths = (10, 37, 64, 65, 128, 200, 299, 300)
+    for n in lengths:
+        feats = torch.randn(TINY.num_mel_bins, n, generator=g)
+        got = graphs.encode(feats)
+        want = encoder(feats[None], torch.tensor([n]))[0]
+        assert got.shape == want.shape == (num_audio_tokens(n), 48)
+        assert_close(got, want, atol=1e-5, what=f"T={n}")
+    assert graphs.runner.captures == 3 and graphs.runner.replays == len(lengths)
+    assert graphs.runner.keys == [64, 64, 64, 128, 128, 300, 300, 300]

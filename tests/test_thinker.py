@@ -585,3 +585,27 @@ def test_an_engine_with_vision_graphs_streams_the_same(engine_factory):
     stats = eng.stats()
     assert stats["vision_graph_replays"] == len(eng.vision_graphs.runner.keys) >= 2
     assert stats["vision_graph_fallbacks"] == 0
+
+
+def test_an_engine_with_audio_graphs_streams_the_same(engine_factory):
+    """The engine hands a step's lone audio clip to its graphs (CUDA only; the CPU runner
+    stands in) and streams what an engine without them does; two clips in one step are
+    encoded together, eagerly; the stats count both."""
+    plain, eng = engine_factory(), engine_factory(audio_cuda_graphs=True)
+    assert eng.audio_graphs is None  # not on the CPU
+    from pipeline.thinker.model import AudioGraphs
+
+    eng.audio_graphs = AudioGraphs.of(eng.model)
+    eng.audio_graphs.runner = _StaticRunner()
+    a = _run(eng, [_request(eng, "g", audio_freq=350.0)])["g"]
+    b = _run(plain, [_request(plain, "g", audio_freq=350.0)])["g"]
+    assert a["ids"] == b["ids"]
+    torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-5, rtol=1e-5)
+    stats = eng.stats()
+    assert (stats["audio_graph_replays"], stats["audio_graph_fallbacks"]) == (1, 0)
+    assert eng.audio_graphs.runner.keys == [256]  # a 2 s clip: 200 mel frames
+    pair = [_request(eng, f"p{i}", audio_freq=400.0 + 50 * i) for i in range(2)]
+    got = _run(eng, pair)
+    want = _run(plain, [_request(plain, f"p{i}", audio_freq=400.0 + 50 * i) for i in range(2)])
+    assert all(got[r]["ids"] == want[r]["ids"] for r in got)
+    assert eng.stats()["audio_graph_fallbacks"] == 1 and eng.stats()["audio_graph_replays"] == 1

@@ -171,31 +171,40 @@ class WhisperEncoder(nn.Module):
             layer.self_attn.backend = backend
 
     def forward(self, features: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-        b, _, t = features.shape
+        t = features.shape[2]
         lengths = [int(n) for n in lengths]
         if max(lengths) > self.max_mel_frames:
             raise ValueError(
                 f"clip of {max(lengths)} mel frames > {self.max_mel_frames}; split it first"
             )
-        dev = features.device
+        return self.run(features, *self.masks(lengths, t, features.device))
+
+    def masks(
+        self, lengths: Sequence[int], t: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mel_valid (B, t), mask (B, 1, T', T')) of clips of `lengths` mel frames padded
+        to t: each clip's valid mel frames, and the block-causal + padding mask shared by
+        all layers."""
+        mel_valid = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).to(
+            device, non_blocking=True
+        )
+        enc_lens = [encoder_frames(m) for m in lengths]
+        return mel_valid, block_causal_mask(enc_lens, encoder_frames(t), self.chunk_frames, device)
+
+    def run(self, features: torch.Tensor, mel_valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The encoder over features (B, n_mels, t) with `masks`' tensors (no host work on
+        lengths: a CUDA graph replays it)."""
         features = features.to(self.conv1.weight.dtype)
 
         # 1) convs; zero each clip's tail so batching does not leak into its last frame
-        mel_valid = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).to(
-            dev, non_blocking=True
-        )
         x = features * mel_valid[:, None, :]
         x = F.gelu(self.conv1(x)) * mel_valid[:, None, :]
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # (B, T', d)
 
         # 2) learned positions
-        n = x.shape[1]
-        x = x + self.embed_positions.weight[:n]
+        x = x + self.embed_positions.weight[: x.shape[1]]
 
-        # 3) block-causal + padding mask, shared by all layers
-        enc_lens = [encoder_frames(m) for m in lengths]
-        mask = block_causal_mask(enc_lens, n, self.chunk_frames, dev)
-        # every clip length is a new shape
+        # 3) the layers, under the block-causal + padding mask; every clip length is a new shape
         with any_shape():
             for layer in self.layers:
                 x = layer(x, mask)
@@ -243,6 +252,12 @@ class AudioEncoder(nn.Module):
     def num_tokens(self, n_mel: int) -> int:
         return num_audio_tokens(n_mel, self.pool_step, self.apm.max_mel_frames)
 
+    def tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """Encoder frames (N, T', d) -> projected per frame, then average-pooled over time
+        (N, T' // pool_step, llm); a window of n mel frames keeps pooled_tokens(n) of them."""
+        h = self.audio_projection_layer(h)  # (N, T', llm)
+        return F.avg_pool1d(h.transpose(1, 2), self.pool_step, self.pool_step).transpose(1, 2)
+
     def forward(
         self, features: torch.Tensor, lengths: Sequence[int] | torch.Tensor
     ) -> list[torch.Tensor]:
@@ -268,9 +283,7 @@ class AudioEncoder(nn.Module):
         piece_lens = [p[2] for p in pieces]
 
         # 2) encode, project per frame, then pool over time
-        h = self.apm(batch, piece_lens)  # (N, T', d)
-        h = self.audio_projection_layer(h)  # (N, T', llm)
-        pooled = F.avg_pool1d(h.transpose(1, 2), self.pool_step, self.pool_step).transpose(1, 2)
+        pooled = self.tokens(self.apm(batch, piece_lens))
 
         # 3) keep each window's real tokens and stitch windows back into clips
         out: list[list[torch.Tensor]] = [[] for _ in lengths]

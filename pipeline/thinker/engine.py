@@ -56,7 +56,7 @@ from pipeline.handoff import (
     ThinkerRequest,
 )
 from pipeline.stage_engine import Holds
-from pipeline.thinker.model import ThinkerModel, VisionGraphs
+from pipeline.thinker.model import AudioGraphs, ThinkerModel, VisionGraphs
 from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from pipeline.utils import resolve_device, resolve_dtype
 
@@ -80,6 +80,12 @@ class ThinkerEngineConfig:
     # in the app a video's passes run while it still decodes, so no turn ended sooner, and a
     # new (slices, grid) costs a 50-140 ms capture at its first turn (docs/performance.md).
     vision_cuda_graphs: bool = False
+    # CUDA only: a step's lone audio clip of at most the encoder's 30 s window (a realtime
+    # utterance, a voice message, a clip's track) as a CUDA graph per bucket of mel frames,
+    # captured at warm-up (model.py AudioGraphs): an eager pass is host work (8-12 ms on an
+    # H200 for a short clip). The clip is padded to its bucket, so the encoder's kernels run
+    # over more rows: reordered sums, bounded by the tests. Off until measured on a GPU.
+    audio_cuda_graphs: bool = False
     max_admit_per_step: int = 8  # requests admitted (handed to the encoders and LLM) per step
     # Encoder work per step, in items: one item = one vision slice (448x448, ~2.4 ms on an
     # H200) or `audio_seconds_per_item` seconds of one audio clip (~0.5 ms/s). An image or a
@@ -216,6 +222,9 @@ class ThinkerStats:
     vision_graph_replays: int = 0  # vision batches run as CUDA graphs (vision_cuda_graphs)
     vision_graph_captures: int = 0
     vision_graph_fallbacks: int = 0  # ... run eagerly (float pixels)
+    audio_graph_replays: int = 0  # audio clips run as CUDA graphs (audio_cuda_graphs)
+    audio_graph_captures: int = 0
+    audio_graph_fallbacks: int = 0  # ... encoder calls run eagerly (several clips in a step)
     llm_piecewise_steps: int = 0  # LLM steps run as piecewise graphs (piecewise_graph_tokens)
     llm_prefill_graph_steps: int = 0  # ... as whole prefill graphs (prefill_graph_tokens)
 
@@ -242,6 +251,9 @@ class ThinkerEngine:
         self.cache = EncoderCache(config.encoder_cache_size)
         self.vision_graphs = (
             VisionGraphs.of(model) if config.vision_cuda_graphs and self.device.type == "cuda" else None
+        )
+        self.audio_graphs = (
+            AudioGraphs.of(model) if config.audio_cuda_graphs and self.device.type == "cuda" else None
         )
         self.tokens = model.cfg.tokens
         self._pending: list[ThinkerRequest] = []
@@ -320,6 +332,8 @@ class ThinkerEngine:
         )
         second = replace(first, request_id="warm-up:1", input_ids=ids + text + [tokens.tts_bos],
                          sampling=SamplingParams(max_tokens=3, ignore_eos=True))
+        if self.audio_graphs is not None:
+            self.audio_graphs.capture()
         self.open(first.request_id, first)
         self.step()  # the first request's prefill: it decodes from the next step on
         self.open(second.request_id, second)
@@ -568,7 +582,8 @@ class ThinkerEngine:
             have.update(zip(todo_images, rows))
         vision_end = _synced_time(self.device) if todo_images else start
         if todo_audios:
-            have.update(zip(todo_audios, self.model.encode_audios(list(todo_audios.values()))))
+            rows = self.model.encode_audios(list(todo_audios.values()), self.audio_graphs)
+            have.update(zip(todo_audios, rows))
         audio_end = _synced_time(self.device) if todo_audios else vision_end
         for key in list(todo_images) + list(todo_audios):
             self.cache.put(key, have[key])
@@ -700,6 +715,7 @@ class ThinkerEngine:
                 holds=self.holds.started,
                 holds_timed_out=self.holds.timed_out,
                 **(self.vision_graphs.runner.counts("vision") if self.vision_graphs else {}),
+                **(self.audio_graphs.runner.counts("audio") if self.audio_graphs else {}),
                 llm_piecewise_steps=runner.pieces.steps if runner.pieces else 0,
                 llm_prefill_graph_steps=(
                     runner.prefill_graphs.steps if runner.prefill_graphs else 0

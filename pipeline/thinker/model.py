@@ -31,7 +31,7 @@ from pipeline.config import ThinkerConfig
 from pipeline.graphs import GraphRunner
 from pipeline.handoff import AudioInput, ImageInput
 from pipeline.processing.image import normalize_pixels
-from pipeline.thinker.audio import AudioEncoder
+from pipeline.thinker.audio import AudioEncoder, pooled_tokens
 from pipeline.thinker.llm import Qwen3LM
 from pipeline.thinker.resampler import Resampler
 from pipeline.thinker.vision import VisionEncoder, compile_vision_layers, pack_strips
@@ -152,10 +152,17 @@ class ThinkerModel(nn.Module):
         return self.resampler(feats, tgt)  # (b, Q, H)
 
     @torch.inference_mode()
-    def encode_audios(self, audios: list[AudioInput]) -> list[torch.Tensor]:
-        """All clips in one batched encoder call -> per clip (num_tokens, H)."""
+    def encode_audios(
+        self, audios: list[AudioInput], graphs: AudioGraphs | None = None
+    ) -> list[torch.Tensor]:
+        """All clips in one batched encoder call -> per clip (num_tokens, H). With `graphs`,
+        a lone clip of at most one window replays its bucket's graph instead."""
         if not audios:
             return []
+        if graphs is not None:
+            if len(audios) == 1 and graphs.bucket(audios[0].num_frames) is not None:
+                return [graphs.encode(audios[0].features)]
+            graphs.runner.fallback()
         device, dtype = self.llm.lm_head.weight.device, self.llm.lm_head.weight.dtype
         lengths = [a.num_frames for a in audios]
         mel = self.cfg.audio.num_mel_bins
@@ -163,6 +170,58 @@ class ThinkerModel(nn.Module):
         for i, a in enumerate(audios):
             batch[i, :, : a.num_frames] = a.features
         return self.audio(batch.to(device, non_blocking=True), lengths)
+
+
+# Mel-frame buckets of the audio graphs (the window, 3000, is always one): a realtime turn's
+# utterance is 1-10 s (100-1000 frames), a clip's audio track its 30 s window.
+AUDIO_GRAPH_FRAMES = (256, 512, 1024, 2048)
+
+
+class AudioGraphs:
+    """The audio encoder, projection and pooling of one clip of at most one window (30 s)
+    as a CUDA graph per bucket of mel frames. Why: an eager pass is host-bound (on the H200
+    8-12 ms for a short clip, docs/performance.md), and it sits on the first-text path of a
+    spoken turn (a realtime utterance, a voice message). The clip is padded with zero frames
+    to its bucket and masked as a shorter clip batched beside a longer one is
+    (`WhisperEncoder.masks`): its tokens are those it gets alone, up to the order in which
+    kernels over more rows sum. The masks are inputs, so one graph serves every length of
+    its bucket. Outputs are copied out of the graph's static buffer."""
+
+    def __init__(self, audio: AudioEncoder, dtype: torch.dtype,
+                 buckets: tuple[int, ...] = AUDIO_GRAPH_FRAMES):
+        self.audio, self.dtype = audio, dtype
+        window = audio.apm.max_mel_frames
+        self.buckets = (*sorted(b for b in buckets if b < window), window)
+        self.runner = GraphRunner(max_graphs=len(self.buckets))
+
+    @classmethod
+    def of(cls, model: ThinkerModel) -> AudioGraphs:
+        return cls(model.audio, model.llm.lm_head.weight.dtype)
+
+    def bucket(self, frames: int) -> int | None:
+        return next((b for b in self.buckets if b >= frames), None)
+
+    def encode(self, features: torch.Tensor) -> torch.Tensor:
+        """features (n_mels, n) of one clip, n <= the window -> (num_tokens(n), H)."""
+        n = features.shape[1]
+        t = self.bucket(n)
+        assert t is not None, f"a clip of {n} mel frames is over the audio window"
+        device = self.audio.apm.conv1.weight.device
+        padded = torch.zeros(1, features.shape[0], t, dtype=self.dtype)
+        padded[0, :, :n] = features
+        mel_valid, mask = self.audio.apm.masks([n], t, device)
+        out = self.runner.run(t, [padded.to(device, non_blocking=True), mel_valid, mask],
+                              self._forward)
+        return out[0, : pooled_tokens(n, self.audio.pool_step)].clone()
+
+    def capture(self) -> None:
+        """Every bucket now (a silent clip of each length), so no request captures one."""
+        mels = self.audio.apm.cfg.num_mel_bins
+        for t in self.buckets:
+            self.encode(torch.zeros(mels, t))
+
+    def _forward(self, features: torch.Tensor, mel_valid: torch.Tensor, mask: torch.Tensor):
+        return self.audio.tokens(self.audio.apm.run(features, mel_valid, mask))
 
 
 class VisionGraphs:
