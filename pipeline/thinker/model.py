@@ -201,6 +201,7 @@ class AudioGraphs:
     def bucket(self, frames: int) -> int | None:
         return next((b for b in self.buckets if b >= frames), None)
 
+    @torch.inference_mode()
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         """features (n_mels, n) of one clip, n <= the window -> (num_tokens(n), H)."""
         n = features.shape[1]
@@ -214,6 +215,7 @@ class AudioGraphs:
                               self._forward)
         return out[0, : pooled_tokens(n, self.audio.pool_step)].clone()
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Every bucket now (a silent clip of each length), so no request captures one."""
         mels = self.audio.apm.cfg.num_mel_bins
