@@ -225,6 +225,34 @@ def test_prefill_graph_hidden_rows_over_a_cached_prefix_and_media(model, monkeyp
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_what_a_prefill_graph_captures_never_reads_the_device_back(model, monkeypatch):
+    """A CUDA graph cannot capture a sync: every aten op of one graph's forward (the model
+    over the static buffers, the K/V writes at the staged slots; FlashInfer's planned kernel
+    stood in for by a copy) on the CPU, with no scalar read-back or data-dependent shape."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class Copy:
+        def run(self, q, kv, out):
+            return out.copy_(q)
+
+    eng = _graph_engine(model, monkeypatch, 16)
+    whole = eng.runner.prefill_graphs
+    whole.backend.graph_prefill_wrapper = lambda seqs, tokens: Copy()
+    with torch.inference_mode(), Ops() as ops:
+        whole._forward((2, 16))
+    assert "index_copy_" in ops.names  # the K/V writes at the staged slots ran
+    assert not ops.names & {"_local_scalar_dense", "nonzero", "masked_select", "item"}
+
+
 def test_a_thinker_with_prefill_graphs_streams_the_same(tiny_source, monkeypatch):
     """Two media requests (an image's slices and an audio clip spliced into the prompt) at
     once through the Thinker with its LLM's steps in prefill graphs: the same ids and spoken
