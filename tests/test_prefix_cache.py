@@ -473,9 +473,9 @@ class _EncoderCalls:
             self.images += len(items)
             return enc_i(items, *a)
 
-        def audios(items):
+        def audios(items, *a):
             self.audios += len(items)
-            return enc_a(items)
+            return enc_a(items, *a)
 
         monkeypatch.setattr(eng.model, "encode_images", images)
         monkeypatch.setattr(eng.model, "encode_audios", audios)

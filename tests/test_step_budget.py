@@ -244,9 +244,9 @@ class _EncoderWork:
             self.items += items
             return enc_i(items, *a)
 
-        def audios(items):
+        def audios(items, *a):
             self.items += items
-            return enc_a(items)
+            return enc_a(items, *a)
 
         monkeypatch.setattr(eng.model, "encode_images", images)
         monkeypatch.setattr(eng.model, "encode_audios", audios)
