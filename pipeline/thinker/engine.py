@@ -82,9 +82,10 @@ class ThinkerEngineConfig:
     vision_cuda_graphs: bool = False
     # CUDA only: a step's lone audio clip of at most the encoder's 30 s window (a realtime
     # utterance, a voice message, a clip's track) as a CUDA graph per bucket of mel frames,
-    # captured at warm-up (model.py AudioGraphs): an eager pass is host work (8-12 ms on an
-    # H200 for a short clip). The clip is padded to its bucket, so the encoder's kernels run
-    # over more rows: reordered sums, bounded by the tests. Off until measured on a GPU.
+    # captured at warm-up (model.py AudioGraphs): an eager pass is host work (7-16 ms of
+    # wall on an H200 at any clip length). The clip is padded to its bucket, so the encoder's
+    # kernels run over more rows: reordered sums, bounded by the tests. Off until measured on
+    # a GPU.
     audio_cuda_graphs: bool = False
     max_admit_per_step: int = 8  # requests admitted (handed to the encoders and LLM) per step
     # Encoder work per step, in items: one item = one vision slice (448x448, ~2.4 ms on an
@@ -252,9 +253,8 @@ class ThinkerEngine:
         self.vision_graphs = (
             VisionGraphs.of(model) if config.vision_cuda_graphs and self.device.type == "cuda" else None
         )
-        self.audio_graphs = (
-            AudioGraphs.of(model) if config.audio_cuda_graphs and self.device.type == "cuda" else None
-        )
+        cuda = self.device.type == "cuda"
+        self.audio_graphs = AudioGraphs.of(model) if config.audio_cuda_graphs and cuda else None
         self.tokens = model.cfg.tokens
         self._pending: list[ThinkerRequest] = []
         self._prefetch: dict[str, ImageInput | AudioInput] = {}  # to encode ahead
