@@ -143,13 +143,15 @@ class TimeoutSettings(_Settings):
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
     # The engine configs' own defaults are the plain reference path (what the parity tests
     # compare against); the app ships the fast paths on top (serve_config.yaml says the
-    # same, and a test holds the two equal). The Thinker's piecewise graphs (CUDA only) and
-    # the Talker's fused forward reorder bf16 sums (same greedy tokens at full size; the
-    # Talker ~1.5 ulps of the logits, flat over 300 codes; compiled only on CUDA).
+    # same, and a test holds the two equal). The Thinker's piecewise and prefill graphs (CUDA
+    # only; bitwise the eager hidden rows at full size) and audio graphs (bf16 rounding), and
+    # the Talker's fused forward and padded prefills reorder bf16 sums (same greedy tokens at
+    # full size; the Talker ~1.5 ulps of the logits, flat over 300 codes; compiled only on CUDA).
     "thinker": {"num_gpus": 0.55, "memory_fraction": 0.5, "engine": {
-        "llm": {"piecewise_graph_tokens": 512}}},
+        "audio_cuda_graphs": True,
+        "llm": {"piecewise_graph_tokens": 512, "prefill_graph_tokens": 512}}},
     "talker": {"num_gpus": 0.15, "memory_fraction": 0.12, "engine": {
-        "talker_fused": True, "talker_compile": True}},
+        "talker_fused": True, "talker_compile": True, "prefill_graphs": True}},
     "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.18, "engine": {
         "token2wav_slot_pool": True, "token2wav_cfm_cuda_graph": True,
         "token2wav_compile_estimator": True, "token2wav_hift_cuda_graph": True,

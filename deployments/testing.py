@@ -42,8 +42,9 @@ class FakeThinkerEngine:
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeThinkerEngine:
-        # `llm:` configures the real engine's LLM (the app ships its graph knobs): no LLM here
-        return cls(**{k: v for k, v in config.items() if k != "llm"})
+        # `llm:` configures the real engine's LLM and `audio_cuda_graphs` its audio encoder (the
+        # app ships those graph knobs): neither exists here
+        return cls(**{k: v for k, v in config.items() if k not in ("llm", "audio_cuda_graphs")})
 
     def open(self, rid: str, spec: ThinkerRequest) -> None:
         self.running[rid] = (spec, 0)
@@ -115,8 +116,9 @@ class FakeTalkerEngine:
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeTalkerEngine:
-        # the app's fast-path defaults (talker_fused, ...) mean nothing to a fake
-        return cls(**{k: v for k, v in config.items() if not k.startswith("talker_")})
+        # the app's fast-path defaults (talker_fused, prefill_graphs, ...) mean nothing to a fake
+        fast = ("talker_", "prefill_graphs")
+        return cls(**{k: v for k, v in config.items() if not k.startswith(fast)})
 
     def open(self, rid: str, spec: Any = None) -> None:
         if rid in self.streams:
