@@ -360,6 +360,55 @@ def test_the_socket_route_bounds_sessions_and_checks_the_model():
         assert local.ingress.realtime_sessions == {}
 
 
+def test_a_session_that_fails_on_our_side_says_so_and_closes(monkeypatch):
+    """The server VAD's model missing at the start (the host lacks silero-vad), or a fault
+    while handling an event: the client gets a server_error event and a 1011 close, not a
+    socket left open and silent, and the session is dropped."""
+    from importlib import metadata
+
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+    from test_api import light_source
+
+    from deployments.testing import build_local_app
+    from pipeline.processing import vad
+
+    def no_model():
+        raise metadata.PackageNotFoundError("silero-vad")
+
+    local = build_local_app({}, light_source())
+    with TestClient(local.ingress.__serve_build_asgi_app__()) as client:
+        with monkeypatch.context() as m:
+            m.setattr(vad, "_silero_session", no_model)
+            with client.websocket_connect("/v1/realtime") as ws:
+                err = ws.receive_json()["error"]
+                assert (err["type"], err["code"]) == ("server_error", "server_error")
+                assert "PackageNotFoundError" in err["message"] and "silero-vad" in err[
+                    "message"]
+                with pytest.raises(WebSocketDisconnect) as closed:
+                    ws.receive_json()
+                assert closed.value.code == 1011
+
+        async def broken(self, frame):
+            raise ValueError("a bug")
+
+        with monkeypatch.context() as m:
+            m.setattr(RealtimeSession, "handle", broken)
+            with client.websocket_connect("/v1/realtime") as ws:
+                assert ws.receive_json()["type"] == "session.created"
+                ws.send_text(json.dumps(text_item("hi")))
+                err = ws.receive_json()["error"]
+                assert err["type"] == "server_error" and "ValueError: a bug" in err["message"]
+                with pytest.raises(WebSocketDisconnect) as closed:
+                    ws.receive_json()
+                assert closed.value.code == 1011
+        for _ in range(100):
+            if not local.ingress.realtime_sessions:
+                break
+            time.sleep(0.02)
+        assert local.ingress.realtime_sessions == {}
+
+
 def test_speech_longer_than_the_buffer_is_committed_as_it_is():
     from bench.speech import speech_like
 

@@ -4,6 +4,7 @@ socket to the ingress replica that holds the session for its whole life)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -17,8 +18,9 @@ from deployments.realtime.session import RealtimeSession, SessionLimits
 
 log = logging.getLogger(__name__)
 
-# Close codes (RFC 6455): policy violation for a wrong model, try again later when full.
-_POLICY, _TRY_LATER = 1008, 1013
+# Close codes (RFC 6455): policy violation for a wrong model, internal error for a fault of
+# ours, try again later when full.
+_POLICY, _INTERNAL, _TRY_LATER = 1008, 1011, 1013
 
 
 @functools.cache
@@ -33,8 +35,9 @@ def _subprotocol(ws: WebSocket) -> str | None:
     return "realtime" if "realtime" in offered else None
 
 
-async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> None:
-    await ws.send_text(json.dumps(p.error(code, message)))
+async def _refuse(ws: WebSocket, code: str, message: str, close_code: int,
+                  kind: str = "invalid_request_error") -> None:
+    await ws.send_text(json.dumps(p.error(code, message, kind=kind)))
     await ws.close(close_code)
 
 
@@ -67,9 +70,15 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
         max_items=cfg.max_items,
         idle_timeout_s=cfg.idle_timeout_s,
     )
-    session = RealtimeSession(
-        server.chat, ws.send_text, model=server.cfg.name, beta=beta, limits=limits
-    )
+    try:
+        session = RealtimeSession(
+            server.chat, ws.send_text, model=server.cfg.name, beta=beta, limits=limits
+        )
+    except Exception as e:  # e.g. the server VAD's model cannot be loaded on this host
+        log.exception("realtime session could not start")
+        await _refuse(ws, "server_error", f"the session could not start: {type(e).__name__}: "
+                      f"{e}", _INTERNAL, kind="server_error")
+        return
 
     async def receive() -> str | bytes | None:
         msg = await ws.receive()
@@ -83,6 +92,13 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
         await session.run(receive)
     except (WebSocketDisconnect, RuntimeError) as e:  # the client went away mid-send
         log.info("realtime session %s: socket closed (%s)", session.id, type(e).__name__)
+    except Exception as e:
+        # A fault of ours while handling an event: tell the client and close, rather than
+        # leave the socket open and silent until the client gives up.
+        log.exception("realtime session %s failed", session.id)
+        with contextlib.suppress(Exception):
+            await _refuse(ws, "server_error", f"the session failed: {type(e).__name__}: {e}",
+                          _INTERNAL, kind="server_error")
     finally:
         await session.close()
         server.realtime_sessions.pop(session.id, None)
