@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.code2wav.assets import load_code2wav
+from pipeline.code2wav.batching import ReadyChunk
 from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from pipeline.code2wav.flow import HISTORY_FRAMES, FlowCache
 from pipeline.code2wav.slots import Row
@@ -214,6 +215,74 @@ def test_batched_rows_equal_one_stream_at_a_time(model, voices, n_streams):
     if n_streams == 8:
         assert max(int(k[11:]) for k in eng.counters if k.startswith("batch_size_")) >= 4
     assert len(eng.pool.free) == eng.pool.slots and not eng.pool.state
+
+
+def test_first_chunks_first_defers_only_streams_with_audio_in_hand(model, voices):
+    """code2wav_first_chunks_first: a step holding a stream's first chunk leaves out the later
+    chunks of streams with more than the margin of audio in hand (emitted, not yet played at
+    real time), no stream runs dry, and every chunk is what the knob-off engine makes."""
+    from pipeline.code2wav.engine import FIRST_CHUNKS_MARGIN_S
+
+    flow, hift, cfg = model
+    rounds = _schedule(6, [160, 120, 90, 75, 60, 57], seed=3, stagger=2)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    def play(first_first):
+        clock = Clock()
+        eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
+            SLOTS, code2wav_first_chunks_first=first_first), clock=clock)
+        out, first_at, audio_s, mixed = {}, {}, {}, 0
+        for r, rnd in enumerate(rounds + [[]] * 12):
+            clock.t = 0.12 * r  # a Talker's chunk takes about this long to arrive
+            for sid, codes, final, first in rnd:
+                if first:
+                    eng.open(sid, voice_of(sid))
+                    out[sid] = []
+                eng.feed(sid, CodeChunk(sid, tuple(codes), final))
+            chunks = eng.step()
+            firsts = [c for c in chunks if c.request_id not in first_at]
+            for c in chunks:
+                sid = c.request_id
+                if sid in first_at:  # the audio it had in hand when this chunk came out
+                    in_hand = first_at[sid] + audio_s[sid] - clock.t
+                    assert in_hand >= 0, f"{sid} ran dry by {-in_hand:.2f} s"
+                    if firsts:  # a later chunk beside a first one
+                        mixed += 1
+                        assert not first_first or in_hand <= FIRST_CHUNKS_MARGIN_S, sid
+                out[sid].append(c.pcm)
+                if len(c.pcm):
+                    first_at.setdefault(sid, clock.t)
+                    audio_s[sid] = audio_s.get(sid, 0.0) + len(c.pcm) / cfg.sample_rate
+        assert not eng.has_work()
+        return out, eng.counters, mixed
+
+    plain, off, mixed_off = play(False)
+    got, on, mixed_on = play(True)
+    assert on["chunks_deferred"] > 0 and "chunks_deferred" not in off
+    assert on["chunks"] == off["chunks"] and mixed_on < mixed_off
+    print("deferred", on["chunks_deferred"], "later chunks beside first ones", mixed_off, "->",
+          mixed_on)
+    _compare(plain, got, "first chunks first")
+
+    # the rule itself: a stream at or under the margin rides with the first chunk
+    clock = Clock()
+    eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
+        SLOTS, code2wav_first_chunks_first=True), clock=clock)
+    for sid, first_at, audio_s in (("new", None, 0.0), ("low", 0.0, 2.0), ("full", 0.0, 3.0)):
+        eng.open(sid, voices[0])
+        eng.streams[sid].first_audio_at, eng.streams[sid].audio_s = first_at, audio_s
+    clock.t = 2.0 - FIRST_CHUNKS_MARGIN_S  # "low" has exactly the margin in hand
+    ready = [ReadyChunk(sid, ("slots",)) for sid in ("low", "full", "new")]
+    assert [r.stream_id for r in eng._first_chunks_first(ready)] == ["new", "low"]
+    assert eng._first_chunks_first(ready[:2]) == ready[:2]  # no first chunk: all of them
 
 
 def test_abort_frees_only_its_slot(model, voices):

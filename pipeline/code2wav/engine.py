@@ -40,6 +40,10 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
                                   (hift.py `fuse_snakes`; a fused multiply-add, libdevice's sin)
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
                                   a few codes short of a chunk (batching.py)
+  code2wav_first_chunks_first   : a step with a stream's first audio in it leaves out the later
+                                  chunks of streams that have audio in hand (see
+                                  `_first_chunks_first`); each row computes what it would in
+                                  any batch, so only when each chunk is made changes
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ class Code2WavEngineConfig:
     token2wav_dit_pool_attention: bool = False  # slot path: attention read in place from the pool
     token2wav_vocoder_fused_snakes: bool = False  # each vocoder Snake one compiled kernel
     code2wav_batch_wait_ms: float = 0.0
+    code2wav_first_chunks_first: bool = False  # first audio not batched behind later chunks
     max_batch_size: int = 8  # streams per decode step
     # Slot pool: resident streams and the longest voice prompt it holds (mel frames, 50 a
     # second); a longer reference voice runs on the plain path.
@@ -120,6 +125,14 @@ class _Stream:
     state: StreamState  # with the slot pool, `state.flow` is None: the caches are in the slot
     cursor: CodeCursor
     slot: int | None = None
+    first_audio_at: float | None = None  # engine clock when its first samples left the engine
+    audio_s: float = 0.0  # seconds of audio it has emitted
+
+
+# A later chunk is left out of a step with first audio in it only while its stream has more
+# than this much audio in hand (emitted, not yet played at real time from its first audio):
+# enough for the first audio's step and its own, under load, with room to spare.
+FIRST_CHUNKS_MARGIN_S = 0.5
 
 
 class Code2WavEngine:
@@ -202,6 +215,7 @@ class Code2WavEngine:
         self.templates: OrderedDict[str, StreamState] = OrderedDict()
         self.pinned: set[str] = set()  # voice keys whose template the LRU never evicts
         self.counters: Counter = Counter()
+        self.clock = clock
 
     def _time_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The CFM's per-step table, computed once: nothing step-dependent is built inside a
@@ -375,6 +389,8 @@ class Code2WavEngine:
             ):
                 key = ("slots",) if s.slot is not None else s.state.shape_key(window, False)
                 near[key] += 1
+        if self.ecfg.code2wav_first_chunks_first:
+            ready = self._first_chunks_first(ready)
         out = []
         for batch in self.batcher.plan(ready, near):
             t0 = time.perf_counter()
@@ -386,6 +402,10 @@ class Code2WavEngine:
             for sid, pcm, last in pieces:
                 stream = self.streams[sid]
                 stream.cursor.advance(self.cfg, last)
+                if len(pcm):
+                    stream.audio_s += len(pcm) / self.cfg.sample_rate
+                    if stream.first_audio_at is None:
+                        stream.first_audio_at = self.clock()
                 if last and stream.slot is not None:  # nothing of the stream is read again
                     self.pool.release(stream.slot)
                     stream.slot = None
@@ -400,6 +420,26 @@ class Code2WavEngine:
                 self.counters.update(runner.counts(name))
         self.counters["batch_waits"] = self.batcher.waits
         return out
+
+    def _first_chunks_first(self, ready: list[ReadyChunk]) -> list[ReadyChunk]:
+        """The chunks to decode in this step when first audio comes first: with a stream's
+        first chunk ready (its listener waits for the first sound), the later chunks of
+        streams with more than FIRST_CHUNKS_MARGIN_S of audio in hand wait for the next
+        step, so the first audio is a step of one or a few rows (~43 ms at one on the H200)
+        instead of a row of up to max_batch_size (~133 ms at eight). A stream's audio in
+        hand only shrinks while it waits, so no chunk waits past that margin."""
+        firsts = [r for r in ready if self.streams[r.stream_id].first_audio_at is None]
+        if not firsts or len(firsts) == len(ready):
+            return ready
+        now = self.clock()
+        urgent = []
+        for r in ready:
+            s = self.streams[r.stream_id]
+            in_hand = None if s.first_audio_at is None else s.first_audio_at + s.audio_s - now
+            if in_hand is not None and in_hand <= FIRST_CHUNKS_MARGIN_S:
+                urgent.append(r)
+        self.counters["chunks_deferred"] += len(ready) - len(firsts) - len(urgent)
+        return firsts + urgent
 
     def _plain_step(self, ids: list[str], pending: dict) -> list[tuple[str, np.ndarray, bool]]:
         _, last, _ = pending[ids[0]]
