@@ -113,6 +113,14 @@ class IngressServer:
                                  max_voices=lim.max_voices)
         self._voice_support: tuple[str | None] | None = None  # (reason,) once asked
         self.realtime_sessions: dict[str, Any] = {}  # id -> RealtimeSession on this replica
+        from pipeline.processing.vad import silero_problem
+
+        # Realtime sessions start with server VAD on: a host without its model says so here
+        # (and in stats), not first in a session's error.
+        self.server_vad_problem = silero_problem()
+        if self.server_vad_problem is not None:
+            log.warning("realtime server VAD unavailable, sessions will fail to start: %s",
+                        self.server_vad_problem)
         from deployments.stage import freeze_startup_objects
 
         freeze_startup_objects()  # the tokenizer's and processor's tables: out of full GCs
@@ -169,7 +177,8 @@ class IngressServer:
         return {"window": window, "turns": {"in_flight": len(in_flight), "speech": speech},
                 "groups": [g.stats() for g in self.groups],
                 "media_cache": self.media_cache_stats(), "stages": stages, "idle": idle,
-                "realtime": {"sessions": len(self.realtime_sessions)},
+                "realtime": {"sessions": len(self.realtime_sessions),
+                             "server_vad": self.server_vad_problem or "ok"},
                 "leaks": leaks}
 
     def media_cache_stats(self) -> dict[str, int]:

@@ -377,9 +377,12 @@ def test_a_session_that_fails_on_our_side_says_so_and_closes(monkeypatch):
         raise metadata.PackageNotFoundError("silero-vad")
 
     local = build_local_app({}, light_source())
+    assert local.ingress.server_vad_problem is None  # this host has the model
     with TestClient(local.ingress.__serve_build_asgi_app__()) as client:
         with monkeypatch.context() as m:
             m.setattr(vad, "_silero_session", no_model)
+            # what a replica reports at its start (and in stats) on such a host
+            assert vad.silero_problem().startswith("PackageNotFoundError: ")
             with client.websocket_connect("/v1/realtime") as ws:
                 err = ws.receive_json()["error"]
                 assert (err["type"], err["code"]) == ("server_error", "server_error")

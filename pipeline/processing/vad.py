@@ -118,6 +118,16 @@ def _silero_session() -> ort.InferenceSession:
     )
 
 
+def silero_problem() -> str | None:
+    """Why the server VAD's model cannot be loaded on this host (None: it can), for a
+    replica to report at its start rather than at its first realtime session."""
+    try:
+        _silero_session()
+    except Exception as e:  # noqa: BLE001 - any reason is reported as it is
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 class SileroVAD:
     """Silero VAD's streaming interface at 16 kHz: one speech probability per 512 samples.
 
