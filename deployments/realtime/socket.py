@@ -35,6 +35,11 @@ def _subprotocol(ws: WebSocket) -> str | None:
     return "realtime" if "realtime" in offered else None
 
 
+def _open(ws: WebSocket) -> bool:
+    return (ws.client_state == WebSocketState.CONNECTED
+            and ws.application_state == WebSocketState.CONNECTED)
+
+
 async def _refuse(ws: WebSocket, code: str, message: str, close_code: int,
                   kind: str = "invalid_request_error") -> None:
     await ws.send_text(json.dumps(p.error(code, message, kind=kind)))
@@ -90,15 +95,17 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
     server.metrics.realtime_sessions(len(server.realtime_sessions))
     try:
         await session.run(receive)
-    except (WebSocketDisconnect, RuntimeError) as e:  # the client went away mid-send
-        log.info("realtime session %s: socket closed (%s)", session.id, type(e).__name__)
     except Exception as e:
-        # A fault of ours while handling an event: tell the client and close, rather than
-        # leave the socket open and silent until the client gives up.
-        log.exception("realtime session %s failed", session.id)
-        with contextlib.suppress(Exception):
-            await _refuse(ws, "server_error", f"the session failed: {type(e).__name__}: {e}",
-                          _INTERNAL, kind="server_error")
+        if isinstance(e, WebSocketDisconnect) or not _open(ws):  # the client went away
+            log.info("realtime session %s: socket closed (%s)", session.id, type(e).__name__)
+        else:
+            # A fault of ours while handling an event: tell the client and close, rather
+            # than leave the socket open and silent until the client gives up.
+            log.exception("realtime session %s failed", session.id)
+            with contextlib.suppress(Exception):
+                await _refuse(ws, "server_error",
+                              f"the session failed: {type(e).__name__}: {e}", _INTERNAL,
+                              kind="server_error")
     finally:
         await session.close()
         server.realtime_sessions.pop(session.id, None)

@@ -426,7 +426,7 @@ class Code2WavEngine:
         first chunk ready (its listener waits for the first sound), the later chunks of
         streams with more than FIRST_CHUNKS_MARGIN_S of audio in hand wait for the next
         step, so the first audio is a step of one or a few rows (~43 ms at one on the H200)
-        instead of a row of up to max_batch_size (~133 ms at eight). A stream's audio in
+        instead of a step of up to max_batch_size rows (~133 ms at eight). A stream's audio in
         hand only shrinks while it waits, so no chunk waits past that margin."""
         firsts = [r for r in ready if self.streams[r.stream_id].first_audio_at is None]
         if not firsts or len(firsts) == len(ready):
