@@ -19,6 +19,7 @@ in the OpenAI error shape before any stage is touched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -403,19 +404,28 @@ class IngressServer:
                              include_usage=opts.include_usage if opts else True,
                              stream_format=self.stream_format(req), speech=turn.speech)
         try:
-            async for ev in self.turns.run(turn):
-                if isinstance(ev, TextDelta):
-                    yield writer.text(ev.text)
-                elif isinstance(ev, AudioChunk):
-                    chunk = writer.audio(ev)
-                    if chunk:
-                        yield chunk
-                elif isinstance(ev, Done):
-                    for s in writer.done(ev):
-                        yield s
-                elif isinstance(ev, Error):
-                    for s in writer.error(ev):
-                        yield s
+            # closed on leaving, so that a stream ended here also ends the turn at once
+            async with contextlib.aclosing(self.turns.run(turn)) as events:
+                async for ev in events:
+                    if isinstance(ev, TextDelta):
+                        yield writer.text(ev.text)
+                    elif isinstance(ev, AudioChunk):
+                        chunk = writer.audio(ev)
+                        if chunk:
+                            yield chunk
+                    elif isinstance(ev, Done):
+                        for s in writer.done(ev):
+                            yield s
+                    elif isinstance(ev, Error):
+                        for s in writer.error(ev):
+                            yield s
+        except Exception as e:
+            # A fault of ours mid-stream (the headers are out): the client gets an error
+            # event and [DONE], not a stream cut off, and the turn is ended above.
+            log.exception("turn %s: its stream failed", turn.request_id)
+            for s in writer.error(Error(500, f"internal error: {type(e).__name__}: {e}",
+                                        "internal_error")):
+                yield s
         finally:
             writer.close()
 

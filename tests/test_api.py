@@ -309,6 +309,38 @@ def test_stage_fault_becomes_error_event_and_next_request_succeeds(app_cfg, sour
     assert all(s["open"] == 0 for s in stats), stats
 
 
+def test_a_fault_mid_stream_ends_the_sse_with_an_error_and_frees_the_stages(
+    app_cfg, source, monkeypatch
+):
+    """A fault of ours after the stream's headers are out (here the audio encoder): the client
+    gets an error event of type server_error and [DONE], not a stream cut off, and the turn
+    is ended in every stage and the window."""
+    from deployments import formats
+
+    def broken(self, ev):
+        raise ValueError("encoder broke")
+
+    monkeypatch.setattr(formats.ChunkWriter, "audio", broken)
+
+    async def main():
+        local = build_local_app(app_cfg, source)
+        req = local.ingress.parse({"messages": user("hi"), "modalities": ["text", "audio"],
+                                   "stream": True, "max_tokens": 32})
+        turn = await local.ingress.prepare(req)
+        lines = [line async for line in local.ingress.sse(req, turn)]
+        await asyncio.sleep(0.05)  # let fire-and-forget aborts land
+        stats = [await s.stats() for s in (local.thinker, local.talker, local.code2wav)]
+        return lines, stats, local.ingress.groups[0].window.stats()
+
+    lines, stats, window = asyncio.run(main())
+    events = sse_events("".join(lines).splitlines())
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["type"] == "server_error" and "ValueError: encoder broke" in err["message"]
+    assert all(s["open"] == 0 for s in stats), stats
+    assert window["active"] == 0 and window["waiting"] == 0
+
+
 def test_unusable_voice_is_one_error_event_and_frees_the_stages(app_cfg, source):
     cfg = {**app_cfg, "code2wav": {"engine": {"reject_voices": True}}}
 
