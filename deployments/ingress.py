@@ -432,16 +432,17 @@ class IngressServer:
     async def complete(self, req: ChatCompletionRequest,
                        turn: PreparedTurn) -> tuple[int, dict[str, Any]]:
         text, pcm = [], []
-        async for ev in self.turns.run(turn):
-            if isinstance(ev, TextDelta):
-                text.append(ev.text)
-            elif isinstance(ev, AudioChunk):
-                pcm.append(ev.pcm)
-            elif isinstance(ev, Error):
-                return ev.status, error_body(ev.status, ev.message, ev.reason)
-            elif isinstance(ev, Done):
-                return 200, completion_body(turn.request_id, self.cfg.name, "".join(text), pcm,
-                                            ev, req.audio.format, turn.speech)
+        async with contextlib.aclosing(self.turns.run(turn)) as events:
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    text.append(ev.text)
+                elif isinstance(ev, AudioChunk):
+                    pcm.append(ev.pcm)
+                elif isinstance(ev, Error):
+                    return ev.status, error_body(ev.status, ev.message, ev.reason)
+                elif isinstance(ev, Done):
+                    return 200, completion_body(turn.request_id, self.cfg.name, "".join(text),
+                                                pcm, ev, req.audio.format, turn.speech)
         return 500, error_body(500, "turn ended without a terminal event")
 
     def models(self) -> dict[str, Any]:
