@@ -423,7 +423,7 @@ class IngressServer:
             # A fault of ours mid-stream (the headers are out): the client gets an error
             # event and [DONE], not a stream cut off, and the turn is ended above.
             log.exception("turn %s: its stream failed", turn.request_id)
-            for s in writer.error(Error(500, f"internal error: {type(e).__name__}: {e}",
+            for s in writer.error(Error(500, f"internal error: {error_line(e)}",
                                         "internal_error")):
                 yield s
         finally:

@@ -221,6 +221,8 @@ def test_first_chunks_first_defers_only_streams_with_audio_in_hand(model, voices
     """code2wav_first_chunks_first: a step holding a stream's first chunk leaves out the later
     chunks of streams with more than the margin of audio in hand (emitted, not yet played at
     real time), no stream runs dry, and every chunk is what the knob-off engine makes."""
+    from test_code2wav_engine import FakeClock
+
     from pipeline.code2wav.engine import FIRST_CHUNKS_MARGIN_S
 
     flow, hift, cfg = model
@@ -229,14 +231,8 @@ def test_first_chunks_first_defers_only_streams_with_audio_in_hand(model, voices
     def voice_of(sid):
         return voices[int(sid[1:]) % 2]
 
-    class Clock:
-        t = 0.0
-
-        def __call__(self):
-            return self.t
-
     def play(first_first):
-        clock = Clock()
+        clock = FakeClock()
         eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
             SLOTS, code2wav_first_chunks_first=first_first), clock=clock)
         out, first_at, audio_s, mixed = {}, {}, {}, 0
@@ -273,7 +269,7 @@ def test_first_chunks_first_defers_only_streams_with_audio_in_hand(model, voices
     _compare(plain, got, "first chunks first")
 
     # the rule itself: a stream at or under the margin rides with the first chunk
-    clock = Clock()
+    clock = FakeClock()
     eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
         SLOTS, code2wav_first_chunks_first=True), clock=clock)
     for sid, first_at, audio_s in (("new", None, 0.0), ("low", 0.0, 2.0), ("full", 0.0, 3.0)):

@@ -15,6 +15,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from deployments.realtime import protocol as p
 from deployments.realtime.session import RealtimeSession, SessionLimits
+from deployments.stage import error_line
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,8 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
         )
     except Exception as e:  # e.g. the server VAD's model cannot be loaded on this host
         log.exception("realtime session could not start")
-        await _refuse(ws, "server_error", f"the session could not start: {type(e).__name__}: "
-                      f"{e}", _INTERNAL, kind="server_error")
+        await _refuse(ws, "server_error", f"the session could not start: {error_line(e)}",
+                      _INTERNAL, kind="server_error")
         return
 
     async def receive() -> str | bytes | None:
@@ -103,9 +104,8 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
             # than leave the socket open and silent until the client gives up.
             log.exception("realtime session %s failed", session.id)
             with contextlib.suppress(Exception):
-                await _refuse(ws, "server_error",
-                              f"the session failed: {type(e).__name__}: {e}", _INTERNAL,
-                              kind="server_error")
+                await _refuse(ws, "server_error", f"the session failed: {error_line(e)}",
+                              _INTERNAL, kind="server_error")
     finally:
         await session.close()
         server.realtime_sessions.pop(session.id, None)

@@ -429,16 +429,17 @@ class Code2WavEngine:
         instead of a step of up to max_batch_size rows (~133 ms at eight). A stream's audio in
         hand only shrinks while it waits, so no chunk waits past that margin."""
         firsts = [r for r in ready if self.streams[r.stream_id].first_audio_at is None]
-        if not firsts or len(firsts) == len(ready):
+        later = [r for r in ready if self.streams[r.stream_id].first_audio_at is not None]
+        if not firsts or not later:
             return ready
         now = self.clock()
-        urgent = []
-        for r in ready:
+
+        def in_hand(r: ReadyChunk) -> float:
             s = self.streams[r.stream_id]
-            in_hand = None if s.first_audio_at is None else s.first_audio_at + s.audio_s - now
-            if in_hand is not None and in_hand <= FIRST_CHUNKS_MARGIN_S:
-                urgent.append(r)
-        self.counters["chunks_deferred"] += len(ready) - len(firsts) - len(urgent)
+            return s.first_audio_at + s.audio_s - now
+
+        urgent = [r for r in later if in_hand(r) <= FIRST_CHUNKS_MARGIN_S]
+        self.counters["chunks_deferred"] += len(later) - len(urgent)
         return firsts + urgent
 
     def _plain_step(self, ids: list[str], pending: dict) -> list[tuple[str, np.ndarray, bool]]:

@@ -250,10 +250,8 @@ class ThinkerEngine:
         self.dtype = dtype
         self.llm = LLMEngine(model.llm, config.llm, self.device, dtype, self._load_media)
         self.cache = EncoderCache(config.encoder_cache_size)
-        self.vision_graphs = (
-            VisionGraphs.of(model) if config.vision_cuda_graphs and self.device.type == "cuda" else None
-        )
         cuda = self.device.type == "cuda"
+        self.vision_graphs = VisionGraphs.of(model) if config.vision_cuda_graphs and cuda else None
         self.audio_graphs = AudioGraphs.of(model) if config.audio_cuda_graphs and cuda else None
         self.tokens = model.cfg.tokens
         self._pending: list[ThinkerRequest] = []
