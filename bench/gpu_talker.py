@@ -21,12 +21,17 @@ Sections (exit 1 if a check marked "fails" fails):
      path's SDPA (head-major cache, additive mask built once), and matmul-softmax-matmul
      (eager and compiled), in us a layer, with the matmul's difference to SDPA.
 
-    python bench/gpu_talker.py [--fused/--no-fused] [--compile] [--prefill-graphs] [--profile] [--attention]
+    python bench/gpu_talker.py [--fused/--no-fused] [--compile] [--prefill-graphs] [--rope-kernel]
+        [--profile] [--attention]
         [--steps 200] [--warmup 20] [--prompt 40] [--decode-steps K] [--precision-steps 300]
 
 --prefill-graphs adds the compiled forward with each unit's prefill padded and replayed as a
 CUDA graph (`prefill_graphs`): its codes against plain's and eager's, its "1st step" (the
 prefills) beside the others'.
+
+--rope-kernel adds the padded variant with each layer's RoPE and K / V cache write as one
+Triton kernel (`talker_rope_kernel`): its logits and codes against plain's, its timings and
+(with --profile) its kernels a step beside the others'.
 
 --decode-steps K runs the graph engines with K decode steps per replay (the eager ones stay
 at one step; codes are compared over the common prefix).
@@ -60,6 +65,11 @@ VARIANTS = {
     "compiled": {"talker_fused": True, "talker_compile": True},
     # compiled, each unit's prefill padded and replayed as a CUDA graph (--prefill-graphs)
     "padded": {"talker_fused": True, "talker_compile": True, "prefill_graphs": True},
+    # padded, each layer's RoPE and K / V write as one Triton kernel (--rope-kernel)
+    "rope": {
+        "talker_fused": True, "talker_compile": True, "prefill_graphs": True,
+        "talker_rope_kernel": True,
+    },
 }
 BATCHES = (1, 2, 4, 8)
 TARGETS = {1: 1.0, 8: 0.35}  # ms a code, GPU alone
@@ -125,8 +135,8 @@ def precision(model: TalkerModel, args, variants: list[str]) -> bool:
         _fused_views(fused_model), cache("tokens"), prompts, steps, fed
     )[0]
     for name in variants:
-        if name in ("fused", "compiled"):  # the padded variant's forward is the compiled one
-            forward = FusedTalker(fused_model, compile=name == "compiled")
+        if name in ("fused", "compiled", "rope"):  # padded's forward is the compiled one
+            forward = FusedTalker(fused_model, compile=name != "fused", rope_kernel=name == "rope")
             results[name] = teacher_forced(forward, cache("heads"), prompts, steps, fed)[0]
     print(
         f"\n1. precision: bf16 logits against the plain path, {len(prompts)} streams, prefill + "
@@ -448,6 +458,8 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=1024, help="KV positions per slot")
     parser.add_argument("--prefill-graphs", action="store_true",
                         help="add the compiled forward with its prefills as CUDA graphs")
+    parser.add_argument("--rope-kernel", action="store_true",
+                        help="add that forward with its RoPE + K / V write as one kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -459,6 +471,8 @@ def main() -> int:
         variants = ["plain", "compiled"]
     if args.prefill_graphs:
         variants.append("padded")
+    if args.rope_kernel:
+        variants.append("rope")
     # Fixed length: EOS masked for every draw (min_new > max_new) so timings compare.
     cfg = replace(TalkerConfig(), min_new_tokens=10**6, max_new_tokens=2048)
     model = build_model(cfg)

@@ -413,6 +413,8 @@ def test_engine_config_resolution():
         TalkerEngineConfig(talker_compile=True)
     with pytest.raises(ValueError, match="prefill_graphs pads the fused"):
         TalkerEngineConfig(prefill_graphs=True)
+    with pytest.raises(ValueError, match="talker_rope_kernel is a kernel of the fused"):
+        TalkerEngineConfig(talker_rope_kernel=True)
 
 
 VARIANTS = {
@@ -420,6 +422,10 @@ VARIANTS = {
     "fused": {"talker_fused": True},
     "compiled": {"talker_fused": True, "talker_compile": True},
     "padded": {"talker_fused": True, "talker_compile": True, "prefill_graphs": True},
+    "rope-kernel": {
+        "talker_fused": True, "talker_compile": True, "prefill_graphs": True,
+        "talker_rope_kernel": True,
+    },
 }
 
 
@@ -445,6 +451,8 @@ def test_cuda_graph_decode_matches_eager(variant):
         )
         assert (engine.graphs is not None) == graphs
         assert isinstance(engine.decoder, FusedTalker) == (variant != "plain")
+        rope_kernel = VARIANTS[variant].get("talker_rope_kernel", False)
+        assert getattr(engine.decoder, "rope_kernel", False) == rope_kernel
         start = engine.stats()["graph_replays"]  # compiling at start replays a padded prefill
         for i, mode in enumerate(["streaming", "full_span", "streaming"]):
             engine.open(f"s{i}", TalkerSpec(mode=mode, seed=i))

@@ -16,6 +16,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaModel
 from pipeline.config import TalkerConfig, talker_config_from_hf
 from pipeline.presets import tiny_hf_config
 from pipeline.talker import fused as fused_module
+from pipeline.talker import rope_kv
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel, WeightNormLinear
 
@@ -333,13 +334,88 @@ def test_fused_forward_needs_a_heads_cache():
 COMPILED_BOUND = {torch.float32: 1e-5, torch.bfloat16: 4 * 2**-7}  # bf16: x max |logit|
 
 
+needs_rope_kernel = pytest.mark.skipif(
+    not rope_kv.runs_here(CPU), reason="the RoPE kernel needs Triton (its interpreter on CPU)"
+)
+
+
+@needs_rope_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
-def test_compiled_fused_forward_within_bound_and_few_graphs(dtype):
+def test_rope_kv_kernel_forward_equals_plain_bitwise(dtype):
+    """The fused forward with its rotation and K / V write as one Triton kernel (run in the
+    interpreter) rounds where the torch ops round: logits and every cache entry (the idle
+    row's scratch column included) bitwise the plain path's, in fp32 and in bf16."""
+    cfg = tiny_cfg()
+    talker = random_talker(cfg, dtype)
+    fused = FusedTalker(copy.deepcopy(talker), rope_kernel=True)
+    pairs, (plain_cache, fused_cache) = run_both(cfg, talker, fused, dtype, steps=12)
+    for i, (a, b) in enumerate(pairs):
+        assert torch.equal(a, b), f"output {i}: max diff {(a - b).abs().max().item():.3e}"
+    assert torch.equal(plain_cache.k, fused_cache.k) and torch.equal(plain_cache.v, fused_cache.v)
+
+
+@needs_rope_kernel
+@torch.no_grad()
+def test_rope_kv_kernel_rounds_bf16_to_nearest_even():
+    """The kernel's bf16 roundings are torch's (to nearest, ties to even) on values built to
+    land on halfway points: odd integers times table entries 1 + k / 128 (k odd) need one bit
+    more than bf16 holds, so most products and sums are ties, where a truncating cast
+    differs. K and v land in the cache at their write positions."""
+    cfg = tiny_cfg()
+    h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cache = TalkerKVCache(cfg, 3, 16, torch.bfloat16, CPU, layout="heads")
+    assert cache.kv is not None
+    g = torch.Generator().manual_seed(5)
+
+    def odd(*shape: int, below: int) -> torch.Tensor:  # +-1, +-3, ... up to below - 1
+        sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
+        return sign * (torch.randint(0, below // 2, shape, generator=g) * 2 + 1)
+
+    table = (odd(17, 2, d, below=128) / 128 + torch.sign(odd(17, 2, d, below=2))).to(torch.bfloat16)
+    qkv = odd(2, 3, h + 2 * hkv, d, below=8).to(torch.bfloat16)
+    positions = torch.tensor([[3, 4, 5], [0, 1, 2]])
+    write_pos = torch.tensor([[7, 8, 9], [10, 11, 12]])
+    cs = table[positions][:, :, None]  # (B, L, 1, 2, D)
+    qk = qkv[:, :, : h + hkv]
+    expected = qk * cs[..., 0, :] + qk.roll(d // 2, dims=-1) * cs[..., 1, :]
+
+    def truncated(x: torch.Tensor) -> torch.Tensor:  # fp32 -> bf16 by dropping bits
+        return (x.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+    f32 = [t.float() for t in (qk, cs[..., 0, :], cs[..., 1, :])]
+    chopped = truncated(truncated(f32[0] * f32[1]).float()
+                        + truncated(qk.roll(d // 2, dims=-1).float() * f32[2]).float())
+    assert not torch.equal(chopped, expected)  # the inputs do test the rounding
+
+    out = rope_kv.rope_kv_(qkv.clone(), table, positions, write_pos, cache.kv[0], 1, h, hkv)
+    assert torch.equal(out[:, :, : h + hkv], expected)
+    assert torch.equal(out[:, :, h + hkv :], qkv[:, :, h + hkv :])  # v passes through
+    k_cache = cache.kv[0, 0].permute(0, 2, 1, 3)  # (S, T, Hkv, D)
+    v_cache = cache.kv[0, 1].permute(0, 2, 1, 3)
+    slots = torch.tensor([[1], [2]])  # row0 = 1
+    assert torch.equal(k_cache[slots, write_pos], expected[:, :, h:])
+    assert torch.equal(v_cache[slots, write_pos], qkv[:, :, h + hkv :])
+    untouched = torch.ones(3, 17, dtype=torch.bool)
+    untouched[slots, write_pos] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize(
+    "dtype,rope_kernel",
+    [
+        (torch.float32, False),
+        (torch.bfloat16, False),
+        pytest.param(torch.bfloat16, True, marks=needs_rope_kernel),
+    ],
+    ids=["fp32", "bf16", "bf16-rope-kernel"],
+)
+@torch.no_grad()
+def test_compiled_fused_forward_within_bound_and_few_graphs(dtype, rope_kernel):
     torch._dynamo.reset()  # count this test's graphs only
     cfg = tiny_cfg()
     talker = random_talker(cfg, dtype)
-    fused = FusedTalker(copy.deepcopy(talker), compile=True)
+    fused = FusedTalker(copy.deepcopy(talker), compile=True, rope_kernel=rope_kernel)
     pairs, _ = run_both(cfg, talker, fused, dtype)
     scale = max(a.abs().max().item() for a, _ in pairs)
     bound = COMPILED_BOUND[dtype] * (scale if dtype == torch.bfloat16 else 1.0)
@@ -350,10 +426,10 @@ def test_compiled_fused_forward_within_bound_and_few_graphs(dtype):
     # a third).
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    for fn in (
-        fused_module.first_attn_pre,
-        fused_module.attn_pre,
-        fused_module.mlp_post,
-        fused_module.final_norm,
-    ):
+    first, pre = (
+        (fused_module.first_attn_qkv, fused_module.attn_qkv)
+        if rope_kernel
+        else (fused_module.first_attn_pre, fused_module.attn_pre)
+    )
+    for fn in (first, pre, fused_module.mlp_post, fused_module.final_norm):
         assert len(_debug_get_cache_entry_list(fn.__code__)) == 2, fn.__name__

@@ -2,6 +2,7 @@
 
 model.py     TalkerModel (MiniCPMTTS layout) + TalkerKVCache
 fused.py     the fused prefill / decode over the same weights (opt-in), optionally compiled
+rope_kv.py   the fused forward's RoPE + K / V cache write as one Triton kernel (opt-in)
 sampling.py  the reference's code sampler, batched over streams
 graphs.py    CUDA graphs of the decode step
 engine.py    TalkerEngine: slots, full_span / streaming units, 25(+3)-code chunks

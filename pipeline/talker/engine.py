@@ -41,7 +41,8 @@ The repetition penalty sees the stream's last 16 codes across chunks; a stream's
 draw is temperature-only.
 
 Prefill and decode run on the plain model (model.py) or, with `talker_fused`, on the fused
-forward over the same weights (fused.py, optionally compiled: `talker_compile`).
+forward over the same weights (fused.py, optionally compiled: `talker_compile`; its RoPE and
+cache write as one kernel: `talker_rope_kernel`).
 
 Not thread-safe: one caller drives open/feed/step/abort.
 """
@@ -62,6 +63,7 @@ from pipeline.graphs import GraphRunner
 from pipeline.handoff import HOLD_LIMIT_S, CodeChunk, SpokenChunk, TalkerSpec, TextWanted
 from pipeline.sdpa import any_shape
 from pipeline.stage_engine import Holds
+from pipeline.talker import rope_kv
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.graphs import bucket_up, power_of_two_buckets
 from pipeline.talker.model import TalkerKVCache, TalkerModel
@@ -105,6 +107,10 @@ class TalkerEngineConfig:
     # prompts prefill as before. An eager prefill is ~9 ms of host work for ~1 ms of GPU
     # work on an H200. The padded rows' products may sum in another order: off by default.
     prefill_graphs: bool = False
+    # Each layer's RoPE and K / V cache write in the fused forward as one Triton kernel
+    # (rope_kv.py; CUDA only, needs talker_fused): the same roundings in bf16, one launch
+    # where the compiled path has two. Off until measured at full size on a GPU.
+    talker_rope_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.talker_compile and not self.talker_fused:
@@ -115,6 +121,10 @@ class TalkerEngineConfig:
             raise ValueError(
                 "prefill_graphs pads the fused forward's prefills: set talker_fused too, or "
                 "prefill_graphs to false")
+        if self.talker_rope_kernel and not self.talker_fused:
+            raise ValueError(
+                "talker_rope_kernel is a kernel of the fused forward: set talker_fused too, "
+                "or talker_rope_kernel to false")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_streams < 1:
@@ -228,8 +238,12 @@ class TalkerEngine:
             self.cfg, slots, max_len, self.dtype, self.device, layout="heads" if fused else "tokens"
         )
         # prefill / decode of the plain model or of the fused forward over the same weights
+        if self.config.talker_rope_kernel and not rope_kv.available(self.device):
+            self.config = replace(self.config, talker_rope_kernel=False)  # CUDA only
         self.decoder: TalkerModel | FusedTalker = (
-            FusedTalker(model, compile=self.config.talker_compile) if fused else model
+            FusedTalker(model, self.config.talker_compile, self.config.talker_rope_kernel)
+            if fused
+            else model
         )
         params = self.config.sampling
         assert params is not None

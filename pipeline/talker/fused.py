@@ -16,7 +16,10 @@ larger kernels, on the same weights.
     layer is then 10 kernels (add + norm, qkv GEMM, RoPE, scatter, SDPA, o GEMM, add + norm,
     gate|up GEMM, SiLU * up, down GEMM; Inductor's CPU output has this split) where the plain
     path launches ~50. Nothing in them syncs with the host, so the decode graphs capture
-    them after they compile in the graphs' warm-up runs.
+    them after they compile in the graphs' warm-up runs;
+  * `rope_kernel=True` (talker_rope_kernel, CUDA): the rotation and the cache write as one
+    Triton kernel a layer (rope_kv.py), the compiled part then ending at the q|k|v GEMM
+    (`first_attn_qkv` / `attn_qkv`): 9 kernels a decode layer.
 
 Numerics. Every elementwise op rounds where the plain path rounds (bf16 products, sums and
 casts in the same order), so fused and plain differ only where the concatenated GEMMs'
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel
+from pipeline.talker.rope_kv import rope_kv_
 
 
 def add_rms_norm(
@@ -78,10 +82,41 @@ def first_attn_pre(
     return _rotated_qkv(add_rms_norm(x, None, norm_weight, eps)[1], qkv_weight, cs, heads, kv_heads)
 
 
+def attn_qkv(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn_pre without the rotation (`rope_kernel`: rope_kv.py rotates and writes the
+    cache): (x + delta, qkv (B, L, H + 2 Hkv, D))."""
+    x, h = add_rms_norm(x, delta, norm_weight, eps)
+    return x, _qkv(h, qkv_weight, heads, kv_heads)
+
+
+def first_attn_qkv(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
+    """attn_qkv of the first layer (nothing to add)."""
+    return _qkv(add_rms_norm(x, None, norm_weight, eps)[1], qkv_weight, heads, kv_heads)
+
+
+def _qkv(h: torch.Tensor, qkv_weight: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    return F.linear(h, qkv_weight).unflatten(-1, (heads + 2 * kv_heads, -1))
+
+
 def _rotated_qkv(
     h: torch.Tensor, qkv_weight: torch.Tensor, cs: torch.Tensor, heads: int, kv_heads: int
 ) -> torch.Tensor:
-    qkv = F.linear(h, qkv_weight).unflatten(-1, (heads + 2 * kv_heads, -1))
+    qkv = _qkv(h, qkv_weight, heads, kv_heads)
     qk = qkv[:, :, : heads + kv_heads]
     cos, sin = cs[:, :, None, 0], cs[:, :, None, 1]
     rotated = qk.roll(qk.shape[-1] // 2, dims=-1) * sin  # rotate_half(x) * sin
@@ -137,18 +172,25 @@ class FusedTalker:
     """`prefill` / `decode` of TalkerModel (same signatures and results up to GEMM summation
     order) over a "heads" TalkerKVCache. Fuses the model's projections in place."""
 
-    def __init__(self, model: TalkerModel, compile: bool = False) -> None:
+    def __init__(
+        self, model: TalkerModel, compile: bool = False, rope_kernel: bool = False
+    ) -> None:
         model.fuse_projections()
         self.model = model
         cfg = model.cfg
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.eps = cfg.rms_norm_eps
         self.compiled = compile
+        # rope_kernel: each layer's rotation and K / V write as one Triton launch (rope_kv.py)
+        self.rope_kernel = rope_kernel
         self._first, self._pre, self._post = first_attn_pre, attn_pre, mlp_post
+        self._first_qkv, self._qkv = first_attn_qkv, attn_qkv
         self._final = final_norm
         if compile:
             self._first = _compiled(first_attn_pre, (0, 3))
             self._pre = _compiled(attn_pre, (0, 1, 4))
+            self._first_qkv = _compiled(first_attn_qkv, (0,))
+            self._qkv = _compiled(attn_qkv, (0, 1))
             self._post = _compiled(mlp_post, (0, 1))
             self._final = _compiled(final_norm, (0, 1))
 
@@ -219,40 +261,50 @@ class FusedTalker:
             raise ValueError("the fused path needs a TalkerKVCache with layout 'heads'")
         b, length, _ = x.shape
         h, hkv = self.heads, self.kv_heads
-        cs = cache.rope_cs[positions]  # (B, L, 2, D)
-        index = batch.write_pos[None, :, None, :, None].expand(2, b, hkv, length, cs.shape[-1])
-        layers, eps = self.model.model.layers, self.eps
-        first = layers[0]
-        qkv = self._first(
-            x, first.input_layernorm.weight, first.self_attn.qkv_weight, cs, eps, h, hkv
-        )
-        x, delta = self._attend_and_mlp(0, x, qkv, cache, batch, index)
-        for i in range(1, len(layers)):
-            norm_weight, qkv_weight = (
-                layers[i].input_layernorm.weight,
-                layers[i].self_attn.qkv_weight,
-            )
-            x, qkv = self._pre(x, delta, norm_weight, qkv_weight, cs, eps, h, hkv)
-            x, delta = self._attend_and_mlp(i, x, qkv, cache, batch, index)
+        cs = index = None
+        if not self.rope_kernel:
+            cs = cache.rope_cs[positions]  # (B, L, 2, D)
+            index = batch.write_pos[None, :, None, :, None].expand(2, b, hkv, length, cs.shape[-1])
+        delta = None
+        for i, layer in enumerate(self.model.model.layers):
+            x, qkv = self._layer_qkv(layer, x, delta, cs)
+            kv_rows = cache.kv[i, :, batch.rows]  # (2, B, Hkv, T, D)
+            if self.rope_kernel:  # rotate q and k, write k and v: one launch
+                rope_kv_(qkv, cache.rope_cs, positions, batch.write_pos, cache.kv[i],
+                         batch.rows.start, h, hkv)
+            else:  # q and k were rotated in _layer_qkv; k and v written by one scatter
+                new_kv = qkv[:, :, h:].unflatten(2, (2, hkv)).permute(2, 0, 3, 1, 4)
+                kv_rows.scatter_(3, index, new_kv)
+            x, delta = self._attend_and_mlp(layer, x, qkv, kv_rows, batch)
+        assert delta is not None
         if last is not None:
             x, delta = x.index_select(1, last), delta.index_select(1, last)
-        return self._final(x, delta, self.model.model.norm.weight, eps)
+        return self._final(x, delta, self.model.model.norm.weight, self.eps)
+
+    def _layer_qkv(
+        self, layer, x: torch.Tensor, delta: torch.Tensor | None, cs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer up to attention: (x + delta, qkv), q and k rotated unless rope_kernel."""
+        args = (layer.input_layernorm.weight, layer.self_attn.qkv_weight)
+        shape = (self.eps, self.heads, self.kv_heads)
+        if self.rope_kernel:
+            if delta is None:
+                return x, self._first_qkv(x, *args, *shape)
+            return self._qkv(x, delta, *args, *shape)
+        if delta is None:
+            return x, self._first(x, *args, cs, *shape)
+        return self._pre(x, delta, *args, cs, *shape)
 
     def _attend_and_mlp(
         self,
-        i: int,
+        layer,
         x: torch.Tensor,
         qkv: torch.Tensor,
-        cache: TalkerKVCache,
+        kv_rows: torch.Tensor,
         batch: AttentionBatch,
-        index: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i from its rotated qkv: write k|v (one scatter), attend, then mlp_post."""
-        assert cache.kv is not None
-        layer, h, hkv = self.model.model.layers[i], self.heads, self.kv_heads
-        kv_rows = cache.kv[i, :, batch.rows]  # (2, B, Hkv, T, D)
-        new_kv = qkv[:, :, h:].unflatten(2, (2, hkv)).permute(2, 0, 3, 1, 4)  # (2, B, Hkv, L, D)
-        kv_rows.scatter_(3, index, new_kv)
+        """A layer from its rotated qkv, with this step's K / V in the cache: attend, then
+        mlp_post."""
         out = self._attend(qkv, kv_rows, batch)
         mlp = layer.mlp
         return self._post(
