@@ -42,7 +42,10 @@ if triton is not None:
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True)
 
-    @triton.jit
+    # Triton compiles a variant per integer argument equal to 1 or divisible by 16; the
+    # prompt length and the first slot take many values, and a compile at a request's
+    # prefill would cost it ~1 s: one variant for all.
+    @triton.jit(do_not_specialize=["length", "row0"])
     def _rope_kv_kernel(
         qkv_ptr, cs_ptr, pos_ptr, wpos_ptr, kv_ptr,
         length, row0,
