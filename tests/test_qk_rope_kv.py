@@ -1,5 +1,5 @@
 """The fused QK-norm + RoPE + K/V cache write (`pipeline/thinker/qk_rope_kv.py`,
-`Qwen3LM.fuse_qk_rope_kv`).
+`Qwen3LM.fuse_qk_rope_kv`, ThinkerEngineConfig.fused_qk_rope_kv).
 
 Claims tested here, on CPU in Triton's interpreter (the engine takes the kernel there only
 because `available` is patched):
@@ -18,6 +18,7 @@ because `available` is patched):
     tokens for a staggered mix; a prefill graph's forward makes no K/V copies and no host
     reads (the kernel takes the staged rows);
   * compile_ops with the knob (Inductor's CPU code): the q|k|v half compiled, the same tokens;
+  * the Thinker's knob: off where the kernel does not run (CPU), on where it does.
   * CUDA (`-k cuda`): bf16, FlashInfer, decode + piecewise + prefill graphs and compiled
     layers, knob on against off: the same tokens, hidden rows within bf16 rounding, no drift.
 """
@@ -307,6 +308,20 @@ def test_compiled_layers_with_the_kernel(kernel_on_cpu):
     entries = _debug_get_cache_entry_list(llm_module.layer_qkv.__code__)
     assert len(entries) == 4  # first layer / the others, one token / many
     assert not _debug_get_cache_entry_list(llm_module.layer_pre.__code__)
+
+
+def test_the_thinker_knob_takes_the_kernel_where_it_runs(tiny_source, monkeypatch):
+    from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+
+    cfg = ThinkerEngineConfig(
+        llm=EngineConfig(kv_cache_bytes=8 * 2**20), fused_qk_rope_kv=True, warm_up=False
+    )
+    eng = ThinkerEngine.from_source(tiny_source, cfg, device="cpu")
+    assert eng.model.llm.ops.qk_rope_kv is None  # CPU: the plain ops
+    monkeypatch.setattr(qk_rope_kv, "available", lambda device: True)
+    eng = ThinkerEngine.from_source(tiny_source, cfg, device="cpu")
+    assert eng.model.llm.ops.qk_rope_kv is qk_rope_kv.qk_norm_rope_kv
+    assert ThinkerEngineConfig().fused_qk_rope_kv is False
 
 
 # ---------------------------------------------------------------------------------------
