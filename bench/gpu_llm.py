@@ -26,6 +26,11 @@ top ops of one such cached step (a short turn's prefill measured 50-90 ms in the
 in the same run, plus greedy tokens and hidden rows of each engine against the eager one.
 --whole T (with --profile-prefill): also an engine with prefill_graph_tokens=T (a prefill step
 as one CUDA graph, attention inside; piecewise graphs as --pieces for larger steps).
+--qk-rope-kv: only the fused QK-norm + RoPE + K/V cache write (`Qwen3LM.fuse_qk_rope_kv`,
+ThinkerEngineConfig.fused_qk_rope_kv) off and on, on the served engine settings (decode,
+piecewise and whole prefill graphs): one graphed decode step's kernel count, kernel ms and
+wall ms at batch 1 and 8, then a 300-token prompt + --steps greedy tokens and a second turn
+over its cached prefix: the same tokens, and the largest logit difference (exit 1 if not).
 
 Weights: built directly on the GPU (no disk), seeded. Residual-branch outputs are scaled
 down and lm_head is tied to a permutation of the embedding plus noise, so greedy choices
@@ -354,33 +359,94 @@ def compiled_vs_plain(model, device, kv_gib: float, tokens: int = 200) -> None:
     )
 
 
-@torch.no_grad()
-def profile_decode(model, device, kv_gib: float) -> None:
+def decode_step_profile(eng: LLMEngine, bs: int, gen: torch.Generator):
+    """`bs` sampled requests of 300-token prompts on `eng`, warmed up for 8 steps: the wall
+    ms a decode step over the next 8, then one step's (kernel count, kernel ms, top
+    kernels); the requests are then run to their end."""
     from bench.gpu_talker import kernel_table
 
+    for i in range(bs):
+        prompt = torch.randint(0, eng.model.cfg.vocab_size, (300,), generator=gen).tolist()
+        eng.add_request(f"p{bs}-{i}", prompt,
+                        SamplingParams(max_tokens=64, ignore_eos=True, **SAMPLED, seed=i))
+    for _ in range(8):  # prefill, then decode steps (FlashInfer JIT, graph warm-up)
+        eng.step()
+    t0 = time.perf_counter()
+    for _ in range(8):
+        eng.step()
+    wall = (time.perf_counter() - t0) / 8 * 1e3
+    n, ms, top = kernel_table(eng.step)
+    while eng.has_unfinished():
+        eng.step()
+    return wall, n, ms, top
+
+
+@torch.no_grad()
+def profile_decode(model, device, kv_gib: float) -> None:
     print("profile: one graphed decode step (in-graph sampler; kernel time in ms)")
     gen = torch.Generator().manual_seed(4)
     for bs, ahead in ((1, False), (1, True), (8, False), (8, True)):
         eng = make_engine(model, device, kv_gib, max_num_seqs=8, launch_ahead=ahead)
-        for i in range(bs):
-            prompt = torch.randint(0, model.cfg.vocab_size, (300,), generator=gen).tolist()
-            eng.add_request(f"p{bs}-{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True,
-                                                                **SAMPLED, seed=i))
-        for _ in range(8):  # prefill, then decode steps (FlashInfer JIT, graph warm-up)
-            eng.step()
-        t0 = time.perf_counter()
-        for _ in range(8):
-            eng.step()
-        wall = (time.perf_counter() - t0) / 8 * 1e3
-        n, ms, top = kernel_table(eng.step)
+        wall, n, ms, top = decode_step_profile(eng, bs, gen)
         print(f"  B{bs}, launch ahead {ahead}: {n} kernels, {ms:.3f} ms of kernels, "
               f"{wall:.2f} ms wall a step")
         for name, us, count in top:
             print(f"    {us / 1e3:7.3f} ms {count:5d}x  {name}")
-        while eng.has_unfinished():
-            eng.step()
         del eng
         torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def qk_rope_kv_compare(model, device, kv_gib: float, steps: int) -> None:
+    """The fused QK-norm + RoPE + K/V kernel off and on, on the same weights and on the
+    engine settings served (decode graphs, piecewise and whole prefill graphs up to 512
+    tokens, prefix caching): a decode step's kernels and wall ms at batch 1 and 8; the
+    greedy tokens and logits of a 300-token prompt + `steps` tokens and of a second turn
+    over its cached prefix (its prefill a graph step over 300 + `steps` cached tokens).
+    Leaves the kernel off."""
+    print(f"qk-rope-kv: fused QK-norm + RoPE + K/V write off vs on ({steps} greedy tokens a turn)")
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, model.cfg.vocab_size, (300,), generator=gen).tolist()
+    extra = torch.randint(0, model.cfg.vocab_size, (20,), generator=gen).tolist()
+    sp = SamplingParams(max_tokens=steps, stop_ids=(), ignore_eos=True)
+    got, rows = {}, {}
+    for on in (False, True):
+        if model.fuse_qk_rope_kv(on) != on:
+            check(False, "fuse_qk_rope_kv", "the kernel does not run on this device")
+            return
+        eng = make_engine(model, device, kv_gib, max_num_seqs=8, enable_prefix_caching=True,
+                          piecewise_graph_tokens=512, prefill_graph_tokens=512)
+        ids_a, h_a = tokens_and_hidden(eng, f"a{on}", prompt, sp)
+        ids_b, h_b = tokens_and_hidden(eng, f"b{on}", prompt + ids_a + extra, sp)
+        hidden = torch.cat([h_a, h_b]).to(device, torch.bfloat16)
+        got[on] = ids_a + ids_b, model.compute_logits(hidden).float()
+        for bs in (1, 8):
+            wall, n, ms, top = decode_step_profile(eng, bs, gen)
+            rows[on, bs] = (n, ms, wall)
+            print(f"  kernel {'on' if on else 'off'}, B{bs}: {n} kernels, {ms:.3f} ms of "
+                  f"kernels, {wall:.2f} ms wall a step")
+            for name, us, count in top[:6]:
+                print(f"    {us / 1e3:7.3f} ms {count:5d}x  {name}")
+        del eng
+        torch.cuda.empty_cache()
+    model.fuse_qk_rope_kv(False)
+    (ids_off, logits_off), (ids_on, logits_on) = got[False], got[True]
+    first = next((i for i, (a, b) in enumerate(zip(ids_off, ids_on)) if a != b), None)
+    diff = (logits_on - logits_off).abs().amax(dim=-1)  # per row, both turns' in order
+    scale = logits_off.abs().amax()
+    check(
+        first is None and diff.max() <= 3e-2 * scale,
+        "fused qk-rope-kv vs plain",
+        f"tokens equal {first is None} (first difference at {first}), logits max |diff| "
+        f"{diff.max():.3e} (max |logit| {scale:.2f}), mean over the first / last 16 rows "
+        f"{diff[:16].mean():.2e} / {diff[-16:].mean():.2e}",
+    )
+    print("\n| decode step | off | on |\n|---|---|---|")
+    for bs in (1, 8):
+        for i, what in enumerate(("kernels", "kernel ms", "wall ms")):
+            fmt = "{:d}" if i == 0 else "{:.3f}"
+            cells = [fmt.format(rows[on, bs][i]) for on in (False, True)]
+            print(f"| B{bs} {what} | {cells[0]} | {cells[1]} |")
 
 
 @torch.no_grad()
@@ -502,6 +568,8 @@ def main() -> int:
                     help="with --profile-prefill: also an engine with piecewise_graph_tokens=T")
     ap.add_argument("--whole", type=int, default=0, metavar="T",
                     help="with --profile-prefill: also an engine with prefill_graph_tokens=T")
+    ap.add_argument("--qk-rope-kv", action="store_true",
+                    help="only the fused QK-norm + RoPE + K/V kernel off vs on (profile + check)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -514,7 +582,7 @@ def main() -> int:
     if not args.no_fuse:
         model.fuse_projections()
     if not args.no_compile:
-        if args.profile or args.profile_prefill:
+        if args.profile or args.profile_prefill or args.qk_rope_kv:
             model.compile_ops()
         else:
             compiled_vs_plain(model, device, args.kv_gib)
@@ -524,6 +592,9 @@ def main() -> int:
     if args.profile:
         profile_decode(model, device, args.kv_gib)
         return 0
+    if args.qk_rope_kv:
+        qk_rope_kv_compare(model, device, args.kv_gib, args.steps)
+        return 1 if FAILURES else 0
     if args.profile_prefill:
         profile_prefill(model, device, args.kv_gib, args.profile_prefill, args.pieces,
                         whole=args.whole)

@@ -5,7 +5,9 @@ builds an `AttnMetadata` (CPU, then moved), asks the backend to `prepare` it (Fl
 plans here, once per step for all layers), and runs the model inside
 `with forward_batch(ForwardBatch(...)):`. Every attention layer then calls
 `current_forward_batch().attend(layer, q, k, v)`, which writes this step's K/V into the
-paged cache and attends over the cached prefix + the new tokens.
+paged cache and attends over the cached prefix + the new tokens. A layer that wrote its K/V
+itself at the batch's `rows` (the Thinker's fused QK-norm + RoPE + K/V kernel) passes
+k = v = None: every backend attends over the cache alone, never over k / v.
 
 Backends (same interface, `AttentionBackend`):
 - `TorchAttention`: gathers the paged KV with plain indexing and runs SDPA. Works on CPU
@@ -93,14 +95,14 @@ class AttentionBackend(Protocol):
         self,
         kv: torch.Tensor,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         meta: AttnMetadata,
         scale: float,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write k/v at meta.slot_mapping (`rows`: its `kv_rows`, computed here when None),
-        then attend. q: (T, Hq, D) -> (T, Hq, D)."""
+        """Write k/v at meta.slot_mapping (`rows`: its `kv_rows`, computed here when None;
+        k = v = None: already written there), then attend. q: (T, Hq, D) -> (T, Hq, D)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -121,8 +123,10 @@ class ForwardBatch:
         self.rows = kv_rows(self.meta.slot_mapping, self.meta.block_size)
 
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
+        """Attention of `layer_idx` over its cache, after writing k/v at `rows` (None: the
+        layer wrote them already)."""
         kv = self.kv_layers[layer_idx]
         return self.backend.forward(kv, q, k, v, self.meta, self.scale, self.rows)
 
@@ -157,6 +161,12 @@ def _rows(meta: AttnMetadata, rows: torch.Tensor | None) -> torch.Tensor:
     return kv_rows(meta.slot_mapping, meta.block_size) if rows is None else rows
 
 
+def write_new_kv(kv, meta, rows, k, v) -> None:
+    """The backends' K/V write: k/v at the step's rows, unless the layer wrote them (None)."""
+    if k is not None:
+        write_kv(kv, _rows(meta, rows), k, v)
+
+
 # ---------------------------------------------------------------------------------------
 # Torch backend
 
@@ -170,7 +180,7 @@ class TorchAttention:
         pass
 
     def forward(self, kv, q, k, v, meta, scale, rows=None):
-        write_kv(kv, _rows(meta, rows), k, v)
+        write_new_kv(kv, meta, rows, k, v)
         if meta.is_decode:
             return self._decode(kv, q, meta, scale)
         return self._prefill(kv, q, meta, scale)
@@ -253,7 +263,7 @@ def flashinfer_available() -> bool:
 
 class FlashInferAttention:
     """FlashInfer paged attention. `prepare` plans the right wrapper once per step;
-    `forward` writes K/V with index_put and runs the planned wrapper for each layer.
+    `forward` writes K/V with index_copy_ and runs the planned wrapper for each layer.
 
     For CUDA graphs, `graph_decode_wrapper(bs)` returns a per-batch-size decode wrapper
     whose metadata buffers are static; `use_graph_wrapper(bs)` routes the next decode
@@ -360,7 +370,7 @@ class FlashInferAttention:
         self._active = wrapper
 
     def forward(self, kv, q, k, v, meta, scale, rows=None):
-        write_kv(kv, _rows(meta, rows), k, v)
+        write_new_kv(kv, meta, rows, k, v)
         # sm_scale defaults to 1/sqrt(head_dim), which is Qwen3's scale.
         return self._active.run(q.contiguous(), kv)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from pipeline.engine.attention import (
     FlashInferAttention,
     ForwardBatch,
     forward_batch,
-    write_kv,
+    write_new_kv,
 )
 from pipeline.engine.kv_cache import KVCache
 from pipeline.engine.sampling import SamplingTensors, pack_rows, sample_batch, sampling_fields
@@ -333,8 +333,9 @@ class PiecewiseGraphs:
     - per bucket, num_layers + 1 graphs over buffers this class owns: piece 0 is the rotary
       table lookup and layer 0 up to its attention; piece i is layer i-1 after its attention
       and layer i up to its attention; the last piece ends with the final norm (`hidden`);
-    - between pieces, `attend(layer, q, k, v)` (the step's planned attention, which also
-      writes the new K/V) runs on the real rows only.
+    - between pieces, the layer's `attention` (the step's planned attention, which also
+      writes the new K/V; under `fuse_qk_rope_kv` after the fused kernel, which normalizes
+      and rotates q and k first) runs on the real rows only, inside the step's ForwardBatch.
     """
 
     def __init__(
@@ -394,13 +395,11 @@ class PiecewiseGraphs:
         torch.cuda.synchronize()
 
     def forward(
-        self,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        self, embeds: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        """The model's forward over T <= max bucket tokens -> final-norm hidden (T, H), a
-        view of `hidden` (read it before the next step)."""
+        """The model's forward over T <= max bucket tokens, attention through `batch` (the
+        step's, planned) -> final-norm hidden (T, H), a view of `hidden` (read it before the
+        next step)."""
         t = embeds.shape[0]
         n = self.bucket(t)
         assert n is not None, f"{t} tokens exceed the largest piecewise bucket {self.buckets[-1]}"
@@ -409,10 +408,12 @@ class PiecewiseGraphs:
         self.positions[:t].copy_(positions)
         self.positions[t:n].zero_()
         self.steps += 1
-        for i in range(len(self.layers) + 1):
-            if i > 0:
-                self.o[:t].copy_(attend(i - 1, self.q[:t], self.k[:t], self.v[:t]))
-            self.runner.run((n, i), (), fn=None)  # every piece was captured at start
+        q, k, v, cos, sin = self.q[:t], self.k[:t], self.v[:t], self.cos[:t], self.sin[:t]
+        with forward_batch(batch):
+            for i in range(len(self.layers) + 1):
+                if i > 0:
+                    self.o[:t].copy_(self.layers[i - 1].attention(q, k, v, cos, sin))
+                self.runner.run((n, i), (), fn=None)  # every piece was captured at start
         return self.hidden[:t]
 
 
@@ -446,7 +447,7 @@ class _PlannedPrefill:
 
     def forward(self, kv, q, k, v, meta, scale, rows=None):
         assert rows is not None, "a prefill graph writes K/V at the rows its ForwardBatch computed"
-        write_kv(kv, rows, k, v)
+        write_new_kv(kv, meta, rows, k, v)
         return self.wrapper.run(q.contiguous(), kv, out=self.out[: q.shape[0]])
 
 

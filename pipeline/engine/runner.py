@@ -268,7 +268,7 @@ class ModelRunner:
             self.backend.prepare(meta)
             batch = ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)
             if self.pieces is not None and self.pieces.bucket(len(fb.ids)) is not None:
-                hidden = self.pieces.forward(embeds, positions.to(self.device), batch.attend)
+                hidden = self.pieces.forward(embeds, positions.to(self.device), batch)
             else:
                 with forward_batch(batch):
                     hidden = self.model(embeds, positions.to(self.device))  # (T, H)

@@ -24,6 +24,10 @@ and the model sits on its final device/dtype:
   SwiGLU MLP) and the final norm, one compiled function each shared by all layers, so the
   elementwise work between the matmuls fuses into a few kernels; they stay capturable in
   CUDA graphs.
+- `fuse_qk_rope_kv()` (opt-in, CUDA): the layer stops after the q|k|v GEMM (`layer_qkv`)
+  and one Triton kernel (`qk_rope_kv.py`) applies QK-norm + RoPE and writes K/V into the
+  paged cache, in place of the compiled QK-norm + RoPE and `write_kv`'s two copies;
+  attention then only reads the cache. The norm's sum of squares may sum in another order.
 
 The residual stream crosses a layer boundary as (x, delta): a layer returns its MLP output
 `delta` unadded and the next layer's `layer_pre` (or the final norm) adds it, so the add and
@@ -42,6 +46,7 @@ from torch import nn
 
 from pipeline.config import LLMConfig
 from pipeline.engine.attention import current_forward_batch
+from pipeline.thinker import qk_rope_kv
 from pipeline.utils import fuse_into_views
 
 
@@ -87,6 +92,27 @@ def _linear_split(
     return tuple(F.linear(h, w) for w in weights)
 
 
+def layer_qkv(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    qkv_ws: tuple[torch.Tensor, ...],
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer up to its q|k|v projections. x (T, H): the residual stream; delta: the
+    previous layer's MLP output, added here (None in the first layer). Returns (x + delta,
+    q (T, Hq, D), k and v (T, Hkv, D)), views of the projections' output."""
+    if delta is not None:
+        x = x + delta
+    h = rms_norm(x, norm_w, eps)
+    t, d = x.shape[0], head_dim
+    q, k, v = _linear_split(h, qkv_ws, [heads * d, kv_heads * d, kv_heads * d])
+    return x, q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+
+
 def layer_pre(
     x: torch.Tensor,
     delta: torch.Tensor | None,
@@ -100,18 +126,10 @@ def layer_pre(
     heads: int,
     kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decoder layer up to attention. x (T, H): the residual stream; delta: the previous
-    layer's MLP output, added here (None in the first layer). Returns (x + delta, q (T, Hq, D),
-    k and v (T, Hkv, D)), q and k QK-normed and rotated."""
-    if delta is not None:
-        x = x + delta
-    h = rms_norm(x, norm_w, eps)
-    t, d = x.shape[0], q_norm_w.shape[0]
-    q, k, v = _linear_split(h, qkv_ws, [heads * d, kv_heads * d, kv_heads * d])
-    q, k = qk_norm_rope(
-        q.view(t, heads, d), k.view(t, kv_heads, d), q_norm_w, k_norm_w, eps, cos, sin
-    )
-    return x, q, k, v.view(t, kv_heads, d)
+    """A decoder layer up to attention: `layer_qkv`, then q and k QK-normed and rotated."""
+    x, q, k, v = layer_qkv(x, delta, norm_w, qkv_ws, eps, heads, kv_heads, q_norm_w.shape[0])
+    q, k = qk_norm_rope(q, k, q_norm_w, k_norm_w, eps, cos, sin)
+    return x, q, k, v
 
 
 def layer_post(
@@ -145,8 +163,12 @@ class Ops:
     swaps in compiled versions for all layers at once."""
 
     layer_pre: Callable = layer_pre
+    layer_qkv: Callable = layer_qkv
     layer_post: Callable = layer_post
     final_norm: Callable = final_norm
+    # Set by `Qwen3LM.fuse_qk_rope_kv()`: layers run `layer_qkv` instead of `layer_pre`, and
+    # this (`qk_rope_kv.qk_norm_rope_kv`) QK-norms, rotates and writes K/V before attention.
+    qk_rope_kv: Callable | None = None
 
 
 def _compiled(fn: Callable, dynamic_args: tuple[int, ...], **compile_kwargs) -> Callable:
@@ -268,13 +290,26 @@ class Qwen3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual, previous MLP output) -> (residual, this layer's MLP output)."""
         x, q, k, v = self.pre_attention(x, delta, cos, sin)
-        return self.post_attention(x, self.self_attn.attend(q, k, v))
+        return self.post_attention(x, self.attention(q, k, v, cos, sin))
 
     # The layer on either side of its attention (what a piecewise CUDA graph captures).
     def pre_attention(
         self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x + delta, q, k, v); q and k QK-normed and rotated unless the fused kernel is on
+        (`Ops.qk_rope_kv`: then `attention` does that)."""
         a = self.self_attn
+        if self.ops.qk_rope_kv is not None:
+            return self.ops.layer_qkv(
+                x,
+                delta,
+                self.input_layernorm.weight,
+                a.qkv_weights(),
+                self.input_layernorm.eps,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+            )
         return self.ops.layer_pre(
             x,
             delta,
@@ -288,6 +323,30 @@ class Qwen3DecoderLayer(nn.Module):
             a.num_heads,
             a.num_kv_heads,
         )
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention over `pre_attention`'s q, k, v -> (T, Hq, D). With the fused kernel
+        (`Ops.qk_rope_kv`) they come straight from the q|k|v GEMM: one launch normalizes and
+        rotates q and k and stores k and v into this layer's paged cache at the step's rows,
+        and the backend attends over the cache without writing it again."""
+        a = self.self_attn
+        fused = self.ops.qk_rope_kv
+        if fused is None:
+            return a.attend(q, k, v)
+        batch = current_forward_batch()
+        if batch is None:  # no cache to write into: the plain ops
+            q, k = qk_norm_rope(q, k, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin)
+            return a.attend(q, k, v)
+        kv, rows = batch.kv_layers[a.layer_idx], batch.rows
+        q = fused(q, k, v, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin, kv, rows)
+        return batch.attend(a.layer_idx, q, None, None)  # k/v None: already in the cache
 
     def post_attention(
         self, x: torch.Tensor, o: torch.Tensor
@@ -373,6 +432,17 @@ class Qwen3LM(nn.Module):
         elementwise work and the norms' reductions fuse, keeping eager's bf16 roundings
         (emulate_precision_casts) but summing in Inductor's order."""
         self.ops.layer_pre = _compiled(layer_pre, (0, 1, 2, 3), **compile_kwargs)
+        # compiled at its first call: only layers under fuse_qk_rope_kv call it
+        self.ops.layer_qkv = _compiled(layer_qkv, (0, 1), **compile_kwargs)
         self.ops.layer_post = _compiled(layer_post, (0, 1), **compile_kwargs)
         self.ops.final_norm = _compiled(final_norm, (0, 1), **compile_kwargs)
 
+    def fuse_qk_rope_kv(self, on: bool = True) -> bool:
+        """Each layer's QK-norm + RoPE and its K/V cache write as one Triton kernel
+        (`qk_rope_kv.qk_norm_rope_kv`) where it runs: bf16 or fp32 weights on a device the
+        kernel supports (CUDA). Independent of `compile_ops` (either order). Returns whether
+        it is on."""
+        weight = self.model.embed_tokens.weight
+        on = on and weight.dtype in qk_rope_kv.DTYPES and qk_rope_kv.available(weight.device)
+        self.ops.qk_rope_kv = qk_rope_kv.qk_norm_rope_kv if on else None
+        return on
