@@ -8,23 +8,20 @@ at each row's (CFG half, slot): no gathered copies. It computes the same softmax
 scale + mask) v in fp32 (products in IEEE fp32, no TF32; an online softmax over blocks of
 keys), so its outputs differ from the plain path's only in the order of float sums.
 
-On CUDA it needs Triton (shipped with PyTorch's CUDA builds). Under `TRITON_INTERPRET=1`
-the same kernel runs on CPU tensors (the tests run it that way; the engine never does).
+On CPU it runs only in Triton's interpreter, in the tests (pipeline/triton_kernels.py).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: `available` is False and the caller stays on SDPA
-    triton = None
+from pipeline.triton_kernels import INTERPRET, available, runs_here, triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["MAX_ROWS", "available", "pool_attention", "runs_here"]
+
 # Query rows a thread block (the interpreter runs programs one by one, so it takes fewer,
 # larger ones: a row's sums do not depend on the rows beside it), and keys an iteration.
 BLOCK_M = 64 if INTERPRET else 16
@@ -32,17 +29,6 @@ BLOCK_N = 64
 # Estimator rows (2 a chunk) up to which the kernel runs: 13-29 us against 35-51 us for the
 # gathers + SDPA up to 4 chunks; at 8 chunks SDPA's larger tiles win (50 against 55 us).
 MAX_ROWS = 8
-
-
-def available(device: torch.device) -> bool:
-    """Whether the engine may use the kernel on `device`: CUDA with Triton. (On CPU it runs
-    only in Triton's interpreter, far slower than SDPA: for tests, which call it directly.)"""
-    return triton is not None and device.type == "cuda"
-
-
-def runs_here(device: torch.device) -> bool:
-    """Whether the kernel can run on `device` at all: `available`, or CPU in the interpreter."""
-    return available(device) or (triton is not None and INTERPRET and device.type == "cpu")
 
 
 if triton is not None:

@@ -14,34 +14,24 @@ an explicit rounding between a product and the add also leaves the compiler no f
 multiply-add to form. In fp32 on a GPU the compiler may contract `x * cos + r` into one FMA
 (one rounding fewer): bounded by the engine tests; the Talker serves in bf16.
 
-On CUDA it needs Triton (shipped with PyTorch's CUDA builds). Under `TRITON_INTERPRET=1`
-the same kernel runs on CPU tensors (the tests run it that way; the engine never does).
+On CPU it runs only in Triton's interpreter, in the tests (pipeline/triton_kernels.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pipeline.code2wav.pool_attention import available, runs_here
+from pipeline.triton_kernels import available, runs_here, triton
 
-try:
-    import triton
+if triton is not None:
     import triton.language as tl
-except ImportError:  # CPU-only installs: `available` is False, the fused path rotates in torch
-    triton = None
+
+    from pipeline.triton_kernels import round_bf16
 
 __all__ = ["available", "rope_kv_", "runs_here"]
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round_bf16(x):
-        """fp32 -> the nearest bf16 value (ties to even), still as fp32: exact to store."""
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True)
-
     # Triton compiles a variant per integer argument equal to 1 or divisible by 16; the
     # prompt length and the first slot take many values, and a compile at a request's
     # prefill would cost it ~1 s: one variant for all.
@@ -73,7 +63,7 @@ if triton is not None:
         cos = tl.load(cs_ptr + pos * sc_p + d).to(tl.float32)
         sin = tl.load(cs_ptr + pos * sc_p + sc_c + d).to(tl.float32)
         if BF16:
-            y = _round_bf16(_round_bf16(x * cos[None, :]) + _round_bf16(xr * sin[None, :]))
+            y = round_bf16(round_bf16(x * cos[None, :]) + round_bf16(xr * sin[None, :]))
         else:
             y = x * cos[None, :] + xr * sin[None, :]
         y = tl.where(rotates, y, x)  # v passes through

@@ -18,23 +18,22 @@ may differ from the eager ops is the norm's sum of squares (summed in another or
 its rsqrt; V is copied bit for bit. In fp32 nothing is rounded besides fp32's own (on the
 GPU a product and a sum may contract to an FMA there: one fp32 rounding fewer).
 
-On CUDA it needs Triton (shipped with PyTorch's CUDA builds). Under `TRITON_INTERPRET=1`
-the same kernel runs on CPU tensors (the tests run it that way; the engine never does).
+On CPU it runs only in Triton's interpreter, in the tests (pipeline/triton_kernels.py).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: `available` is False and the layers keep the plain ops
-    triton = None
+from pipeline.triton_kernels import INTERPRET, available, runs_here, triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if triton is not None:
+    import triton.language as tl
+
+    from pipeline.triton_kernels import round_bf16
+
+__all__ = ["DTYPES", "available", "qk_norm_rope_kv", "runs_here"]
+
 # Head rows ((token, head) pairs) a program normalizes: of q, or of k with their v. On the
 # GPU a few, so that a decode step's handful of tokens spreads over many SMs; the
 # interpreter runs programs one by one, so it takes fewer, larger ones (a head row's result
@@ -43,25 +42,7 @@ ROWS = 256 if INTERPRET else 4
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def available(device: torch.device) -> bool:
-    """Whether the engine may use the kernel on `device`: CUDA with Triton. (On CPU it runs
-    only in Triton's interpreter, far slower than the plain ops: for tests.)"""
-    return triton is not None and device.type == "cuda"
-
-
-def runs_here(device: torch.device) -> bool:
-    """Whether the kernel can run on `device` at all: `available`, or CPU in the interpreter."""
-    return available(device) or (triton is not None and INTERPRET and device.type == "cpu")
-
-
 if triton is not None:
-
-    @triton.jit
-    def _rne_bf16(x):
-        """fp32 -> the nearest bf16 value (ties to even), kept in fp32."""
-        bits = x.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits & -65536).to(tl.float32, bitcast=True)
 
     # The token count (and the (2, T) rows' stride) vary step by step: not specialized on
     # (a count of 1, or a multiple of 16), so a new count never compiles a kernel mid-serving.
@@ -101,22 +82,22 @@ if triton is not None:
         sin = tl.load(sin_ptr + tok[:, None] * ssin_t + d[None, :], mask=m, other=0.0)
         cos, sin = cos.to(tl.float32), sin.to(tl.float32)
         if ROUND:  # HF casts the fp32 table to the activation dtype
-            cos, sin = _rne_bf16(cos), _rne_bf16(sin)
+            cos, sin = round_bf16(cos), round_bf16(sin)
         # RMSNorm (fp32), cast back, times the weight; the rotated copy is the same values
         r_norm = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
         n, n_rot = x * r_norm, x_rot * r_norm
         if ROUND:
-            n, n_rot = _rne_bf16(n), _rne_bf16(n_rot)
+            n, n_rot = round_bf16(n), round_bf16(n_rot)
         n, n_rot = w * n, w_rot * n_rot
         if ROUND:
-            n, n_rot = _rne_bf16(n), _rne_bf16(n_rot)
+            n, n_rot = round_bf16(n), round_bf16(n_rot)
         # RoPE: x * cos + rotate_half(x) * sin, each product and the sum rounded
         a, b = n * cos, (sign * n_rot) * sin
         if ROUND:
-            a, b = _rne_bf16(a), _rne_bf16(b)
+            a, b = round_bf16(a), round_bf16(b)
         y = a + b
         if ROUND:
-            y = _rne_bf16(y)
+            y = round_bf16(y)
         if pid < q_programs:
             dst = out_ptr + tok * so_t + head * D
             tl.store(dst[:, None] + d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
