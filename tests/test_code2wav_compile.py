@@ -6,11 +6,14 @@
   * compiled == eager with Inductor: DiT forward_chunk without and with caches at 2 and 4
     rows, and a whole engine's PCM. Inductor needs a C++ compiler on CPU; each graph costs
     ~15 s to compile cold on 2 cores, so the tests are built to need few graphs (the
-    engine test finds the DiT test's graphs in Inductor's on-disk cache).
+    engine test finds the DiT test's graphs in Inductor's on-disk cache);
+  * the compiled slot path with the adaLN table: `slot_post` sees the same input layout and
+    stays one graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -165,4 +168,41 @@ def test_compiled_slot_pool_matches_eager(ckpt, voice, monkeypatch):
     assert compiled.counters["batch_size_3"] == 3
     # slot_pre, slot_post for one chunk (products split) and for three (whole), plus the plain
     # path's block graph built by setup_cache
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+
+
+@needs_inductor
+def test_compiled_slot_pool_with_the_adaln_table(ckpt, voice, monkeypatch):
+    """`token2wav_dit_adaln_table` under `compile_slot_blocks`: `slot_post` gets its
+    modulations in the layout it has without the table (shapes, strides, offsets, dtype), so
+    it is the same graph (Dynamo guards on sizes and strides: none of its own for the table);
+    only `slot_pre` has one more, reading the table's row. The PCM within the bound of the
+    eager slot path without it. The split configuration of the test above, whose graphs
+    Inductor's cache holds by then (the table's `slot_pre` is the one compiled cold)."""
+    from pipeline.code2wav import dit
+
+    monkeypatch.setattr(dit, "SPLIT_MIN_K", 1)
+    slots = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_dit_split_matmuls=True)
+    ref = _run(Code2WavEngine(*load_code2wav(ckpt, "cpu", torch.float32), slots), _feeds(1),
+               voice)
+    layouts, pcm = {}, {}
+    for on in (False, True):
+        flow, hift, cfg = load_code2wav(ckpt, "cpu", torch.float32)
+        eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
+            slots, token2wav_compile_estimator=True, token2wav_dit_adaln_table=on))
+        block = flow.decoder.estimator.blocks[1]
+        post, seen = block._slot_post, layouts.setdefault(on, set())
+
+        def recorded(x, attn_out, mod, cnn_cache, tail, post=post, seen=seen):
+            seen.add(tuple((t.shape, t.stride(), t.storage_offset(), t.dtype,
+                            t.untyped_storage().nbytes()) for t in mod))
+            return post(x, attn_out, mod, cnn_cache, tail)
+
+        block._slot_post = recorded
+        pcm[on] = _run(eng, _feeds(1), voice)
+    assert layouts[True] == layouts[False] and len(layouts[True]) == 1
+    for sid in ref:
+        _assert_close(torch.from_numpy(ref[sid]), torch.from_numpy(pcm[True][sid]), sid)
+    # the plain path's block graph (setup_cache), slot_pre with c and with the table's row,
+    # one slot_post for both
     assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])

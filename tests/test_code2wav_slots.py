@@ -567,6 +567,86 @@ def test_dit_pool_attention_within_the_bound(model, voices, monkeypatch):
     assert any(not np.array_equal(a, c) for s in base for a, c in zip(base[s], got[s]))
 
 
+def test_adaln_table_is_each_steps_modulations(model):
+    """`DiT.adaln_table` (token2wav_dit_adaln_table): each block's and the final layer's
+    modulations at each Euler step, as one product over the steps' rows, equal the slot path's
+    per-step products over 1, 3 and 8 streams' rows within a few ulps of the largest one: the
+    same dot products, which a BLAS may sum in another order at another row count (this CPU:
+    up to ~3 ulps at one stream's 2 rows, bitwise at more). `slot_pre` hands them on in the
+    layout the per-step product has (shapes, strides, offsets), so `slot_post` sees the same
+    inputs. The engine builds the table after its bf16 conversion, in bf16."""
+    import copy
+
+    flow, hift, cfg = model
+    est = flow.decoder.estimator
+    t_emb, _ = flow.decoder.time_table(torch.device("cpu"), torch.float32)
+    eps = torch.finfo(torch.float32).eps
+    with torch.no_grad():
+        table = est.adaln_table(t_emb)
+        assert table.blocks.shape == (len(est.blocks), len(t_emb), 9 * est.cfg.hidden_size)
+        bitwise = True
+        for rows in (2, 6, 16):
+            for step in range(len(t_emb)):
+                c = t_emb[step].expand(rows, -1)[:, None]  # as CausalCFM.forward_slots passes it
+                layers = [(b.adaLN_modulation, table.blocks[i, step])
+                          for i, b in enumerate(est.blocks)]
+                for modulation, row in layers + [(est.final_layer.adaLN_modulation,
+                                                  table.final[step])]:
+                    want = modulation(c)
+                    err = (row - want).abs().max()
+                    assert err <= 8 * eps * want.abs().max(), (rows, step, float(err))
+                    bitwise &= bool(err == 0)
+        print("adaLN table bitwise the per-step products:", bitwise)
+        block, step = est.blocks[1], 3
+        x = torch.randn(6, 7, est.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+        c = t_emb[step].expand(6, -1)[:, None]
+        off, on = block.slot_pre(x, c)[3:], block.slot_pre(x, c, table.blocks[1, step])[3:]
+        assert len(on) == 9
+        for a, b in zip(off, on):
+            assert (a.shape, a.stride(), a.storage_offset(), a.dtype) == (
+                b.shape, b.stride(), b.storage_offset(), b.dtype)
+            assert (a - b).abs().max() <= 8 * eps * a.abs().max()
+    on = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_dit_adaln_table=True)
+    assert Code2WavEngine(flow, hift, cfg, on).adaln_table is not None
+    assert Code2WavEngine(flow, hift, cfg, dataclasses.replace(
+        on, token2wav_slot_pool=False)).adaln_table is None  # a slot-path knob
+    bf16 = copy.deepcopy(flow)
+    eng = Code2WavEngine(bf16, hift, cfg, dataclasses.replace(on, token2wav_precision="bf16"))
+    assert eng.adaln_table.blocks.dtype == eng.adaln_table.final.dtype == torch.bfloat16
+    with torch.no_grad():
+        want = bf16.decoder.estimator.adaln_table(eng.time_table[0])
+    assert torch.equal(eng.adaln_table.blocks, want.blocks)
+
+
+def test_dit_adaln_table_within_the_bound(model, voices):
+    """`token2wav_dit_adaln_table` (the slot path's modulations read from the engine's table)
+    against the plain path over a 12-chunk stream and two staggered ones: within the precision
+    contract, no drift, and no adaLN product left in the slot steps."""
+    flow, hift, cfg = model
+    rounds = _schedule(3, [300, 60, 33], seed=9)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
+        SLOTS, token2wav_dit_adaln_table=True))
+    for v in voices:
+        eng.initial_state(v)  # the voices' templates (the plain path, its own products) first
+    est = flow.decoder.estimator
+    products = []
+    hooks = [m.register_forward_hook(lambda *_: products.append(1))
+             for m in [b.adaLN_modulation for b in est.blocks] + [est.final_layer.adaLN_modulation]]
+    try:
+        got = _play(eng, rounds, voice_of)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not products and eng.counters["batches"] > 12
+    assert max(int(k[11:]) for k in eng.counters if k.startswith("batch_size_")) >= 2
+    _compare(ref, got, "adaLN table")
+
+
 def test_a_bf16_dit_keeps_sdpa(monkeypatch):
     """A bf16 estimator has flash SDPA: the fp32 kernel is not switched on for it."""
     from pipeline.code2wav import pool_attention as pa

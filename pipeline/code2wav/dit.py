@@ -21,6 +21,8 @@ their last 2 input frames. Caches:
 `compile_dit_blocks(dit)` applies regional torch.compile from outside (one compiled block
 forward shared by all blocks); see its docstring for the dynamic-shape policy.
 `dit.split_matmuls(True)` shapes the slot path's matmuls for small batches (`linear_split_k`).
+`dit.adaln_table(t_emb)` precomputes the slot path's adaLN modulations of every Euler step
+(`AdaLNTable`), which `forward_slots` then reads instead of computing them per step.
 """
 
 from __future__ import annotations
@@ -136,6 +138,23 @@ class DiTPool:
     k: torch.Tensor
     v: torch.Tensor
     cnn: torch.Tensor
+
+
+@dataclass
+class AdaLNTable:
+    """Every adaLN modulation of the DiT for each Euler step (`DiT.adaln_table`).
+
+    A modulation depends on the time embedding alone, and every row of a slot step is at the
+    same Euler step (CausalCFM.forward_slots passes step i's embedding to all of them), so a
+    step needs one row of this table instead of a SiLU + Linear(D -> 9D) per block and step
+    (170 products a chunk at full size: 16 blocks x 10 steps and the final layer's 10), each
+    reading a whole D x 9D weight for a handful of equal rows.
+
+    blocks : (depth, S, 9D)  each block's 9 modulations, in `DiTBlock.forward`'s order
+    final  : (S, 2D)         the final layer's shift and scale"""
+
+    blocks: torch.Tensor
+    final: torch.Tensor
 
 
 class TimestepEmbedder(nn.Module):
@@ -353,9 +372,18 @@ class DiTBlock(nn.Module):
 
     # The slot-pool path in three parts, so that the two without pool reads or writes can be
     # compiled (compile_slot_blocks) and the pool stays in eager ops, updated in place.
-    def slot_pre(self, x: torch.Tensor, c: torch.Tensor):
-        """The 9 modulations and the attention's q, k, v."""
-        mod = self.adaLN_modulation(c).chunk(9, dim=-1)
+    def slot_pre(self, x: torch.Tensor, c: torch.Tensor, mod_row: torch.Tensor | None = None):
+        """The 9 modulations and the attention's q, k, v. c (B, 1, D): the step's time
+        embedding per row; or `mod_row` (9D,): the step's row of the AdaLNTable (c unused).
+        The row is copied out per row into a (B, 1, 9D) buffer, what `adaLN_modulation(c)`
+        returns, so `slot_post` gets modulations of the same shapes and strides either way and
+        compiles to the same kernels (handed a broadcast (1, 1, 9D) row instead, Inductor fused
+        the conv branch's split-K sum with the gate and residual into a 15x slower kernel)."""
+        if mod_row is None:
+            mod = self.adaLN_modulation(c)
+        else:
+            mod = mod_row.expand(x.shape[0], 1, -1).contiguous()
+        mod = mod.chunk(9, dim=-1)
         return (*self.attn.qkv(_modulate(self.norm1(x), mod[0], mod[1])), *mod)
 
     def slot_post(self, x, attn_out, mod, cnn_cache, tail):
@@ -378,19 +406,20 @@ class DiTBlock(nn.Module):
         v_pool: torch.Tensor,
         cnn_pool: torch.Tensor,
         ix: DiTSlots,
+        mod_row: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` on padded rows with the caches in the slot pool (read and written in
-        place). cnn_pool (2, slots, 2D, 2) of this step and block."""
+        place). cnn_pool (2, slots, 2D, 2) of this step and block; mod_row: see `slot_pre`."""
         cnn_pool = cnn_pool.flatten(0, 1)  # (2 slots, 2D, 2)
         cnn = cnn_pool.index_select(0, ix.cnn_at)
-        q, k, v, *mod = self._slot_pre(x, c)
+        q, k, v, *mod = self._slot_pre(x, c, mod_row)
         out = self.attn.attend_slots(q, k, v, k_pool, v_pool, ix)
         x, new_cnn = self._slot_post(x, out, mod, cnn, ix.conv_tail)
         cnn_pool.index_put_((ix.cnn_at,), new_cnn)
         return x
 
-    def _slot_pre(self, x, c):  # replaced by a compiled one in compile_slot_blocks
-        return self.slot_pre(x, c)
+    def _slot_pre(self, x, c, mod_row=None):  # replaced by a compiled one in compile_slot_blocks
+        return self.slot_pre(x, c, mod_row)
 
     def _slot_post(self, x, attn_out, mod, cnn_cache, tail):
         return self.slot_post(x, attn_out, mod, cnn_cache, tail)
@@ -403,8 +432,12 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(hidden, out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+    def forward(
+        self, x: torch.Tensor, c: torch.Tensor, mod: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # mod (2D,): the step's row of AdaLNTable.final instead of c's product (eager: a
+        # broadcast row gives the same elementwise results as one copied out per row)
+        shift, scale = (self.adaLN_modulation(c) if mod is None else mod).chunk(2, dim=-1)
         return self.linear(_modulate(self.norm_final(x), shift, scale))
 
 
@@ -444,6 +477,16 @@ class DiT(nn.Module):
     def time_embedding(self, t: torch.Tensor) -> torch.Tensor:
         """t (N,) -> (N, D). Constant per Euler step, so the CFM computes it once per schedule."""
         return self.t_embedder(t)
+
+    def adaln_table(self, t_emb: torch.Tensor) -> AdaLNTable:
+        """t_emb (S, D), the CFM's time table -> every block's and the final layer's
+        modulations at each Euler step, one product per block over the S rows (in the weights'
+        dtype: build it after any dtype change or load). The same dot products as each step's
+        `adaLN_modulation(c)`, which a BLAS may sum in another order at another row count."""
+        return AdaLNTable(
+            blocks=torch.stack([block.adaLN_modulation(t_emb) for block in self.blocks]),
+            final=self.final_layer.adaLN_modulation(t_emb),
+        )
 
     def _inputs(self, x, mu, spks, cond) -> torch.Tensor:
         # (B,80,T) x3 + (B,80) -> (B, T, 320), in the weights' dtype: a bf16 estimator
@@ -504,15 +547,21 @@ class DiT(nn.Module):
         pool: DiTPool,
         step: int,
         ix: DiTSlots,
+        adaln: AdaLNTable | None = None,
     ) -> torch.Tensor:
         """`forward_chunk` for padded rows whose caches live in `pool` (Euler step `step`);
-        returns v (2B, 80, T). Valid frames are a prefix of each row."""
+        returns v (2B, 80, T). Valid frames are a prefix of each row. With `adaln` (the
+        `adaln_table` of the time table whose row `step` t_emb is) the modulations are read
+        from its rows of `step` instead of computed."""
         c = t_emb[:, None]
         h = self.in_proj(self._inputs(x, mu, spks, cond))
         ix = ix.at(pool)
         for i, block in enumerate(self.blocks):
-            h = block.forward_slots(h, c, pool.k[step, i], pool.v[step, i], pool.cnn[step, i], ix)
-        return self.final_layer(h, c).transpose(1, 2).to(x.dtype)
+            row = None if adaln is None else adaln.blocks[i, step]
+            h = block.forward_slots(h, c, pool.k[step, i], pool.v[step, i], pool.cnn[step, i], ix,
+                                    row)
+        final = None if adaln is None else adaln.final[step]
+        return self.final_layer(h, c, final).transpose(1, 2).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -525,8 +574,10 @@ def compile_slot_blocks(dit: DiT, *, backend: str = "inductor") -> DiT:
     Inductor fuses the adaLN modulate, gates, residuals, LayerNorms, Mish and GELU between the
     matmuls, which stay aten (cuBLAS) in the weights' dtype: only the summation order inside
     fused norms changes. Only the rows are dynamic (every other shape is fixed by the padded
-    chunk), so one graph serves every batch size. Nothing in it syncs with the host: the
-    engine's graph runner compiles in its warm-up calls, then captures."""
+    chunk), so one graph serves every batch size (`slot_pre` has a second one that reads an
+    AdaLNTable row; `slot_post`'s inputs keep their layout with it, so it keeps one). Nothing
+    in it syncs with the host: the engine's graph runner compiles in its warm-up calls, then
+    captures."""
     pre = torch.compile(DiTBlock.slot_pre, backend=backend)
     post = torch.compile(DiTBlock.slot_post, backend=backend)
 
@@ -534,9 +585,9 @@ def compile_slot_blocks(dit: DiT, *, backend: str = "inductor") -> DiT:
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
-    def compiled_pre(block, x, c):
+    def compiled_pre(block, x, c, mod_row=None):
         rows_dynamic(x, c)
-        return pre(block, x, c)
+        return pre(block, x, c, mod_row)
 
     def compiled_post(block, x, attn_out, mod, cnn_cache, tail):
         rows_dynamic(x, attn_out, *mod, cnn_cache, tail)

@@ -35,6 +35,10 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
   token2wav_dit_pool_attention  : the slot path's attention as one Triton kernel reading K / V in
                                   place from the pool (pool_attention.py; fp32, CUDA; reordered
                                   sums)
+  token2wav_dit_adaln_table     : the slot path's DiT adaLN modulations (SiLU + Linear(D -> 9D)
+                                  per block and Euler step, the same for every row of a step)
+                                  read from a table the engine computes once from its time table
+                                  (dit.py `AdaLNTable`; the same products over other row counts)
   token2wav_vocoder_fused_snakes: the vocoder's Snake activations (x + sin(a x)^2 / a, 146 a
                                   chunk) as one compiled kernel each instead of five
                                   (hift.py `fuse_snakes`; a fused multiply-add, libdevice's sin)
@@ -60,7 +64,7 @@ import torch
 
 from pipeline.code2wav.batching import ChunkBatcher, ReadyChunk
 from pipeline.code2wav.causal_hift import CausalHiFT
-from pipeline.code2wav.dit import compile_dit_blocks, compile_slot_blocks
+from pipeline.code2wav.dit import AdaLNTable, compile_dit_blocks, compile_slot_blocks
 from pipeline.code2wav.flow import Flow
 from pipeline.code2wav.graphs import CausalVocoderGraphs, HiFTGraphRunner
 from pipeline.code2wav.hift import HiFTGenerator, fuse_snakes
@@ -100,6 +104,7 @@ class Code2WavEngineConfig:
     token2wav_vocoder_gemm_convs: bool = False  # the causal vocoder's convs as matmuls
     token2wav_dit_split_matmuls: bool = False  # slot path: q|k|v joined, large K split
     token2wav_dit_pool_attention: bool = False  # slot path: attention read in place from the pool
+    token2wav_dit_adaln_table: bool = False  # slot path: DiT modulations from a per-step table
     token2wav_vocoder_fused_snakes: bool = False  # each vocoder Snake one compiled kernel
     code2wav_batch_wait_ms: float = 0.0
     code2wav_first_chunks_first: bool = False  # first audio not batched behind later chunks
@@ -208,6 +213,7 @@ class Code2WavEngine:
             if isinstance(self.hift_graphs, CausalVocoderGraphs):
                 self.hift_graphs.capture_last = False  # the warm-up captures them
         self.time_table = self._time_table()
+        self.adaln_table = self._adaln_table()
         self.batcher = ChunkBatcher(
             engine_cfg.code2wav_batch_wait_ms, engine_cfg.max_batch_size, clock
         )
@@ -225,6 +231,16 @@ class Code2WavEngine:
                 self.device, next(self.flow.parameters()).dtype
             )
         return t_emb.clone(), dt.clone()
+
+    def _adaln_table(self) -> AdaLNTable | None:
+        """`token2wav_dit_adaln_table`: the DiT's modulations of every Euler step from the time
+        table, computed once, after any dtype change (in the estimator's dtype, as the time
+        table). Held for the engine's life: its CUDA graphs read it in place. An estimator
+        converted or reloaded afterwards needs both tables built again."""
+        if not (self.ecfg.token2wav_dit_adaln_table and self.ecfg.token2wav_slot_pool):
+            return None
+        with torch.no_grad():
+            return self.flow.decoder.estimator.adaln_table(self.time_table[0])
 
     @classmethod
     def from_source(
@@ -508,11 +524,13 @@ class Code2WavEngine:
         if self.graphs is None:
             ix = index_to(plan.index, self.device, non_blocking=True)
             tokens = plan.tokens.to(self.device, non_blocking=True)
-            return self.flow.forward_slots(tokens, spk, self.pool.pool, ix, self.time_table)
+            return self.flow.forward_slots(tokens, spk, self.pool.pool, ix, self.time_table,
+                                           self.adaln_table)
 
         def run(tokens, spk, *tensors):
             return self.flow.forward_slots(
-                tokens, spk, self.pool.pool, unflatten(plan.index, tensors), self.time_table
+                tokens, spk, self.pool.pool, unflatten(plan.index, tensors), self.time_table,
+                self.adaln_table,
             )
 
         key = (len(plan.tokens), plan.index.dit.window)

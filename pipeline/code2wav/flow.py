@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.code2wav.dit import DiT, DiTPool, DiTSlots
+from pipeline.code2wav.dit import AdaLNTable, DiT, DiTPool, DiTSlots
 from pipeline.config import Code2WavConfig, DiTConfig, FlowEncoderConfig
 
 NOISE_FRAMES = 30000  # 600 s of 50 Hz mel: the reference's rand_noise length
@@ -623,9 +623,11 @@ class CausalCFM(nn.Module):
             att_out.append(att)
         return x, torch.stack(cnn_out), torch.stack(att_out)
 
-    def forward_slots(self, mu, spks, cond, pool: DiTPool, ix: FlowSlots, time_table):
+    def forward_slots(self, mu, spks, cond, pool: DiTPool, ix: FlowSlots, time_table,
+                      adaln: AdaLNTable | None = None):
         """`forward_chunk` for padded rows with the DiT caches in `pool`; each row's noise
-        starts at its own DiT cache length (`ix.noise`)."""
+        starts at its own DiT cache length (`ix.noise`). `adaln`: the DiT's modulations of
+        every step, from `time_table` (DiT.adaln_table), read instead of computed."""
         b = mu.shape[0]
         x = self.rand_noise[0][:, ix.noise].to(mu.dtype).transpose(0, 1)  # (B, 80, T)
         t_emb, dt = time_table
@@ -634,9 +636,10 @@ class CausalCFM(nn.Module):
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
         dit = ix.dit.at(pool)  # the pools' flat indices, once for the 10 steps
         for i in range(self.n_timesteps):
+            # every row at Euler step i: one time embedding for all (the adaLN table's premise)
             v = self.estimator.forward_slots(
                 torch.cat([x, x]), mu_in, t_emb[i].expand(2 * b, -1), spk_in, cond_in, pool, i,
-                dit,
+                dit, adaln,
             )
             x = x + dt[i] * self._guide(v, b)
         return x
@@ -740,12 +743,19 @@ class Flow(nn.Module):
 
     @torch.inference_mode()
     def forward_slots(
-        self, tokens: torch.Tensor, spk: torch.Tensor, pool: FlowPool, ix: FlowSlots, time_table
+        self,
+        tokens: torch.Tensor,
+        spk: torch.Tensor,
+        pool: FlowPool,
+        ix: FlowSlots,
+        time_table,
+        adaln: AdaLNTable | None = None,
     ) -> torch.Tensor:
         """One chunk for a batch of padded rows whose caches live in `pool` (slots.py):
-        tokens (B, T + lookahead), spk (B, 192) -> mel (B, 80, stride*T), valid prefixes."""
+        tokens (B, T + lookahead), spk (B, 192) -> mel (B, 80, stride*T), valid prefixes.
+        `adaln`: see CausalCFM.forward_slots."""
         h = self.encoder.forward_slots(self.input_embedding(tokens), pool, ix)
         mu = self.encoder_proj(h).transpose(1, 2).contiguous()
         return self.decoder.forward_slots(
-            mu, self.speaker(spk), torch.zeros_like(mu), pool.dit, ix, time_table
+            mu, self.speaker(spk), torch.zeros_like(mu), pool.dit, ix, time_table, adaln
         )
