@@ -169,34 +169,39 @@ class InProcessServe:
 class StageShares:
     """Per concurrency, over its measured rounds: each group's Code2Wav busy share of the wall
     clock (its engine's `busy_ms`: decode time with the PCM on the host), batch-size
-    histogram, and the turns the ingress sent to the group; and the first group's Talker:
-    wall ms a unit start (prefill + first draw) and a decode call (replay + codes read)."""
+    histogram, and the turns the ingress sent to the group; the first group's Talker:
+    wall ms a unit start (prefill + first draw) and a decode call (replay + codes read);
+    and its Thinker's pure-decode steps: GPU ms a step (other stages' kernels time-sliced
+    in count) and the GPU's idle ms before a step launched behind another (the host late)."""
 
     def __init__(self, srv: InProcessServe):
         self.srv, self.rows, self._start = srv, {}, None
 
-    def _snapshot(self) -> tuple[float, list[dict[str, float]], list[int], dict[str, float]]:
+    def _snapshot(
+        self,
+    ) -> tuple[float, list[dict[str, float]], list[int], dict[str, float], dict[str, float]]:
         # called on the load generator's event loop, where a handle's blocking `result()` is
         # refused: ask from a worker thread (the loop waits; no request is in flight then)
         def engine_stats(name: str) -> dict[str, float]:
             h = self.srv.serve.get_deployment_handle(name, app_name="omniray")
             return h.stats.remote().result().get("engine", {})
 
-        def ask() -> tuple[list[dict[str, float]], list[int], dict[str, float]]:
+        def ask():
             engines = [engine_stats(name) for name in self.srv.stage_names("Code2Wav")]
             groups = self.srv.ingress_stats().get("groups", [])
             talker = engine_stats(self.srv.stage_names("Talker")[0])
-            return engines, [g["turns"] for g in groups] or [0], talker
+            thinker = engine_stats(self.srv.stage_names("Thinker")[0])
+            return engines, [g["turns"] for g in groups] or [0], talker, thinker
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            engines, turns, talker = pool.submit(ask).result()
-        return time.perf_counter(), engines, turns, talker
+            engines, turns, talker, thinker = pool.submit(ask).result()
+        return time.perf_counter(), engines, turns, talker, thinker
 
     def __call__(self, c: int, phase: str) -> None:
         if phase == "start":
             self._start = self._snapshot()
             return
-        (t0, a_all, turns0, ta), (t1, b_all, turns1, tb) = self._start, self._snapshot()
+        (t0, a_all, turns0, ta, ha), (t1, b_all, turns1, tb, hb) = self._start, self._snapshot()
         per_group = []
         for g, (a, b) in enumerate(zip(a_all, b_all)):
             delta = {k: b[k] - a.get(k, 0) for k in b if isinstance(b[k], int | float)}
@@ -221,6 +226,18 @@ class StageShares:
                   f"draw; {talker['prefills']}), {talker['ms_a_step']} ms a decode step "
                   f"({talker['steps']} steps, {talker['codes']} codes)", flush=True)
         row["talker"] = talker
+        thinker = {k: hb.get(k, 0) - ha.get(k, 0) for k in
+                   ("decode_gpu_steps", "decode_gpu_ms", "decode_idle_gaps", "decode_idle_ms")}
+        if thinker["decode_gpu_steps"]:
+            thinker["gpu_ms_a_step"] = round(
+                thinker["decode_gpu_ms"] / thinker["decode_gpu_steps"], 2)
+            thinker["idle_ms_a_gap"] = round(
+                thinker["decode_idle_ms"] / max(1, thinker["decode_idle_gaps"]), 2)
+            print(f"Thinker at c={c}: {thinker['gpu_ms_a_step']} ms of GPU a decode step, "
+                  f"{thinker['idle_ms_a_gap']} ms idle before one launched behind another "
+                  f"({thinker['decode_gpu_steps']} steps, {thinker['decode_idle_gaps']} "
+                  "behind)", flush=True)
+        row["thinker"] = thinker
         self.rows[c] = row
 
 

@@ -286,7 +286,7 @@ def test_first_turn_reports_the_first_request_sent():
     assert "no request" in first_turn({"rounds": []})
 
 
-def test_stage_shares_report_code2wav_busy_and_talker_times(capsys):
+def test_stage_shares_report_code2wav_busy_and_talker_and_thinker_times(capsys):
     """bench.gpu_e2e.StageShares over one concurrency's rounds, against a stand-in app: the
     deltas of the engines' counters between the rounds' start and end."""
     from types import SimpleNamespace
@@ -295,7 +295,9 @@ def test_stage_shares_report_code2wav_busy_and_talker_times(capsys):
 
     stats = {"Code2Wav": {"busy_ms": 100.0, "batch_size_1": 3, "chunks": 3},
              "Talker": {"prefills": 2, "prefill_ms": 20.0, "steps": 50, "decode_ms": 60.0,
-                        "codes": 50}}
+                        "codes": 50},
+             "Thinker": {"decode_gpu_steps": 10, "decode_gpu_ms": 60.0, "decode_idle_gaps": 8,
+                         "decode_idle_ms": 16.0}}
     turns = [4]
 
     def handle(name, app_name):
@@ -310,6 +312,8 @@ def test_stage_shares_report_code2wav_busy_and_talker_times(capsys):
     stats["Code2Wav"] = {"busy_ms": 400.0, "batch_size_1": 9, "chunks": 9}
     stats["Talker"] = {"prefills": 6, "prefill_ms": 60.0, "steps": 170, "decode_ms": 204.0,
                        "codes": 170}
+    stats["Thinker"] = {"decode_gpu_steps": 110, "decode_gpu_ms": 660.0, "decode_idle_gaps": 98,
+                        "decode_idle_ms": 196.0}
     turns[0] = 6
     shares(1, "end")
     row = shares.rows[1]
@@ -318,4 +322,8 @@ def test_stage_shares_report_code2wav_busy_and_talker_times(capsys):
     talker = row["talker"]
     assert talker["ms_a_prefill"] == 10.0 and talker["ms_a_step"] == 1.2
     assert talker["prefills"] == 4 and talker["steps"] == 120 and talker["codes"] == 120
-    assert "10.0 ms a unit start" in capsys.readouterr().out
+    thinker = row["thinker"]
+    assert thinker["gpu_ms_a_step"] == 6.0 and thinker["idle_ms_a_gap"] == 2.0
+    out = capsys.readouterr().out
+    assert "10.0 ms a unit start" in out
+    assert "Thinker at c=1: 6.0 ms of GPU a decode step, 2.0 ms idle" in out

@@ -288,3 +288,52 @@ def test_flashinfer_and_graphs_match_torch_backend_on_cuda():
     # bf16 kernels may flip a near-tie late in a sequence: compare the first tokens only
     for rid in prompts:
         assert outs[("flashinfer", False)][rid][:3] == outs[("torch", False)][rid][:3], rid
+
+
+@pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
+@torch.no_grad()
+def test_decode_steps_are_timed_on_cuda():
+    """Launching ahead with graphs, every pure-decode step gets a GPU span and, launched
+    behind the step before it, an idle gap (small here: nothing else holds the host)."""
+    m = random_lm(CUDA_LLM).to("cuda", torch.bfloat16)
+    eng = LLMEngine(
+        m,
+        EngineConfig(num_blocks=64, block_size=16, attention_backend="flashinfer",
+                     cuda_graphs=True, max_num_seqs=4, launch_ahead=True),
+        "cuda",
+        torch.bfloat16,
+    )
+    eng.generate({"r0": _prompt(20, 7)}, SamplingParams(max_tokens=24, stop_ids=()))
+    s = eng.stats()
+    assert s.decode_gpu_steps >= 20 and s.decode_gpu_ms > 0
+    assert s.decode_idle_gaps >= s.decode_gpu_steps - 2
+    assert 0 <= s.decode_idle_ms <= s.decode_idle_gaps * 5.0
+
+
+def test_decode_times_tell_the_gpu_span_from_the_hosts_late_launch():
+    """DecodeTimes on stamped fake events (ms): a decode step's GPU span runs from its start
+    event to its done event; the GPU's idle gap before it counts only when it was launched
+    with another step in flight, from that step's done; a prefill step is not timed but
+    its done still bounds the next gap."""
+    from pipeline.engine.runner import DecodeTimes, LaunchedStep
+
+    class Stamp:
+        def __init__(self, ms: float) -> None:
+            self.ms = ms
+
+    times = DecodeTimes(elapsed=lambda a, b: b.ms - a.ms)
+
+    def finish(start: float, done: float, behind: bool, decode: bool = True) -> None:
+        step = LaunchedStep([], None, None, [], Stamp(done), Stamp(start), behind)
+        times.finished(step, decode)
+
+    finish(0, 30, behind=False, decode=False)  # a prefill: not timed
+    finish(30, 36, behind=True)  # launched while the prefill ran: no gap
+    finish(39, 45, behind=True)  # the host launched it 3 ms after the GPU went idle
+    finish(100, 106, behind=False)  # the engine had no work before it: its span only
+    assert (times.steps, times.gpu_ms) == (3, 18)
+    assert (times.gaps, times.idle_ms, times.max_idle_ms) == (2, 3, 3)
+    # without CUDA nothing is recorded
+    finish_cpu = LaunchedStep([], None, None, [], None)
+    times.finished(finish_cpu, True)
+    assert times.steps == 3

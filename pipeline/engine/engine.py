@@ -150,6 +150,13 @@ class EngineStats:
     max_step_prefill_tokens: int = 0
     max_decode_wait_steps: int = 0
     max_step_ms: float = 0.0  # the longest step() (wall time, device work included)
+    # Pure-decode steps on CUDA (runner.DecodeTimes), cumulative: their GPU spans, and the
+    # GPU's idle time before those launched with another in flight (the host was late)
+    decode_gpu_steps: int = 0
+    decode_gpu_ms: float = 0.0
+    decode_idle_gaps: int = 0
+    decode_idle_ms: float = 0.0
+    max_decode_idle_ms: float = 0.0
 
 
 class LLMEngine:
@@ -441,7 +448,7 @@ class LLMEngine:
     def _complete(self, plan: StepPlan, launched: LaunchedStep) -> list[StepOutput]:
         """Wait for a launched step's ids and hidden rows; its outputs. Rows of sequences
         that finished since it was planned are dropped."""
-        result = self.runner.finish(launched)
+        result = self.runner.finish(launched, decode=plan.is_decode_only)
         outputs = []
         for up in self.scheduler.resolve(plan, result.sampled):
             seq = up.seq
@@ -510,6 +517,7 @@ class LLMEngine:
         seq.mm_missing = [sp for sp in seq.mm_missing if sp not in done]
 
     def stats(self) -> EngineStats:
+        t = self.runner.decode_times
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -522,6 +530,11 @@ class LLMEngine:
             max_step_prefill_tokens=self._max_step_prefill,
             max_decode_wait_steps=self._max_decode_wait,
             max_step_ms=self._max_step_ms,
+            decode_gpu_steps=t.steps,
+            decode_gpu_ms=t.gpu_ms,
+            decode_idle_gaps=t.gaps,
+            decode_idle_ms=t.idle_ms,
+            max_decode_idle_ms=t.max_idle_ms,
         )
 
     def generate(

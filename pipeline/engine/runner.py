@@ -33,7 +33,9 @@ thing that step does on the GPU); eager steps still make blocking input copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -68,6 +70,46 @@ class LaunchedStep:
     hidden: torch.Tensor | None  # host copy of the hidden rows `spans` point into
     spans: list[tuple[str, int, int]]  # request id, rows [start, end) of `hidden`
     done: torch.cuda.Event | None  # the copies have landed (None: synchronous device)
+    # timed decode steps (DecodeTimes): an event recorded before the step's first GPU work,
+    # and whether a step was in flight when it was launched (its GPU gap is the host's)
+    started: torch.cuda.Event | None = None
+    behind: bool = False
+
+
+class DecodeTimes:
+    """GPU time of the pure-decode steps and the GPU's idle time before each: what tells a
+    decode step slowed on the GPU (other processes' kernels time-sliced in, slower kernels)
+    from one the host did not launch in time (its planning, the GIL, the replica's event
+    loop). From CUDA events with timing; `elapsed(a, b)` is `a.elapsed_time(b)` in ms.
+
+    A step's GPU span runs from an event recorded before its first GPU work to the event
+    that says its outputs landed; its idle gap from the previous step's `done` to its
+    start, counted only when it was launched with that step still in flight (launching
+    ahead), so an idle engine's pauses between requests are not the host's."""
+
+    def __init__(self, elapsed: Callable[[Any, Any], float] | None = None) -> None:
+        self._elapsed = elapsed or (lambda a, b: a.elapsed_time(b))
+        self.steps = 0  # decode steps timed
+        self.gpu_ms = 0.0  # their GPU spans
+        self.gaps = 0  # ... of them launched behind another
+        self.idle_ms = 0.0  # the GPU's idle time before those
+        self.max_idle_ms = 0.0
+        self._last_done: torch.cuda.Event | None = None
+
+    def finished(self, step: LaunchedStep, decode: bool) -> None:
+        """After `step.done` fired (steps finish in launch order): its times if it is a
+        decode step."""
+        elapsed = self._elapsed
+        last, self._last_done = self._last_done, step.done
+        if not decode or step.started is None or step.done is None:
+            return
+        self.steps += 1
+        self.gpu_ms += elapsed(step.started, step.done)
+        if step.behind and last is not None:
+            gap = max(0.0, elapsed(last, step.started))
+            self.gaps += 1
+            self.idle_ms += gap
+            self.max_idle_ms = max(self.max_idle_ms, gap)
 
 
 @dataclass
@@ -100,6 +142,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.graphs = graphs
+        self.decode_times = DecodeTimes()
+        self._in_flight = 0  # launched, not finished
         self.pieces = pieces
         self.prefill_graphs = prefill_graphs
         self.device_sampling = device_sampling
@@ -178,6 +222,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
+        started = None
+        if self._cuda:  # before the step's first GPU work (its inputs' copies)
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        step = self._launch(plan)
+        step.started, step.behind = started, self._in_flight > 0
+        self._in_flight += 1
+        return step
+
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
         fb = self._flatten(plan)
         src = self._pending_sources(fb)
         mm = [self._mm_rows(s) for s in plan.seqs]
@@ -191,10 +245,13 @@ class ModelRunner:
             return self._graph_step(plan, fb, src)
         return self._eager_step(plan, fb, mm, src)
 
-    def finish(self, step: LaunchedStep) -> RunnerOutput:
-        """Wait for a launched step's copy; its ids in plan order and its hidden rows."""
+    def finish(self, step: LaunchedStep, decode: bool = False) -> RunnerOutput:
+        """Wait for a launched step's copy; its ids in plan order and its hidden rows.
+        decode: a pure-decode step, timed in `decode_times` (CUDA)."""
         if step.done is not None:
             step.done.synchronize()
+        self._in_flight -= 1
+        self.decode_times.finished(step, decode)
         ids = step.ids.tolist() if isinstance(step.ids, torch.Tensor) else step.ids
         if step.keep is not None:
             ids = [ids[i] for i in step.keep]
@@ -377,7 +434,7 @@ class ModelRunner:
             host_hidden.copy_(rows, non_blocking=True)
         done = None
         if self._cuda:
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)  # DecodeTimes reads it
             done.record()
         return LaunchedStep(host_ids, keep, host_hidden, spans, done)
 

@@ -233,6 +233,13 @@ class ThinkerStats:
     audio_graph_fallbacks: int = 0  # ... encoder calls run eagerly (several clips in a step)
     llm_piecewise_steps: int = 0  # LLM steps run as piecewise graphs (piecewise_graph_tokens)
     llm_prefill_graph_steps: int = 0  # ... as whole prefill graphs (prefill_graph_tokens)
+    # The LLM's pure-decode steps on CUDA, cumulative (EngineStats): GPU spans, and the GPU's
+    # idle time before the steps launched with another in flight (the host was late)
+    decode_gpu_steps: int = 0
+    decode_gpu_ms: float = 0.0
+    decode_idle_gaps: int = 0
+    decode_idle_ms: float = 0.0
+    max_decode_idle_ms: float = 0.0
 
 
 class ThinkerEngine:
@@ -725,6 +732,11 @@ class ThinkerEngine:
                 llm_prefill_graph_steps=(
                     runner.prefill_graphs.steps if runner.prefill_graphs else 0
                 ),
+                decode_gpu_steps=s.decode_gpu_steps,
+                decode_gpu_ms=s.decode_gpu_ms,
+                decode_idle_gaps=s.decode_idle_gaps,
+                decode_idle_ms=s.decode_idle_ms,
+                max_decode_idle_ms=s.max_decode_idle_ms,
             )
         )
 
