@@ -12,6 +12,11 @@ frames went (ms into the build), how many frames went ahead and when the wav par
 went (it decodes before the video). The builds' requests are checked equal to the
 no-handoff build's first (exits 1 when not).
 
+`--processes`: also the no-handoff build 8 at once in 8 processes of their own (spawned),
+against 8 threads of one process: if the threads are much slower, the builds hold the GIL,
+and builds spread over processes (ingress replicas: `ingress.num_replicas`) would run side
+by side.
+
 Last, what the ingress's media cache adds to a new clip's build: storing the clip's parts
 (its own copy of their tensors) 20 times under new keys, the cache growing as an ingress's
 does while new clips come in (median ms a store).
@@ -20,10 +25,11 @@ does while new clips come in (median ms a store).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import torch
 
@@ -39,22 +45,55 @@ MODES = tuple(dict.fromkeys(
     (("no handoff", 0), ("chunks", 1), ("chunks", V.HANDOFF_WORKERS), ("all at once", 0))))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=9)
-    ap.add_argument("--data-dir", default="/tmp/handoff-clips")
-    args = ap.parse_args()
-    root = make_synthetic_daily_omni(args.data_dir, num_videos=8, durations=(30.0,))
+def _setup(data_dir: str) -> tuple[ModelSource, Processor, list[tuple[bytes, bytes]]]:
+    """The default checkpoint's processor and the 8 synthetic clips (video, wav)."""
+    root = make_synthetic_daily_omni(data_dir, num_videos=8, durations=(30.0,))
     clips = [tuple(p.read_bytes() for p in media_paths(root / "Videos", f"syn000_{i:04d}"))
              for i in range(8)]
     src = ModelSource.open(None)
     proc = Processor(src.config.thinker, TextTokenizer.from_dir(src.path or default_checkpoint()))
+    return src, proc, clips
+
+
+def _messages(clips: list[tuple[bytes, bytes]], i: int) -> list[dict]:
+    video, audio = clips[i]
+    return [{"role": "user", "content": [
+        {"type": "video", "data": video}, {"type": "audio", "data": audio},
+        {"type": "text", "text": "What happens? A. a B. b C. c D. d"}]}]
+
+
+_PROCESS: dict = {}  # a worker process's processor and clips, set up on its first build
+
+
+def _build_in_process(data_dir: str, i: int) -> float:
+    """Build ms of clip i without a handoff, in a worker process of its own."""
+    if not _PROCESS:
+        _, _PROCESS["proc"], _PROCESS["clips"] = _setup(data_dir)
+    t0 = time.perf_counter()
+    _PROCESS["proc"].build(_messages(_PROCESS["clips"], i), speech_output=True)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _processes(data_dir: str, iters: int) -> None:
+    with ProcessPoolExecutor(8, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_build_in_process, [data_dir] * 16, [i % 8 for i in range(16)]))  # warm up
+        rows = []
+        for _ in range(iters):
+            rows += [(ms,) for ms in pool.map(_build_in_process, [data_dir] * 8, range(8))]
+    print(f"8 at once, 8 processes, no handoff  build {_median(rows, 0)} ms", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=9)
+    ap.add_argument("--data-dir", default="/tmp/handoff-clips")
+    ap.add_argument("--processes", action="store_true",
+                    help="also 8 builds at once in 8 processes (the GIL's share)")
+    args = ap.parse_args()
+    src, proc, clips = _setup(args.data_dir)
 
     def messages(i: int) -> list[dict]:
-        video, audio = clips[i]
-        return [{"role": "user", "content": [
-            {"type": "video", "data": video}, {"type": "audio", "data": audio},
-            {"type": "text", "text": "What happens? A. a B. b C. c D. d"}]}]
+        return _messages(clips, i)
 
     def build(i: int, mode: str) -> tuple[float, float | None, float | None, int, float | None,
                                           object]:
@@ -100,6 +139,8 @@ def main() -> int:
             print(f"{at_once} at once, {name:22s} build {_median(rows, 0)} ms, first "
                   f"{_median(rows, 1)} ms, last {_median(rows, 2)} ms, frames ahead "
                   f"{_median(rows, 3)}, audio clip {_median(rows, 4)} ms", flush=True)
+    if args.processes:
+        _processes(args.data_dir, args.iters)
     video, _ = clips[0]
     parts = V.pack_omni(V.decode_video(video), src.config.thinker.slicing, "bench")
     cache, stores = MediaCache(2**40), []
