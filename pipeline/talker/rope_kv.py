@@ -32,10 +32,12 @@ __all__ = ["available", "rope_kv_", "runs_here"]
 
 
 if triton is not None:
-    # Triton compiles a variant per integer argument equal to 1 or divisible by 16; the
-    # prompt length and the first slot take many values, and a compile at a request's
-    # prefill would cost it ~1 s: one variant for all.
-    @triton.jit(do_not_specialize=["length", "row0"])
+    # Triton compiles a variant per integer argument equal to 1 or divisible by 16, and per
+    # pointer aligned to 16 bytes or not; the prompt length, the first slot and the
+    # positions' row stride and offset take many values (a prefill's positions are a
+    # slice of the cache's table), and a compile at a request's prefill would cost it
+    # ~1 s: one variant for all of them.
+    @triton.jit(do_not_specialize=["length", "row0", "sp_b", "sw_b", "pos_ptr", "wpos_ptr"])
     def _rope_kv_kernel(
         qkv_ptr, cs_ptr, pos_ptr, wpos_ptr, kv_ptr,
         length, row0,
