@@ -495,9 +495,13 @@ class Forwarder:
 
     Chunks that arrive while a call is in flight are coalesced into the next call, so a
     slow hop batches instead of queueing. `hold` keeps everything until `finish()` (the
-    Talker's full_span mode). `send(items, final)` is the hop, e.g. `talker.feed`; each call
-    is bounded by `timeout_s`. A failed call drops the stream and reports to `on_error`, so
-    the stream's owner ends the turn instead of waiting for chunks that will never come.
+    Talker's full_span mode); `at_least` waits until the pending chunks' `size`s add up to
+    it, or `finish()` (the Thinker sends the Talker whole text chunks: a unit starts only
+    with one, so a row sent alone would only wait there, and cost both processes a call and
+    the GPU the Talker's small launches between the Thinker's steps). `send(items, final)` is
+    the hop, e.g. `talker.feed`; each call is bounded by `timeout_s`. A failed call drops the
+    stream and reports to `on_error`, so the stream's owner ends the turn instead of waiting
+    for chunks that will never come.
     """
 
     def __init__(
@@ -506,12 +510,16 @@ class Forwarder:
         *,
         name: str,
         hold: bool = False,
+        at_least: int = 1,
+        size: Callable[[Any], int] = lambda item: 1,
         timeout_s: float | None = None,
         on_error: Callable[[BaseException], None] | None = None,
     ):
         self._send = send
         self._name = name
         self._hold = hold
+        self._at_least, self._size = at_least, size
+        self._pending = 0  # the `size`s of the chunks not sent yet
         self._timeout_s = timeout_s
         self._on_error = on_error
         self._items: list[Any] = []
@@ -522,7 +530,8 @@ class Forwarder:
 
     def push(self, item: Any) -> None:
         self._items.append(item)
-        if not self._hold:
+        self._pending += self._size(item)
+        if not self._hold and self._pending >= self._at_least:
             self._wake.set()
 
     def finish(self) -> None:
@@ -545,7 +554,7 @@ class Forwarder:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            items, self._items = self._items, []
+            items, self._items, self._pending = self._items, [], 0
             final = self._final
             if items or final:
                 try:

@@ -82,6 +82,9 @@ class StageServer:
         self.timeouts = cfg.timeouts
         self.grpc = cfg.stage_transport == "grpc"  # the hops to the next stage (`via`)
         self.hold_forward = False  # the Forwarder keeps everything until the stream's end
+        # ... or sends once the pending chunks' sizes add up to this (Forwarder `at_least`)
+        self.forward_at_least, self.forward_size = 1, (lambda item: 1)
+        self.model_config = source.config
         self._serving: set[str] = set()  # streams inside their generator
         self._forwarders: dict[str, Forwarder] = {}
         self._aborted = Tombstones() if self.tombstones else None
@@ -225,6 +228,8 @@ class StageServer:
             send,
             name=f"{self.stage}->{self.next_stage} {rid}",
             hold=self.hold_forward,
+            at_least=self.forward_at_least,
+            size=self.forward_size,
             timeout_s=self.timeouts.hop_s,
             on_error=failed,
         )

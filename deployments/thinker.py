@@ -42,6 +42,9 @@ class ThinkerServer(StageServer):
         super().__init__(app, engine_cls=engine_cls, source=source)
         self.talker = talker
         self.hold_forward = self.cfg.talker_mode == "full_span"  # the span goes once, whole
+        # streaming: the spoken rows go in the Talker's text chunks (a unit starts with one)
+        self.forward_at_least = self.model_config.talker.streaming_text_chunk
+        self.forward_size = lambda chunk: len(chunk[0])  # (spoken ids, hidden rows)
 
     def _default_engine(self, device: str, settings: dict[str, Any]) -> tuple[Any, dict]:
         from pipeline.thinker.engine import ThinkerEngine

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import tempfile
@@ -417,9 +418,15 @@ def test_cancel_mid_stream_frees_every_stage(app_cfg, source):
 
 
 def test_full_span_mode_feeds_the_talker_once(app_cfg, source):
+    """full_span: the spoken span goes to the Talker once, whole; streaming: in text chunks
+    (3 rows here, so the fake Thinker's 10 words make several)."""
+    cfg = source.config
+    small = SimpleNamespace(**{**vars(source), "config": dataclasses.replace(
+        cfg, talker=dataclasses.replace(cfg.talker, streaming_text_chunk=3))})
+
     async def run(mode):
         slow = {"engine": {"step_delay_s": 0.01}}  # spread the spoken span over time
-        local = build_local_app({**app_cfg, "talker_mode": mode, "thinker": slow}, source)
+        local = build_local_app({**app_cfg, "talker_mode": mode, "thinker": slow}, small)
         body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
         evs = await _collect(local.ingress, body)
         return evs, await local.talker.stats()

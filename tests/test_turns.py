@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -586,3 +588,37 @@ def test_a_talker_that_wants_held_text_resumes_the_thinker_at_once(app_cfg, sour
     assert isinstance(one_terminal([ev for _, ev in seen]), Done)
     first_audio = next(t for t, ev in seen if isinstance(ev, AudioChunk))
     assert len(resumed) == 2 and resumed[0] < first_audio, (resumed, first_audio)
+
+
+def test_the_thinker_sends_the_talker_whole_text_chunks(app_cfg, source):
+    """Streaming speech: the Thinker's spoken rows reach the Talker in its text chunks (a
+    unit starts only with a whole one, or the last rows once the text is finished), one
+    feed call each instead of one a token; nothing lost, the last call final."""
+    cfg = source.config
+    chunk = 3  # the fake Thinker says 10 words: several chunks and a short last one
+    small = SimpleNamespace(**{**vars(source), "config": replace(
+        cfg, talker=replace(cfg.talker, streaming_text_chunk=chunk))})
+
+    async def main():
+        # a token every 20 ms: each row reaches the forwarder on its own
+        local = build_local_app(
+            {**app_cfg, "thinker": {"engine": {"step_delay_s": 0.02}}}, small)
+        feeds, real_feed = [], local.talker.feed
+
+        async def feed(rid, ids, hidden, final):
+            feeds.append((len(ids), final))
+            return await real_feed(rid, ids, hidden, final)
+
+        local.talker.feed = feed
+        evs = await collect(local.ingress, SPEECH)
+        return evs, feeds, await settled(local)
+
+    evs, feeds, st = asyncio.run(main())
+    done = one_terminal(evs)
+    assert isinstance(done, Done)
+    rows = [n for n, _ in feeds]
+    assert [f for _, f in feeds] == [False] * (len(feeds) - 1) + [True], feeds
+    assert all(n >= chunk for n in rows[:-1]) and rows[-1] <= chunk, feeds
+    assert len(feeds) <= sum(rows) // chunk + 1 and sum(rows) > chunk, feeds
+    assert sum(rows) == done.usage.completion_tokens  # the fake speaks every token
+    assert_clean(st)
