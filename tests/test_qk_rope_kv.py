@@ -43,6 +43,7 @@ from tests.test_device_sampling import (
     CFG,
     REQUESTS,
     _cpu_graph_engine,
+    _decode_hidden,
     _engine,
     _piecewise_engine,
     _prompt,
@@ -359,11 +360,7 @@ def test_fused_qk_rope_kv_matches_the_plain_layers_on_cuda():
             outs[fused] = _staggered(eng, reqs, arrival)
             assert eng.runner.graphs.num_replays > 200 and eng.runner.prefill_graphs.steps > 0
             assert eng.runner.pieces.steps > 0
-            eng.add_request("h", _prompt(90, 9), REQUESTS["greedy"][1], return_hidden=True)
-            rows = []
-            while eng.has_unfinished():
-                rows += [o.hidden for o in eng.step() if o.hidden is not None]
-            hidden[fused] = torch.cat(rows).float()
+            hidden[fused] = _decode_hidden(eng, _prompt(90, 9), REQUESTS["greedy"][1])
         for rid in reqs:
             assert outs[True][rid] == outs[False][rid], (compiled, rid)
         diff = (hidden[True] - hidden[False]).abs().amax(dim=-1)
