@@ -1,0 +1,71 @@
+"""The project's Triton kernels compiled for Hopper (sm_90) by Triton's own compiler and
+ptxas, on this machine (`bench/triton_hopper.py`): what the interpreter the other tests run
+them in cannot show (the compile itself, spills, specialization, the instructions)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory) -> dict[str, dict]:
+    from triton import knobs
+
+    if not Path(knobs.nvidia.cuobjdump.path).is_file():
+        pytest.skip("this Triton wheel has no cuobjdump")
+    out = tmp_path_factory.mktemp("hopper") / "kernels.json"
+    # a process of its own: this one runs the kernels in the interpreter (conftest)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(out.parent / "cache")
+    done = subprocess.run([sys.executable, "-m", "bench.triton_hopper", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["arch"] == 90
+    return {k["case"]: k for k in report["kernels"]}
+
+
+def test_every_kernel_compiles_for_hopper_without_spills(kernels):
+    assert set(kernels) == {"talker rope_kv bf16", "talker rope_kv fp32",
+                            "thinker qk_rope_kv bf16", "thinker qk_rope_kv fp32",
+                            "code2wav pool_attention fp32"}
+    for case, k in kernels.items():
+        assert k["instructions"] > 0, case
+        assert k["local_bytes"] == 0, f"{case}: {k['local_bytes']} bytes of local memory (spills)"
+        assert k["registers"] <= 255, case
+
+
+def test_serving_compiles_nothing_new(kernels):
+    """Each case launched its kernel at the token counts, slots, batch sizes and position
+    offsets that change step by step: one kernel each, so no compile in the middle of a
+    request."""
+    for case in ("talker rope_kv bf16", "talker rope_kv fp32",
+                 "thinker qk_rope_kv bf16", "thinker qk_rope_kv fp32"):
+        assert kernels[case]["variants"] == 1, case
+
+
+def test_talker_bf16_rounds_each_product_before_the_sum(kernels):
+    """The Talker kernel rounds x * cos and x_rot * sin to bf16 and then their sum, as torch's
+    bf16 ops do: the compiled code has no fused multiply-add (one rounding fewer) anywhere.
+    Its fp32 variant, with nothing between them, does contract (what the module says)."""
+    assert kernels["talker rope_kv bf16"]["ffma"] == 0
+    assert kernels["talker rope_kv fp32"]["ffma"] > 0
+
+
+def test_pool_attention_multiplies_in_ieee_fp32(kernels):
+    """Code2Wav computes in fp32: the attention kernel's products run on the FP32 units,
+    never on tensor cores (TF32)."""
+    k = kernels["code2wav pool_attention fp32"]
+    assert k["mma"] == 0
+    assert k["ffma"] > 0
