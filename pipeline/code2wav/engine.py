@@ -67,7 +67,7 @@ from pipeline.code2wav.causal_hift import CausalHiFT
 from pipeline.code2wav.dit import AdaLNTable, compile_dit_blocks, compile_slot_blocks
 from pipeline.code2wav.flow import Flow
 from pipeline.code2wav.graphs import CausalVocoderGraphs, HiFTGraphRunner
-from pipeline.code2wav.hift import HiFTGenerator, fuse_snakes
+from pipeline.code2wav.hift import HiFTGenerator, freeze_weight_norms, fuse_snakes
 from pipeline.code2wav.slots import FlowSlotPool, Row, flatten, index_to, unflatten
 from pipeline.code2wav.stream import (
     DEFAULT_REFERENCE,
@@ -203,6 +203,7 @@ class Code2WavEngine:
             if engine_cfg.token2wav_cfm_cuda_graph and cuda
             else None
         )
+        freeze_weight_norms(hift)  # exact: the weights a chunk's forward would compute
         if isinstance(hift, CausalHiFT):  # set either way: engines may share the module
             hift.gemm_convs(engine_cfg.token2wav_vocoder_gemm_convs)
         fuse_snakes(hift, engine_cfg.token2wav_vocoder_fused_snakes)

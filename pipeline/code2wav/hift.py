@@ -73,6 +73,18 @@ def fuse_snakes(vocoder: nn.Module, on: bool) -> None:
             m.inv_alpha = (1.0 / (m.alpha.detach()[None, :, None] + 1e-9)) if on else None
 
 
+def freeze_weight_norms(vocoder: nn.Module) -> None:
+    """Every weight-normed conv's weight computed once, here, and kept as its plain weight.
+    A forward otherwise recomputes each (`parametrize.cached()` keeps them only for that
+    call): 82 launches a chunk for the causal vocoder, for weights that never change while
+    serving. The same operation on the same tensors, so the same values bit for bit, if it
+    runs on the device the vocoder serves on: call it after the weights are loaded and moved.
+    The checkpoint's keys (`parametrizations.weight.original0/1`) are gone afterwards."""
+    for m in vocoder.modules():
+        if parametrize.is_parametrized(m, "weight"):
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+
+
 class ResBlock(nn.Module):
     def __init__(self, channels: int, kernel: int, dilations: Sequence[int]):
         super().__init__()
