@@ -9,12 +9,14 @@ driver is one that names an H100 / H200 (sm_90) and compiles without launching, 
 signature and the specialization are Triton's own; Triton's compiler and ptxas make the
 cubin, and `cuobjdump` (both ship in Triton's wheel) reads its resources and instructions.
 
-Each case calls its wrapper at several values of the arguments that change during serving
-(token counts, slots, position offsets, batch sizes) and counts the distinct kernels
-compiled: one means nothing new compiles while serving.
+Each case launches its kernel as a start-up warm-up would, then at other values of the
+arguments that change while serving (token counts, slots, position offsets, batch sizes,
+chunk lengths), and counts the kernels compiled after the warm-up: zero means nothing
+compiles in the middle of a request.
 
-Prints, per kernel and case: variants compiled, warps, registers, local memory (spills),
-shared memory, SASS instructions, fused multiply-adds (FFMA) and tensor-core MMAs.
+Prints, per kernel and case: kernels compiled (all, and after the warm-up), warps,
+registers, local memory (spills), shared memory, SASS instructions, fused multiply-adds
+(FFMA) and tensor-core MMAs (of the first kernel compiled).
 
     python -m bench.triton_hopper [--json F] [--sass DIR]
 
@@ -48,6 +50,7 @@ class Compiled:
     kernel: str
     case: str
     variants: int  # distinct kernels compiled over the case's launches
+    after_warmup: int  # of them, compiled after the case's warm-up launches
     num_warps: int
     registers: int
     local_bytes: int  # spills (and any per-thread stack)
@@ -59,10 +62,21 @@ class Compiled:
     sass: str
 
 
+class Launches:
+    """What each launch ran, in order, as (kernel name, CompiledKernel), and how many of
+    them were a warm-up's (`warmed()` marks its end)."""
+
+    def __init__(self) -> None:
+        self.kernels: list = []
+        self.warm = 0
+
+    def warmed(self) -> None:
+        self.warm = len(self.kernels)
+
+
 @contextlib.contextmanager
-def hopper() -> Iterator[list]:
-    """Triton's launches inside compile for sm_90 and do not run; yields the list each
-    compiled kernel is appended to, as (kernel name, CompiledKernel)."""
+def hopper() -> Iterator[Launches]:
+    """Triton's launches inside compile for sm_90 and do not run: yields their record."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -77,19 +91,19 @@ def hopper() -> Iterator[list]:
         def get_current_target(self):
             return GPUTarget("cuda", ARCH, 32)
 
-    compiled: list = []
+    launches = Launches()
     run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, kernel))
+        launches.kernels.append((self.fn.__name__, kernel))
         return kernel
 
     before = driver._active  # None on a machine with no GPU (reset_active would raise)
     driver.set_active(Hopper())
     JITFunction.run = compile_only
     try:
-        yield compiled
+        yield launches
     finally:
         JITFunction.run = run
         driver.set_active(before)
@@ -110,8 +124,10 @@ def _cuobjdump(cubin: bytes, *flags: str) -> str:
                               capture_output=True, text=True).stdout
 
 
-def _describe(name: str, case: str, kernels: list) -> Compiled:
+def _describe(name: str, case: str, kernels: list, warm: int) -> Compiled:
+    """`kernels`: what each launch ran, in launch order, the first `warm` the warm-up's."""
     distinct = {id(k): k for k in kernels}
+    warmed = {id(k) for k in kernels[:warm]}
     kernel = kernels[0]
     cubin = kernel.asm["cubin"]
     res = _cuobjdump(cubin, "-res-usage")
@@ -119,7 +135,8 @@ def _describe(name: str, case: str, kernels: list) -> Compiled:
     sass = _cuobjdump(cubin, "-sass")
     ops = collections.Counter(m.group(1).split(".")[0] for m in _SASS_OP.finditer(sass))
     return Compiled(
-        kernel=name, case=case, variants=len(distinct), num_warps=kernel.metadata.num_warps,
+        kernel=name, case=case, variants=len(distinct), after_warmup=len(distinct.keys() - warmed),
+        num_warps=kernel.metadata.num_warps,
         registers=int(usage.get("REG", 0)),
         local_bytes=int(usage.get("LOCAL", 0)) + int(usage.get("STACK", 0)),
         shared_bytes=int(usage.get("SHARED", 0)) + kernel.metadata.shared,
@@ -129,10 +146,11 @@ def _describe(name: str, case: str, kernels: list) -> Compiled:
     )
 
 
-# --- the cases: each calls its kernel's wrapper as the engine does, at the values of the
-# arguments that change while serving.
+# --- the cases: each calls its kernel's wrapper as the engine does, first as a warm-up
+# would (then calls `warmed()`), then at the values of the arguments that change while
+# serving.
 
-def _talker(dtype: torch.dtype) -> None:
+def _talker(dtype: torch.dtype, warmed: Callable[[], None]) -> None:
     """The fused Talker's rope_kv_: decode steps of 1-8 streams at any slot and prefills of
     any prompt length at slices of the positions table (`TalkerFused.forward`)."""
     from pipeline.config import talker_config_from_hf
@@ -144,15 +162,17 @@ def _talker(dtype: torch.dtype) -> None:
     kv = torch.zeros(2, slots, hkv, cap, d, dtype=dtype)
     rope_cs = torch.zeros(cap + 1, 2, d, dtype=dtype)
     table = torch.arange(cap, dtype=torch.long).expand(slots, cap)
-    for b, length, row0, offset in ((1, 1, 0, 0), (1, 1, 5, 17), (4, 1, 1, 100), (8, 1, 0, 3),
-                                     (1, 12, 0, 0), (1, 12, 3, 1), (1, 16, 7, 32), (1, 50, 2, 9),
-                                     (2, 128, 0, 0)):
+    for i, (b, length, row0, offset) in enumerate((
+            (1, 1, 0, 0), (1, 1, 5, 17), (4, 1, 1, 100), (8, 1, 0, 3), (1, 12, 0, 0),
+            (1, 12, 3, 1), (1, 16, 7, 32), (1, 50, 2, 9), (2, 128, 0, 0))):
         qkv = torch.zeros(b, length, h + 2 * hkv, d, dtype=dtype)
         positions = table[:b, offset:offset + length]
         rope_kv_(qkv, rope_cs, positions, positions, kv, row0, h, hkv)
+        if i == 0:
+            warmed()
 
 
-def _thinker(dtype: torch.dtype) -> None:
+def _thinker(dtype: torch.dtype, warmed: Callable[[], None]) -> None:
     """The Thinker's qk_norm_rope_kv: q, k, v as views of the q|k|v GEMM's output for steps
     of any token count (`Qwen3LM` under `fuse_qk_rope_kv`)."""
     from pipeline.config import llm_config_from_hf
@@ -169,11 +189,14 @@ def _thinker(dtype: torch.dtype) -> None:
         rows = torch.zeros(2, t, dtype=torch.long)
         qk_norm_rope_kv(q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d), q_w, k_w,
                         llm.rms_norm_eps, cos, cos.clone(), kv, rows)
+        if t == 1:
+            warmed()
 
 
-def _pool_attention() -> None:
+def _pool_attention(warmed: Callable[[], None]) -> None:
     """Code2Wav's pool_attention at the slot step's shapes: 1, 2 and 4 chunks (2 estimator
-    rows each), a chunk's frames against a window of the pool."""
+    rows each), a chunk's frames against a window of the pool (the engine's warm-up runs
+    every batch size; the graphs replay these shapes)."""
     from pipeline.code2wav import pool_attention as pa
 
     heads, dh, slots, cap = 8, 64, 8, 512
@@ -184,14 +207,62 @@ def _pool_attention() -> None:
         cfg = torch.zeros(rows, dtype=torch.long)
         mask = torch.ones(rows, 1, 1, 192, dtype=torch.bool)
         pa.pool_attention(q, k_pool, v_pool, cfg, cfg.clone(), mask, 192)
+    warmed()
 
 
-CASES: dict[str, Callable[[], None]] = {
-    "talker rope_kv bf16": lambda: _talker(torch.bfloat16),
-    "talker rope_kv fp32": lambda: _talker(torch.float32),
-    "thinker qk_rope_kv bf16": lambda: _thinker(torch.bfloat16),
-    "thinker qk_rope_kv fp32": lambda: _thinker(torch.float32),
+def _conv_windows(warmed: Callable[[], None]) -> None:
+    """The causal vocoder's conv windows (`token2wav_vocoder_window_kernel`): every conv's
+    call of a stream's chunks, recorded from the vocoder's torch path (the tiny config's:
+    kernel sizes, dilations, rates and paddings are the released ones, only the channel
+    counts differ, and those the kernel takes unspecialized), replayed for the kernel: the
+    warm-up's chunks of one stream and of eight, then streams at other chunk lengths."""
+    from pipeline.code2wav import causal_hift
+    from pipeline.code2wav.assets import random_vocoder, tiny_code2wav_config
+    from pipeline.code2wav.conv_windows import conv_windows
+
+    vocoder = random_vocoder(tiny_code2wav_config(), 0, "minicpmo-utils-1.0.7")
+    vocoder.gemm_convs(True)
+    calls: list = []
+    conv = causal_hift._Conv.conv
+
+    def record(self, x, left=0, right=0, up=1):
+        (k,), (d,), (st,) = self.kernel_size, self.dilation, self.stride
+        calls.append((x.shape, x.stride(), x.storage_offset(), x.dtype, k, d, st, left, right,
+                      up))
+        return conv(self, x, left, right, up)
+
+    def stream(batch: int, sizes: list[int]) -> list:
+        calls.clear()
+        states = causal_hift.CausalVocoderState.empty(batch, vocoder, "cpu").split()
+        mel = torch.zeros(batch, 80, sum(sizes))
+        o = 0
+        for i, n in enumerate(sizes):
+            _, states = causal_hift.vocode_chunk(vocoder, states, mel[:, :, o:o + n],
+                                                 i == len(sizes) - 1)
+            o += n
+        return list(calls)
+
+    causal_hift._Conv.conv = record
+    try:  # the engine's warm-up: full chunks (50 mel frames) at 1 and 8 streams, a flush
+        warm = stream(1, [50, 50, 50, 7]) + stream(8, [50, 50])
+        later = stream(3, [50, 33, 50, 12]) + stream(2, [21, 50, 1])
+    finally:
+        causal_hift._Conv.conv = conv
+    for calls_ in (warm, later):
+        for shape, stride, offset, dtype, *geometry in calls_:  # the input's layout too
+            size = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1
+            x = torch.empty(size, dtype=dtype).as_strided(shape, stride, offset)
+            conv_windows(x, *geometry)
+        if calls_ is warm:
+            warmed()
+
+CASES: dict[str, Callable[[Callable[[], None]], None]] = {
+    "talker rope_kv bf16": lambda warmed: _talker(torch.bfloat16, warmed),
+    "talker rope_kv fp32": lambda warmed: _talker(torch.float32, warmed),
+    "thinker qk_rope_kv bf16": lambda warmed: _thinker(torch.bfloat16, warmed),
+    "thinker qk_rope_kv fp32": lambda warmed: _thinker(torch.float32, warmed),
     "code2wav pool_attention fp32": _pool_attention,
+    "code2wav conv_windows": _conv_windows,
 }
 
 
@@ -202,12 +273,14 @@ def compile_all() -> list[Compiled]:
         raise SystemExit("TRITON_INTERPRET=1 runs the kernels in the interpreter: unset it")
     out = []
     for case, call in CASES.items():
-        with hopper() as compiled:
-            call()
+        with hopper() as launches:
+            call(launches.warmed)
         by_kernel: dict[str, list] = {}
-        for name, kernel in compiled:
+        for name, kernel in launches.kernels:
             by_kernel.setdefault(name, []).append(kernel)
-        out += [_describe(name, case, kernels) for name, kernels in by_kernel.items()]
+        n_warm = collections.Counter(name for name, _ in launches.kernels[:launches.warm])
+        out += [_describe(name, case, kernels, n_warm[name])
+                for name, kernels in by_kernel.items()]
     return out
 
 
@@ -218,11 +291,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     reports = compile_all()
     print(f"triton {triton.__version__}, sm_{ARCH}")
-    print(f"{'case':30} {'variants':>8} {'warps':>5} {'regs':>4} {'local B':>7} "
+    print(f"{'case':30} {'kernels':>7} {'later':>5} {'warps':>5} {'regs':>4} {'local B':>7} "
           f"{'shared B':>8} {'SASS':>5} {'FFMA':>4} {'MMA':>4}")
     for r in reports:
-        print(f"{r.case:30} {r.variants:8} {r.num_warps:5} {r.registers:4} {r.local_bytes:7} "
-              f"{r.shared_bytes:8} {r.instructions:5} {r.ffma:4} {r.mma:4}")
+        print(f"{r.case:30} {r.variants:7} {r.after_warmup:5} {r.num_warps:5} {r.registers:4} "
+              f"{r.local_bytes:7} {r.shared_bytes:8} {r.instructions:5} {r.ffma:4} {r.mma:4}")
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
         for r in reports:

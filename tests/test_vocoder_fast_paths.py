@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.nn.utils import parametrize
 
+from pipeline.code2wav import conv_windows
 from pipeline.code2wav.assets import random_vocoder, tiny_code2wav_config
 from pipeline.code2wav.causal_hift import CausalHiFT, CausalVocoderState, vocode_chunk
 from pipeline.code2wav.hift import freeze_weight_norms
@@ -61,12 +62,85 @@ def test_frozen_weight_norms_give_the_same_speech_bit_for_bit(layout):
         assert torch.equal(a, b)
 
 
-def test_the_engine_serves_with_frozen_weight_norms():
+def test_the_engine_serves_with_frozen_weight_norms_and_takes_the_window_knob():
     from pipeline.code2wav.assets import random_code2wav
-    from pipeline.code2wav.engine import Code2WavEngine
+    from pipeline.code2wav.causal_hift import _Conv
+    from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 
     cfg = tiny_code2wav_config()
     flow, _ = random_code2wav(cfg, 0)
     vocoder = random_vocoder(cfg, 0, CAUSAL)
     Code2WavEngine(flow, vocoder, cfg)
     assert _weight_normed(vocoder) == 0
+    convs = [m for m in vocoder.modules() if isinstance(m, _Conv)]
+    assert not any(m.windows for m in convs)
+    Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(
+        token2wav_vocoder_gemm_convs=True, token2wav_vocoder_window_kernel=True))
+    # where the kernel runs: CUDA, or here in Triton's interpreter
+    assert all(m.windows and m.gemm for m in convs) == conv_windows.runs_here(torch.device("cpu"))
+
+
+# -- the conv windows kernel (Triton's interpreter on CPU) ----------------------------------
+
+def _torch_windows(x, kernel, dilation, stride, left, right, up):
+    if up > 1:
+        x = torch.nn.functional.interpolate(x, scale_factor=up, mode="nearest")
+    x = torch.nn.functional.pad(x, (left, right))
+    win = x.unfold(2, dilation * (kernel - 1) + 1, stride)[..., ::dilation]
+    b, c, t, _ = win.shape
+    return win.transpose(2, 3).reshape(b, c * kernel, t)
+
+
+needs_kernel = pytest.mark.skipif(not conv_windows.runs_here(torch.device("cpu")),
+                                  reason="needs triton (its interpreter on CPU)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "kernel, dilation, stride, left, right, up",
+    [(3, 1, 1, 2, 0, 1), (3, 5, 1, 10, 0, 1), (7, 1, 1, 6, 0, 1), (5, 1, 1, 0, 4, 1),
+     (5, 1, 1, 0, 0, 1), (1, 1, 1, 0, 0, 1), (16, 1, 8, 7, 0, 1), (6, 1, 3, 2, 0, 1),
+     (11, 1, 1, 10, 0, 8), (7, 1, 1, 6, 0, 5), (7, 3, 1, 18, 0, 3)],
+)
+def test_conv_windows_are_the_padded_unfolded_windows(kernel, dilation, stride, left, right,
+                                                      up, dtype):
+    g = torch.Generator().manual_seed(kernel * 100 + up)
+    for b, c, t in ((1, 3, 29), (2, 5, 131)):
+        x = torch.randn(b, c, t, generator=g, dtype=dtype)
+        for view in (x, torch.randn(b, t + 9, c, generator=g, dtype=dtype)[:, 4:-5].transpose(1, 2)):
+            got = conv_windows.conv_windows(view, kernel, dilation, stride, left, right, up)
+            want = _torch_windows(view, kernel, dilation, stride, left, right, up)
+            assert got.is_contiguous() and got.shape == want.shape
+            assert torch.equal(got, want)
+            # the padding is +0.0, as F.pad's
+            assert not torch.signbit(got[want == 0]).any()
+
+
+@needs_kernel
+def test_conv_windows_refuses_a_window_longer_than_its_input():
+    with pytest.raises(ValueError, match="no window"):
+        conv_windows.conv_windows(torch.zeros(1, 2, 3), 7)
+
+
+@needs_kernel
+def test_the_window_kernel_gives_the_same_speech_bit_for_bit():
+    """The causal vocoder with its convs as matmuls: windows from the kernel against the
+    torch ops, over a stream's first, steady and flushing chunks (one row: the interpreter
+    takes ~20 ms a launch; the batch rows are the test above's)."""
+    vocoder = random_vocoder(tiny_code2wav_config(), 0, CAUSAL)
+    freeze_weight_norms(vocoder)
+    mel, sizes = _mel(49, 3, batch=1), [24, 16, 9]
+    vocoder.gemm_convs(True)
+    assert vocoder.window_kernel(False) is False
+    plain = _stream(vocoder, mel, sizes)
+    assert vocoder.window_kernel(True) is True
+    fast = _stream(vocoder, mel, sizes)
+    for a, b in zip(plain, fast, strict=True):
+        assert torch.equal(a, b)
+    # without gemm_convs the convs are torch's (cuDNN's on a GPU), kernel or not
+    vocoder.gemm_convs(False)
+    convs = _stream(vocoder, mel, sizes)
+    vocoder.window_kernel(False)
+    for a, b in zip(convs, _stream(vocoder, mel, sizes), strict=True):
+        assert torch.equal(a, b)

@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from pipeline.code2wav import conv_windows
 from pipeline.code2wav.hift import ResBlock
 from pipeline.config import HiFTConfig
 
@@ -54,24 +55,35 @@ def _left(kernel: int, dilation: int = 1) -> int:
 
 
 class _Conv(nn.Conv1d):
-    """Conv1d that can run as one matmul over its unfolded windows (`gemm`, off by default:
-    `CausalHiFT.gemm_convs`). On the GPU, fp32 and float64 cuDNN convs of these sizes are
-    several times slower than the GEMM; only the order of the sums changes."""
+    """Conv1d over its input upsampled (nearest) and zero-padded on either side, that can run
+    as one matmul over its unfolded windows (`gemm`, off by default: `CausalHiFT.gemm_convs`).
+    On the GPU, fp32 and float64 cuDNN convs of these sizes are several times slower than the
+    GEMM; only the order of the sums changes. With `windows` too (`CausalHiFT.window_kernel`)
+    one Triton kernel builds the windows from the input, the padding and upsampling included
+    (conv_windows.py: the same windows bit for bit)."""
 
     gemm = False
+    windows = False
 
-    def conv(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.gemm:
-            return nn.Conv1d.forward(self, x)
+    def conv(self, x: torch.Tensor, left: int = 0, right: int = 0, up: int = 1) -> torch.Tensor:
         (k,), (d,), (st,) = self.kernel_size, self.dilation, self.stride
+        if self.gemm and self.windows:
+            cols = conv_windows.conv_windows(x, k, d, st, left, right, up)
+        else:
+            if up > 1:
+                x = F.interpolate(x, scale_factor=up, mode="nearest")
+            if left or right:
+                x = F.pad(x, (left, right))
+            if not self.gemm:
+                return nn.Conv1d.forward(self, x)
+            win = x.unfold(2, d * (k - 1) + 1, st)[..., ::d]  # (B, C, T, k)
+            b, c, t, _ = win.shape
+            # Windows as (B, C k, T), frames innermost like x: the copy reads and writes along
+            # the frames, and the product lands in the conv's own (B, C_out, T) layout, so
+            # the ops after it read it contiguously.
+            cols = win.transpose(2, 3).reshape(b, c * k, t)
         weight = self.weight
-        win = x.unfold(2, d * (k - 1) + 1, st)[..., ::d]  # (B, C, T, k)
-        b, c, t, _ = win.shape
-        # Windows as (B, C k, T), frames innermost like x: the copy reads and writes along the
-        # frames, and the product lands in the conv's own (B, C_out, T) layout, so the ops
-        # after it read it contiguously.
-        cols = win.transpose(2, 3).reshape(b, c * k, t)
-        out = torch.matmul(weight.reshape(weight.shape[0], c * k), cols)
+        out = torch.matmul(weight.reshape(weight.shape[0], -1), cols)
         return out if self.bias is None else out + self.bias[:, None]
 
 
@@ -85,8 +97,8 @@ class CausalConv1d(_Conv):
 
     def forward(self, x: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         if self.right:
-            return self.conv(F.pad(x, (0, self.pad)) if finalize else x)
-        return self.conv(F.pad(x, (self.pad, 0)))
+            return self.conv(x, right=self.pad if finalize else 0)
+        return self.conv(x, left=self.pad)
 
 
 class CausalUpsample(_Conv):
@@ -97,8 +109,7 @@ class CausalUpsample(_Conv):
         self.rate = rate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.interpolate(x, scale_factor=self.rate, mode="nearest")
-        return self.conv(F.pad(x, (self.kernel_size[0] - 1, 0)))
+        return self.conv(x, left=self.kernel_size[0] - 1, up=self.rate)
 
 
 class CausalDownsample(_Conv):
@@ -109,7 +120,7 @@ class CausalDownsample(_Conv):
         self.rate = rate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, (self.rate - 1, 0)))
+        return self.conv(x, left=self.rate - 1)
 
 
 class CausalResBlock(ResBlock):
@@ -209,6 +220,15 @@ class CausalHiFT(nn.Module):
             if isinstance(m, _Conv):
                 m.gemm = on
         return self
+
+    def window_kernel(self, on: bool = True) -> bool:
+        """Under `gemm_convs`, build every conv's windows with conv_windows.py's kernel
+        where it runs (the same windows). Returns whether it is on."""
+        on = on and conv_windows.runs_here(self.stft_window.device)
+        for m in self.modules():
+            if isinstance(m, _Conv):
+                m.windows = on
+        return on
 
     def _history(self) -> int:
         """Mel frames of left context a decode window keeps ([MU7] `context_sizes`: the

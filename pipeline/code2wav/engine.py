@@ -42,6 +42,10 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
   token2wav_vocoder_fused_snakes: the vocoder's Snake activations (x + sin(a x)^2 / a, 146 a
                                   chunk) as one compiled kernel each instead of five
                                   (hift.py `fuse_snakes`; a fused multiply-add, libdevice's sin)
+  token2wav_vocoder_window_kernel: under token2wav_vocoder_gemm_convs, each conv's windows
+                                  (its zero padding, nearest upsampling and window copy: three
+                                  or four launches) built by one Triton kernel from its input
+                                  (conv_windows.py; CUDA; the same windows bit for bit)
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
                                   a few codes short of a chunk (batching.py)
   code2wav_first_chunks_first   : a step with a stream's first audio in it leaves out the later
@@ -106,6 +110,7 @@ class Code2WavEngineConfig:
     token2wav_dit_pool_attention: bool = False  # slot path: attention read in place from the pool
     token2wav_dit_adaln_table: bool = False  # slot path: DiT modulations from a per-step table
     token2wav_vocoder_fused_snakes: bool = False  # each vocoder Snake one compiled kernel
+    token2wav_vocoder_window_kernel: bool = False  # gemm convs' windows by one Triton kernel
     code2wav_batch_wait_ms: float = 0.0
     code2wav_first_chunks_first: bool = False  # first audio not batched behind later chunks
     max_batch_size: int = 8  # streams per decode step
@@ -206,6 +211,7 @@ class Code2WavEngine:
         freeze_weight_norms(hift)  # exact: the weights a chunk's forward would compute
         if isinstance(hift, CausalHiFT):  # set either way: engines may share the module
             hift.gemm_convs(engine_cfg.token2wav_vocoder_gemm_convs)
+            hift.window_kernel(engine_cfg.token2wav_vocoder_window_kernel)
         fuse_snakes(hift, engine_cfg.token2wav_vocoder_fused_snakes)
         self.hift_graphs = None
         if engine_cfg.token2wav_hift_cuda_graph and cuda:
