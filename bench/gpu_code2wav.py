@@ -12,15 +12,17 @@ with a full chunk ready:
   * the shipped configuration with and without its split DiT matmuls; --quick: the shipped one
     alone (its precision and timings, no bf16 run: about 80 s with --no-precision, where the
     whole run takes over 200 s of which each configuration's warm-up is ~60);
-  * with --compare KNOB only the shipped configuration with that boolean knob off and on (e.g.
-    `token2wav_dit_pool_attention`, `token2wav_vocoder_fused_snakes`), its precision pass on the
-    shipped configuration with the knob on (skip it with --no-precision), and no start-up
-    warm-up (graphs are captured in the timed engines' first steps);
+  * with --compare KNOB[,KNOB...] only the shipped configuration with each boolean knob
+    flipped (e.g. `token2wav_dit_pool_attention`, `token2wav_vocoder_window_kernel`; several:
+    one baseline, then each flipped alone, in one process), its precision pass on the shipped
+    configuration with each knob flipped (skip it with --no-precision), and no start-up
+    warm-up (graphs are captured in the timed engines' first steps); --batches limits the
+    timed batch sizes (default 1,2,4,8);
   * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
     and the top kernels; with --sequence also one DiT block's kernels in launch order.
 
     python bench/gpu_code2wav.py [--prompt-codes 25] [--iters 10] [--profile [--sequence]] [--quick]
-        [--no-precision] [--compare KNOB] [--out F.json]
+        [--no-precision] [--compare KNOB[,KNOB...]] [--batches 1,2,4,8] [--out F.json]
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ SHIPPED_BF16 = dataclasses.replace(SHIPPED, token2wav_precision="bf16")  # opt-i
 FAST_C_TF32 = Code2WavEngineConfig(
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
     token2wav_compile_estimator=True, token2wav_precision="tf32")
+
+
+def flipped(knob: str) -> Code2WavEngineConfig:
+    """The shipped configuration with one boolean knob the other way."""
+    return dataclasses.replace(SHIPPED, **{knob: not getattr(SHIPPED, knob)})
 
 
 def voice(seed: int, codes: int, dev) -> VoicePrompt:
@@ -253,10 +260,17 @@ def main() -> int:
                     help="only the shipped configuration's precision and timings")
     ap.add_argument("--no-precision", action="store_true",
                     help="timings only (no comparison against the plain eager path)")
-    ap.add_argument("--compare", default=None, metavar="KNOB",
-                    help="time the shipped configuration with this boolean knob off and on")
+    ap.add_argument("--compare", default=None, metavar="KNOB[,KNOB...]",
+                    help="time the shipped configuration, then with each boolean knob flipped")
+    ap.add_argument("--batches", default="1,2,4,8",
+                    help="the batch sizes (chunks a step) to time, comma-separated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    knobs = args.compare.split(",") if args.compare else []
+    for knob in knobs:  # a typo fails here, not after minutes of warm-up
+        if not isinstance(getattr(SHIPPED, knob, None), bool):
+            ap.error(f"--compare: {knob} is not a boolean Code2WavEngineConfig field")
+    batches = [int(b) for b in args.batches.split(",")]
     assert torch.cuda.is_available(), "needs CUDA"
     dev = torch.device("cuda")
     cfg = Code2WavConfig()
@@ -268,10 +282,11 @@ def main() -> int:
     result: dict = {"prompt_codes": args.prompt_codes}
     ok = True
 
-    # with --compare: the shipped configuration with the knob on, else the slot pool + graphs
-    checked = dataclasses.replace(SHIPPED, **{args.compare: True}) if args.compare else FAST
-    print(f"precision: {'shipped, ' + args.compare if args.compare else 'slot pool + graphs'} "
-          "vs plain eager")
+    # with --compare: the shipped configuration with each knob flipped, else the slot pool +
+    # graphs
+    checks = ({f"shipped, {k}={not getattr(SHIPPED, k)}": flipped(k) for k in knobs} if knobs
+              else {"slot pool + graphs": FAST})
+    print(f"precision: {', '.join(checks)} vs plain eager")
     refs = {}
     plays = (("30-chunk", [747], 1), ("8 streams", [150, 57, 33, 120, 9, 90, 61, 200], 1))
     for label, lengths, stagger in plays if not args.no_precision else ():
@@ -279,13 +294,15 @@ def main() -> int:
         refs[label] = (sched, play(Code2WavEngine(flow, hift, cfg), sched, voices))
     # every reference first: a compiled configuration compiles the shared flow in place
     for label, (sched, ref) in refs.items():
-        fast = Code2WavEngine(flow, hift, cfg, checked)
-        got = play(fast, sched, voices)
-        worst, low = compare(ref, got, label)
-        sizes = {k: v for k, v in fast.counters.items() if k.startswith("batch_size")}
-        result[f"precision_{label}"] = {"max_abs": worst, "min_snr_db": low, "batches": sizes}
-        ok &= worst <= 1e-4 and low >= 80
-        if args.quick or args.compare:
+        for name, checked in checks.items():
+            fast = Code2WavEngine(flow, hift, cfg, checked)
+            got = play(fast, sched, voices)
+            tag = label if not knobs else f"{label} {name}"
+            worst, low = compare(ref, got, tag)
+            sizes = {k: v for k, v in fast.counters.items() if k.startswith("batch_size")}
+            result[f"precision_{tag}"] = {"max_abs": worst, "min_snr_db": low, "batches": sizes}
+            ok &= worst <= 1e-4 and low >= 80
+        if args.quick or knobs:
             continue
         # opt-in TF32 against the same fp32 reference: reported, not a check
         got = play(Code2WavEngine(flow, hift, cfg, FAST_TF32), sched, voices)
@@ -303,7 +320,7 @@ def main() -> int:
             eng.warmup(voices[0])
         warm = time.perf_counter() - t0
         rows[name] = {}
-        for b in (1, 2, 4, 8):
+        for b in batches:
             wall, fl = steady_step_ms(eng, voices[0], b, args.iters, seed=b)
             rows[name][b] = {"step_ms": round(wall, 2), "flow_ms": round(fl, 2)}
             print(f"  {name:15s} B={b}: step {wall:7.2f} ms  flow {fl:7.2f} ms  "
@@ -317,14 +334,14 @@ def main() -> int:
                   f"pool attention kernel {eng.pool_attention}")
             if args.profile:
                 result[f"profile {name}"] = {b: profile(eng, voices[0], b, args.sequence)
-                                            for b in (1, 8)}
+                                            for b in sorted({batches[0], batches[-1]})}
         del eng
         torch.cuda.empty_cache()
 
-    if args.compare:
-        for on in (False, True):
-            timings(f"shipped, {args.compare}={on}",
-                    dataclasses.replace(SHIPPED, **{args.compare: on}))
+    if knobs:
+        timings("shipped", SHIPPED)
+        for k in knobs:
+            timings(f"shipped, {k}={not getattr(SHIPPED, k)}", flipped(k))
         result["timings"] = rows
         return finish(result, args.out, ok)
     for name, ecfg in (("plain eager", Code2WavEngineConfig()), ("slots eager", SLOTS_EAGER),

@@ -1,0 +1,43 @@
+"""What the GPU scripts time is what ships: their `SHIPPED` configurations against
+serve_config.yaml (the scripts themselves need CUDA; these checks do not)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from deployments.config import AppConfig
+from deployments.stage import dataclass_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shipped_engine(stage: str, cls):
+    doc = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    cfg = AppConfig.model_validate(doc["applications"][0]["args"])
+    return dataclass_from_dict(cls, cfg.stages()[stage].engine, stage)
+
+
+def test_gpu_code2wav_times_the_shipped_code2wav_step():
+    from bench import gpu_code2wav
+    from pipeline.code2wav.engine import Code2WavEngineConfig
+
+    shipped = _shipped_engine("code2wav", Code2WavEngineConfig)
+    bench = gpu_code2wav.SHIPPED
+    # what shapes a step: every fast path and the precision (not the batching policy, the
+    # slot count or the waits, which the script sets per measurement)
+    step = [f.name for f in dataclasses.fields(Code2WavEngineConfig)
+            if f.name.startswith("token2wav_")]
+    assert {k: getattr(bench, k) for k in step} == {k: getattr(shipped, k) for k in step}
+
+
+def test_gpu_code2wav_flips_one_knob():
+    from bench import gpu_code2wav
+
+    on = gpu_code2wav.flipped("token2wav_vocoder_window_kernel")
+    assert on.token2wav_vocoder_window_kernel is True
+    assert dataclasses.replace(on, token2wav_vocoder_window_kernel=False) == gpu_code2wav.SHIPPED
+    off = gpu_code2wav.flipped("token2wav_dit_pool_attention")
+    assert off.token2wav_dit_pool_attention is False
