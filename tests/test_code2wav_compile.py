@@ -206,3 +206,33 @@ def test_compiled_slot_pool_with_the_adaln_table(ckpt, voice, monkeypatch):
     # the plain path's block graph (setup_cache), slot_pre with c and with the table's row,
     # one slot_post for both
     assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+
+
+@needs_inductor
+def test_compiled_slot_post_gathers_the_conv_tails_itself(ckpt, voice, monkeypatch):
+    """`token2wav_dit_tails_in_post`: the compiled `slot_post` gathers the rows' conv tails
+    from the pool itself (a load of its conv windows' kernel, not a launch of its own). The
+    same PCM bit for bit as the compiled path without it, at 1 and 3 rows, and eager with it
+    as without; one more `slot_post` graph (it takes the pool and the rows' index)."""
+    from pipeline.code2wav import dit
+
+    monkeypatch.setattr(dit, "SPLIT_MIN_K", 1)
+    slots = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_dit_split_matmuls=True)
+    pcm = {}
+    for compiled in (False, True):
+        for on in (False, True):
+            eng = Code2WavEngine(*load_code2wav(ckpt, "cpu", torch.float32), dataclasses.replace(
+                slots, token2wav_compile_estimator=compiled, token2wav_dit_tails_in_post=on))
+            assert eng.flow.decoder.estimator.blocks[0].tails_in_post is on
+            pcm[compiled, on] = []
+            for n in (1, 3):
+                pcm[compiled, on].append(_run(eng, _feeds(n), voice))
+                for sid in list(eng.streams):
+                    eng.abort(sid)
+    for compiled in (False, True):
+        for a, b in zip(pcm[compiled, False], pcm[compiled, True], strict=True):
+            for sid in a:
+                assert np.array_equal(a[sid], b[sid]), (compiled, sid)
+    # the plain path's block graph; slot_pre; slot_post split (one chunk) and whole (three),
+    # each with the tails and with the pool
+    assert counters["stats"]["unique_graphs"] == 6, dict(counters["stats"])

@@ -342,6 +342,7 @@ class DiTBlock(nn.Module):
         self.conv = ConvBranch(d, 3)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 9 * d))
         self.split_k = 1  # the slot path's large-K products (DiT.split_matmuls)
+        self.tails_in_post = False  # the conv tails gathered inside slot_post (DiT.gather_tails_in_post)
 
     def forward(
         self,
@@ -386,8 +387,12 @@ class DiTBlock(nn.Module):
         mod = mod.chunk(9, dim=-1)
         return (*self.attn.qkv(_modulate(self.norm1(x), mod[0], mod[1])), *mod)
 
-    def slot_post(self, x, attn_out, mod, cnn_cache, tail):
-        """Everything after attention; returns x and the conv branch's new tails."""
+    def slot_post(self, x, attn_out, mod, cnn_cache, tail, cnn_at=None):
+        """Everything after attention; returns x and the conv branch's new tails. cnn_cache:
+        the rows' conv tails (B, 2D, 2), or with `cnn_at` the pool they are gathered from
+        (`tails_in_post`)."""
+        if cnn_at is not None:
+            cnn_cache = cnn_cache.index_select(0, cnn_at)
         _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_conv, scale_conv, gate_conv = mod
         x = x + gate_msa * self.attn.proj(attn_out)
         h, new_cnn = self.conv.forward_slots(
@@ -411,18 +416,21 @@ class DiTBlock(nn.Module):
         """`forward` on padded rows with the caches in the slot pool (read and written in
         place). cnn_pool (2, slots, 2D, 2) of this step and block; mod_row: see `slot_pre`."""
         cnn_pool = cnn_pool.flatten(0, 1)  # (2 slots, 2D, 2)
-        cnn = cnn_pool.index_select(0, ix.cnn_at)
         q, k, v, *mod = self._slot_pre(x, c, mod_row)
         out = self.attn.attend_slots(q, k, v, k_pool, v_pool, ix)
-        x, new_cnn = self._slot_post(x, out, mod, cnn, ix.conv_tail)
+        if self.tails_in_post:  # compiled, the gather is a load of the conv windows' kernel
+            x, new_cnn = self._slot_post(x, out, mod, cnn_pool, ix.conv_tail, ix.cnn_at)
+        else:
+            cnn = cnn_pool.index_select(0, ix.cnn_at)
+            x, new_cnn = self._slot_post(x, out, mod, cnn, ix.conv_tail)
         cnn_pool.index_put_((ix.cnn_at,), new_cnn)
         return x
 
     def _slot_pre(self, x, c, mod_row=None):  # replaced by a compiled one in compile_slot_blocks
         return self.slot_pre(x, c, mod_row)
 
-    def _slot_post(self, x, attn_out, mod, cnn_cache, tail):
-        return self.slot_post(x, attn_out, mod, cnn_cache, tail)
+    def _slot_post(self, x, attn_out, mod, cnn_cache, tail, cnn_at=None):
+        return self.slot_post(x, attn_out, mod, cnn_cache, tail, cnn_at)
 
 
 class FinalLayer(nn.Module):
@@ -463,6 +471,14 @@ class DiT(nn.Module):
             else:
                 block.attn.qkv_weight = block.attn.qkv_bias = None
             block.split_k = SPLIT_K if on and fp32 else 1
+
+    def gather_tails_in_post(self, on: bool) -> None:
+        """The slot path's conv tails gathered from the pool inside `slot_post` rather than
+        before it: compiled (`compile_slot_blocks`), the gather becomes a load of the kernel
+        that builds the first conv's windows instead of a launch of its own a block (160 a
+        chunk). The same values; eager, the same op in another place."""
+        for block in self.blocks:
+            block.tails_in_post = on
 
     def use_pool_attention(self, on: bool) -> bool:
         """The slot path's attention as `pool_attention`'s kernel (K / V read in place from
@@ -589,9 +605,10 @@ def compile_slot_blocks(dit: DiT, *, backend: str = "inductor") -> DiT:
         rows_dynamic(x, c)
         return pre(block, x, c, mod_row)
 
-    def compiled_post(block, x, attn_out, mod, cnn_cache, tail):
-        rows_dynamic(x, attn_out, *mod, cnn_cache, tail)
-        return post(block, x, attn_out, mod, cnn_cache, tail)
+    def compiled_post(block, x, attn_out, mod, cnn_cache, tail, cnn_at=None):
+        # the rows' tails (B, 2D, 2), or the pool (2 slots, 2D, 2, fixed) and the rows' index
+        rows_dynamic(x, attn_out, *mod, tail, cnn_cache if cnn_at is None else cnn_at)
+        return post(block, x, attn_out, mod, cnn_cache, tail, cnn_at)
 
     for block in dit.blocks:
         block._slot_pre = functools.partial(compiled_pre, block)

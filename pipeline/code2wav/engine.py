@@ -39,6 +39,10 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
                                   per block and Euler step, the same for every row of a step)
                                   read from a table the engine computes once from its time table
                                   (dit.py `AdaLNTable`; the same products over other row counts)
+  token2wav_dit_tails_in_post   : the slot path's conv tails gathered from the pool inside the
+                                  compiled `slot_post` (a load of its first conv's windows
+                                  kernel) instead of by a launch of their own, 160 a chunk
+                                  (dit.py `gather_tails_in_post`; the same values)
   token2wav_vocoder_fused_snakes: the vocoder's Snake activations (x + sin(a x)^2 / a, 146 a
                                   chunk) as one compiled kernel each instead of five
                                   (hift.py `fuse_snakes`; a fused multiply-add, libdevice's sin)
@@ -109,6 +113,7 @@ class Code2WavEngineConfig:
     token2wav_dit_split_matmuls: bool = False  # slot path: q|k|v joined, large K split
     token2wav_dit_pool_attention: bool = False  # slot path: attention read in place from the pool
     token2wav_dit_adaln_table: bool = False  # slot path: DiT modulations from a per-step table
+    token2wav_dit_tails_in_post: bool = False  # slot path: conv tails read inside slot_post
     token2wav_vocoder_fused_snakes: bool = False  # each vocoder Snake one compiled kernel
     token2wav_vocoder_window_kernel: bool = False  # gemm convs' windows by one Triton kernel
     code2wav_batch_wait_ms: float = 0.0
@@ -173,6 +178,7 @@ class Code2WavEngine:
         self.pool_attention = flow.decoder.estimator.use_pool_attention(
             engine_cfg.token2wav_dit_pool_attention and engine_cfg.token2wav_slot_pool
         )
+        flow.decoder.estimator.gather_tails_in_post(engine_cfg.token2wav_dit_tails_in_post)
         if engine_cfg.token2wav_compile_estimator:
             # in place; compiles lazily on first use (setup_cache, the graph runner's warm-up)
             compile_dit_blocks(flow.decoder.estimator)
