@@ -210,6 +210,24 @@ def _pool_attention(warmed: Callable[[], None]) -> None:
     warmed()
 
 
+def _kv_write(dtype: torch.dtype, warmed: Callable[[], None]) -> None:
+    """Code2Wav's write_kv (`token2wav_dit_kv_write_kernel`): a block's new keys and values
+    into the slot pool, v a view of the q|k|v product, at 1 chunk (the warm-up), then 2, 4
+    and 8 (2 estimator rows a chunk, 56 frames each)."""
+    from pipeline.code2wav import pool_attention as pa
+
+    heads, dh, slots, cap = 8, 64, 9, 512
+    pools = [torch.zeros(2, slots, cap, heads, dh, dtype=dtype) for _ in range(2)]
+    for chunks in (1, 2, 4, 8):
+        rows, t = 2 * chunks, 56
+        qkv = torch.zeros(rows, t, 3 * heads * dh, dtype=dtype)
+        k = torch.zeros(rows, t, heads, dh, dtype=dtype)
+        v = qkv[..., 2 * heads * dh:].reshape(rows, t, heads, dh)
+        pa.write_kv(k, v, *pools, torch.zeros(rows * t, dtype=torch.long))
+        if chunks == 1:
+            warmed()
+
+
 def _conv_windows(warmed: Callable[[], None]) -> None:
     """The causal vocoder's conv windows (`token2wav_vocoder_window_kernel`): every conv's
     call of a stream's chunks, recorded from the vocoder's torch path (the tiny config's:
@@ -262,6 +280,8 @@ CASES: dict[str, Callable[[Callable[[], None]], None]] = {
     "thinker qk_rope_kv bf16": lambda warmed: _thinker(torch.bfloat16, warmed),
     "thinker qk_rope_kv fp32": lambda warmed: _thinker(torch.float32, warmed),
     "code2wav pool_attention fp32": _pool_attention,
+    "code2wav write_kv fp32": lambda warmed: _kv_write(torch.float32, warmed),
+    "code2wav write_kv bf16": lambda warmed: _kv_write(torch.bfloat16, warmed),
     "code2wav conv_windows": _conv_windows,
 }
 

@@ -236,3 +236,25 @@ def test_compiled_slot_post_gathers_the_conv_tails_itself(ckpt, voice, monkeypat
     # the plain path's block graph; slot_pre; slot_post split (one chunk) and whole (three),
     # each with the tails and with the pool
     assert counters["stats"]["unique_graphs"] == 6, dict(counters["stats"])
+
+
+@needs_inductor
+def test_compiled_slot_path_with_the_kv_write_kernel(ckpt, voice, monkeypatch):
+    """`token2wav_dit_kv_write_kernel` under `compile_slot_blocks`: the compiled `slot_pre`'s
+    k and v (v a view of its q|k|v product) go to `write_kv` as they come, and the PCM is the
+    compiled path's without it, bit for bit."""
+    from pipeline.code2wav import dit
+    from pipeline.code2wav import pool_attention as pa
+
+    if not pa.runs_here(torch.device("cpu")):
+        pytest.skip("needs Triton (its interpreter on CPU)")
+    monkeypatch.setattr(dit, "SPLIT_MIN_K", 1)
+    pcm = {}
+    for on in (False, True):
+        eng = Code2WavEngine(*load_code2wav(ckpt, "cpu", torch.float32), Code2WavEngineConfig(
+            token2wav_slot_pool=True, token2wav_dit_split_matmuls=True,
+            token2wav_compile_estimator=True, token2wav_dit_kv_write_kernel=on))
+        assert eng.kv_write_kernel is on
+        pcm[on] = _run(eng, _feeds(1), voice)
+    for sid in pcm[False]:
+        assert np.array_equal(pcm[False][sid], pcm[True][sid]), sid

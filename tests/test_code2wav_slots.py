@@ -567,6 +567,58 @@ def test_dit_pool_attention_within_the_bound(model, voices, monkeypatch):
     assert any(not np.array_equal(a, c) for s in base for a, c in zip(base[s], got[s]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_is_the_two_index_puts(dtype):
+    """`write_kv` (one launch) against the slot path's two `index_put_`: the same pools bit
+    for bit, v a view of a q|k|v product as the slot path's is."""
+    from pipeline.code2wav import pool_attention as pa
+
+    if not pa.runs_here(torch.device("cpu")):
+        pytest.skip("needs Triton (its interpreter on CPU)")
+    g = torch.Generator().manual_seed(3)
+    b, t, heads, dh, slots_n, cap = 4, 9, 4, 16, 3, 40
+    qkv = torch.randn(b, t, 3 * heads * dh, generator=g).to(dtype)
+    k = torch.randn(b, t, heads, dh, generator=g).to(dtype)
+    v = qkv[..., 2 * heads * dh :].reshape(b, t, heads, dh)  # strided, as `Attention.qkv`'s
+    at = torch.randperm(2 * slots_n * cap, generator=g)[: b * t]
+    pools = [torch.randn(2, slots_n, cap, heads, dh, generator=g).to(dtype) for _ in range(2)]
+    want = [p.clone() for p in pools]
+    want[0].view(-1, heads, dh).index_put_((at,), k.flatten(0, 1))
+    want[1].view(-1, heads, dh).index_put_((at,), v.flatten(0, 1))
+    pa.write_kv(k, v, *pools, at)
+    assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
+    with pytest.raises(ValueError, match="contiguous"):
+        pa.write_kv(k.transpose(2, 3), v, *pools, at)
+
+
+def test_dit_kv_write_kernel_gives_the_same_pcm(model, voices):
+    """`token2wav_dit_kv_write_kernel`: the slot path with its new keys and values written by
+    `write_kv` gives the PCM of the slot path without it, bit for bit (two staggered streams)."""
+    from pipeline.code2wav import pool_attention as pa
+
+    if not pa.runs_here(torch.device("cpu")):
+        pytest.skip("needs Triton (its interpreter on CPU)")
+    flow, hift, cfg = model
+    rounds = _schedule(2, [120, 45], seed=5)
+
+    def voice_of(sid):
+        return voices[int(sid[1:]) % 2]
+
+    base = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
+    try:
+        eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
+            token2wav_slot_pool=True, token2wav_dit_kv_write_kernel=True))
+        assert eng.kv_write_kernel
+        assert all(b.attn.kv_kernel for b in flow.decoder.estimator.blocks)
+        got = _play(eng, rounds, voice_of)
+    finally:
+        Code2WavEngine(flow, hift, cfg)  # the module-scoped estimator back to index_put_
+    assert not any(b.attn.kv_kernel for b in flow.decoder.estimator.blocks)
+    for sid in base:
+        assert len(base[sid]) == len(got[sid])
+        assert all(np.array_equal(a, c) for a, c in zip(base[sid], got[sid], strict=True))
+
+
 def test_adaln_table_is_each_steps_modulations(model):
     """`DiT.adaln_table` (token2wav_dit_adaln_table): each block's and the final layer's
     modulations at each Euler step, as one product over the steps' rows, equal the slot path's

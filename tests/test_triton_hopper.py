@@ -39,7 +39,8 @@ def kernels(tmp_path_factory) -> dict[str, dict]:
 def test_every_kernel_compiles_for_hopper_without_spills(kernels):
     assert set(kernels) == {"talker rope_kv bf16", "talker rope_kv fp32",
                             "thinker qk_rope_kv bf16", "thinker qk_rope_kv fp32",
-                            "code2wav pool_attention fp32", "code2wav conv_windows"}
+                            "code2wav pool_attention fp32", "code2wav write_kv fp32",
+                            "code2wav write_kv bf16", "code2wav conv_windows"}
     for case, k in kernels.items():
         assert k["instructions"] > 0, case
         assert k["local_bytes"] == 0, f"{case}: {k['local_bytes']} bytes of local memory (spills)"
@@ -53,8 +54,8 @@ def test_serving_compiles_nothing_new(kernels):
     compile once for all of them; the vocoder's windows once per conv geometry."""
     for case, k in kernels.items():
         assert k["after_warmup"] == 0, case
-    for case in ("talker rope_kv bf16", "talker rope_kv fp32",
-                 "thinker qk_rope_kv bf16", "thinker qk_rope_kv fp32"):
+    for case in ("talker rope_kv bf16", "talker rope_kv fp32", "thinker qk_rope_kv bf16",
+                 "thinker qk_rope_kv fp32", "code2wav write_kv fp32", "code2wav write_kv bf16"):
         assert kernels[case]["variants"] == 1, case
 
 

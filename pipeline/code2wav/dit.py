@@ -261,6 +261,7 @@ class Attention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None  # joined q|k|v (join_qkv), slot path only
         self.qkv_bias: torch.Tensor | None = None
         self.pool_kernel = False  # attend_slots through pool_attention (DiT.use_pool_attention)
+        self.kv_kernel = False  # attend_slots writes K / V by write_kv (DiT.use_kv_write_kernel)
 
     def join_qkv(self) -> None:
         """q|k|v weights and biases as views of one joined tensor each, for `qkv`: one 1536-wide
@@ -308,8 +309,11 @@ class Attention(nn.Module):
         [new || cache], in another order (attention without positions ignores it).
         Returns (B, T, H*dh), before the output projection."""
         b, _, t, dh = q.shape
-        k_pool.view(-1, self.num_heads, dh).index_put_((ix.kv_at,), k.flatten(0, 1))
-        v_pool.view(-1, self.num_heads, dh).index_put_((ix.kv_at,), v.flatten(0, 1))
+        if self.kv_kernel:  # both in one launch
+            pool_attention.write_kv(k, v, k_pool, v_pool, ix.kv_at)
+        else:
+            k_pool.view(-1, self.num_heads, dh).index_put_((ix.kv_at,), k.flatten(0, 1))
+            v_pool.view(-1, self.num_heads, dh).index_put_((ix.kv_at,), v.flatten(0, 1))
         if self.pool_kernel and b <= pool_attention.MAX_ROWS:  # read in place, no gathered copies
             return pool_attention.pool_attention(q, k_pool, v_pool, ix.cfg, ix.rows, ix.mask,
                                                  ix.window)
@@ -479,6 +483,15 @@ class DiT(nn.Module):
         chunk). The same values; eager, the same op in another place."""
         for block in self.blocks:
             block.tails_in_post = on
+
+    def use_kv_write_kernel(self, on: bool) -> bool:
+        """The slot path's new keys and values written into the pool by `write_kv`'s kernel
+        (one launch a block and Euler step instead of two `index_put_`: 160 fewer a chunk)
+        where it runs. The same copies. Returns whether it is on."""
+        on = on and pool_attention.runs_here(self.in_proj.weight.device)
+        for block in self.blocks:
+            block.attn.kv_kernel = on
+        return on
 
     def use_pool_attention(self, on: bool) -> bool:
         """The slot path's attention as `pool_attention`'s kernel (K / V read in place from

@@ -43,6 +43,10 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
                                   compiled `slot_post` (a load of its first conv's windows
                                   kernel) instead of by a launch of their own, 160 a chunk
                                   (dit.py `gather_tails_in_post`; the same values)
+  token2wav_dit_kv_write_kernel : the slot path's new keys and values written into the pool by
+                                  one Triton kernel instead of two `index_put_` a block and
+                                  Euler step, 160 launches fewer a chunk (pool_attention.py
+                                  `write_kv`; CUDA; the same copies)
   token2wav_vocoder_fused_snakes: the vocoder's Snake activations (x + sin(a x)^2 / a, 146 a
                                   chunk) as one compiled kernel each instead of five
                                   (hift.py `fuse_snakes`; a fused multiply-add, libdevice's sin)
@@ -114,6 +118,7 @@ class Code2WavEngineConfig:
     token2wav_dit_pool_attention: bool = False  # slot path: attention read in place from the pool
     token2wav_dit_adaln_table: bool = False  # slot path: DiT modulations from a per-step table
     token2wav_dit_tails_in_post: bool = False  # slot path: conv tails read inside slot_post
+    token2wav_dit_kv_write_kernel: bool = False  # slot path: new K and V in one launch
     token2wav_vocoder_fused_snakes: bool = False  # each vocoder Snake one compiled kernel
     token2wav_vocoder_window_kernel: bool = False  # gemm convs' windows by one Triton kernel
     code2wav_batch_wait_ms: float = 0.0
@@ -179,6 +184,9 @@ class Code2WavEngine:
             engine_cfg.token2wav_dit_pool_attention and engine_cfg.token2wav_slot_pool
         )
         flow.decoder.estimator.gather_tails_in_post(engine_cfg.token2wav_dit_tails_in_post)
+        self.kv_write_kernel = flow.decoder.estimator.use_kv_write_kernel(
+            engine_cfg.token2wav_dit_kv_write_kernel and engine_cfg.token2wav_slot_pool
+        )
         if engine_cfg.token2wav_compile_estimator:
             # in place; compiles lazily on first use (setup_cache, the graph runner's warm-up)
             compile_dit_blocks(flow.decoder.estimator)

@@ -8,6 +8,9 @@ at each row's (CFG half, slot): no gathered copies. It computes the same softmax
 scale + mask) v in fp32 (products in IEEE fp32, no TF32; an online softmax over blocks of
 keys), so its outputs differ from the plain path's only in the order of float sums.
 
+`write_kv` (`token2wav_dit_kv_write_kernel`) writes a block's new keys and values into the
+pool in one launch where two `index_put_` took two: only copies.
+
 On CPU it runs only in Triton's interpreter, in the tests (pipeline/triton_kernels.py).
 """
 
@@ -20,7 +23,7 @@ from pipeline.triton_kernels import INTERPRET, available, runs_here, triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["MAX_ROWS", "available", "pool_attention", "runs_here"]
+__all__ = ["MAX_ROWS", "available", "pool_attention", "runs_here", "write_kv"]
 
 # Query rows a thread block (the interpreter runs programs one by one, so it takes fewer,
 # larger ones: a row's sums do not depend on the rows beside it), and keys an iteration.
@@ -102,3 +105,51 @@ def pool_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         DH=dh, BM=BLOCK_M, BN=BLOCK_N,
     )
     return out
+
+
+if triton is not None:
+
+    # The rows (2 B T) change with the batch: not specialized on, so a new batch size
+    # compiles nothing.
+    @triton.jit(do_not_specialize=["n"])
+    def _kv_write_kernel(
+        k_ptr, v_ptr, at_ptr, kp_ptr, vp_ptr,
+        n, sk_r, sv_r,
+        HD: tl.constexpr, BD: tl.constexpr, R: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * R + tl.arange(0, R)
+        d = tl.arange(0, BD)
+        keep = (rows < n)[:, None] & (d < HD)[None, :]
+        at = tl.load(at_ptr + rows, mask=rows < n, other=0).to(tl.int64)[:, None] * HD
+        k = tl.load(k_ptr + rows[:, None] * sk_r + d[None, :], mask=keep)
+        tl.store(kp_ptr + at + d[None, :], k, mask=keep)
+        v = tl.load(v_ptr + rows[:, None] * sv_r + d[None, :], mask=keep)
+        tl.store(vp_ptr + at + d[None, :], v, mask=keep)
+
+
+# Frame rows a program writes (the interpreter runs programs one by one: one for all).
+KV_ROWS = 4
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             at: torch.Tensor) -> None:
+    """The new frames' keys and values into the pool, in one launch: what
+    `k_pool.view(-1, H, dh).index_put_((at,), k.flatten(0, 1))` and the same for v do in two.
+    k, v (B, T, H, dh), each frame's (H, dh) contiguous (v may be a view of the q|k|v
+    product); k_pool, v_pool (2, S, C, H, dh) contiguous; at (B T,) each frame's row in the
+    pool seen as (2 S C, H, dh)."""
+    b, t, h, dh = k.shape
+    for x in (k, v):
+        rows_of_frames = x.stride(3) == 1 and x.stride(2) == dh and x.stride(0) == t * x.stride(1)
+        if x.shape != k.shape or not rows_of_frames:
+            raise ValueError("write_kv: k and v (B, T, H, dh), each frame's (H, dh) contiguous")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or k_pool.shape[-2:] != (h, dh):
+        raise ValueError("write_kv: contiguous pools of (H, dh) rows")
+    if not (k.dtype == v.dtype == k_pool.dtype == v_pool.dtype):
+        raise ValueError("write_kv: k, v and the pools of one dtype")
+    n, hd = b * t, h * dh
+    rows = n if INTERPRET else KV_ROWS
+    _kv_write_kernel[(triton.cdiv(n, rows),)](
+        k, v, at, k_pool, v_pool, n, k.stride(1), v.stride(1),
+        HD=hd, BD=triton.next_power_of_2(hd), R=triton.next_power_of_2(rows),
+    )
