@@ -14,8 +14,9 @@ with a full chunk ready:
     whole run takes over 200 s of which each configuration's warm-up is ~60);
   * with --compare KNOB[,KNOB...] only the shipped configuration with each boolean knob
     flipped (e.g. `token2wav_dit_pool_attention`, `token2wav_vocoder_window_kernel`; several:
-    one baseline, then each flipped alone, in one process), its precision pass on the shipped
-    configuration with each knob flipped (skip it with --no-precision), and no start-up
+    one baseline, then each flipped alone, in one process; `A+B` flips A and B together), its
+    precision pass on the shipped configuration with each flipped (skip it with
+    --no-precision), and no start-up
     warm-up (graphs are captured in the timed engines' first steps); --batches limits the
     timed batch sizes (default 1,2,4,8);
   * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
@@ -63,9 +64,14 @@ FAST_C_TF32 = Code2WavEngineConfig(
     token2wav_compile_estimator=True, token2wav_precision="tf32")
 
 
-def flipped(knob: str) -> Code2WavEngineConfig:
-    """The shipped configuration with one boolean knob the other way."""
-    return dataclasses.replace(SHIPPED, **{knob: not getattr(SHIPPED, knob)})
+def flipped(knobs: str) -> Code2WavEngineConfig:
+    """The shipped configuration with a boolean knob, or several joined by '+', the other
+    way."""
+    return dataclasses.replace(SHIPPED, **{k: not getattr(SHIPPED, k) for k in knobs.split("+")})
+
+
+def flipped_name(knobs: str) -> str:
+    return "shipped, " + ", ".join(f"{k}={not getattr(SHIPPED, k)}" for k in knobs.split("+"))
 
 
 def voice(seed: int, codes: int, dev) -> VoicePrompt:
@@ -261,14 +267,15 @@ def main() -> int:
     ap.add_argument("--no-precision", action="store_true",
                     help="timings only (no comparison against the plain eager path)")
     ap.add_argument("--compare", default=None, metavar="KNOB[,KNOB...]",
-                    help="time the shipped configuration, then with each boolean knob flipped")
+                    help="time the shipped configuration, then with each boolean knob flipped "
+                         "(A+B: flipped together)")
     ap.add_argument("--batches", default="1,2,4,8",
                     help="the batch sizes (chunks a step) to time, comma-separated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     knobs = args.compare.split(",") if args.compare else []
-    for knob in knobs:  # a typo fails here, not after minutes of warm-up
-        if not isinstance(getattr(SHIPPED, knob, None), bool):
+    for knob in (k for group in knobs for k in group.split("+")):  # a typo fails here, not
+        if not isinstance(getattr(SHIPPED, knob, None), bool):   # after minutes of warm-up
             ap.error(f"--compare: {knob} is not a boolean Code2WavEngineConfig field")
     batches = [int(b) for b in args.batches.split(",")]
     assert torch.cuda.is_available(), "needs CUDA"
@@ -284,7 +291,7 @@ def main() -> int:
 
     # with --compare: the shipped configuration with each knob flipped, else the slot pool +
     # graphs
-    checks = ({f"shipped, {k}={not getattr(SHIPPED, k)}": flipped(k) for k in knobs} if knobs
+    checks = ({flipped_name(k): flipped(k) for k in knobs} if knobs
               else {"slot pool + graphs": FAST})
     print(f"precision: {', '.join(checks)} vs plain eager")
     refs = {}
@@ -341,7 +348,7 @@ def main() -> int:
     if knobs:
         timings("shipped", SHIPPED)
         for k in knobs:
-            timings(f"shipped, {k}={not getattr(SHIPPED, k)}", flipped(k))
+            timings(flipped_name(k), flipped(k))
         result["timings"] = rows
         return finish(result, args.out, ok)
     for name, ecfg in (("plain eager", Code2WavEngineConfig()), ("slots eager", SLOTS_EAGER),

@@ -41,3 +41,7 @@ def test_gpu_code2wav_flips_one_knob():
     assert dataclasses.replace(on, token2wav_vocoder_window_kernel=False) == gpu_code2wav.SHIPPED
     off = gpu_code2wav.flipped("token2wav_dit_pool_attention")
     assert off.token2wav_dit_pool_attention is False
+    both = gpu_code2wav.flipped("token2wav_dit_kv_write_kernel+token2wav_dit_pool_attention")
+    assert both == dataclasses.replace(off, token2wav_dit_kv_write_kernel=True)
+    assert gpu_code2wav.flipped_name("token2wav_dit_kv_write_kernel+token2wav_dit_pool_attention") \
+        == "shipped, token2wav_dit_kv_write_kernel=True, token2wav_dit_pool_attention=False"
