@@ -14,9 +14,9 @@ arguments that change while serving (token counts, slots, position offsets, batc
 chunk lengths), and counts the kernels compiled after the warm-up: zero means nothing
 compiles in the middle of a request.
 
-Prints, per kernel and case: kernels compiled (all, and after the warm-up), warps,
-registers, local memory (spills), shared memory, SASS instructions, fused multiply-adds
-(FFMA) and tensor-core MMAs (of the first kernel compiled).
+Prints, per kernel and case: kernels compiled (all, and after the warm-up), warps, and the
+largest registers, local memory (spills) and shared memory over them; the first kernel's
+SASS instructions, fused multiply-adds (FFMA) and tensor-core MMAs.
 
     python -m bench.triton_hopper [--json F] [--sass DIR]
 
@@ -125,21 +125,24 @@ def _cuobjdump(cubin: bytes, *flags: str) -> str:
 
 
 def _describe(name: str, case: str, kernels: list, warm: int) -> Compiled:
-    """`kernels`: what each launch ran, in launch order, the first `warm` the warm-up's."""
+    """`kernels`: what each launch ran, in launch order, the first `warm` the warm-up's.
+    Resources: the largest over the distinct kernels; instructions: the first's."""
     distinct = {id(k): k for k in kernels}
     warmed = {id(k) for k in kernels[:warm]}
+    usage = []
+    for k in distinct.values():
+        res = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", _cuobjdump(k.asm["cubin"],
+                                                                             "-res-usage")))
+        usage.append((int(res.get("REG", 0)), int(res.get("LOCAL", 0)) + int(res.get("STACK", 0)),
+                      int(res.get("SHARED", 0)) + k.metadata.shared))
     kernel = kernels[0]
-    cubin = kernel.asm["cubin"]
-    res = _cuobjdump(cubin, "-res-usage")
-    usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
-    sass = _cuobjdump(cubin, "-sass")
+    sass = _cuobjdump(kernel.asm["cubin"], "-sass")
     ops = collections.Counter(m.group(1).split(".")[0] for m in _SASS_OP.finditer(sass))
     return Compiled(
         kernel=name, case=case, variants=len(distinct), after_warmup=len(distinct.keys() - warmed),
         num_warps=kernel.metadata.num_warps,
-        registers=int(usage.get("REG", 0)),
-        local_bytes=int(usage.get("LOCAL", 0)) + int(usage.get("STACK", 0)),
-        shared_bytes=int(usage.get("SHARED", 0)) + kernel.metadata.shared,
+        registers=max(u[0] for u in usage), local_bytes=max(u[1] for u in usage),
+        shared_bytes=max(u[2] for u in usage),
         instructions=sum(ops.values()), ffma=ops["FFMA"],
         mma=sum(n for op, n in ops.items() if "MMA" in op),
         opcodes=dict(ops.most_common()), sass=sass,
