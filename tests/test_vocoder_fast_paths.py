@@ -3,13 +3,21 @@ compute (CPU, tiny config)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from torch.nn.utils import parametrize
 
 from pipeline.code2wav import conv_windows
 from pipeline.code2wav.assets import random_vocoder, tiny_code2wav_config
-from pipeline.code2wav.causal_hift import CausalHiFT, CausalVocoderState, vocode_chunk
+from pipeline.code2wav.causal_hift import (
+    CausalHiFT,
+    CausalResBlock,
+    CausalVocoderState,
+    vocode_chunk,
+)
 from pipeline.code2wav.hift import freeze_weight_norms
 
 CAUSAL, COSYVOICE2 = "minicpmo-utils-1.0.7", "cosyvoice2"
@@ -78,6 +86,14 @@ def test_the_engine_serves_with_frozen_weight_norms_and_takes_the_window_knob():
         token2wav_vocoder_gemm_convs=True, token2wav_vocoder_window_kernel=True))
     # where the kernel runs: CUDA, or here in Triton's interpreter
     assert all(m.windows and m.gemm for m in convs) == conv_windows.runs_here(torch.device("cpu"))
+    blocks = [m for m in vocoder.modules() if isinstance(m, CausalResBlock)]
+    assert not any(b.fused_biases for b in blocks)  # the Snakes were not fused
+    Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(
+        token2wav_vocoder_gemm_convs=True, token2wav_vocoder_fused_snakes=True,
+        token2wav_vocoder_fused_biases=True))
+    assert blocks and all(b.fused_biases for b in blocks)
+    Code2WavEngine(flow, vocoder, cfg)
+    assert not any(b.fused_biases for b in blocks)
 
 
 # -- the conv windows kernel (Triton's interpreter on CPU) ----------------------------------
@@ -144,3 +160,30 @@ def test_the_window_kernel_gives_the_same_speech_bit_for_bit():
     vocoder.window_kernel(False)
     for a, b in zip(convs, _stream(vocoder, mel, sizes), strict=True):
         assert torch.equal(a, b)
+
+
+needs_inductor = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None,
+    reason="Inductor on CPU needs a C++ compiler")
+
+
+@needs_inductor
+def test_fused_biases_give_the_same_speech_bit_for_bit():
+    """`fuse_biases`: the residual blocks' conv biases added inside the compiled Snake or
+    residual add after each conv, against the shipped path (convs as matmuls, compiled
+    Snakes) over a stream of two rows: the same adds, the same speech bit for bit."""
+    from pipeline.code2wav.hift import fuse_snakes
+
+    torch._dynamo.reset()
+    vocoder = random_vocoder(tiny_code2wav_config(), 0, CAUSAL)
+    freeze_weight_norms(vocoder)
+    assert vocoder.fuse_biases(True) is False  # needs the matmuls and the compiled Snakes
+    vocoder.gemm_convs(True)
+    fuse_snakes(vocoder, True)
+    mel, sizes = _mel(49, 3), [24, 16, 9]
+    shipped = _stream(vocoder, mel, sizes)
+    assert vocoder.fuse_biases(True) is True
+    fused = _stream(vocoder, mel, sizes)
+    for a, b in zip(shipped, fused, strict=True):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()

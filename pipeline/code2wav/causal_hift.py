@@ -37,7 +37,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from pipeline.code2wav import conv_windows
-from pipeline.code2wav.hift import ResBlock
+from pipeline.code2wav.hift import ResBlock, compiled_biased
 from pipeline.config import HiFTConfig
 
 
@@ -65,8 +65,13 @@ class _Conv(nn.Conv1d):
     gemm = False
     windows = False
 
-    def conv(self, x: torch.Tensor, left: int = 0, right: int = 0, up: int = 1) -> torch.Tensor:
+    def conv(self, x: torch.Tensor, left: int = 0, right: int = 0, up: int = 1,
+             bias: bool = True) -> torch.Tensor:
+        """The conv; without its bias (`bias` False: the op after it adds it) only as a
+        matmul."""
         (k,), (d,), (st,) = self.kernel_size, self.dilation, self.stride
+        if not (bias or self.gemm):
+            raise ValueError("a conv leaves its bias out only as a matmul (gemm_convs)")
         if self.gemm and self.windows:
             cols = conv_windows.conv_windows(x, k, d, st, left, right, up)
         else:
@@ -84,7 +89,7 @@ class _Conv(nn.Conv1d):
             cols = win.transpose(2, 3).reshape(b, c * k, t)
         weight = self.weight
         out = torch.matmul(weight.reshape(weight.shape[0], -1), cols)
-        return out if self.bias is None else out + self.bias[:, None]
+        return out if self.bias is None or not bias else out + self.bias[:, None]
 
 
 class CausalConv1d(_Conv):
@@ -95,10 +100,10 @@ class CausalConv1d(_Conv):
         super().__init__(cin, cout, kernel, dilation=dilation)
         self.pad, self.right = _left(kernel, dilation), right
 
-    def forward(self, x: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, finalize: bool = True, bias: bool = True) -> torch.Tensor:
         if self.right:
-            return self.conv(x, right=self.pad if finalize else 0)
-        return self.conv(x, left=self.pad)
+            return self.conv(x, right=self.pad if finalize else 0, bias=bias)
+        return self.conv(x, left=self.pad, bias=bias)
 
 
 class CausalUpsample(_Conv):
@@ -127,6 +132,8 @@ class CausalResBlock(ResBlock):
     """hift.py's ResBlock with left-causal convs; `history` = the frames of left context its
     convs read."""
 
+    fused_biases = False  # CausalHiFT.fuse_biases: each conv's bias added by the op after it
+
     def __init__(self, channels: int, kernel: int, dilations: Sequence[int]):
         super().__init__(channels, kernel, dilations)
         self.history = sum(c.pad for c in (*self.convs1, *self.convs2))
@@ -134,6 +141,15 @@ class CausalResBlock(ResBlock):
     @staticmethod
     def conv(channels: int, kernel: int, dilation: int = 1) -> CausalConv1d:
         return CausalConv1d(channels, channels, kernel, dilation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused_biases:
+            return super().forward(x)
+        residual = compiled_biased()[1]
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            h = a2(c1(a1(x), bias=False), bias=c1.bias[:, None])
+            x = residual(c2(h, bias=False), c2.bias[:, None], x)
+        return x
 
 
 class CausalF0Predictor(nn.Module):
@@ -220,6 +236,19 @@ class CausalHiFT(nn.Module):
             if isinstance(m, _Conv):
                 m.gemm = on
         return self
+
+    def fuse_biases(self, on: bool = True) -> bool:
+        """In the residual blocks (most of the convs), each conv's bias added by the compiled
+        op after it, the next Snake or the residual add, instead of by a launch of its own:
+        the same adds. Needs `gemm_convs` and fused Snakes (hift.py `fuse_snakes`); returns
+        whether it is on."""
+        blocks = [m for m in self.modules() if isinstance(m, CausalResBlock)]
+        convs = [c for b in blocks for c in (*b.convs1, *b.convs2)]
+        snakes = [a for b in blocks for a in (*b.activations1, *b.activations2)]
+        on = on and all(c.gemm for c in convs) and all(a.inv_alpha is not None for a in snakes)
+        for b in blocks:
+            b.fused_biases = on
+        return on
 
     def window_kernel(self, on: bool = True) -> bool:
         """Under `gemm_convs`, build every conv's windows with conv_windows.py's kernel

@@ -54,6 +54,10 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
                                   (its zero padding, nearest upsampling and window copy: three
                                   or four launches) built by one Triton kernel from its input
                                   (conv_windows.py; CUDA; the same windows bit for bit)
+  token2wav_vocoder_fused_biases: with token2wav_vocoder_gemm_convs and _fused_snakes, each
+                                  residual-block conv's bias added inside the compiled op after
+                                  it (the next Snake, or the residual add) instead of by a
+                                  launch of its own (hift.py `biased_snake`, `biased_residual`)
   code2wav_batch_wait_ms        : hold a lone ready chunk up to this long while another stream is
                                   a few codes short of a chunk (batching.py)
   code2wav_first_chunks_first   : a step with a stream's first audio in it leaves out the later
@@ -121,6 +125,7 @@ class Code2WavEngineConfig:
     token2wav_dit_kv_write_kernel: bool = False  # slot path: new K and V in one launch
     token2wav_vocoder_fused_snakes: bool = False  # each vocoder Snake one compiled kernel
     token2wav_vocoder_window_kernel: bool = False  # gemm convs' windows by one Triton kernel
+    token2wav_vocoder_fused_biases: bool = False  # resblock convs' biases added by the next op
     code2wav_batch_wait_ms: float = 0.0
     code2wav_first_chunks_first: bool = False  # first audio not batched behind later chunks
     max_batch_size: int = 8  # streams per decode step
@@ -227,6 +232,8 @@ class Code2WavEngine:
             hift.gemm_convs(engine_cfg.token2wav_vocoder_gemm_convs)
             hift.window_kernel(engine_cfg.token2wav_vocoder_window_kernel)
         fuse_snakes(hift, engine_cfg.token2wav_vocoder_fused_snakes)
+        if isinstance(hift, CausalHiFT):  # after the Snakes: the biases go into them
+            hift.fuse_biases(engine_cfg.token2wav_vocoder_fused_biases)
         self.hift_graphs = None
         if engine_cfg.token2wav_hift_cuda_graph and cuda:
             runner = CausalVocoderGraphs if isinstance(hift, CausalHiFT) else HiFTGraphRunner

@@ -51,14 +51,38 @@ def compiled_snake():
     return torch.compile(snake, fullgraph=True, dynamic=True)
 
 
+def biased_snake(x: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
+                 inv_alpha: torch.Tensor) -> torch.Tensor:
+    """`snake` of x + bias: a conv's product, its bias added here and not by a launch of its
+    own (the same add, rounded once, before the same operations)."""
+    return snake(x + bias, alpha, inv_alpha)
+
+
+def biased_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """(x + bias) + residual: a conv's product, its bias and a residual, added in that order."""
+    return (x + bias) + residual
+
+
+@functools.cache
+def compiled_biased():
+    """`biased_snake` and `biased_residual` compiled once each, every dim symbolic."""
+    return (torch.compile(biased_snake, fullgraph=True, dynamic=True),
+            torch.compile(biased_residual, fullgraph=True, dynamic=True))
+
+
 class Snake(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
         self.inv_alpha: torch.Tensor | None = None  # set by fuse_snakes: the compiled path
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Snake of x, or of x + bias (B, C, T) + (C, 1) on the compiled path only."""
         alpha = self.alpha[None, :, None]
+        if bias is not None:
+            if self.inv_alpha is None:
+                raise ValueError("a Snake adds a bias only on its compiled path (fuse_snakes)")
+            return compiled_biased()[0](x, bias, alpha, self.inv_alpha)
         if self.inv_alpha is not None:
             return compiled_snake()(x, alpha, self.inv_alpha)
         return x + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
