@@ -561,11 +561,22 @@ def test_a_speech_turn_holds_for_its_first_audio_then_resumes(app_cfg, source, h
 
 def test_a_talker_that_wants_held_text_resumes_the_thinker_at_once(app_cfg, source):
     """The Talker's TextWanted (its first unit ended before its first chunk, so the first
-    audio needs the text its Thinker holds) resumes the Thinker before any audio."""
+    audio needs the text its Thinker holds) makes the ingress resume the Thinker when it
+    arrives, not at the first audio. What is timed is the ingress's own order: its resume
+    sent, then the first audio received. (The resume's arrival at the Thinker against the
+    audio's at the ingress would be a race of two paths here: this fake Talker makes its
+    first chunk right after it asks, where a real one waits for the text.)"""
     async def main():
         local = build_local_app(app_cfg, source)
-        resumed = []
+        resumed, sent = [], []
         local.thinker.engine.resume = lambda rid: resumed.append(time.perf_counter())
+        turns, real_tell = local.ingress.turns, local.ingress.turns._tell
+
+        def tell(rid, stages, method):
+            sent.append((time.perf_counter(), method, len(stages)))
+            real_tell(rid, stages, method)
+
+        turns._tell = tell
         talker = local.talker.engine
         real_step, said = talker.step, set()
 
@@ -582,12 +593,15 @@ def test_a_talker_that_wants_held_text_resumes_the_thinker_at_once(app_cfg, sour
         async for ev in local.ingress.chat(SPEECH):
             seen.append((time.perf_counter(), ev))
         await settled(local)
-        return resumed, seen
+        return resumed, sent, seen
 
-    resumed, seen = asyncio.run(main())
+    resumed, sent, seen = asyncio.run(main())
     assert isinstance(one_terminal([ev for _, ev in seen]), Done)
     first_audio = next(t for t, ev in seen if isinstance(ev, AudioChunk))
-    assert len(resumed) == 2 and resumed[0] < first_audio, (resumed, first_audio)
+    # the Thinker alone on TextWanted, before the first audio; both stages at the first audio
+    resumes = [(t, n) for t, method, n in sent if method == "resume"]
+    assert [n for _, n in resumes] == [1, 2] and resumes[0][0] < first_audio, (resumes, first_audio)
+    assert len(resumed) == 2  # each landed at the Thinker
 
 
 def test_the_thinker_sends_the_talker_whole_text_chunks(app_cfg, source):
