@@ -70,7 +70,7 @@ def test_frozen_weight_norms_give_the_same_speech_bit_for_bit(layout):
         assert torch.equal(a, b)
 
 
-def test_the_engine_serves_with_frozen_weight_norms_and_takes_the_window_knob():
+def test_the_engine_freezes_weight_norms_and_takes_the_vocoder_knobs():
     from pipeline.code2wav.assets import random_code2wav
     from pipeline.code2wav.causal_hift import _Conv
     from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
