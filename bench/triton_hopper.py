@@ -246,11 +246,11 @@ def _conv_windows(warmed: Callable[[], None]) -> None:
     calls: list = []
     conv = causal_hift._Conv.conv
 
-    def record(self, x, left=0, right=0, up=1):
+    def record(self, x, left=0, right=0, up=1, bias=True):
         (k,), (d,), (st,) = self.kernel_size, self.dilation, self.stride
         calls.append((x.shape, x.stride(), x.storage_offset(), x.dtype, k, d, st, left, right,
                       up))
-        return conv(self, x, left, right, up)
+        return conv(self, x, left, right, up, bias)
 
     def stream(batch: int, sizes: list[int]) -> list:
         calls.clear()

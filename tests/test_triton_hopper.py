@@ -27,6 +27,9 @@ def kernels(tmp_path_factory) -> dict[str, dict]:
     # a process of its own: this one runs the kernels in the interpreter (conftest)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(out.parent / "cache")
+    # the compiler free to contract a multiply and an add (Triton's default up to 3.9, and
+    # the GPU machine's): what the kernels' explicit roundings must keep it from doing
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, "-m", "bench.triton_hopper", "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
                           check=False)
@@ -61,15 +64,12 @@ def test_serving_compiles_nothing_new(kernels):
 
 def test_talker_bf16_rounds_each_product_before_the_sum(kernels):
     """The Talker kernel rounds x * cos and x_rot * sin to bf16 and then their sum, as torch's
-    bf16 ops do: the compiled code has no fused multiply-add (one rounding fewer) anywhere.
-    Its fp32 variant, with nothing between them, does contract (what the module says)."""
+    bf16 ops do: compiled with FP fusion on, the code has no fused multiply-add (one rounding
+    fewer) anywhere. (Its fp32 path may contract, as its module says.)"""
     assert kernels["talker rope_kv bf16"]["ffma"] == 0
-    assert kernels["talker rope_kv fp32"]["ffma"] > 0
 
 
 def test_pool_attention_multiplies_in_ieee_fp32(kernels):
     """Code2Wav computes in fp32: the attention kernel's products run on the FP32 units,
     never on tensor cores (TF32)."""
-    k = kernels["code2wav pool_attention fp32"]
-    assert k["mma"] == 0
-    assert k["ffma"] > 0
+    assert kernels["code2wav pool_attention fp32"]["mma"] == 0
