@@ -16,7 +16,8 @@ with a full chunk ready:
     flipped (e.g. `token2wav_dit_pool_attention`, `token2wav_vocoder_window_kernel`; several:
     one baseline, then each flipped alone, in one process; `A+B` flips A and B together), its
     precision pass on the shipped configuration with each flipped (skip it with
-    --no-precision), and no start-up
+    --no-precision; it also says whether each gives the shipped step's PCM bit for bit, what
+    an exact knob must), and no start-up
     warm-up (graphs are captured in the timed engines' first steps); --batches limits the
     timed batch sizes (default 1,2,4,8);
   * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
@@ -112,6 +113,17 @@ def schedule(lengths: list[int], stagger: int, seed: int):
         rounds.append(rnd)
         r += 1
     return rounds
+
+
+def same_as(shipped, got, label) -> dict:
+    """A flipped configuration's PCM against the shipped configuration's: bit for bit, or
+    the largest difference (reported, not a check: the adaLN table is not exact)."""
+    pairs = [(a, b) for sid in shipped for a, b in zip(shipped[sid], got[sid], strict=True)]
+    bitwise = all(np.array_equal(a, b) for a, b in pairs)
+    worst = max((float(np.abs(a - b).max()) for a, b in pairs), default=0.0)
+    print(f"  {label} against the shipped step: "
+          + ("bit for bit" if bitwise else f"max abs {worst:.2e}"))
+    return {"bitwise": bitwise, "max_abs": worst}
 
 
 def compare(ref, got, label) -> tuple[float, float]:
@@ -301,6 +313,8 @@ def main() -> int:
         refs[label] = (sched, play(Code2WavEngine(flow, hift, cfg), sched, voices))
     # every reference first: a compiled configuration compiles the shared flow in place
     for label, (sched, ref) in refs.items():
+        # with --compare also the shipped step's own PCM, which an exact knob gives bit for bit
+        shipped = play(Code2WavEngine(flow, hift, cfg, SHIPPED), sched, voices) if knobs else None
         for name, checked in checks.items():
             fast = Code2WavEngine(flow, hift, cfg, checked)
             got = play(fast, sched, voices)
@@ -309,6 +323,8 @@ def main() -> int:
             sizes = {k: v for k, v in fast.counters.items() if k.startswith("batch_size")}
             result[f"precision_{tag}"] = {"max_abs": worst, "min_snr_db": low, "batches": sizes}
             ok &= worst <= 1e-4 and low >= 80
+            if shipped is not None:
+                result[f"vs_shipped_{tag}"] = same_as(shipped, got, tag)
         if args.quick or knobs:
             continue
         # opt-in TF32 against the same fp32 reference: reported, not a check

@@ -45,3 +45,16 @@ def test_gpu_code2wav_flips_one_knob():
     assert both == dataclasses.replace(off, token2wav_dit_kv_write_kernel=True)
     assert gpu_code2wav.flipped_name("token2wav_dit_kv_write_kernel+token2wav_dit_pool_attention") \
         == "shipped, token2wav_dit_kv_write_kernel=True, token2wav_dit_pool_attention=False"
+
+
+def test_gpu_code2wav_says_whether_a_knob_gives_the_shipped_pcm():
+    import numpy as np
+
+    from bench import gpu_code2wav
+
+    shipped = {"s0": [np.arange(4, dtype=np.float32)], "s1": [np.zeros(3, np.float32)]}
+    same = {k: [c.copy() for c in v] for k, v in shipped.items()}
+    assert gpu_code2wav.same_as(shipped, same, "exact") == {"bitwise": True, "max_abs": 0.0}
+    other = {**same, "s1": [np.full(3, 2e-7, np.float32)]}
+    got = gpu_code2wav.same_as(shipped, other, "reordered")
+    assert not got["bitwise"] and abs(got["max_abs"] - 2e-7) < 1e-12
