@@ -17,9 +17,8 @@ with a full chunk ready:
     one baseline, then each flipped alone, in one process; `A+B` flips A and B together), its
     precision pass on the shipped configuration with each flipped (skip it with
     --no-precision; it also says whether each gives the shipped step's PCM bit for bit, what
-    an exact knob must), and no start-up
-    warm-up (graphs are captured in the timed engines' first steps); --batches limits the
-    timed batch sizes (default 1,2,4,8);
+    an exact knob must), and no start-up warm-up (graphs are captured in the timed engines'
+    first steps); --batches limits the timed batch sizes (default 1,2,4,8);
   * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
     and the top kernels; with --sequence also one DiT block's kernels in launch order.
 
