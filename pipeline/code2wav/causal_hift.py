@@ -37,7 +37,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from pipeline.code2wav import conv_windows
-from pipeline.code2wav.hift import ResBlock, compiled_biased
+from pipeline.code2wav.hift import ResBlock, biased_residual, compiled
 from pipeline.config import HiFTConfig
 
 
@@ -145,7 +145,7 @@ class CausalResBlock(ResBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused_biases:
             return super().forward(x)
-        residual = compiled_biased()[1]
+        residual = compiled(biased_residual)
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
             h = a2(c1(a1(x), bias=False), bias=c1.bias[:, None])
             x = residual(c2(h, bias=False), c2.bias[:, None], x)

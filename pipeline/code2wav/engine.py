@@ -228,12 +228,11 @@ class Code2WavEngine:
             else None
         )
         freeze_weight_norms(hift)  # exact: the weights a chunk's forward would compute
+        fuse_snakes(hift, engine_cfg.token2wav_vocoder_fused_snakes)
         if isinstance(hift, CausalHiFT):  # set either way: engines may share the module
             hift.gemm_convs(engine_cfg.token2wav_vocoder_gemm_convs)
             hift.window_kernel(engine_cfg.token2wav_vocoder_window_kernel)
-        fuse_snakes(hift, engine_cfg.token2wav_vocoder_fused_snakes)
-        if isinstance(hift, CausalHiFT):  # after the Snakes: the biases go into them
-            hift.fuse_biases(engine_cfg.token2wav_vocoder_fused_biases)
+            hift.fuse_biases(engine_cfg.token2wav_vocoder_fused_biases)  # into the Snakes
         self.hift_graphs = None
         if engine_cfg.token2wav_hift_cuda_graph and cuda:
             runner = CausalVocoderGraphs if isinstance(hift, CausalHiFT) else HiFTGraphRunner

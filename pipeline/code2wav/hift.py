@@ -43,12 +43,13 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, inv_alpha: torch.Tensor) -> torc
 
 
 @functools.cache
-def compiled_snake():
-    """`snake` compiled once for every Snake of the process: one fused kernel (x read once,
-    written once) instead of five, every dim symbolic (batch, channels and frames vary from
-    call to call). The same operations; the compiler may join the last multiply and add into
-    one rounding, and its sin is libdevice's (both within a few fp32 ulps)."""
-    return torch.compile(snake, fullgraph=True, dynamic=True)
+def compiled(fn):
+    """`fn` (`snake`, `biased_snake`, `biased_residual`) compiled once for every Snake of the
+    process: one fused kernel (x read once, written once) instead of five, every dim symbolic
+    (batch, channels and frames vary from call to call). The same operations; the compiler
+    may join the last multiply and add into one rounding, and its sin is libdevice's (both
+    within a few fp32 ulps)."""
+    return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
 def biased_snake(x: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
@@ -63,13 +64,6 @@ def biased_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor)
     return (x + bias) + residual
 
 
-@functools.cache
-def compiled_biased():
-    """`biased_snake` and `biased_residual` compiled once each, every dim symbolic."""
-    return (torch.compile(biased_snake, fullgraph=True, dynamic=True),
-            torch.compile(biased_residual, fullgraph=True, dynamic=True))
-
-
 class Snake(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
@@ -82,14 +76,14 @@ class Snake(nn.Module):
         if bias is not None:
             if self.inv_alpha is None:
                 raise ValueError("a Snake adds a bias only on its compiled path (fuse_snakes)")
-            return compiled_biased()[0](x, bias, alpha, self.inv_alpha)
+            return compiled(biased_snake)(x, bias, alpha, self.inv_alpha)
         if self.inv_alpha is not None:
-            return compiled_snake()(x, alpha, self.inv_alpha)
+            return compiled(snake)(x, alpha, self.inv_alpha)
         return x + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
 
 
 def fuse_snakes(vocoder: nn.Module, on: bool) -> None:
-    """Every Snake of `vocoder` as `compiled_snake` (on) or its eager operations (off). Its
+    """Every Snake of `vocoder` as `compiled(snake)` (on) or its eager operations (off). Its
     1 / (alpha + 1e-9) is computed here, once, by the same operations as each eager call:
     fuse after the weights are loaded and on their device."""
     for m in vocoder.modules():
