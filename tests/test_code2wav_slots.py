@@ -70,6 +70,11 @@ def _schedule(n_streams: int, n_codes: list[int], seed: int = 0, stagger: int = 
     return rounds
 
 
+def _alternating(voices):
+    """Stream "sN"'s voice: the two voices in turn."""
+    return lambda sid: voices[int(sid[1:]) % 2]
+
+
 def _play(engine, rounds, voice_of, close_after=None):
     """Run a schedule; returns {stream: [pcm chunk, ...]}. `close_after` = (stream, round)."""
     out: dict[str, list[np.ndarray]] = {}
@@ -203,8 +208,7 @@ def test_batched_rows_equal_one_stream_at_a_time(model, voices, n_streams):
     lengths = [747, 57, 33, 120, 5, 90, 61, 200][:n_streams]  # 747 codes: a 30-chunk stream
     rounds = _schedule(n_streams, lengths, seed=n_streams, stagger=3 if n_streams < 8 else 1)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     plain = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
     eng = Code2WavEngine(flow, hift, cfg, SLOTS)
@@ -228,8 +232,7 @@ def test_first_chunks_first_defers_only_streams_with_audio_in_hand(model, voices
     flow, hift, cfg = model
     rounds = _schedule(6, [160, 120, 90, 75, 60, 57], seed=3, stagger=2)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     def play(first_first):
         clock = FakeClock()
@@ -287,8 +290,7 @@ def test_abort_frees_only_its_slot(model, voices):
     flow, hift, cfg = model
     rounds = _schedule(4, [120, 120, 120, 90], seed=4, stagger=4)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of, close_after=("s1", 8))
     eng = Code2WavEngine(flow, hift, cfg, SLOTS)
@@ -345,8 +347,7 @@ def test_capture_on_padding_rows_changes_nothing(model, voices):
     flow, hift, cfg = model
     rounds = _schedule(3, [90, 60, 33], seed=6)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     ref = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
     eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
@@ -367,8 +368,7 @@ def test_causal_vocoder_graph_wrapper_computes_vocode_chunk(model, voices):
     assert isinstance(hift, CausalHiFT)  # the tiny default's layout is minicpmo-utils 1.0.7
     rounds = _schedule(3, [90, 60, 33], seed=8)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     ref = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
     eng = Code2WavEngine(flow, hift, cfg, SLOTS)
@@ -389,8 +389,7 @@ def test_vocoder_convs_as_matmuls_within_the_bound(model, voices):
     flow, hift, cfg = model
     rounds = _schedule(3, [300, 60, 33], seed=9)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
     got = _play(Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
@@ -424,8 +423,7 @@ def test_vocoder_fused_snakes_within_the_bound(model, voices):
     flow, hift, cfg = model
     rounds = _schedule(3, [300, 60, 33], seed=13)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     base = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_vocoder_gemm_convs=True)
     ref = _play(Code2WavEngine(flow, hift, cfg, base), rounds, voice_of)
@@ -467,8 +465,7 @@ def test_dit_split_matmuls_within_the_bound(model, voices):
     flow, hift, cfg = model
     rounds = _schedule(3, [300, 60, 33], seed=9)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
     base = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
@@ -548,8 +545,7 @@ def test_dit_pool_attention_within_the_bound(model, voices, monkeypatch):
     flow, hift, cfg = model
     rounds = _schedule(2, [300, 45], seed=11)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
     base = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
@@ -601,8 +597,7 @@ def test_dit_kv_write_kernel_gives_the_same_pcm(model, voices):
     flow, hift, cfg = model
     rounds = _schedule(2, [120, 45], seed=5)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     base = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
     try:
@@ -677,8 +672,7 @@ def test_dit_adaln_table_within_the_bound(model, voices):
     flow, hift, cfg = model
     rounds = _schedule(3, [300, 60, 33], seed=9)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
     eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
@@ -742,8 +736,7 @@ def test_bf16_estimator_stays_close_to_fp32_without_drift(model, voices, slot_po
     flow, hift, cfg = model
     rounds = _schedule(3, [300, 60, 33], seed=9)
 
-    def voice_of(sid):
-        return voices[int(sid[1:]) % 2]
+    voice_of = _alternating(voices)
 
     ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
     bf16_flow = copy.deepcopy(flow)  # the engine converts the estimator in place
