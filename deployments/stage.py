@@ -490,6 +490,11 @@ def check_loop_health(loop: Any, wedge_s: float) -> None:
 # In-order forwarding to the next stage
 
 
+def one_each(item: Any) -> int:
+    """A `Forwarder` chunk's default size: every chunk counts one."""
+    return 1
+
+
 class Forwarder:
     """Sends one stream's chunks to the next stage in order, one call in flight at a time.
 
@@ -511,7 +516,7 @@ class Forwarder:
         name: str,
         hold: bool = False,
         at_least: int = 1,
-        size: Callable[[Any], int] = lambda item: 1,
+        size: Callable[[Any], int] = one_each,
         timeout_s: float | None = None,
         on_error: Callable[[BaseException], None] | None = None,
     ):

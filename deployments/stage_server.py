@@ -37,6 +37,7 @@ from deployments.stage import (
     freeze_startup_objects,
     gc_watch,
     next_item,
+    one_each,
     stage_init,
     stage_stats,
 )
@@ -83,7 +84,7 @@ class StageServer:
         self.grpc = cfg.stage_transport == "grpc"  # the hops to the next stage (`via`)
         self.hold_forward = False  # the Forwarder keeps everything until the stream's end
         # ... or sends once the pending chunks' sizes add up to this (Forwarder `at_least`)
-        self.forward_at_least, self.forward_size = 1, (lambda item: 1)
+        self.forward_at_least, self.forward_size = 1, one_each
         self.model_config = source.config
         self._serving: set[str] = set()  # streams inside their generator
         self._forwarders: dict[str, Forwarder] = {}
