@@ -237,9 +237,36 @@ def profile(engine, v, b: int, sequence: bool = False) -> dict:
     for name, ms, n in top:
         print(f"    {ms:7.2f} ms {n:6d}x  {name}")
     out = {"kernels": sum(calls.values()), "kernel_ms": round(total, 2), "top": top}
+    out["timeline"] = timeline(sorted(seq))
     if sequence:
         out["sequence"] = block_sequence(sorted(seq))
     return out
+
+
+def timeline(seq: list[tuple[float, str, float]], top: int = 8) -> dict:
+    """Where the GPU waits inside a step: from the first kernel's start to the last one's end,
+    the time no kernel runs, and its largest gaps with the kernels on either side (a gap
+    between two graphs' kernels is host work between their replays). seq: (start us, name,
+    us) sorted by start."""
+    if not seq:
+        return {}
+    gaps, end = [], seq[0][0] + seq[0][2]
+    for i in range(1, len(seq)):
+        start, _, us = seq[i]
+        if start > end:
+            gaps.append((start - end, i))
+        end = max(end, start + us)
+    span = end - seq[0][0]
+    idle = sum(g for g, _ in gaps)
+    largest = [{"us": round(g, 1), "at": i, "after": seq[i - 1][1][:70], "before": seq[i][1][:70]}
+               for g, i in sorted(gaps, reverse=True)[:top]]
+    print(f"  timeline: {span / 1e3:.2f} ms from the first kernel to the last, "
+          f"{idle / 1e3:.2f} ms of it with no kernel running ({len(gaps)} gaps)")
+    for g in largest:
+        print(f"    {g['us']:8.1f} us idle before kernel {g['at']}: "
+              f"after {g['after']} / before {g['before']}")
+    return {"span_ms": round(span / 1e3, 3), "idle_ms": round(idle / 1e3, 3),
+            "gaps": len(gaps), "largest": largest}
 
 
 def block_sequence(seq: list[tuple[float, str, float]], dit_calls: int = 160) -> dict:

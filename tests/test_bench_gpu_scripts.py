@@ -58,3 +58,15 @@ def test_gpu_code2wav_says_whether_a_knob_gives_the_shipped_pcm():
     other = {**same, "s1": [np.full(3, 2e-7, np.float32)]}
     got = gpu_code2wav.same_as(shipped, other, "reordered")
     assert not got["bitwise"] and abs(got["max_abs"] - 2e-7) < 1e-12
+
+
+def test_gpu_code2wav_timeline_finds_where_no_kernel_runs():
+    from bench import gpu_code2wav
+
+    # kernels at [0, 10), [5, 12) overlapping, then [20, 25) and [40, 41): gaps of 8 and 15 us
+    seq = [(0.0, "a", 10.0), (5.0, "b", 7.0), (20.0, "c", 5.0), (40.0, "d", 1.0)]
+    got = gpu_code2wav.timeline(seq)
+    assert got["span_ms"] == 0.041 and got["idle_ms"] == 0.023 and got["gaps"] == 2
+    assert [(g["us"], g["at"], g["after"], g["before"]) for g in got["largest"]] == [
+        (15.0, 3, "c", "d"), (8.0, 2, "b", "c")]
+    assert gpu_code2wav.timeline([]) == {}
