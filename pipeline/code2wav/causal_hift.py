@@ -251,9 +251,10 @@ class CausalHiFT(nn.Module):
         return on
 
     def window_kernel(self, on: bool = True) -> bool:
-        """Under `gemm_convs`, build every conv's windows with conv_windows.py's kernel
-        where it runs (the same windows). Returns whether it is on."""
-        on = on and conv_windows.runs_here(self.stft_window.device)
+        """Under `gemm_convs`, build every conv's windows with conv_windows.py's kernel on
+        CUDA (the same windows; on CPU only Triton's interpreter would run it: tests patch
+        `available`). Returns whether it is on."""
+        on = on and conv_windows.available(self.stft_window.device)
         for m in self.modules():
             if isinstance(m, _Conv):
                 m.windows = on

@@ -487,8 +487,9 @@ class DiT(nn.Module):
     def use_kv_write_kernel(self, on: bool) -> bool:
         """The slot path's new keys and values written into the pool by `write_kv`'s kernel
         (one launch a block and Euler step instead of two `index_put_`: 160 fewer a chunk)
-        where it runs. The same copies. Returns whether it is on."""
-        on = on and pool_attention.runs_here(self.in_proj.weight.device)
+        on CUDA (on CPU only Triton's interpreter would run it: tests patch `available`). The
+        same copies. Returns whether it is on."""
+        on = on and pool_attention.available(self.in_proj.weight.device)
         for block in self.blocks:
             block.attn.kv_kernel = on
         return on
