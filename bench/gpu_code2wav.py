@@ -56,7 +56,9 @@ SHIPPED = Code2WavEngineConfig(  # serve_config.yaml's
     token2wav_slot_pool=True, token2wav_cfm_cuda_graph=True, token2wav_hift_cuda_graph=True,
     token2wav_compile_estimator=True, token2wav_vocoder_gemm_convs=True,
     token2wav_dit_split_matmuls=True, token2wav_dit_pool_attention=True,
-    token2wav_vocoder_fused_snakes=True)
+    token2wav_vocoder_fused_snakes=True, token2wav_vocoder_window_kernel=True,
+    token2wav_dit_tails_in_post=True, token2wav_dit_kv_write_kernel=True,
+    token2wav_vocoder_fused_biases=True)
 UNSPLIT = dataclasses.replace(SHIPPED, token2wav_dit_split_matmuls=False)
 SHIPPED_BF16 = dataclasses.replace(SHIPPED, token2wav_precision="bf16")  # opt-in
 FAST_C_TF32 = Code2WavEngineConfig(

@@ -148,15 +148,18 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
     # the Talker's fused forward and padded prefills reorder bf16 sums (same greedy tokens at
     # full size; the Talker ~1.5 ulps of the logits, flat over 300 codes; compiled only on CUDA).
     "thinker": {"num_gpus": 0.55, "memory_fraction": 0.5, "engine": {
-        "audio_cuda_graphs": True,
+        "audio_cuda_graphs": True, "fused_qk_rope_kv": True,
         "llm": {"piecewise_graph_tokens": 512, "prefill_graph_tokens": 512}}},
     "talker": {"num_gpus": 0.15, "memory_fraction": 0.12, "engine": {
-        "talker_fused": True, "talker_compile": True, "prefill_graphs": True}},
+        "talker_fused": True, "talker_compile": True, "prefill_graphs": True,
+        "talker_rope_kernel": True}},
     "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.18, "engine": {
         "token2wav_slot_pool": True, "token2wav_cfm_cuda_graph": True,
         "token2wav_compile_estimator": True, "token2wav_hift_cuda_graph": True,
         "token2wav_vocoder_gemm_convs": True, "token2wav_dit_split_matmuls": True,
-        "token2wav_dit_pool_attention": True, "token2wav_vocoder_fused_snakes": True}},
+        "token2wav_dit_pool_attention": True, "token2wav_vocoder_fused_snakes": True,
+        "token2wav_vocoder_window_kernel": True, "token2wav_dit_tails_in_post": True,
+        "token2wav_dit_kv_write_kernel": True, "token2wav_vocoder_fused_biases": True}},
 }
 
 

@@ -42,9 +42,10 @@ class FakeThinkerEngine:
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeThinkerEngine:
-        # `llm:` configures the real engine's LLM and `audio_cuda_graphs` its audio encoder (the
-        # app ships those graph knobs): neither exists here
-        return cls(**{k: v for k, v in config.items() if k not in ("llm", "audio_cuda_graphs")})
+        # `llm:` configures the real engine's LLM, `audio_cuda_graphs` its audio encoder and
+        # `fused_qk_rope_kv` its attention (the app ships those knobs): none exists here
+        real = ("llm", "audio_cuda_graphs", "fused_qk_rope_kv")
+        return cls(**{k: v for k, v in config.items() if k not in real})
 
     def open(self, rid: str, spec: ThinkerRequest) -> None:
         self.running[rid] = (spec, 0)

@@ -36,15 +36,15 @@ def test_gpu_code2wav_times_the_shipped_code2wav_step():
 def test_gpu_code2wav_flips_one_knob():
     from bench import gpu_code2wav
 
-    on = gpu_code2wav.flipped("token2wav_vocoder_window_kernel")
-    assert on.token2wav_vocoder_window_kernel is True
-    assert dataclasses.replace(on, token2wav_vocoder_window_kernel=False) == gpu_code2wav.SHIPPED
+    on = gpu_code2wav.flipped("token2wav_dit_adaln_table")
+    assert on.token2wav_dit_adaln_table is True
+    assert dataclasses.replace(on, token2wav_dit_adaln_table=False) == gpu_code2wav.SHIPPED
     off = gpu_code2wav.flipped("token2wav_dit_pool_attention")
     assert off.token2wav_dit_pool_attention is False
-    both = gpu_code2wav.flipped("token2wav_dit_kv_write_kernel+token2wav_dit_pool_attention")
-    assert both == dataclasses.replace(off, token2wav_dit_kv_write_kernel=True)
-    assert gpu_code2wav.flipped_name("token2wav_dit_kv_write_kernel+token2wav_dit_pool_attention") \
-        == "shipped, token2wav_dit_kv_write_kernel=True, token2wav_dit_pool_attention=False"
+    both = gpu_code2wav.flipped("token2wav_dit_adaln_table+token2wav_dit_pool_attention")
+    assert both == dataclasses.replace(off, token2wav_dit_adaln_table=True)
+    assert gpu_code2wav.flipped_name("token2wav_dit_adaln_table+token2wav_dit_pool_attention") \
+        == "shipped, token2wav_dit_adaln_table=True, token2wav_dit_pool_attention=False"
 
 
 def test_gpu_code2wav_says_whether_a_knob_gives_the_shipped_pcm():
