@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from deployments.config import GIB, AppConfig, check_memory_budget
+from deployments.config import GIB, AppConfig, MemoryBudgetError, check_memory_budget
 from deployments.loop import StageFailure
 
 log = logging.getLogger(__name__)
@@ -160,16 +160,53 @@ def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
             # captured at that stream's priority, its memory cached for that stream.
             stream = engine_stream(cfg, stage)
             with on_stream(stream):
-                yield device
+                try:
+                    yield device
+                except torch.OutOfMemoryError as e:
+                    raise MemoryBudgetError(out_of_cap(cfg, stage, total, e)) from e
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     # After the build: the CUDA context exists, so an MPS server serving it is listed.
     report = detect_gpu_sharing(cfg.gpu_sharing)
     report["cuda_stream_priority"] = 0 if stream is None else stream.priority
+    report["memory_gib"] = memory_at_start(plan[stage] or total / GIB)
     _GPU_SHARING[stage] = report
     if report["warning"]:
         log.warning("%s: %s", stage, report["warning"])
     log.info("%s: GPU sharing %s", stage, report)
+
+
+# What a stage holds beyond its model weights, the knob that sizes it: said when it runs out.
+_MEMORY_HOLDERS = {
+    "thinker": "thinker.kv_cache_gib (its KV cache)",
+    "talker": "talker.engine.max_streams",
+    "code2wav": "code2wav.engine.max_streams (its slot pool) or slot_prompt_frames",
+}
+
+
+def out_of_cap(cfg: AppConfig, stage: str, total_bytes: int, error: BaseException) -> str:
+    """Why a stage could not start: its cap, the stages' split, and what to change."""
+    s = cfg.stages()[stage]
+    fracs = {name: st.memory_fraction or 0.0 for name, st in cfg.stages().items()}
+    split = ", ".join(f"{name} {f:g}" for name, f in fracs.items())
+    cap = (s.memory_fraction or 1.0) * total_bytes / GIB
+    return (
+        f"{stage} ran out of GPU memory while starting: its cap is {cap:.1f} GiB "
+        f"({stage}.memory_fraction {s.memory_fraction} of {total_bytes / GIB:.1f} GiB; the "
+        f"stages' fractions: {split}, {sum(fracs.values()):g} of 1). Raise "
+        f"{stage}.memory_fraction (taking it from another stage if the sum would pass 1) or "
+        f"lower {_MEMORY_HOLDERS[stage]}. ({error_line(error)})")
+
+
+def memory_at_start(cap_gib: float) -> dict[str, float]:
+    """This process's GPU memory once its engine is built and warmed up: what it holds, its
+    peak while starting, what the allocator reserved, against its cap (GiB)."""
+    import torch
+
+    return {"allocated": round(torch.cuda.memory_allocated() / GIB, 2),
+            "peak": round(torch.cuda.max_memory_allocated() / GIB, 2),
+            "reserved": round(torch.cuda.memory_reserved() / GIB, 2),
+            "cap": round(cap_gib, 2)}
 
 
 def visible_gpu(env: Mapping[str, str]) -> str:

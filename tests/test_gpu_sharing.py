@@ -60,7 +60,7 @@ def test_defaults_are_timeslice_and_the_default_stream():
 def test_mps_settings_keep_the_stage_defaults():
     cfg = AppConfig.model_validate(mps_config(talker=20))
     assert cfg.talker.mps_thread_percentage == 20
-    assert cfg.talker.num_gpus == 0.15 and cfg.talker.memory_fraction == 0.12
+    assert cfg.talker.num_gpus == 0.15 and cfg.talker.memory_fraction == 0.1
     assert cfg.thinker.mps_thread_percentage is None  # unset: the daemon's default
 
 
@@ -304,6 +304,36 @@ def test_high_priority_is_no_stream_on_cpu():
         assert device == "cpu"
 
 
+def test_a_stage_that_outgrows_its_cap_while_starting_says_what_to_change(monkeypatch):
+    """An out-of-memory error while a stage builds (its engine's warm-up included) becomes a
+    MemoryBudgetError naming the stage's cap, the stages' split and the knobs to change."""
+    from deployments import stage
+    from deployments.config import GIB, MemoryBudgetError
+
+    cfg = AppConfig.model_validate({})
+    monkeypatch.setattr(stage, "resolve_device", lambda cfg: "cuda")
+    monkeypatch.setattr(stage, "visible_gpu", lambda env: "-test")  # the lock file's name
+    monkeypatch.setattr(stage, "engine_stream", lambda cfg, name: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (int(70 * GIB), int(79.18 * GIB)))
+    caps = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", caps.append)
+    with pytest.raises(MemoryBudgetError) as e, stage_init(cfg, "code2wav"):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 434.00 MiB.")
+    assert caps == [cfg.code2wav.memory_fraction]
+    msg = str(e.value)
+    assert msg.startswith("code2wav ran out of GPU memory while starting: its cap is 22.2 GiB")
+    assert "thinker 0.5, talker 0.1, code2wav 0.28, 0.88 of 1" in msg
+    assert "code2wav.engine.max_streams" in msg and "Tried to allocate 434.00 MiB" in msg
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_the_shipped_split_fits_an_80_gb_gpu():
+    from deployments.config import GIB, check_memory_budget
+
+    plan = check_memory_budget(AppConfig.model_validate({}), int(79.18 * GIB))  # an H100's
+    assert plan["code2wav"] > 19.3 + 1  # its engine's peak while warming up, and a margin
+
+
 def test_engine_loop_runs_in_its_scope():
     entered: list[str] = []
 
@@ -391,6 +421,8 @@ def test_stage_init_builds_on_the_stream_and_reports_sharing():
     assert report["requested"] == "timeslice" and report["mode"] in ("timeslice", "mps")
     assert (report["warning"] is None) == (report["mode"] == "timeslice")
     assert report["cuda_stream_priority"] == high_priority_stream().priority
+    mem = report["memory_gib"]  # what the stage holds once started, against its cap
+    assert 0 < mem["allocated"] <= mem["peak"] <= mem["reserved"] and mem["cap"] > 0
 
 
 @needs_cuda
