@@ -213,12 +213,30 @@ def profile(engine, v, b: int, sequence: bool = False) -> dict:
     for sid in ids:
         engine.open(sid, v)
         engine.feed(sid, CodeChunk(sid, (4218,) * 3, False))
-    for k in range(6):
-        for sid in ids:
-            engine.feed(sid, CodeChunk(sid, tuple(codes(k, 25)), False))
-        if k < 5:
-            engine.step()
+    # the host's time in each CUDA graph launch of a step (a large graph's launch is host
+    # work the GPU may wait for), outside the profiler: its own hooks slow the launches
+    launches: list[list[float]] = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed(graph):
+        t0 = time.perf_counter()
+        replay(graph)
+        launches[-1].append((time.perf_counter() - t0) * 1e3)
+
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        for k in range(6):
+            for sid in ids:
+                engine.feed(sid, CodeChunk(sid, tuple(codes(k, 25)), False))
+            if k < 5:
+                launches.append([])
+                engine.step()
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
     torch.cuda.synchronize()
+    steady = [row for row in launches[2:] if len(row) == len(launches[-1])]
+    launch_ms = [round(float(np.median(col)), 3) for col in zip(*steady)]
+    print(f"  graph launches a step B={b} (host ms each, median of {len(steady)} steps): {launch_ms}")
     with prof(activities=[ProfilerActivity.CUDA]) as p:
         engine.step()
         torch.cuda.synchronize()
@@ -240,6 +258,7 @@ def profile(engine, v, b: int, sequence: bool = False) -> dict:
         print(f"    {ms:7.2f} ms {n:6d}x  {name}")
     out = {"kernels": sum(calls.values()), "kernel_ms": round(total, 2), "top": top}
     out["timeline"] = timeline(sorted(seq))
+    out["graph_launch_ms"] = launch_ms
     if sequence:
         out["sequence"] = block_sequence(sorted(seq))
     return out
