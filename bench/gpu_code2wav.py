@@ -267,8 +267,8 @@ def profile(engine, v, b: int, sequence: bool = False) -> dict:
 def timeline(seq: list[tuple[float, str, float]], top: int = 8) -> dict:
     """Where the GPU waits inside a step: from the first kernel's start to the last one's end,
     the time no kernel runs, and its largest gaps with the kernels on either side (a gap
-    between two graphs' kernels is host work between their replays). seq: (start us, name,
-    us) sorted by start."""
+    before a graph's first kernel is host work before its replay, its launch, or the
+    profiler's hooks on that launch). seq: (start us, name, us) sorted by start."""
     if not seq:
         return {}
     gaps, end = [], seq[0][0] + seq[0][2]

@@ -180,7 +180,7 @@ def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
 _MEMORY_HOLDERS = {
     "thinker": "thinker.kv_cache_gib (its KV cache)",
     "talker": "talker.engine.max_streams",
-    "code2wav": "code2wav.engine.max_streams (its slot pool) or slot_prompt_frames",
+    "code2wav": "code2wav.engine.max_streams or slot_prompt_frames (its slot pool)",
 }
 
 

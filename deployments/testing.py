@@ -15,6 +15,8 @@ its MockVLLMEngine). Fakes are deterministic and cheap:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import math
 import time
 import zlib
@@ -27,6 +29,15 @@ import torch
 from pipeline.handoff import CodeChunk, PcmChunk, SpokenChunk, ThinkerDelta, ThinkerRequest
 
 REPLY = "Hello there! This reply comes from the fake thinker engine."
+
+
+def own_settings(fake: type, config: dict, real_config: type) -> dict:
+    """The `engine:` settings a fake engine takes: the real engine config's knobs (the app
+    ships its fast paths on) mean nothing to a fake and are dropped; the rest are the fake's
+    own (`step_delay_s`, ...), and a key neither knows still fails in the fake's constructor."""
+    knobs = {f.name for f in dataclasses.fields(real_config)}
+    knobs -= set(inspect.signature(fake).parameters)
+    return {k: v for k, v in config.items() if k not in knobs}
 
 
 class FakeThinkerEngine:
@@ -42,10 +53,9 @@ class FakeThinkerEngine:
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeThinkerEngine:
-        # `llm:` configures the real engine's LLM, `audio_cuda_graphs` its audio encoder and
-        # `fused_qk_rope_kv` its attention (the app ships those knobs): none exists here
-        real = ("llm", "audio_cuda_graphs", "fused_qk_rope_kv")
-        return cls(**{k: v for k, v in config.items() if k not in real})
+        from pipeline.thinker.engine import ThinkerEngineConfig
+
+        return cls(**own_settings(cls, config, ThinkerEngineConfig))
 
     def open(self, rid: str, spec: ThinkerRequest) -> None:
         self.running[rid] = (spec, 0)
@@ -117,9 +127,9 @@ class FakeTalkerEngine:
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeTalkerEngine:
-        # the app's fast-path defaults (talker_fused, prefill_graphs, ...) mean nothing to a fake
-        fast = ("talker_", "prefill_graphs")
-        return cls(**{k: v for k, v in config.items() if not k.startswith(fast)})
+        from pipeline.talker.engine import TalkerEngineConfig
+
+        return cls(**own_settings(cls, config, TalkerEngineConfig))
 
     def open(self, rid: str, spec: Any = None) -> None:
         if rid in self.streams:
@@ -218,8 +228,9 @@ class FakeCode2WavEngine:
 
     @classmethod
     def from_source(cls, source: Any, config: dict, device: str) -> FakeCode2WavEngine:
-        # the app's fast-path defaults name the real engine's knobs: nothing to a fake
-        return cls(**{k: v for k, v in config.items() if not k.startswith("token2wav_")})
+        from pipeline.code2wav.engine import Code2WavEngineConfig
+
+        return cls(**own_settings(cls, config, Code2WavEngineConfig))
 
     def pin_voice(self, voice: str) -> None:
         self.pinned.add(voice)
