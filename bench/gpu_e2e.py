@@ -126,6 +126,9 @@ class InProcessServe:
               f"({self.groups} group(s); stage_transport "
               f"{AppConfig.model_validate(args).stage_transport}; Serve environment "
               f"{serve_env or 'default'})", flush=True)
+        thinker = self.serve.get_deployment_handle(
+            self.stage_names("Thinker")[0], app_name="omniray").stats.remote().result()
+        print(f"[{label}] {attention_note(thinker)}", flush=True)
         try:
             yield self.url
             if stats_out is not None:
@@ -239,6 +242,17 @@ class StageShares:
                   "behind)", flush=True)
         row["thinker"] = thinker
         self.rows[c] = row
+
+
+def attention_note(thinker: dict[str, Any]) -> str:
+    """The Thinker's paged attention backend, from its deployment's stats; a warning when a
+    GPU replica runs the torch one (flashinfer not importable): its numbers are not the
+    app's (no decode graphs: several times slower decode and prefill)."""
+    backend = thinker.get("engine", {}).get("attention_backend") or "unknown"
+    if backend == "torch" and "gpu_allocated_gib" in thinker:
+        return ("WARNING: the Thinker runs the torch attention backend on the GPU (flashinfer "
+                "not importable there): decode and prefill several times slower than served")
+    return f"Thinker attention backend: {backend}"
 
 
 def _failed(run: dict[str, Any]) -> int:

@@ -327,3 +327,17 @@ def test_stage_shares_report_code2wav_busy_and_talker_and_thinker_times(capsys):
     out = capsys.readouterr().out
     assert "10.0 ms a unit start" in out
     assert "Thinker at c=1: 6.0 ms of GPU a decode step, 2.0 ms idle" in out
+
+
+def test_attention_note_warns_when_a_gpu_thinker_runs_the_torch_backend():
+    """An app run on a GPU whose image lacks flashinfer still serves, several times slower:
+    the bench says so beside RUNNING, from the Thinker deployment's stats."""
+    from bench.gpu_e2e import attention_note
+
+    gpu = {"gpu_allocated_gib": 34.4}
+    assert attention_note({"engine": {"attention_backend": "flashinfer"}, **gpu}) == (
+        "Thinker attention backend: flashinfer")
+    assert attention_note({"engine": {"attention_backend": "torch"}, **gpu}).startswith("WARNING")
+    assert attention_note({"engine": {"attention_backend": "torch"}}) == (
+        "Thinker attention backend: torch")  # on CPU: the only one
+    assert attention_note({}) == "Thinker attention backend: unknown"

@@ -210,6 +210,29 @@ def test_request_that_cannot_fit_is_refused(model):
         eng.add_request("big", _prompt(10, 1), SamplingParams(max_tokens=10))
 
 
+def test_auto_backend_on_a_gpu_without_flashinfer_says_so(model, monkeypatch, caplog):
+    """'auto' serves on the torch backend when flashinfer cannot be imported, but on CUDA it
+    warns (that backend captures no decode graph: several times slower) and the engine's
+    stats name the backend it runs; on CPU torch is the expected one, said quietly."""
+    from pipeline.engine import attention
+
+    assert _engine(model, attention_backend="auto").stats().attention_backend == "torch"
+
+    def missing():
+        raise ImportError("No module named 'flashinfer'")
+
+    monkeypatch.setattr(attention, "import_flashinfer", missing)
+    kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=8, block_size=4, max_num_pages=8,
+              dtype=torch.float32)
+    with caplog.at_level("WARNING", logger=attention.__name__):
+        cpu = attention.make_backend("auto", device=torch.device("cpu"), **kw)
+        assert not caplog.records  # torch is CPU's backend: nothing to warn about
+        gpu = attention.make_backend("auto", device=torch.device("cuda"), **kw)
+    assert isinstance(cpu, TorchAttention) and isinstance(gpu, TorchAttention)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "torch backend" in caplog.text and "No module named 'flashinfer'" in caplog.text
+
+
 @pytest.mark.parametrize("ahead", [False, True])
 def test_abort_reports_and_frees(model, ahead):
     eng = _engine(model, max_num_batched_tokens=8, launch_ahead=ahead)

@@ -157,6 +157,7 @@ class EngineStats:
     decode_idle_gaps: int = 0
     decode_idle_ms: float = 0.0
     max_decode_idle_ms: float = 0.0
+    attention_backend: str = ""  # the backend `attention_backend` resolved to (auto: either)
 
 
 class LLMEngine:
@@ -202,6 +203,9 @@ class LLMEngine:
             max_num_pages=num_blocks + 1,
             dtype=dtype,
             device=self.device,
+        )
+        self.attention_backend = (
+            "flashinfer" if isinstance(self.backend, FlashInferAttention) else "torch"
         )
 
         # ===== CUDA graphs (decode only) =====
@@ -535,6 +539,7 @@ class LLMEngine:
             decode_idle_gaps=t.gaps,
             decode_idle_ms=t.idle_ms,
             max_decode_idle_ms=t.max_idle_ms,
+            attention_backend=self.attention_backend,
         )
 
     def generate(

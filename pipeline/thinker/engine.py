@@ -240,6 +240,7 @@ class ThinkerStats:
     decode_idle_gaps: int = 0
     decode_idle_ms: float = 0.0
     max_decode_idle_ms: float = 0.0
+    attention_backend: str = ""  # the LLM's paged attention: flashinfer | torch
 
 
 class ThinkerEngine:
@@ -737,6 +738,7 @@ class ThinkerEngine:
                 decode_idle_gaps=s.decode_idle_gaps,
                 decode_idle_ms=s.decode_idle_ms,
                 max_decode_idle_ms=s.max_decode_idle_ms,
+                attention_backend=s.attention_backend,
             )
         )
 
