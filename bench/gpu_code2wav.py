@@ -20,10 +20,15 @@ with a full chunk ready:
     an exact knob must), and no start-up warm-up (graphs are captured in the timed engines'
     first steps); --batches limits the timed batch sizes (default 1,2,4,8);
   * with --profile, a torch.profiler table of one B=1 and one B=8 graphed step: kernel count
-    and the top kernels; with --sequence also one DiT block's kernels in launch order.
+    and the top kernels; with --sequence also one DiT block's kernels in launch order;
+  * with --profile-ops (alone: nothing else runs), which ops launch a step's costliest
+    kernels: the shipped configuration without its CUDA graphs (the same kernels, launched
+    one by one, so each is tied to its aten op, input shapes and source line), one step at
+    each of --batches.
 
     python bench/gpu_code2wav.py [--prompt-codes 25] [--iters 10] [--profile [--sequence]] [--quick]
         [--no-precision] [--compare KNOB[,KNOB...]] [--batches 1,2,4,8] [--out F.json]
+    python bench/gpu_code2wav.py --profile-ops [--batches 1,8]
 """
 
 from __future__ import annotations
@@ -312,6 +317,71 @@ def block_sequence(seq: list[tuple[float, str, float]], dit_calls: int = 160) ->
             "after_last_attention": len(seq) - att[-1] - 1, "attention_kernels": len(att)}
 
 
+def op_profile(engine, v, b: int, top: int = 6, per_kernel: int = 4) -> dict:
+    """One eager step of B chunks under the profiler with CPU ops, shapes and stacks: for the
+    `top` kernels by GPU time, the ops (name, input shapes, source line) that launched them."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    ids = [f"o{b}_{i}" for i in range(b)]
+    for sid in ids:
+        engine.open(sid, v)
+        engine.feed(sid, CodeChunk(sid, (4218,) * 3, False))
+    for k in range(4):  # the compiled regions compile in the first steps
+        for sid in ids:
+            engine.feed(sid, CodeChunk(sid, tuple(codes(k, 25)), False))
+        if k < 3:
+            engine.step()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+              with_stack=True) as p:
+        engine.step()
+        torch.cuda.synchronize()
+    for sid in ids:
+        engine.abort(sid)
+    rows = kernel_sources(p.events(), top, per_kernel)
+    print(f"  ops behind the top kernels, B={b} (eager step; GPU ms, launches):")
+    for r in rows:
+        print(f"    {r['ms']:8.2f} ms {r['n']:5d}x  {r['kernel'][:110]}")
+        for o in r["ops"]:
+            print(f"        {o['ms']:7.2f} ms {o['n']:5d}x  {o['op']} {o['shapes'][:80]}  @ {o['site']}")
+    return {"kernels": rows}
+
+
+def kernel_sources(events, top: int = 6, per_kernel: int = 4) -> list[dict]:
+    """Profiler events (CPU ops with `.kernels` and shapes, their callers as `cpu_parent`: aten
+    ops, then Python frames) -> the `top` kernel names by GPU time, each with the `per_kernel`
+    costliest launchers: the aten ops from the launching one out ("copy_<clone<reshape"), its
+    input shapes, and the innermost source line under pipeline/ ("?" if none)."""
+    by_kernel: dict[str, Counter] = {}
+    count: dict[str, Counter] = {}
+    for e in events:
+        kernels = getattr(e, "kernels", None) or []
+        if not kernels:
+            continue
+        ops, site, up = [], "?", e
+        while up is not None:  # the op's callers: aten ops, then Python frames (with_stack)
+            if up.name.startswith("aten::") and site == "?":
+                ops.append(up.name[6:])
+            elif "pipeline/" in up.name:
+                site = up.name.split("pipeline/", 1)[1]
+                break
+            up = up.cpu_parent
+        key = ("<".join(ops) or e.name, str(getattr(e, "input_shapes", "") or ""), site)
+        for k in kernels:
+            by_kernel.setdefault(k.name, Counter())[key] += k.duration
+            count.setdefault(k.name, Counter())[key] += 1
+    totals = Counter({name: sum(c.values()) for name, c in by_kernel.items()})
+    rows = []
+    for name, us in totals.most_common(top):
+        ops = [{"op": op, "shapes": shapes, "site": site, "ms": round(t / 1e3, 3),
+                "n": count[name][(op, shapes, site)]}
+               for (op, shapes, site), t in by_kernel[name].most_common(per_kernel)]
+        rows.append({"kernel": name, "ms": round(us / 1e3, 3),
+                     "n": sum(count[name].values()), "ops": ops})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt-codes", type=int, default=25)
@@ -330,6 +400,8 @@ def main() -> int:
                          "(A+B: flipped together)")
     ap.add_argument("--batches", default="1,2,4,8",
                     help="the batch sizes (chunks a step) to time, comma-separated")
+    ap.add_argument("--profile-ops", action="store_true",
+                    help="only: which ops launch the costliest kernels (an eager step each B)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     knobs = args.compare.split(",") if args.compare else []
@@ -347,6 +419,12 @@ def main() -> int:
     voices = [voice(1, args.prompt_codes, dev), voice(2, args.prompt_codes + 12, dev)]
     result: dict = {"prompt_codes": args.prompt_codes}
     ok = True
+    if args.profile_ops:  # the shipped step's kernels, launched one by one (no graphs)
+        eager = dataclasses.replace(SHIPPED, token2wav_cfm_cuda_graph=False,
+                                    token2wav_hift_cuda_graph=False)
+        eng = Code2WavEngine(flow, hift, cfg, eager)
+        result["ops"] = {b: op_profile(eng, voices[0], b) for b in batches}
+        return finish(result, args.out, ok)
 
     # with --compare: the shipped configuration with each knob flipped, else the slot pool +
     # graphs

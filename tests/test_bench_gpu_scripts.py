@@ -70,3 +70,40 @@ def test_gpu_code2wav_timeline_finds_where_no_kernel_runs():
     assert [(g["us"], g["at"], g["after"], g["before"]) for g in got["largest"]] == [
         (15.0, 3, "c", "d"), (8.0, 2, "b", "c")]
     assert gpu_code2wav.timeline([]) == {}
+
+
+def test_gpu_code2wav_ties_each_costly_kernel_to_the_ops_that_launch_it():
+    """`--profile-ops`' attribution, on stand-in profiler events: a kernel's GPU time summed
+    per launching op (its aten callers, its shapes, the innermost pipeline/ source line)."""
+    from types import SimpleNamespace as NS
+
+    from bench import gpu_code2wav
+
+    def frame(name, parent=None):
+        return NS(name=name, cpu_parent=parent, kernels=[], input_shapes=None)
+
+    def op(name, parent, shapes, kernels):
+        return NS(name=name, cpu_parent=parent, input_shapes=shapes,
+                  kernels=[NS(name=k, duration=us) for k, us in kernels])
+
+    top = frame("pipeline/code2wav/engine.py(400): step")
+    conv = frame("pipeline/code2wav/causal_hift.py(92): conv", top)
+    attn = frame("pipeline/code2wav/dit.py(321): attend_slots", top)
+    reshape = frame("aten::reshape", attn)
+    clone = op("aten::clone", reshape, [[16, 656, 8, 64]], [])
+    events = [
+        op("aten::add", conv, [[8, 64, 4081], [64, 1]], [("legacy", 100.0)]),
+        op("aten::add", conv, [[8, 64, 4081], [64, 1]], [("legacy", 120.0)]),
+        op("aten::copy_", clone, [[16, 656, 8, 64]], [("legacy", 400.0)]),
+        op("aten::mm", conv, [[64, 704], [704, 4081]], [("gemm", 50.0), ("gemm", 30.0)]),
+        op("aten::fill_", None, [[4]], [("fill", 1.0)]),  # no pipeline/ caller
+        clone, reshape, conv, top,
+    ]
+    rows = gpu_code2wav.kernel_sources(events, top=2, per_kernel=2)
+    assert [(r["kernel"], r["ms"], r["n"]) for r in rows] == [("legacy", 0.62, 3), ("gemm", 0.08, 2)]
+    assert rows[0]["ops"] == [
+        {"op": "copy_<clone<reshape", "shapes": "[[16, 656, 8, 64]]", "ms": 0.4, "n": 1,
+         "site": "code2wav/dit.py(321): attend_slots"},
+        {"op": "add", "shapes": "[[8, 64, 4081], [64, 1]]", "ms": 0.22, "n": 2,
+         "site": "code2wav/causal_hift.py(92): conv"}]
+    assert gpu_code2wav.kernel_sources(events, top=3)[2]["ops"][0]["site"] == "?"
