@@ -222,8 +222,8 @@ def test_auto_backend_on_a_gpu_without_flashinfer_says_so(model, monkeypatch, ca
         raise ImportError("No module named 'flashinfer'")
 
     monkeypatch.setattr(attention, "import_flashinfer", missing)
-    kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=8, block_size=4, max_num_pages=8,
-              dtype=torch.float32)
+    kw = {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 8, "block_size": 4,
+          "max_num_pages": 8, "dtype": torch.float32}
     with caplog.at_level("WARNING", logger=attention.__name__):
         cpu = attention.make_backend("auto", device=torch.device("cpu"), **kw)
         assert not caplog.records  # torch is CPU's backend: nothing to warn about
