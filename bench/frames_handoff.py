@@ -89,7 +89,12 @@ def main() -> int:
     ap.add_argument("--data-dir", default="/tmp/handoff-clips")
     ap.add_argument("--processes", action="store_true",
                     help="also 8 builds at once in 8 processes (the GIL's share)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the builds (Python's default: 5 ms)")
     args = ap.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    print(f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
     src, proc, clips = _setup(args.data_dir)
 
     def messages(i: int) -> list[dict]:

@@ -72,6 +72,13 @@ class IngressSettings(_Settings):
         "clips with their audio as a part of their own: TTFT 259 against 300 ms, first "
         "audio 484 against 530 (frames only); clips with their own audio track: TTFT 266 "
         "against 331"))
+    switch_interval_ms: float | None = Field(None, gt=0.0, le=100.0, description=(
+        "this replica's GIL switch interval (sys.setswitchinterval; null = Python's 5 ms). A "
+        "media decode thread takes the GIL back after each FFmpeg call; while another "
+        "thread runs Python it waits up to one interval each time: on the development box a "
+        "30 s clip's decode beside a busy Python thread takes 2.1 s at 5 ms, 0.28 s at 0.5 "
+        "ms, 63 ms alone (`python -m bench.gil_decode`). Thread scheduling only: the same "
+        "outputs"))
 
 
 class RealtimeSettings(_Settings):

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -76,6 +77,9 @@ class IngressServer:
 
         cfg = AppConfig.model_validate(app)
         self.cfg = cfg
+        if cfg.ingress.switch_interval_ms is not None:  # the whole replica process's
+            sys.setswitchinterval(cfg.ingress.switch_interval_ms / 1e3)
+            log.info("GIL switch interval %g ms", cfg.ingress.switch_interval_ms)
         source = source or ModelSource.open(cfg.model)
         tokenizer = TextTokenizer.from_dir(source.path or default_checkpoint())
         lim = cfg.limits

@@ -280,3 +280,24 @@ def test_an_audio_part_goes_ahead_while_the_video_still_decodes(monkeypatch):
     got.clear()
     req = _build(got.append, make_mp4(2.5, audio=False), [MediaBytes("audio", _wav())])
     assert got and all(isinstance(m, ImageInput) for items in got for m in items)
+
+
+def test_the_ingress_sets_its_replicas_gil_switch_interval():
+    """`ingress.switch_interval_ms` is the ingress replica's GIL switch interval (its media
+    decode threads take the GIL back after every FFmpeg call); unset, Python's stays."""
+    import sys
+
+    from pydantic import ValidationError
+
+    from deployments.config import AppConfig
+
+    default = sys.getswitchinterval()
+    try:
+        build_local_app({}, light_source())
+        assert sys.getswitchinterval() == default
+        build_local_app({"ingress": {"switch_interval_ms": 0.5}}, light_source())
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(default)
+    with pytest.raises(ValidationError, match="switch_interval_ms"):
+        AppConfig.model_validate({"ingress": {"switch_interval_ms": 0}})
