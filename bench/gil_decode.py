@@ -34,7 +34,7 @@ def decode_ms(data: bytes, iters: int, busy: bool) -> tuple[float, float, list]:
     for _ in range(iters):
         stop, count = threading.Event(), [0]
 
-        def spin():
+        def spin(stop=stop, count=count):
             while not stop.is_set():
                 count[0] += 1
 
