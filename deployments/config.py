@@ -21,6 +21,14 @@ class _Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _switch_interval(why: str) -> Any:
+    return Field(None, gt=0.0, le=100.0, description=(
+        "the replica's GIL switch interval (sys.setswitchinterval; null = Python's 5 ms): a "
+        "thread that gave the GIL up (to FFmpeg, to a GPU wait) waits up to one interval to "
+        f"take it back while another thread runs Python; {why}. Thread scheduling only: the "
+        "same outputs"))
+
+
 class StageSettings(_Settings):
     """One model deployment (Thinker, Talker or Code2Wav)."""
 
@@ -56,6 +64,9 @@ class StageSettings(_Settings):
         "on a high-priority CUDA stream (the same kernels in the same order, so the same "
         "output); priorities order work the GPU runs at the same time, which between "
         "processes happens only under MPS; ignored on CPU"))
+    switch_interval_ms: float | None = _switch_interval(
+        "its engine thread takes it back after each wait for the GPU, beside the event loop "
+        "that forwards the engine's outputs")
 
 
 class IngressSettings(_Settings):
@@ -72,13 +83,10 @@ class IngressSettings(_Settings):
         "clips with their audio as a part of their own: TTFT 259 against 300 ms, first "
         "audio 484 against 530 (frames only); clips with their own audio track: TTFT 266 "
         "against 331"))
-    switch_interval_ms: float | None = Field(None, gt=0.0, le=100.0, description=(
-        "this replica's GIL switch interval (sys.setswitchinterval; null = Python's 5 ms). A "
-        "media decode thread takes the GIL back after each FFmpeg call; while another "
-        "thread runs Python it waits up to one interval each time: on the development box a "
-        "30 s clip's decode beside a busy Python thread takes 2.1 s at 5 ms, 0.28 s at 0.5 "
-        "ms, 63 ms alone (`python -m bench.gil_decode`). Thread scheduling only: the same "
-        "outputs"))
+    switch_interval_ms: float | None = _switch_interval(
+        "its media decode threads take the GIL back after every FFmpeg call: on the "
+        "development box a 30 s clip's decode beside a busy Python thread takes 2.1 s at "
+        "5 ms, 0.28 s at 0.5 ms, 63 ms alone (`python -m bench.gil_decode`)")
 
 
 class RealtimeSettings(_Settings):

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,7 +46,7 @@ from deployments.schemas import (
     TextDelta,
     validation_message,
 )
-from deployments.stage import NamedVoice, error_line
+from deployments.stage import NamedVoice, error_line, set_switch_interval
 from deployments.turn import Group, PreparedTurn, Stages, TurnRunner
 from deployments.voices import VoiceInfo, VoiceStore
 from deployments.window import ActiveStreamWindow
@@ -77,9 +76,7 @@ class IngressServer:
 
         cfg = AppConfig.model_validate(app)
         self.cfg = cfg
-        if cfg.ingress.switch_interval_ms is not None:  # the whole replica process's
-            sys.setswitchinterval(cfg.ingress.switch_interval_ms / 1e3)
-            log.info("GIL switch interval %g ms", cfg.ingress.switch_interval_ms)
+        set_switch_interval(cfg.ingress.switch_interval_ms, "ingress")
         source = source or ModelSource.open(cfg.model)
         tokenizer = TextTokenizer.from_dir(source.path or default_checkpoint())
         lim = cfg.limits

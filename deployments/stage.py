@@ -21,6 +21,7 @@ import os
 import socket
 import stat
 import subprocess
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -67,6 +68,13 @@ class NamedVoice:
 # up to 4 MiB, so calls carrying more than this go as actor calls, whose arrays pass
 # through the object store without a copy.
 GRPC_MAX_ARG_BYTES = 2 * 2**20
+
+
+def set_switch_interval(ms: float | None, who: str) -> None:
+    """This process's GIL switch interval (a replica's `switch_interval_ms`; None: Python's)."""
+    if ms is not None:
+        sys.setswitchinterval(ms / 1e3)
+        log.info("%s: GIL switch interval %g ms", who, ms)
 
 
 def via(handle: Any, grpc: bool, nbytes: int = 0) -> Any:

@@ -38,6 +38,7 @@ from deployments.stage import (
     gc_watch,
     next_item,
     one_each,
+    set_switch_interval,
     stage_init,
     stage_stats,
 )
@@ -56,6 +57,7 @@ class StageServer:
         from pipeline.checkpoint import ModelSource
 
         self.cfg = cfg = AppConfig.model_validate(app)
+        set_switch_interval(cfg.stages()[self.stage].switch_interval_ms, self.stage)
         gc_watch()  # from the start, so a stall in any step can be told from a GC pause
         source = source or ModelSource.open(cfg.model)
 

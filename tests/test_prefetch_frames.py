@@ -282,9 +282,11 @@ def test_an_audio_part_goes_ahead_while_the_video_still_decodes(monkeypatch):
     assert got and all(isinstance(m, ImageInput) for items in got for m in items)
 
 
-def test_the_ingress_sets_its_replicas_gil_switch_interval():
-    """`ingress.switch_interval_ms` is the ingress replica's GIL switch interval (its media
-    decode threads take the GIL back after every FFmpeg call); unset, Python's stays."""
+@pytest.mark.parametrize("section", ["ingress", "thinker", "talker", "code2wav"])
+def test_each_replica_sets_its_gil_switch_interval(section):
+    """`<section>.switch_interval_ms` is that replica's GIL switch interval (the ingress's media
+    decode threads take the GIL back after every FFmpeg call, a stage's engine thread after
+    each GPU wait); unset, Python's stays. (In-process apps: every replica is this process.)"""
     import sys
 
     from pydantic import ValidationError
@@ -295,9 +297,9 @@ def test_the_ingress_sets_its_replicas_gil_switch_interval():
     try:
         build_local_app({}, light_source())
         assert sys.getswitchinterval() == default
-        build_local_app({"ingress": {"switch_interval_ms": 0.5}}, light_source())
+        build_local_app({section: {"switch_interval_ms": 0.5}}, light_source())
         assert sys.getswitchinterval() == pytest.approx(0.0005)
     finally:
         sys.setswitchinterval(default)
     with pytest.raises(ValidationError, match="switch_interval_ms"):
-        AppConfig.model_validate({"ingress": {"switch_interval_ms": 0}})
+        AppConfig.model_validate({section: {"switch_interval_ms": 0}})
