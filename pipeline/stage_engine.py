@@ -48,7 +48,9 @@ class StageEngine(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def stats(self) -> dict[str, float]: ...
+    # Counters and gauges (the stage's metrics export the numbers), and a few facts
+    # (e.g. the Thinker's attention backend) as strings.
+    def stats(self) -> dict[str, float | str]: ...
 
 
 class Holds:

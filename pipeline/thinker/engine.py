@@ -699,7 +699,7 @@ class ThinkerEngine:
                     f"audio slot [{s}, {e}) does not match segment of clip {clip} ({n} tokens)"
                 )
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         s, runner = self.llm.stats(), self.llm.runner
         return asdict(
             ThinkerStats(
