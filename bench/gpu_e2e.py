@@ -126,10 +126,10 @@ class InProcessServe:
               f"({self.groups} group(s); stage_transport "
               f"{AppConfig.model_validate(args).stage_transport}; Serve environment "
               f"{serve_env or 'default'})", flush=True)
-        thinker = self.serve.get_deployment_handle(
-            self.stage_names("Thinker")[0], app_name="omniray").stats.remote().result()
-        print(f"[{label}] {attention_note(thinker)}", flush=True)
         try:
+            thinker = self.serve.get_deployment_handle(
+                self.stage_names("Thinker")[0], app_name="omniray").stats.remote().result()
+            print(f"[{label}] {attention_note(thinker)}", flush=True)
             yield self.url
             if stats_out is not None:
                 stats_out.mkdir(parents=True, exist_ok=True)
