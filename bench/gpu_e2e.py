@@ -248,7 +248,8 @@ def attention_note(thinker: dict[str, Any]) -> str:
     """The Thinker's paged attention backend, from its deployment's stats; a warning when a
     GPU replica runs the torch one (flashinfer not importable): its numbers are not the
     app's (no decode graphs: several times slower decode and prefill)."""
-    backend = thinker.get("engine", {}).get("attention_backend") or "unknown"
+    flag = thinker.get("engine", {}).get("flashinfer_attention")
+    backend = {1: "flashinfer", 0: "torch"}.get(flag, "unknown")
     if backend == "torch" and "gpu_allocated_gib" in thinker:
         return ("WARNING: the Thinker runs the torch attention backend on the GPU (flashinfer "
                 "not importable there): decode and prefill several times slower than served")

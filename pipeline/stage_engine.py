@@ -48,9 +48,7 @@ class StageEngine(Protocol):
 
     def has_work(self) -> bool: ...
 
-    # Counters and gauges (the stage's metrics export the numbers), and a few facts
-    # (e.g. the Thinker's attention backend) as strings.
-    def stats(self) -> dict[str, float | str]: ...
+    def stats(self) -> dict[str, float]: ...
 
 
 class Holds:

@@ -335,9 +335,9 @@ def test_attention_note_warns_when_a_gpu_thinker_runs_the_torch_backend():
     from bench.gpu_e2e import attention_note
 
     gpu = {"gpu_allocated_gib": 34.4}
-    assert attention_note({"engine": {"attention_backend": "flashinfer"}, **gpu}) == (
+    assert attention_note({"engine": {"flashinfer_attention": 1}, **gpu}) == (
         "Thinker attention backend: flashinfer")
-    assert attention_note({"engine": {"attention_backend": "torch"}, **gpu}).startswith("WARNING")
-    assert attention_note({"engine": {"attention_backend": "torch"}}) == (
+    assert attention_note({"engine": {"flashinfer_attention": 0}, **gpu}).startswith("WARNING")
+    assert attention_note({"engine": {"flashinfer_attention": 0}}) == (
         "Thinker attention backend: torch")  # on CPU: the only one
     assert attention_note({}) == "Thinker attention backend: unknown"

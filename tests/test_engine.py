@@ -213,10 +213,11 @@ def test_request_that_cannot_fit_is_refused(model):
 def test_auto_backend_on_a_gpu_without_flashinfer_says_so(model, monkeypatch, caplog):
     """'auto' serves on the torch backend when flashinfer cannot be imported, but on CUDA it
     warns (that backend captures no decode graph: several times slower) and the engine's
-    stats name the backend it runs; on CPU torch is the expected one, said quietly."""
+    stats say which it runs (`flashinfer_attention`, a number like every stat); on CPU torch
+    is the expected one, said quietly."""
     from pipeline.engine import attention
 
-    assert _engine(model, attention_backend="auto").stats().attention_backend == "torch"
+    assert _engine(model, attention_backend="auto").stats().flashinfer_attention == 0
 
     def missing():
         raise ImportError("No module named 'flashinfer'")
@@ -306,6 +307,7 @@ def test_flashinfer_and_graphs_match_torch_backend_on_cuda():
             torch.bfloat16,
         )
         assert eng.uses_cuda_graphs == graphs
+        assert eng.stats().flashinfer_attention == (backend == "flashinfer")
         outs[(backend, graphs)] = eng.generate(prompts, sp)
     assert outs[("flashinfer", True)] == outs[("flashinfer", False)]
     # bf16 kernels may flip a near-tie late in a sequence: compare the first tokens only

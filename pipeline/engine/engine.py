@@ -157,7 +157,7 @@ class EngineStats:
     decode_idle_gaps: int = 0
     decode_idle_ms: float = 0.0
     max_decode_idle_ms: float = 0.0
-    attention_backend: str = ""  # the backend `attention_backend` resolved to (auto: either)
+    flashinfer_attention: int = 0  # 1: FlashInfer's paged attention, 0: torch's (`auto`: either)
 
 
 class LLMEngine:
@@ -204,9 +204,7 @@ class LLMEngine:
             dtype=dtype,
             device=self.device,
         )
-        self.attention_backend = (
-            "flashinfer" if isinstance(self.backend, FlashInferAttention) else "torch"
-        )
+        self.flashinfer_attention = isinstance(self.backend, FlashInferAttention)
 
         # ===== CUDA graphs (decode only) =====
         graphs = None
@@ -539,7 +537,7 @@ class LLMEngine:
             decode_idle_gaps=t.gaps,
             decode_idle_ms=t.idle_ms,
             max_decode_idle_ms=t.max_idle_ms,
-            attention_backend=self.attention_backend,
+            flashinfer_attention=int(self.flashinfer_attention),
         )
 
     def generate(

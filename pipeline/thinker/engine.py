@@ -240,7 +240,7 @@ class ThinkerStats:
     decode_idle_gaps: int = 0
     decode_idle_ms: float = 0.0
     max_decode_idle_ms: float = 0.0
-    attention_backend: str = ""  # the LLM's paged attention: flashinfer | torch
+    flashinfer_attention: int = 0  # the LLM's paged attention: 1 FlashInfer's, 0 torch's
 
 
 class ThinkerEngine:
@@ -699,7 +699,7 @@ class ThinkerEngine:
                     f"audio slot [{s}, {e}) does not match segment of clip {clip} ({n} tokens)"
                 )
 
-    def stats(self) -> dict[str, float | str]:
+    def stats(self) -> dict[str, float]:
         s, runner = self.llm.stats(), self.llm.runner
         return asdict(
             ThinkerStats(
@@ -738,7 +738,7 @@ class ThinkerEngine:
                 decode_idle_gaps=s.decode_idle_gaps,
                 decode_idle_ms=s.decode_idle_ms,
                 max_decode_idle_ms=s.max_decode_idle_ms,
-                attention_backend=s.attention_backend,
+                flashinfer_attention=s.flashinfer_attention,
             )
         )
 
