@@ -231,7 +231,7 @@ def _kv_write(dtype: torch.dtype, warmed: Callable[[], None]) -> None:
             warmed()
 
 
-def _conv_windows(warmed: Callable[[], None]) -> None:
+def _conv_windows(warmed: Callable[[], None], frame_major: bool = False) -> None:
     """The causal vocoder's conv windows (`token2wav_vocoder_window_kernel`): every conv's
     call of a stream's chunks, recorded from the vocoder's torch path (the tiny config's:
     kernel sizes, dilations, rates and paddings are the released ones, only the channel
@@ -273,7 +273,7 @@ def _conv_windows(warmed: Callable[[], None]) -> None:
         for shape, stride, offset, dtype, *geometry in calls_:  # the input's layout too
             size = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1
             x = torch.empty(size, dtype=dtype).as_strided(shape, stride, offset)
-            conv_windows(x, *geometry)
+            conv_windows(x, *geometry, frame_major=frame_major and shape[0] > 1)
         if calls_ is warm:
             warmed()
 
@@ -286,6 +286,7 @@ CASES: dict[str, Callable[[Callable[[], None]], None]] = {
     "code2wav write_kv fp32": lambda warmed: _kv_write(torch.float32, warmed),
     "code2wav write_kv bf16": lambda warmed: _kv_write(torch.bfloat16, warmed),
     "code2wav conv_windows": _conv_windows,
+    "code2wav conv_windows frame-major": lambda warmed: _conv_windows(warmed, frame_major=True),
 }
 
 

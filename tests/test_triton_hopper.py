@@ -43,7 +43,8 @@ def test_every_kernel_compiles_for_hopper_without_spills(kernels):
     assert set(kernels) == {"talker rope_kv bf16", "talker rope_kv fp32",
                             "thinker qk_rope_kv bf16", "thinker qk_rope_kv fp32",
                             "code2wav pool_attention fp32", "code2wav write_kv fp32",
-                            "code2wav write_kv bf16", "code2wav conv_windows"}
+                            "code2wav write_kv bf16", "code2wav conv_windows",
+                            "code2wav conv_windows frame-major"}
     for case, k in kernels.items():
         assert k["instructions"] > 0, case
         assert k["local_bytes"] == 0, f"{case}: {k['local_bytes']} bytes of local memory (spills)"

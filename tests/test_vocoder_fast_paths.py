@@ -90,6 +90,12 @@ def test_the_engine_freezes_weight_norms_and_takes_the_vocoder_knobs(monkeypatch
         Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(
             token2wav_vocoder_gemm_convs=True, token2wav_vocoder_window_kernel=True))
         assert all(m.windows and m.gemm for m in convs)
+    assert not any(m.frame_major for m in convs)
+    Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(token2wav_vocoder_frame_major=True))
+    assert not any(m.frame_major for m in convs)  # needs the matmuls
+    Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(
+        token2wav_vocoder_gemm_convs=True, token2wav_vocoder_frame_major=True))
+    assert all(m.frame_major and m.gemm for m in convs)
     blocks = [m for m in vocoder.modules() if isinstance(m, CausalResBlock)]
     assert not any(b.fused_biases for b in blocks)  # the Snakes were not fused
     Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(
@@ -135,6 +141,11 @@ def test_conv_windows_are_the_padded_unfolded_windows(kernel, dilation, stride, 
             assert torch.equal(got, want)
             # the padding is +0.0, as F.pad's
             assert not torch.signbit(got[want == 0]).any()
+            # frame_major: the same windows, (B, T, C k)
+            fm = conv_windows.conv_windows(view, kernel, dilation, stride, left, right, up,
+                                           frame_major=True)
+            assert fm.is_contiguous() and torch.equal(fm, want.transpose(1, 2))
+            assert not torch.signbit(fm[want.transpose(1, 2) == 0]).any()
 
 
 @needs_kernel
@@ -165,6 +176,33 @@ def test_the_window_kernel_gives_the_same_speech_bit_for_bit(monkeypatch):
     convs = _stream(vocoder, mel, sizes)
     vocoder.window_kernel(False)
     for a, b in zip(convs, _stream(vocoder, mel, sizes), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_frame_major_windows_give_the_same_speech_bit_for_bit(monkeypatch):
+    """`frame_major_windows`: each conv's windows built (B, T, C k) and multiplied by one mm,
+    against `torch.matmul` over the (B, C k, T) windows, which (the weights requiring grad)
+    folds into that mm after copying them into that order: the same speech bit for bit, over
+    a stream of two rows (the torch windows) and with the window kernel (Triton's
+    interpreter); one row keeps matmul (its fold copies nothing there)."""
+    vocoder = random_vocoder(tiny_code2wav_config(), 0, CAUSAL)
+    freeze_weight_norms(vocoder)
+    assert all(p.requires_grad for p in vocoder.parameters())  # what makes matmul fold
+    assert vocoder.frame_major_windows(True) is False  # needs the convs as matmuls
+    vocoder.gemm_convs(True)
+    mel, sizes = _mel(49, 3), [24, 16, 9]
+    plain = _stream(vocoder, mel, sizes)
+    assert vocoder.frame_major_windows(True) is True
+    for a, b in zip(plain, _stream(vocoder, mel, sizes), strict=True):
+        assert torch.equal(a, b)
+    if not conv_windows.runs_here(torch.device("cpu")):
+        return
+    monkeypatch.setattr(conv_windows, "available", lambda device: True)
+    assert vocoder.window_kernel(True) is True
+    two = _mel(37, 4)
+    fast = _stream(vocoder, two, [21, 16])
+    vocoder.frame_major_windows(False)
+    for a, b in zip(_stream(vocoder, two, [21, 16]), fast, strict=True):
         assert torch.equal(a, b)
 
 

@@ -60,10 +60,19 @@ class _Conv(nn.Conv1d):
     On the GPU, fp32 and float64 cuDNN convs of these sizes are several times slower than the
     GEMM; only the order of the sums changes. With `windows` too (`CausalHiFT.window_kernel`)
     one Triton kernel builds the windows from the input, the padding and upsampling included
-    (conv_windows.py: the same windows bit for bit)."""
+    (conv_windows.py: the same windows bit for bit).
+
+    `frame_major` (`CausalHiFT.frame_major_windows`): the windows are built (B, T, C k) and
+    multiplied by one `torch.mm`. That is the product `torch.matmul(weight, windows)` computes
+    here: the weight requires grad, so matmul folds the batch into one mm over the windows'
+    transpose (B T, C k), which it first copies out of their (B, C k, T) order, a strided
+    copy of every window of the chunk (the largest of a step's copies). Built in that order,
+    they go to the same mm with nothing copied: the same product bit for bit. (One batch row
+    folds without a copy, the mm reading the windows transposed: it stays as it is.)"""
 
     gemm = False
     windows = False
+    frame_major = False
 
     def conv(self, x: torch.Tensor, left: int = 0, right: int = 0, up: int = 1,
              bias: bool = True) -> torch.Tensor:
@@ -72,6 +81,8 @@ class _Conv(nn.Conv1d):
         (k,), (d,), (st,) = self.kernel_size, self.dilation, self.stride
         if not (bias or self.gemm):
             raise ValueError("a conv leaves its bias out only as a matmul (gemm_convs)")
+        if self.gemm and self.frame_major and x.shape[0] > 1:  # one row: matmul's fold is a
+            return self._frame_major(x, k, d, st, left, right, up, bias)  # view, no copy
         if self.gemm and self.windows:
             cols = conv_windows.conv_windows(x, k, d, st, left, right, up)
         else:
@@ -89,6 +100,26 @@ class _Conv(nn.Conv1d):
             cols = win.transpose(2, 3).reshape(b, c * k, t)
         weight = self.weight
         out = torch.matmul(weight.reshape(weight.shape[0], -1), cols)
+        return out if self.bias is None or not bias else out + self.bias[:, None]
+
+    def _frame_major(self, x: torch.Tensor, k: int, d: int, st: int, left: int, right: int,
+                     up: int, bias: bool) -> torch.Tensor:
+        if self.windows:
+            cols = conv_windows.conv_windows(x, k, d, st, left, right, up, frame_major=True)
+        else:
+            if up > 1:
+                x = F.interpolate(x, scale_factor=up, mode="nearest")
+            if left or right:
+                x = F.pad(x, (left, right))
+            win = x.unfold(2, d * (k - 1) + 1, st)[..., ::d]  # (B, C, T, k)
+            b, c, t, _ = win.shape
+            cols = win.permute(0, 2, 1, 3).reshape(b, t, c * k)
+        b, t, ck = cols.shape
+        weight = self.weight.reshape(self.weight.shape[0], -1)
+        # matmul's own steps from its reshape (a copy only where torch's windows are a view
+        # that cannot fold): mm, then the (B, C_out, T) copy of the product
+        out = torch.mm(cols.reshape(b * t, ck), weight.t()).view(b, t, -1).transpose(1, 2)
+        out = out.contiguous()
         return out if self.bias is None or not bias else out + self.bias[:, None]
 
 
@@ -248,6 +279,16 @@ class CausalHiFT(nn.Module):
         on = on and all(c.gemm for c in convs) and all(a.inv_alpha is not None for a in snakes)
         for b in blocks:
             b.fused_biases = on
+        return on
+
+    def frame_major_windows(self, on: bool = True) -> bool:
+        """Under `gemm_convs`, build every conv's windows in the order its product reads them
+        and multiply them by `torch.mm` (`_Conv`: the same product bit for bit, without
+        matmul's copy of them). Returns whether it is on."""
+        convs = [m for m in self.modules() if isinstance(m, _Conv)]
+        on = on and all(m.gemm for m in convs)
+        for m in convs:
+            m.frame_major = on
         return on
 
     def window_kernel(self, on: bool = True) -> bool:

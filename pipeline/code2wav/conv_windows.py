@@ -11,6 +11,9 @@ frame (t stride + j dilation - left) // up, or zero where that falls in the padd
 
 Only copies: the windows are bit for bit the torch path's, and so is every product over
 them. On CPU it runs only in Triton's interpreter, in the tests (pipeline/triton_kernels.py).
+
+`frame_major` writes them (B, T, C k) instead: the order the conv's product reads them in
+(causal_hift.py `_Conv`), where torch.matmul would copy the (B, C k, T) windows into it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ __all__ = ["available", "conv_windows", "runs_here"]
 # would compile a kernel mid-turn. (The interpreter compiles nothing and runs programs one
 # by one, each op costing far more than on its data: there a tile covers the whole output.)
 ROWS, FRAMES = 8, 128
+# Frame-major stores run along the rows (C k floats a frame): more rows, fewer frames a tile.
+ROWS_FM, FRAMES_FM = 64, 16
 
 
 if triton is not None:
@@ -43,7 +48,7 @@ if triton is not None:
         t_in, t_out, rows, batch_rows,
         sx_b, sx_c, sx_t,
         K: tl.constexpr, DIL: tl.constexpr, STRIDE: tl.constexpr, LEFT: tl.constexpr,
-        UP: tl.constexpr, R: tl.constexpr, BT: tl.constexpr,
+        UP: tl.constexpr, R: tl.constexpr, BT: tl.constexpr, FRAME_MAJOR: tl.constexpr,
     ):
         q = tl.program_id(0) * R + tl.arange(0, R)  # rows of the (B C K, T_out) output
         t = tl.program_id(1) * BT + tl.arange(0, BT)
@@ -55,16 +60,22 @@ if triton is not None:
         src = tl.where(inside, p, 0) // UP
         row = b.to(tl.int64) * sx_b + c * sx_c
         v = tl.load(x_ptr + row[:, None] + src * sx_t, mask=inside, other=0.0)
-        tl.store(out_ptr + q.to(tl.int64)[:, None] * t_out + t[None, :], v, mask=keep)
+        if FRAME_MAJOR:  # (B, T_out, C K): frame t of batch row b is C K floats
+            at = (b.to(tl.int64)[:, None] * t_out + t[None, :]) * rows + r[:, None]
+        else:  # (B C K, T_out)
+            at = q.to(tl.int64)[:, None] * t_out + t[None, :]
+        tl.store(out_ptr + at, v, mask=keep)
 
 
 def conv_windows(x: torch.Tensor, kernel: int, dilation: int = 1, stride: int = 1,
-                 left: int = 0, right: int = 0, up: int = 1) -> torch.Tensor:
+                 left: int = 0, right: int = 0, up: int = 1,
+                 frame_major: bool = False) -> torch.Tensor:
     """The windows of a conv (taps `kernel`, `dilation`, `stride`) over x (B, C, T)
     upsampled `up` times (nearest) and padded with `left` / `right` zero frames, as a
     contiguous (B, C kernel, T_out): what `F.pad(F.interpolate(x, scale_factor=up),
     (left, right)).unfold(2, span, stride)[..., ::dilation].transpose(2, 3).reshape(B, C k,
-    T_out)` gives."""
+    T_out)` gives; `frame_major`: as a contiguous (B, T_out, C kernel), the same windows
+    `.permute(0, 2, 1, 3)` before the reshape."""
     b, c, t_in = x.shape
     span = dilation * (kernel - 1) + 1
     t_out = (t_in * up + left + right - span) // stride + 1
@@ -72,8 +83,9 @@ def conv_windows(x: torch.Tensor, kernel: int, dilation: int = 1, stride: int = 
         raise ValueError(f"conv_windows: no window of {span} frames fits {t_in} x {up} "
                          f"+ {left} + {right}")
     rows = c * kernel
-    out = torch.empty(b, rows, t_out, dtype=x.dtype, device=x.device)
-    tile_r, tile_t = ROWS, FRAMES
+    shape = (b, t_out, rows) if frame_major else (b, rows, t_out)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    tile_r, tile_t = (ROWS_FM, FRAMES_FM) if frame_major else (ROWS, FRAMES)
     if INTERPRET:
         tile_t = min(triton.next_power_of_2(t_out), 2**14)
         tile_r = max(1, min(triton.next_power_of_2(b * rows), 2**20 // tile_t))
@@ -81,5 +93,6 @@ def conv_windows(x: torch.Tensor, kernel: int, dilation: int = 1, stride: int = 
     _windows_kernel[grid](
         x, out, t_in, t_out, rows, b * rows, *x.stride(),
         K=kernel, DIL=dilation, STRIDE=stride, LEFT=left, UP=up, R=tile_r, BT=tile_t,
+        FRAME_MAJOR=frame_major,
     )
     return out

@@ -54,6 +54,12 @@ Fast-path knobs (each bounded against the plain path in tests/test_code2wav*.py)
                                   (its zero padding, nearest upsampling and window copy: three
                                   or four launches) built by one Triton kernel from its input
                                   (conv_windows.py; CUDA; the same windows bit for bit)
+  token2wav_vocoder_frame_major : under token2wav_vocoder_gemm_convs, each conv's windows built
+                                  (B, T, C k), the order its product reads them, and multiplied
+                                  by one mm: what torch.matmul computes there, after copying the
+                                  (B, C k, T) windows into that order (the weights require grad,
+                                  so it folds the batch); causal_hift.py `_Conv`; the same
+                                  product bit for bit, without that copy
   token2wav_vocoder_fused_biases: with token2wav_vocoder_gemm_convs and _fused_snakes, each
                                   residual-block conv's bias added inside the compiled op after
                                   it (the next Snake, or the residual add) instead of by a
@@ -126,6 +132,7 @@ class Code2WavEngineConfig:
     token2wav_vocoder_fused_snakes: bool = False  # each vocoder Snake one compiled kernel
     token2wav_vocoder_window_kernel: bool = False  # gemm convs' windows by one Triton kernel
     token2wav_vocoder_fused_biases: bool = False  # resblock convs' biases added by the next op
+    token2wav_vocoder_frame_major: bool = False  # gemm convs' windows in their product's order
     code2wav_batch_wait_ms: float = 0.0
     code2wav_first_chunks_first: bool = False  # first audio not batched behind later chunks
     max_batch_size: int = 8  # streams per decode step
@@ -232,6 +239,7 @@ class Code2WavEngine:
         if isinstance(hift, CausalHiFT):  # set either way: engines may share the module
             hift.gemm_convs(engine_cfg.token2wav_vocoder_gemm_convs)
             hift.window_kernel(engine_cfg.token2wav_vocoder_window_kernel)
+            hift.frame_major_windows(engine_cfg.token2wav_vocoder_frame_major)
             hift.fuse_biases(engine_cfg.token2wav_vocoder_fused_biases)  # into the Snakes
         self.hift_graphs = None
         if engine_cfg.token2wav_hift_cuda_graph and cuda:
