@@ -54,6 +54,13 @@ def _left(kernel: int, dilation: int = 1) -> int:
     return dilation * (kernel - 1)
 
 
+def _padded(x: torch.Tensor, left: int, right: int, up: int) -> torch.Tensor:
+    """x (B, C, T) upsampled `up` times (nearest), then padded with zero frames."""
+    if up > 1:
+        x = F.interpolate(x, scale_factor=up, mode="nearest")
+    return F.pad(x, (left, right)) if left or right else x
+
+
 class _Conv(nn.Conv1d):
     """Conv1d over its input upsampled (nearest) and zero-padded on either side, that can run
     as one matmul over its unfolded windows (`gemm`, off by default: `CausalHiFT.gemm_convs`).
@@ -86,17 +93,14 @@ class _Conv(nn.Conv1d):
         if self.gemm and self.windows:
             cols = conv_windows.conv_windows(x, k, d, st, left, right, up)
         else:
-            if up > 1:
-                x = F.interpolate(x, scale_factor=up, mode="nearest")
-            if left or right:
-                x = F.pad(x, (left, right))
+            x = _padded(x, left, right, up)
             if not self.gemm:
                 return nn.Conv1d.forward(self, x)
             win = x.unfold(2, d * (k - 1) + 1, st)[..., ::d]  # (B, C, T, k)
             b, c, t, _ = win.shape
             # Windows as (B, C k, T), frames innermost like x: the copy reads and writes along
-            # the frames, and the product lands in the conv's own (B, C_out, T) layout, so
-            # the ops after it read it contiguously.
+            # the frames, and the product lands in the conv's own (B, C_out, T) layout (matmul
+            # copies it there: see `frame_major`), so the ops after it read it contiguously.
             cols = win.transpose(2, 3).reshape(b, c * k, t)
         weight = self.weight
         out = torch.matmul(weight.reshape(weight.shape[0], -1), cols)
@@ -107,11 +111,7 @@ class _Conv(nn.Conv1d):
         if self.windows:
             cols = conv_windows.conv_windows(x, k, d, st, left, right, up, frame_major=True)
         else:
-            if up > 1:
-                x = F.interpolate(x, scale_factor=up, mode="nearest")
-            if left or right:
-                x = F.pad(x, (left, right))
-            win = x.unfold(2, d * (k - 1) + 1, st)[..., ::d]  # (B, C, T, k)
+            win = _padded(x, left, right, up).unfold(2, d * (k - 1) + 1, st)[..., ::d]
             b, c, t, _ = win.shape
             cols = win.permute(0, 2, 1, 3).reshape(b, t, c * k)
         b, t, ck = cols.shape
