@@ -88,10 +88,10 @@ class _Conv(nn.Conv1d):
         (k,), (d,), (st,) = self.kernel_size, self.dilation, self.stride
         if not (bias or self.gemm):
             raise ValueError("a conv leaves its bias out only as a matmul (gemm_convs)")
-        if self.gemm and self.frame_major and x.shape[0] > 1:  # one row: matmul's fold is a
-            return self._frame_major(x, k, d, st, left, right, up, bias)  # view, no copy
+        # one batch row: matmul's fold is a view of the windows, no copy to save
+        frame_major = self.gemm and self.frame_major and x.shape[0] > 1
         if self.gemm and self.windows:
-            cols = conv_windows.conv_windows(x, k, d, st, left, right, up)
+            cols = conv_windows.conv_windows(x, k, d, st, left, right, up, frame_major)
         else:
             x = _padded(x, left, right, up)
             if not self.gemm:
@@ -101,25 +101,15 @@ class _Conv(nn.Conv1d):
             # Windows as (B, C k, T), frames innermost like x: the copy reads and writes along
             # the frames, and the product lands in the conv's own (B, C_out, T) layout (matmul
             # copies it there: see `frame_major`), so the ops after it read it contiguously.
-            cols = win.transpose(2, 3).reshape(b, c * k, t)
-        weight = self.weight
-        out = torch.matmul(weight.reshape(weight.shape[0], -1), cols)
-        return out if self.bias is None or not bias else out + self.bias[:, None]
-
-    def _frame_major(self, x: torch.Tensor, k: int, d: int, st: int, left: int, right: int,
-                     up: int, bias: bool) -> torch.Tensor:
-        if self.windows:
-            cols = conv_windows.conv_windows(x, k, d, st, left, right, up, frame_major=True)
-        else:
-            win = _padded(x, left, right, up).unfold(2, d * (k - 1) + 1, st)[..., ::d]
-            b, c, t, _ = win.shape
-            cols = win.permute(0, 2, 1, 3).reshape(b, t, c * k)
-        b, t, ck = cols.shape
+            cols = (win.permute(0, 2, 1, 3).reshape(b, t, c * k) if frame_major
+                    else win.transpose(2, 3).reshape(b, c * k, t))
         weight = self.weight.reshape(self.weight.shape[0], -1)
-        # matmul's own steps from its reshape (a copy only where torch's windows are a view
-        # that cannot fold): mm, then the (B, C_out, T) copy of the product
-        out = torch.mm(cols.reshape(b * t, ck), weight.t()).view(b, t, -1).transpose(1, 2)
-        out = out.contiguous()
+        if frame_major:  # matmul's own steps from its reshape: mm, the product's (B, C_out, T) copy
+            b, t, ck = cols.shape
+            out = torch.mm(cols.reshape(b * t, ck), weight.t()).view(b, t, -1)
+            out = out.transpose(1, 2).contiguous()
+        else:
+            out = torch.matmul(weight, cols)
         return out if self.bias is None or not bias else out + self.bias[:, None]
 
 
