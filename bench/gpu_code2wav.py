@@ -63,7 +63,7 @@ SHIPPED = Code2WavEngineConfig(  # serve_config.yaml's
     token2wav_dit_split_matmuls=True, token2wav_dit_pool_attention=True,
     token2wav_vocoder_fused_snakes=True, token2wav_vocoder_window_kernel=True,
     token2wav_dit_tails_in_post=True, token2wav_dit_kv_write_kernel=True,
-    token2wav_vocoder_fused_biases=True)
+    token2wav_vocoder_fused_biases=True, token2wav_vocoder_frame_major=True)
 UNSPLIT = dataclasses.replace(SHIPPED, token2wav_dit_split_matmuls=False)
 SHIPPED_BF16 = dataclasses.replace(SHIPPED, token2wav_precision="bf16")  # opt-in
 FAST_C_TF32 = Code2WavEngineConfig(

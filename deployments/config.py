@@ -176,7 +176,8 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
         "token2wav_vocoder_gemm_convs": True, "token2wav_dit_split_matmuls": True,
         "token2wav_dit_pool_attention": True, "token2wav_vocoder_fused_snakes": True,
         "token2wav_vocoder_window_kernel": True, "token2wav_dit_tails_in_post": True,
-        "token2wav_dit_kv_write_kernel": True, "token2wav_vocoder_fused_biases": True}},
+        "token2wav_dit_kv_write_kernel": True, "token2wav_vocoder_fused_biases": True,
+        "token2wav_vocoder_frame_major": True}},
 }
 
 
