@@ -245,6 +245,7 @@ def profile(engine, v, b: int, sequence: bool = False) -> dict:
     with prof(activities=[ProfilerActivity.CUDA]) as p:
         engine.step()
         torch.cuda.synchronize()
+    host = host_profile(engine, ids, b)
     for sid in ids:
         engine.abort(sid)
     kernels: Counter = Counter()
@@ -264,9 +265,43 @@ def profile(engine, v, b: int, sequence: bool = False) -> dict:
     out = {"kernels": sum(calls.values()), "kernel_ms": round(total, 2), "top": top}
     out["timeline"] = timeline(sorted(seq))
     out["graph_launch_ms"] = launch_ms
+    out["host"] = host
     if sequence:
         out["sequence"] = block_sequence(sorted(seq))
     return out
+
+
+_STEP_PARTS = {"step", "_slot_step", "_flow_slots", "_next"}
+
+
+def host_profile(engine, ids: list[str], b: int, steps: int = 3, top: int = 14) -> list:
+    """The host's side of a step (cProfile over `steps` steps, ms a step): where a step's
+    wall beyond its GPU timeline goes. A function's own time holds what the host waits for
+    in it too (the PCM's copy waits for the GPU)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    for k in range(steps):
+        for sid in ids:
+            engine.feed(sid, CodeChunk(sid, tuple(codes(100 + k, 25)), False))
+        pr.enable()
+        engine.step()
+        torch.cuda.synchronize()
+        pr.disable()
+    rows = []
+    for (path, line, fn), (_, calls, own, cum, _) in pstats.Stats(pr).stats.items():
+        where = f"{path.rsplit('/', 2)[-1]}:{line} {fn}" if line else fn
+        rows.append((round(own * 1e3 / steps, 2), round(cum * 1e3 / steps, 2),
+                     round(calls / steps, 1), where[:90]))
+    rows.sort(reverse=True)
+    # the step's parts: the plan's host tensors, the flow's launch, the vocoder, the copies
+    parts = [r for r in rows if r[3].split(" ")[-1] in _STEP_PARTS and "engine" in r[3]
+             or r[3].endswith((" plan", " vocode", " commit"))]
+    print(f"  host B={b} (cProfile, ms a step: own / cumulative, calls a step):")
+    for own, cum, calls, where in rows[:top] + sorted(parts, key=lambda r: -r[1]):
+        print(f"    {own:8.2f} {cum:8.2f} {calls:8.1f}  {where}")
+    return rows[:top] + parts
 
 
 def timeline(seq: list[tuple[float, str, float]], top: int = 8) -> dict:
