@@ -175,6 +175,38 @@ def test_pool_writes_and_trims_equal_cat_and_trim_bitwise(model, voices):
     assert ref.est_len == tpl.prompt_frames + HISTORY_FRAMES  # trimming was exercised
 
 
+def test_plan_reuses_row_positions_without_changing_them(model, voices):
+    """A row's conformer mask and relative positions are built once per lengths and reused by
+    later steps: every plan over a stream's life, trims included, equals the plan built afresh
+    tensor for tensor (a plan that wrote into a reused tensor would make a later one differ)."""
+    from pipeline.code2wav import slots as slots_mod
+    from pipeline.code2wav.slots import _conformer_mask_rel, flatten
+
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    pool = eng.pool
+    slots = [pool.admit(eng.initial_state(v).flow, eng.initial_state(v).prompt_frames)
+             for v in voices]
+    g = torch.Generator().manual_seed(9)
+    _conformer_mask_rel.cache_clear()
+    hits = []
+    for _ in range(12):  # past the trim: the lengths stop changing
+        rows = [Row(s, _codes(g, 28), False) for s in slots]
+        before = _conformer_mask_rel.cache_info().hits
+        reused = pool.plan(rows, 3)
+        hits.append(_conformer_mask_rel.cache_info().hits - before)
+        with pytest.MonkeyPatch.context() as m:  # every row's tensors built afresh
+            m.setattr(slots_mod, "_conformer_mask_rel", _conformer_mask_rel.__wrapped__)
+            fresh = pool.plan(rows, 3)
+        assert all(torch.equal(a, b) for a, b in
+                   zip(flatten(reused.index), flatten(fresh.index), strict=True))
+        assert torch.equal(reused.tokens, fresh.tokens) and reused.updates == fresh.updates
+        pool.commit(reused)
+    # once trimmed, each step reuses all its rows' tensors: two rates of each stream's row
+    # and of the padding row
+    assert hits[-3:] == [2 * (len(slots) + 1)] * 3
+
+
 def test_flat_pool_indices_address_what_cfg_rows_and_write_do(model, voices):
     """`DiTSlots.at(pool)`: the one flat index per pool write / read the DiT uses reaches the
     same positions as indexing with (cfg, rows, write) and (cfg, rows), bit for bit, padding

@@ -26,6 +26,7 @@ and matmuls over padded keys (tests/test_code2wav_slots.py bounds it over long s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 import torch
@@ -175,13 +176,7 @@ class FlowSlotPool:
 
     def _conformer(self, length: int, cap: int, t: int, valid: int, keep: list[int]):
         """mask, rel, keep of one row at one rate (see flow.ConformerSlots)."""
-        k = cap + t
-        pos_k = torch.cat([torch.arange(cap), length + torch.arange(t)])
-        pos_q = length + torch.arange(t)
-        rel = ((k - 1) - (pos_q[:, None] - pos_k[None])).clamp(0, 2 * k - 2)
-        mask = torch.zeros(k, dtype=torch.bool)
-        mask[:length] = True
-        mask[cap : cap + valid] = True
+        mask, rel = _conformer_mask_rel(length, cap, t, valid)
         keep_ix = torch.zeros(cap, dtype=torch.long)
         keep_ix[: len(keep)] = torch.tensor(keep, dtype=torch.long)
         return mask, rel, keep_ix
@@ -304,6 +299,23 @@ class FlowSlotPool:
         """The host side of a chunk that has been enqueued: new lengths and positions."""
         for slot, st in plan.updates:
             self.state[slot] = st
+
+
+@functools.lru_cache(maxsize=1024)
+def _conformer_mask_rel(length: int, cap: int, t: int, valid: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's key mask and relative positions at one rate: a function of its lengths alone,
+    which stop changing once a stream's caches are trimmed, so later steps reuse them (plan
+    only reads them; torch.stack copies). Built every step, their small CPU tensor ops were
+    most of the plan's host time, which the step's wall holds before its first launch."""
+    k = cap + t
+    pos_k = torch.cat([torch.arange(cap), length + torch.arange(t)])
+    pos_q = length + torch.arange(t)
+    rel = ((k - 1) - (pos_q[:, None] - pos_k[None])).clamp(0, 2 * k - 2)
+    mask = torch.zeros(k, dtype=torch.bool)
+    mask[:length] = True
+    mask[cap : cap + valid] = True
+    return mask, rel
 
 
 def flatten(ix) -> list[torch.Tensor]:
