@@ -437,8 +437,12 @@ def main() -> int:
                     help="the batch sizes (chunks a step) to time, comma-separated")
     ap.add_argument("--profile-ops", action="store_true",
                     help="only: which ops launch the costliest kernels (an eager step each B)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch's CPU threads: a replica's (Ray sets OMP_NUM_THREADS=1 for "
+                         "num_cpus 0), which the step's host work runs with")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     knobs = args.compare.split(",") if args.compare else []
     for knob in (k for group in knobs for k in group.split("+")):  # a typo fails here, not
         if not isinstance(getattr(SHIPPED, knob, None), bool):   # after minutes of warm-up
