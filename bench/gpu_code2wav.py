@@ -271,7 +271,9 @@ def profile(engine, v, b: int, sequence: bool = False) -> dict:
     return out
 
 
-_STEP_PARTS = {"step", "_slot_step", "_flow_slots", "_next"}
+_STEP_FILES = {"engine.py", "slots.py", "batching.py", "stream.py"}
+_STEP_PARTS = {"step", "_slot_step", "_plain_step", "_flow_slots", "_next", "plan", "commit",
+               "vocode"}
 
 
 def host_profile(engine, ids: list[str], b: int, steps: int = 3, top: int = 14) -> list:
@@ -295,9 +297,9 @@ def host_profile(engine, ids: list[str], b: int, steps: int = 3, top: int = 14) 
         rows.append((round(own * 1e3 / steps, 2), round(cum * 1e3 / steps, 2),
                      round(calls / steps, 1), where[:90]))
     rows.sort(reverse=True)
-    # the step's parts: the plan's host tensors, the flow's launch, the vocoder, the copies
-    parts = [r for r in rows if r[3].split(" ")[-1] in _STEP_PARTS and "engine" in r[3]
-             or r[3].endswith((" plan", " vocode", " commit"))]
+    # the step's parts: the batcher, the plan's host tensors, the flow, the vocoder
+    parts = [r for r in rows if r[3].split(":")[0] in _STEP_FILES
+             and r[3].split(" ")[-1] in _STEP_PARTS]
     print(f"  host B={b} (cProfile, ms a step: own / cumulative, calls a step):")
     for own, cum, calls, where in rows[:top] + sorted(parts, key=lambda r: -r[1]):
         print(f"    {own:8.2f} {cum:8.2f} {calls:8.1f}  {where}")
