@@ -146,34 +146,32 @@ def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
     """Pick the device and, on CUDA, load this stage under a per-GPU file lock: prove the
     memory plan fits (with this stage's free-memory reading taken while no other stage is
     loading), cap this process, then build the engine inside the `with` block (on the
-    stage's engine stream). Once built, log and keep how the stage shares its GPU."""
+    stage's engine stream); with `stage_start: parallel` the lock goes before the build, so
+    the stages' builds and warm-ups run side by side. Once built, log and keep how the
+    stage shares its GPU."""
     device = resolve_device(cfg)
     if device != "cuda":
         yield device
         return
-    import fcntl
-
     import torch
 
-    with open(f"/tmp/omniray-gpu{visible_gpu(os.environ)}-init.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            free, total = torch.cuda.mem_get_info()
-            plan = check_memory_budget(cfg, total, free_bytes=free, stage=stage)
-            frac = cfg.stages()[stage].memory_fraction
-            if frac is not None:
-                torch.cuda.set_per_process_memory_fraction(frac)
-            log.info("%s: memory plan (GiB) %s", stage, {k: round(v, 2) for k, v in plan.items()})
-            # The engine is built on the stream its thread will run on: its graphs are
-            # captured at that stream's priority, its memory cached for that stream.
-            stream = engine_stream(cfg, stage)
-            with on_stream(stream):
-                try:
-                    yield device
-                except torch.OutOfMemoryError as e:
-                    raise MemoryBudgetError(out_of_cap(cfg, stage, total, e)) from e
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with one_at_a_time(f"/tmp/omniray-gpu{visible_gpu(os.environ)}-init.lock") as release:
+        free, total = torch.cuda.mem_get_info()
+        plan = check_memory_budget(cfg, total, free_bytes=free, stage=stage)
+        frac = cfg.stages()[stage].memory_fraction
+        if frac is not None:
+            torch.cuda.set_per_process_memory_fraction(frac)
+        log.info("%s: memory plan (GiB) %s", stage, {k: round(v, 2) for k, v in plan.items()})
+        if cfg.stage_start == "parallel":  # the build and warm-up beside the other stages'
+            release()
+        # The engine is built on the stream its thread will run on: its graphs are
+        # captured at that stream's priority, its memory cached for that stream.
+        stream = engine_stream(cfg, stage)
+        with on_stream(stream):
+            try:
+                yield device
+            except torch.OutOfMemoryError as e:
+                raise MemoryBudgetError(out_of_cap(cfg, stage, total, e)) from e
     # After the build: the CUDA context exists, so an MPS server serving it is listed.
     report = detect_gpu_sharing(cfg.gpu_sharing)
     report["cuda_stream_priority"] = 0 if stream is None else stream.priority
@@ -182,6 +180,20 @@ def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
     if report["warning"]:
         log.warning("%s: %s", stage, report["warning"])
     log.info("%s: GPU sharing %s", stage, report)
+
+
+@contextlib.contextmanager
+def one_at_a_time(path: str) -> Iterator[Callable[[], None]]:
+    """An exclusive lock on the file at `path` (every process of the machine that opens it)
+    over the block; the block may let it go early through the `release` it is given."""
+    import fcntl
+
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield functools.partial(fcntl.flock, lock, fcntl.LOCK_UN)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)  # a second unlock of the same file is a no-op
 
 
 # What a stage holds beyond its model weights, the knob that sizes it: said when it runs out.

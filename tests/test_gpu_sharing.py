@@ -327,6 +327,56 @@ def test_a_stage_that_outgrows_its_cap_while_starting_says_what_to_change(monkey
     assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
 
 
+@pytest.mark.parametrize("start", ["serial", "parallel"])
+def test_stage_start_orders_the_builds(monkeypatch, start):
+    """serial: a stage's build waits until the stage before it is built; parallel: the
+    per-GPU lock covers the memory check and the cap alone, so a second stage's build runs
+    while the first one's still does (two threads here; in the app, two processes)."""
+    import threading
+
+    from deployments import stage
+
+    cfg = AppConfig.model_validate({"stage_start": start})
+    monkeypatch.setattr(stage, "resolve_device", lambda cfg: "cuda")
+    monkeypatch.setattr(stage, "visible_gpu", lambda env: f"-test-{start}")  # the lock file
+    monkeypatch.setattr(stage, "engine_stream", lambda cfg, name: None)
+    monkeypatch.setattr(stage, "detect_gpu_sharing", lambda mode: {"warning": None})
+    monkeypatch.setattr(stage, "memory_at_start", lambda cap: {"cap": cap})
+    monkeypatch.setattr(stage, "_GPU_SHARING", {})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (79 * 2**30, int(79.18 * 2**30)))
+    checked = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", checked.append)
+    first_building, first_may_finish, second_building = (threading.Event() for _ in range(3))
+
+    def first():
+        with stage_init(cfg, "thinker"):
+            first_building.set()
+            first_may_finish.wait(10)
+
+    def second():
+        first_building.wait(10)
+        with stage_init(cfg, "talker"):
+            second_building.set()
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for th in threads:
+        th.start()
+    overlapped = second_building.wait(10 if start == "parallel" else 0.5)
+    first_may_finish.set()
+    for th in threads:
+        th.join(10)
+    assert overlapped == (start == "parallel")
+    assert second_building.is_set() and set(stage._GPU_SHARING) == {"thinker", "talker"}
+    assert checked == [cfg.thinker.memory_fraction, cfg.talker.memory_fraction]
+
+
+def test_stage_start_is_serial_or_parallel():
+    assert AppConfig.model_validate({}).stage_start == "serial"
+    with pytest.raises(ValidationError) as e:
+        AppConfig.model_validate({"stage_start": "eager"})
+    assert e.value.errors()[0]["loc"] == ("stage_start",) and "parallel" in str(e.value)
+
+
 def test_the_shipped_split_fits_an_80_gb_gpu():
     from deployments.config import GIB, check_memory_budget
 
