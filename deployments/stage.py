@@ -155,7 +155,9 @@ def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
         return
     import torch
 
+    t0 = time.perf_counter()
     with one_at_a_time(f"/tmp/omniray-gpu{visible_gpu(os.environ)}-init.lock") as release:
+        waited = time.perf_counter() - t0
         free, total = torch.cuda.mem_get_info()
         plan = check_memory_budget(cfg, total, free_bytes=free, stage=stage)
         frac = cfg.stages()[stage].memory_fraction
@@ -167,15 +169,19 @@ def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
         # The engine is built on the stream its thread will run on: its graphs are
         # captured at that stream's priority, its memory cached for that stream.
         stream = engine_stream(cfg, stage)
+        t1 = time.perf_counter()
         with on_stream(stream):
             try:
                 yield device
             except torch.OutOfMemoryError as e:
                 raise MemoryBudgetError(out_of_cap(cfg, stage, total, e)) from e
+        built = time.perf_counter() - t1
     # After the build: the CUDA context exists, so an MPS server serving it is listed.
     report = detect_gpu_sharing(cfg.gpu_sharing)
     report["cuda_stream_priority"] = 0 if stream is None else stream.priority
     report["memory_gib"] = memory_at_start(plan[stage] or total / GIB)
+    # how long the stage waited for the stages before it (stage_start) and took to build
+    report["start_s"] = {"waited": round(waited, 1), "built": round(built, 1)}
     _GPU_SHARING[stage] = report
     if report["warning"]:
         log.warning("%s: %s", stage, report["warning"])

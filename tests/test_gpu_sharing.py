@@ -367,6 +367,9 @@ def test_stage_start_orders_the_builds(monkeypatch, start):
         th.join(10)
     assert overlapped == (start == "parallel")
     assert second_building.is_set() and set(stage._GPU_SHARING) == {"thinker", "talker"}
+    waited = stage._GPU_SHARING["talker"]["start_s"]["waited"]  # in its stats: the start's parts
+    assert (waited >= 0.5) == (start == "serial")
+    assert stage._GPU_SHARING["thinker"]["start_s"]["built"] >= (0.5 if start == "serial" else 0)
     assert checked == [cfg.thinker.memory_fraction, cfg.talker.memory_fraction]
 
 
