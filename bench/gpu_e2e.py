@@ -127,9 +127,11 @@ class InProcessServe:
               f"{AppConfig.model_validate(args).stage_transport}; Serve environment "
               f"{serve_env or 'default'})", flush=True)
         try:
-            thinker = self.serve.get_deployment_handle(
-                self.stage_names("Thinker")[0], app_name="omniray").stats.remote().result()
-            print(f"[{label}] {attention_note(thinker)}", flush=True)
+            stats = {s: self.serve.get_deployment_handle(self.stage_names(s)[0],
+                                                         app_name="omniray").stats.remote().result()
+                     for s in STAGES}
+            print(f"[{label}] {attention_note(stats['Thinker'])}", flush=True)
+            print(f"[{label}] {start_note(stats)}", flush=True)
             yield self.url
             if stats_out is not None:
                 stats_out.mkdir(parents=True, exist_ok=True)
@@ -254,6 +256,17 @@ def attention_note(thinker: dict[str, Any]) -> str:
         return ("WARNING: the Thinker runs the torch attention backend on the GPU (flashinfer "
                 "not importable there): decode and prefill several times slower than served")
     return f"Thinker attention backend: {backend}"
+
+
+def start_note(stats: dict[str, dict[str, Any]]) -> str:
+    """Each GPU stage's start, from its stats (`gpu_sharing.start_s`): the wait for the
+    per-GPU start lock (the stages before it, under `stage_start: serial`) and its build."""
+    parts = []
+    for stage, s in stats.items():
+        start = (s.get("gpu_sharing") or {}).get("start_s")
+        if start:
+            parts.append(f"{stage} waited {start['waited']} s, built in {start['built']} s")
+    return "stage starts: " + ("; ".join(parts) if parts else "not reported (CPU)")
 
 
 def _failed(run: dict[str, Any]) -> int:

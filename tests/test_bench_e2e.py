@@ -341,3 +341,16 @@ def test_attention_note_warns_when_a_gpu_thinker_runs_the_torch_backend():
     assert attention_note({"engine": {"flashinfer_attention": 0}}) == (
         "Thinker attention backend: torch")  # on CPU: the only one
     assert attention_note({}) == "Thinker attention backend: unknown"
+
+
+def test_start_note_says_each_gpu_stage_wait_and_build():
+    """Beside RUNNING, each GPU stage's start from its stats (`gpu_sharing.start_s`): what
+    `stage_start` changes; CPU stages report none."""
+    from bench.gpu_e2e import start_note
+
+    stats = {"Thinker": {"gpu_sharing": {"start_s": {"waited": 0.0, "built": 61.2}}},
+             "Talker": {"gpu_sharing": {"start_s": {"waited": 61.3, "built": 14.0}}},
+             "Code2Wav": {"gpu_sharing": None}}
+    assert start_note(stats) == ("stage starts: Thinker waited 0.0 s, built in 61.2 s; "
+                                 "Talker waited 61.3 s, built in 14.0 s")
+    assert start_note({"Thinker": {"gpu_sharing": None}}) == "stage starts: not reported (CPU)"
