@@ -398,6 +398,43 @@ def test_images_encoded_ahead_give_the_same_stream(engine_factory, ahead):
         torch.testing.assert_close(got["hidden"], ref["hidden"], atol=1e-5, rtol=1e-5)
 
 
+def test_items_sent_ahead_wait_their_step_bound_while_a_decode_runs(engine_factory):
+    """`max_prefetch_items_per_step`: while a decode runs, a step encodes at most that many
+    items sent ahead of their request, the rest in the next steps; without a decode, all of
+    them at once. The streams are those of the unbounded steps."""
+    outs = []
+    for bound in (0, 1):
+        eng = engine_factory(max_prefetch_items_per_step=bound,
+                             llm={"launch_ahead": False, "enable_prefix_caching": False})
+        calls = _counting_vision(eng)
+        first = _request(eng, "a", image_seed=1, max_tokens=12)
+        late = [_request(eng, f"b{i}", image_seed=10 + i, max_tokens=3) for i in range(3)]
+        eng.open("a", first)
+        early = [d for _ in range(3) for d in eng.step()]  # "a" decodes
+        assert eng.llm.has_decodes() and calls == [1]
+        eng.prefetch([r.images[0] for r in late])
+        for _ in range(3):
+            early += eng.step()
+        assert calls == ([1, 3] if bound == 0 else [1, 1, 1, 1])
+        assert eng.stats()["prefetch_held"] == 3
+        for r in late:
+            eng.open(r.request_id, r)
+        outs.append(_collect(eng, early, [first, *late]))
+        assert sum(calls) == 4  # nothing encoded twice
+    assert outs[0].keys() == outs[1].keys()
+    for rid, ref in outs[0].items():
+        for k in ("ids", "text", "spoken", "reason"):
+            assert outs[1][rid][k] == ref[k], (rid, k)
+        torch.testing.assert_close(outs[1][rid]["hidden"], ref["hidden"], atol=1e-5, rtol=1e-5)
+    idle = engine_factory(max_prefetch_items_per_step=1)  # no decode running: no bound
+    calls = _counting_vision(idle)
+    idle.prefetch([r.images[0] for r in late])
+    idle.step()
+    assert calls == [3]
+    with pytest.raises(ValueError, match="max_prefetch_items_per_step"):
+        ThinkerEngineConfig(max_prefetch_items_per_step=-1)
+
+
 def test_images_sent_ahead_are_bounded_and_skip_what_is_encoded(engine_factory):
     """The store of images encoded ahead holds `prefetch_capacity` (oldest out: a request
     that never came; here with the encoder LRU off); an image an admitted request is
