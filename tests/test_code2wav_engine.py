@@ -516,3 +516,17 @@ def test_warmup_captures_every_last_chunk_and_later_ones_run_eagerly(model, voic
     ref = _run(Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(token2wav_slot_pool=True)),
                feeds, voice)
     assert all(np.abs(got[k] - ref[k]).max() < 1e-5 for k in feeds)
+
+
+def test_batch_rows_is_a_view_of_consecutive_rows():
+    """The vocoder's rows of a step's mel: consecutive rows are a view (no index goes to the
+    device, so the host does not wait there for the flow), any others an indexed copy; the
+    values are the indexed rows either way."""
+    from pipeline.code2wav.engine import batch_rows
+
+    x = torch.randn(5, 3, 4)
+    for rows in ([0, 1, 2, 3, 4], [2, 3], [4], [0, 2, 3]):
+        got = batch_rows(x, rows)
+        assert torch.equal(got, x[rows])
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        assert (got.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()) == consecutive
