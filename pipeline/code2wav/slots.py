@@ -301,13 +301,15 @@ class FlowSlotPool:
             self.state[slot] = st
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def _conformer_mask_rel(length: int, cap: int, t: int, valid: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """A row's key mask and relative positions at one rate: a function of its lengths alone,
     which stop changing once a stream's caches are trimmed, so later steps reuse them (plan
     only reads them; torch.stack copies). Built every step, their small CPU tensor ops were
-    most of the plan's host time, which the step's wall holds before its first launch."""
+    most of the plan's host time, which the step's wall holds before its first launch. A
+    stream passes through a few lengths per rate; 256 entries of at most ~0.3 MB (the
+    full-size mel rate's (56, 656) positions) bound the host memory to ~75 MB."""
     k = cap + t
     pos_k = torch.cat([torch.arange(cap), length + torch.arange(t)])
     pos_q = length + torch.arange(t)
