@@ -127,9 +127,7 @@ class InProcessServe:
               f"{AppConfig.model_validate(args).stage_transport}; Serve environment "
               f"{serve_env or 'default'})", flush=True)
         try:
-            stats = {s: self.serve.get_deployment_handle(self.stage_names(s)[0],
-                                                         app_name="omniray").stats.remote().result()
-                     for s in STAGES}
+            stats = {s: self.first(s).stats.remote().result() for s in STAGES}
             print(f"[{label}] {attention_note(stats['Thinker'])}", flush=True)
             print(f"[{label}] {start_note(stats)}", flush=True)
             yield self.url
@@ -151,8 +149,11 @@ class InProcessServe:
     def profile(self, stage: str, steps: int, timeout_s: float) -> Any:
         """Arm a profile of the first group's `stage` (its next `steps` steps); returns the
         pending response (`.result()`: {"stage", "steps"})."""
-        h = self.serve.get_deployment_handle(self.stage_names(stage)[0], app_name="omniray")
-        return h.profile.remote(steps, timeout_s)
+        return self.first(stage).profile.remote(steps, timeout_s)
+
+    def first(self, stage: str) -> Any:
+        """The handle of the first group's deployment of `stage`."""
+        return self.serve.get_deployment_handle(self.stage_names(stage)[0], app_name="omniray")
 
     def ingress_stats(self) -> dict[str, Any]:
         return self.serve.get_app_handle("omniray").stats.remote().result()

@@ -175,6 +175,15 @@ def test_pool_writes_and_trims_equal_cat_and_trim_bitwise(model, voices):
     assert ref.est_len == tpl.prompt_frames + HISTORY_FRAMES  # trimming was exercised
 
 
+def _pool_with(model, voices):
+    """A slot-pool engine's pool with each voice's stream admitted: (pool, their slots)."""
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    slots = [eng.pool.admit(eng.initial_state(v).flow, eng.initial_state(v).prompt_frames)
+             for v in voices]
+    return eng.pool, slots
+
+
 def test_plan_reuses_row_positions_without_changing_them(model, voices):
     """A row's conformer mask and relative positions are built once per lengths and reused by
     later steps: every plan over a stream's life, trims included, equals the plan built afresh
@@ -182,11 +191,7 @@ def test_plan_reuses_row_positions_without_changing_them(model, voices):
     from pipeline.code2wav import slots as slots_mod
     from pipeline.code2wav.slots import _conformer_mask_rel, flatten
 
-    flow, hift, cfg = model
-    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
-    pool = eng.pool
-    slots = [pool.admit(eng.initial_state(v).flow, eng.initial_state(v).prompt_frames)
-             for v in voices]
+    pool, slots = _pool_with(model, voices)
     g = torch.Generator().manual_seed(9)
     _conformer_mask_rel.cache_clear()
     hits = []
@@ -213,11 +218,7 @@ def test_flat_pool_indices_address_what_cfg_rows_and_write_do(model, voices):
     rows included."""
     from pipeline.code2wav.dit import DiTPool
 
-    flow, hift, cfg = model
-    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
-    pool = eng.pool
-    slots = [pool.admit(eng.initial_state(v).flow, eng.initial_state(v).prompt_frames)
-             for v in voices]
+    pool, slots = _pool_with(model, voices)
     g = torch.Generator().manual_seed(5)
     plan = pool.plan([Row(s, _codes(g, 28), False) for s in slots], 3)  # one padding row
     ix = plan.index.dit

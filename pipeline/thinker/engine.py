@@ -138,6 +138,12 @@ class ThinkerEngineConfig:
             raise ValueError("prefetch_capacity >= 0, max_prefetch_items_per_step >= 0")
 
 
+def _past(budget: int, used: int, cost: int) -> bool:
+    """Whether `cost` more items pass a step's encoder budget (0: none) with `used` taken;
+    a step's first item always goes in, however large."""
+    return bool(budget) and used > 0 and used + cost > budget
+
+
 class EncoderCache:
     """Bounded LRU of encoder outputs keyed by media content hash."""
 
@@ -512,7 +518,7 @@ class ThinkerEngine:
                 key = m.content_hash
                 free = key in chosen or key in self.cache or key in self._ahead
                 cost = 0 if free else self._item_cost(m)
-                if budget and used and used + cost > budget:
+                if _past(budget, used, cost):
                     full = True
                     break
                 used += cost
@@ -527,9 +533,7 @@ class ThinkerEngine:
                 del self._prefetch[key]  # an admitted request's own, or encoded meanwhile
                 continue
             cost = self._item_cost(m)
-            if full or (budget and used and used + cost > budget):
-                break
-            if ahead_budget and ahead_used and ahead_used + cost > ahead_budget:
+            if full or _past(budget, used, cost) or _past(ahead_budget, ahead_used, cost):
                 break
             used += cost
             ahead_used += cost
