@@ -247,13 +247,13 @@ class AppConfig(_Settings):
         "process's kernels at a time); mps = through an MPS daemon the operator started "
         "(kernels of several stages at once), with each stage's mps_thread_percentage; "
         "each GPU stage reports at start what it actually found"))
-    stage_start: Literal["serial", "parallel"] = Field("serial", description=(
-        "how a GPU's stages start: serial = one at a time, each built and warmed up "
-        "(compiles, CUDA graph captures, FlashInfer's JIT) under a per-GPU lock, so each "
-        "memory check reads the GPU with the stages before it done; parallel = the lock "
-        "held for the memory check and the cap alone, the builds and warm-ups side by "
-        "side (a check may then read memory another stage is still filling; each stage "
-        "stays under its cap either way)"))
+    stage_start: Literal["serial", "parallel"] = Field("parallel", description=(
+        "how a GPU's stages start: parallel = a per-GPU lock held for each stage's memory "
+        "check and cap alone, the builds and warm-ups (compiles, CUDA graph captures, "
+        "FlashInfer's JIT) side by side (a check may then read memory another stage is "
+        "still filling; each stage stays under its cap either way); serial = one at a "
+        "time, each built and warmed up under the lock, so each memory check reads the "
+        "GPU with the stages before it done (a longer start: 78 against 48.5 s on an H100)"))
     stage_transport: Literal["grpc", "ray"] = Field("grpc", description=(
         "how a turn's calls between the ingress and the stages, and between the stages, "
         "travel: grpc = Serve's gRPC data plane between replicas (a small call or streamed "

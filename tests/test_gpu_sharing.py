@@ -374,7 +374,7 @@ def test_stage_start_orders_the_builds(monkeypatch, start):
 
 
 def test_stage_start_is_serial_or_parallel():
-    assert AppConfig.model_validate({}).stage_start == "serial"
+    assert AppConfig.model_validate({}).stage_start == "parallel"
     with pytest.raises(ValidationError) as e:
         AppConfig.model_validate({"stage_start": "eager"})
     assert e.value.errors()[0]["loc"] == ("stage_start",) and "parallel" in str(e.value)
