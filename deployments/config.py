@@ -336,7 +336,9 @@ def check_memory_budget(cfg: AppConfig, total_bytes: int, *, free_bytes: int | N
     """Prove that every stage's cap + one CUDA context each + graph reserves fit the device.
 
     When `stage` and `free_bytes` are given, also check that this stage's own cap fits in
-    what is free right now (stages start in order, so the reading is honest).
+    what is free right now (one stage's check at a time: with `stage_start: serial` the
+    stages before it are built; in parallel another may still be filling its cap, which the
+    plan above leaves room for).
     Returns the plan in GiB; raises MemoryBudgetError with the numbers otherwise.
     """
     total = total_bytes / GIB
