@@ -143,12 +143,12 @@ def resolve_device(cfg: AppConfig) -> str:
 
 @contextlib.contextmanager
 def stage_init(cfg: AppConfig, stage: str) -> Iterator[str]:
-    """Pick the device and, on CUDA, load this stage under a per-GPU file lock: prove the
-    memory plan fits (with this stage's free-memory reading taken while no other stage is
-    loading), cap this process, then build the engine inside the `with` block (on the
-    stage's engine stream); with `stage_start: parallel` the lock goes before the build, so
-    the stages' builds and warm-ups run side by side. Once built, log and keep how the
-    stage shares its GPU."""
+    """Pick the device and, on CUDA, under a per-GPU file lock: prove the memory plan fits
+    (this stage's free-memory reading taken while no other stage checks its own), cap this
+    process, then build the engine inside the `with` block (on the stage's engine stream).
+    `stage_start: parallel` lets the lock go before the build, so the stages' builds and
+    warm-ups run side by side; `serial` holds it over the build too. Once built, log and
+    keep how the stage shares its GPU."""
     device = resolve_device(cfg)
     if device != "cuda":
         yield device
