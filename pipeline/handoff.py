@@ -220,9 +220,9 @@ class TextWanted:
 
 
 # The longest a stage holds a turn's work for its first audio (`hold_after_spoken`, `hold`):
-# the hold is a short priority, never a stall. A c=1 turn's holds last ~75-130 ms on an H200
-# (the Talker's first chunk, then Code2Wav's); under load, where Code2Wav's queue keeps the
-# first audio waiting, a longer hold only delays the text (measured with 1 s at c=8).
+# the hold is a short priority, never a stall. It covers the Talker's first chunk, then
+# Code2Wav's; under load, where Code2Wav's queue keeps the first audio waiting, a longer hold
+# only delays the text.
 HOLD_LIMIT_S = 0.25
 
 

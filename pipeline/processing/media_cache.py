@@ -17,9 +17,8 @@ from several threads. Stored values are never handed out: a hit returns a copy (
 tensors, the same sharing between a value's own parts), so no request can change another
 one's inputs; two threads missing on one key both build it, and one value is kept.
 
-A miss stores its own copy of what it built: ~13 ms for a 30 s clip's 17 MiB of parts on
-an H200 host (touching that much fresh memory), more on a busy or virtualized one. With
-`store_in_background` (the ingress) that copy is made on a thread of the cache's own, so
+A miss stores its own copy of what it built (touching as much fresh memory as the parts
+hold). With `store_in_background` (the ingress) that copy is made on a thread of the cache's own, so
 the request goes on at once: the value handed back must then not be changed in place until
 its store is done (`wait`); the ingress only sends it on (Ray serializes it: it reads).
 """
@@ -175,8 +174,8 @@ def _copy(obj: Any, memo: dict[int, Any]) -> Any:
 
 def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor through numpy's copy: one plain memcpy on this thread. torch's clone
-    splits large copies over its intra-op threads, which on a busy host turned a 2 ms copy
-    of a video's 19 MB into spikes of 100+ ms."""
+    splits large copies over its intra-op threads, which on a busy host stalls behind the
+    other threads' work."""
     if t.device.type != "cpu" or t.requires_grad or t.dtype not in _NUMPY_DTYPES:
         return t.clone()
     return torch.from_numpy(t.numpy().copy(order="K"))  # keeps the strides, as clone
