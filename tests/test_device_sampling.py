@@ -24,11 +24,11 @@ import pytest
 import torch
 from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm, tiny_llm_config  # tests/ is on sys.path
 
-import pipeline.engine.graphs as graphs_module
+import pipeline.thinker.llm_engine.graphs as graphs_module
 from pipeline.config import LLMConfig
-from pipeline.engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.graphs import (
+from pipeline.thinker.llm_engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.graphs import (
     DecodeGraphs,
     PiecewiseGraphs,
     Staging,
@@ -36,7 +36,7 @@ from pipeline.engine.graphs import (
     page_table,
     piece_buckets,
 )
-from pipeline.engine.sampling import (
+from pipeline.thinker.llm_engine.sampling import (
     HISTORY_WIDTH,
     PENDING_ID,
     Sampler,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm, tiny_llm_config  # tests/ is on sys.path
 
-from pipeline.engine.attention import AttnMetadata, TorchAttention
-from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.attention import AttnMetadata, TorchAttention
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
 from pipeline.handoff import SamplingParams
 from pipeline.thinker.llm import Qwen3LM
 
@@ -215,7 +215,7 @@ def test_auto_backend_on_a_gpu_without_flashinfer_says_so(model, monkeypatch, ca
     warns (that backend captures no decode graph: several times slower) and the engine's
     stats say which it runs (`flashinfer_attention`, a number like every stat); on CPU torch
     is the expected one, said quietly."""
-    from pipeline.engine import attention
+    from pipeline.thinker.llm_engine import attention
 
     assert _engine(model, attention_backend="auto").stats().flashinfer_attention == 0
 
@@ -340,7 +340,7 @@ def test_decode_times_tell_the_gpu_span_from_the_hosts_late_launch():
     event to its done event; the GPU's idle gap before it counts only when it was launched
     with another step in flight, from that step's done; a prefill step is not timed but
     its done still bounds the next gap."""
-    from pipeline.engine.runner import DecodeTimes, LaunchedStep
+    from pipeline.thinker.llm_engine.runner import DecodeTimes, LaunchedStep
 
     class Stamp:
         def __init__(self, ms: float) -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from _tiny_lm import random_lm, tiny_llm_config  # tests/ is on sys.path
 
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.graphs import Staging
-from pipeline.engine.sampling import (
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.graphs import Staging
+from pipeline.thinker.llm_engine.sampling import (
     Sampler,
     SamplingTensors,
     apply_repetition_penalty,

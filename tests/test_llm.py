@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.config import LLMConfig
-from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
 from pipeline.handoff import SamplingParams
 from pipeline.thinker.llm import Qwen3LM
 

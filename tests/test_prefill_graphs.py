@@ -19,11 +19,11 @@ import pytest
 import torch
 from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm  # tests/ is on sys.path
 
-import pipeline.engine.graphs as graphs_module
+import pipeline.thinker.llm_engine.graphs as graphs_module
 from pipeline.config import LLMConfig
-from pipeline.engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.graphs import PrefillGraphs, prefill_fields
+from pipeline.thinker.llm_engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.graphs import PrefillGraphs, prefill_fields
 from pipeline.handoff import SamplingParams
 from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from tests.test_device_sampling import (

@@ -20,9 +20,9 @@ from _tiny_lm import has_flashinfer, random_lm, tiny_llm_config  # tests/ is on 
 from test_thinker import _png, _wav  # tests/ is on sys.path
 from test_thinker import _run as run_thinker
 
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.kv_cache import BlockManager, hash_block
-from pipeline.engine.scheduler import MediaSpan, Scheduler, Sequence
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.kv_cache import BlockManager, hash_block
+from pipeline.thinker.llm_engine.scheduler import MediaSpan, Scheduler, Sequence
 from pipeline.handoff import SamplingParams
 from pipeline.processing.processor import Processor
 from pipeline.thinker.llm import Qwen3LM

@@ -32,9 +32,9 @@ import pytest
 import torch
 from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm  # tests/ is on sys.path
 
-from pipeline.engine.attention import kv_rows, write_kv
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.graphs import PrefillGraphs
+from pipeline.thinker.llm_engine.attention import kv_rows, write_kv
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.graphs import PrefillGraphs
 from pipeline.handoff import SamplingParams
 from pipeline.thinker import qk_rope_kv
 from pipeline.thinker.llm import Qwen3LM, RotaryEmbedding, qk_norm_rope

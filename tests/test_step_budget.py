@@ -12,9 +12,9 @@ import torch
 from _tiny_lm import random_lm, tiny_llm_config  # tests/ is on sys.path
 from test_thinker import _png, _wav  # tests/ is on sys.path
 
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.kv_cache import BlockManager
-from pipeline.engine.scheduler import Scheduler, Sequence
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.kv_cache import BlockManager
+from pipeline.thinker.llm_engine.scheduler import Scheduler, Sequence
 from pipeline.handoff import AudioInput, ImageInput, SamplingParams
 from pipeline.processing.processor import Processor
 from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
@@ -145,7 +145,7 @@ def _drain(eng: LLMEngine) -> list[int]:
 def test_rows_supplied_over_steps_equal_rows_given_at_once(model):
     """Two media spans whose rows come one step apart; the prompt is computed up to the
     first span still without rows, then on: same tokens as a request with all rows."""
-    from pipeline.engine.scheduler import MediaSpan
+    from pipeline.thinker.llm_engine.scheduler import MediaSpan
 
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 1000, (60,), generator=g).tolist()

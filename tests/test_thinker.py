@@ -17,7 +17,7 @@ import soundfile as sf
 import torch
 from PIL import Image
 
-from pipeline.engine.engine import EngineConfig
+from pipeline.thinker.llm_engine.engine import EngineConfig
 from pipeline.graphs import GraphRunner
 from pipeline.handoff import SamplingParams
 from pipeline.processing.processor import Processor

@@ -46,8 +46,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from pipeline.checkpoint import ModelSource
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.scheduler import MediaSpan
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.scheduler import MediaSpan
 from pipeline.handoff import (
     HOLD_LIMIT_S,
     AudioInput,

@@ -10,7 +10,7 @@ State-dict keys equal the checkpoint's after stripping `llm.`: `model.embed_toke
 input_layernorm, post_attention_layernorm}`, `model.norm`, `lm_head`.
 
 The model knows nothing about sequences or blocks. Attention asks the scoped forward
-context (`pipeline.engine.attention.current_forward_batch()`) for the step's metadata and
+context (`pipeline.thinker.llm_engine.attention.current_forward_batch()`) for the step's metadata and
 KV cache. Outside a context (parity tests, one-off scoring) the whole flat batch is treated
 as one causal sequence with no cache.
 
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import LLMConfig
-from pipeline.engine.attention import current_forward_batch
+from pipeline.thinker.llm_engine.attention import current_forward_batch
 from pipeline.thinker import qk_rope_kv
 from pipeline.utils import fuse_into_views
 

@@ -3,7 +3,7 @@
     image slices --vpm--> (S, L, 1152) --resampler--> (S, 64, H)   one row per <unk> slot
     audio mel    --apm--> (T', 1024) --projection--> (T', H) --avgpool 5--> (n, H)
     prompt ids   --embed--> (P, H), <unk> rows replaced by the media rows above
-                 --Qwen3 (paged KV, continuous batching: pipeline/engine)--> next token
+                 --Qwen3 (paged KV, continuous batching: pipeline/thinker/llm_engine)--> next token
 
 `ThinkerModel` only holds the modules and encodes media; the engine
 (`pipeline/thinker/engine.py`) splices, schedules and samples.

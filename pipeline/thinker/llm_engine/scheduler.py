@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.engine.kv_cache import ROOT_HASH, BlockHash, BlockManager, hash_block
-from pipeline.engine.sampling import PENDING_ID
+from pipeline.thinker.llm_engine.kv_cache import ROOT_HASH, BlockHash, BlockManager, hash_block
+from pipeline.thinker.llm_engine.sampling import PENDING_ID
 from pipeline.handoff import SamplingParams
 
 

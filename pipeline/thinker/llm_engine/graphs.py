@@ -32,15 +32,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pipeline.engine.attention import (
+from pipeline.thinker.llm_engine.attention import (
     AttnMetadata,
     FlashInferAttention,
     ForwardBatch,
     forward_batch,
     write_new_kv,
 )
-from pipeline.engine.kv_cache import KVCache
-from pipeline.engine.sampling import SamplingTensors, pack_rows, sample_batch, sampling_fields
+from pipeline.thinker.llm_engine.kv_cache import KVCache
+from pipeline.thinker.llm_engine.sampling import SamplingTensors, pack_rows, sample_batch, sampling_fields
 from pipeline.graphs import GraphRunner
 
 Fields = dict[str, tuple[torch.dtype, tuple[int, ...]]]

@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.attention import AttentionBackend, AttnMetadata, ForwardBatch, forward_batch
-from pipeline.engine.graphs import DecodeGraphs, PiecewiseGraphs, PrefillGraphs, Staging
-from pipeline.engine.kv_cache import KVCache
-from pipeline.engine.sampling import (
+from pipeline.thinker.llm_engine.attention import AttentionBackend, AttnMetadata, ForwardBatch, forward_batch
+from pipeline.thinker.llm_engine.graphs import DecodeGraphs, PiecewiseGraphs, PrefillGraphs, Staging
+from pipeline.thinker.llm_engine.kv_cache import KVCache
+from pipeline.thinker.llm_engine.sampling import (
     PENDING_ID,
     Sampler,
     SamplingTensors,
@@ -52,7 +52,7 @@ from pipeline.engine.sampling import (
     sampling_fields,
     widened_history,
 )
-from pipeline.engine.scheduler import ScheduledSeq, Sequence, StepPlan
+from pipeline.thinker.llm_engine.scheduler import ScheduledSeq, Sequence, StepPlan
 
 
 @dataclass

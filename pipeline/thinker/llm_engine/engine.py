@@ -48,17 +48,17 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.engine.attention import FlashInferAttention, make_backend
-from pipeline.engine.graphs import (
+from pipeline.thinker.llm_engine.attention import FlashInferAttention, make_backend
+from pipeline.thinker.llm_engine.graphs import (
     DecodeGraphs,
     PiecewiseGraphs,
     PrefillGraphs,
     default_graph_sizes,
 )
-from pipeline.engine.kv_cache import BlockManager, KVCache, num_blocks_for_budget
-from pipeline.engine.runner import LaunchedStep, ModelRunner
-from pipeline.engine.sampling import make_generator
-from pipeline.engine.scheduler import (
+from pipeline.thinker.llm_engine.kv_cache import BlockManager, KVCache, num_blocks_for_budget
+from pipeline.thinker.llm_engine.runner import LaunchedStep, ModelRunner
+from pipeline.thinker.llm_engine.sampling import make_generator
+from pipeline.thinker.llm_engine.scheduler import (
     MediaSpan,
     ScheduledSeq,
     Scheduler,
