@@ -214,7 +214,7 @@ def test_engine_bf16_same_tokens_and_logits_no_drift(kernel_on_cpu):
     fused = _fused(model)
     got = {}
     for name, m in (("plain", model), ("fused", fused)):
-        cfg = EngineConfig(num_blocks=64, block_size=4, attention_backend="torch")
+        cfg = EngineConfig(num_blocks=64, block_size=4)
         eng = LLMEngine(m, cfg, "cpu", torch.bfloat16)
         ids, hidden = _turns(eng, _prompt(40, 1), _prompt(9, 2))
         got[name] = ids, model.compute_logits(hidden).float()
