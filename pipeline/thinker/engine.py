@@ -150,44 +150,25 @@ class _Stream:
 
 @dataclass(frozen=True)
 class ThinkerStats:
-    """`ThinkerEngine.stats()`, as a dict of these fields."""
+    """`ThinkerEngine.stats()`: these fields over the LLM engine's (`EngineStats`)."""
 
     open_streams: int  # requests the engine holds (queued, encoding, waiting or running)
     num_waiting_encode: int  # requests not admitted yet (those encoding count in the LLM's)
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
     encoder_cache_hits: int
     encoder_cache_misses: int
     encoder_cache_items: int
-    prefix_cache_hits: int  # prompt tokens whose K/V came from the LLM's prefix cache
-    prefix_cache_queries: int  # prompt tokens looked up
-    num_cached_blocks: int
     media_skipped: int  # images / clips not encoded: all their slots inside a cached prefix
     prefetched: int  # images and clips encoded ahead of their request (`prefetch`)
     prefetch_hits: int  # ... whose request took the rows
     prefetch_held: int  # ... waiting for their request now
-    # Per-step work, the largest seen (what bounds how long a running decode waits):
-    max_step_prefill_tokens: int  # prompt tokens of one LLM step with running decodes
-    max_decode_wait_steps: int  # most steps in a row a running decode got no token (0: none)
     max_step_ms: float  # the longest step(): encoders + LLM step
     max_decode_gap_ms: float  # the longest time between two token deltas of one request
-    holds: int = 0  # requests held for their first audio (hold_after_spoken)
-    holds_timed_out: int = 0  # ... whose hold ran out before a resume came (HOLD_LIMIT_S)
+    holds: int  # requests held for their first audio (hold_after_spoken)
+    holds_timed_out: int  # ... whose hold ran out before a resume came (HOLD_LIMIT_S)
+    llm_prefill_graph_steps: int  # LLM steps but pure decodes run as whole-step graphs
     audio_graph_replays: int = 0  # audio clips run as CUDA graphs (CUDA)
     audio_graph_captures: int = 0
     audio_graph_fallbacks: int = 0  # ... encoder calls run eagerly (several clips in a step)
-    llm_prefill_graph_steps: int = 0  # LLM steps but pure decodes run as whole-step graphs
-    # The LLM's pure-decode steps on CUDA, cumulative (EngineStats): GPU spans, and the GPU's
-    # idle time before the steps launched with another in flight (the host was late)
-    decode_gpu_steps: int = 0
-    decode_gpu_ms: float = 0.0
-    decode_idle_gaps: int = 0
-    decode_idle_ms: float = 0.0
-    max_decode_idle_ms: float = 0.0
-    flashinfer_attention: int = 0  # the LLM's paged attention: 1 FlashInfer's, 0 torch's
 
 
 class ThinkerEngine:
@@ -607,42 +588,25 @@ class ThinkerEngine:
                 )
 
     def stats(self) -> dict[str, float]:
-        s, graphs = self.llm.stats(), self.llm.runner.graphs
-        return asdict(
-            ThinkerStats(
-                open_streams=len(self._pending) + len(self._streams),
-                num_waiting_encode=len(self._pending),
-                num_running=s.num_running,
-                num_waiting=s.num_waiting,
-                num_free_blocks=s.num_free_blocks,
-                num_total_blocks=s.num_total_blocks,
-                num_preemptions=s.num_preemptions,
-                encoder_cache_hits=self.cache.hits,
-                encoder_cache_misses=self.cache.misses,
-                encoder_cache_items=len(self.cache),
-                prefix_cache_hits=s.prefix_cache_hits,
-                prefix_cache_queries=s.prefix_cache_queries,
-                num_cached_blocks=s.num_cached_blocks,
-                media_skipped=self.media_skipped,
-                prefetched=self.prefetched,
-                prefetch_hits=self.prefetch_hits,
-                prefetch_held=len(self._ahead),
-                max_step_prefill_tokens=s.max_step_prefill_tokens,
-                max_decode_wait_steps=s.max_decode_wait_steps,
-                max_step_ms=self._max_step_ms,
-                max_decode_gap_ms=self._max_gap_ms,
-                holds=self.holds.started,
-                holds_timed_out=self.holds.timed_out,
-                **(self.audio_graphs.runner.counts("audio") if self.audio_graphs else {}),
-                llm_prefill_graph_steps=graphs.prefill_steps if graphs else 0,
-                decode_gpu_steps=s.decode_gpu_steps,
-                decode_gpu_ms=s.decode_gpu_ms,
-                decode_idle_gaps=s.decode_idle_gaps,
-                decode_idle_ms=s.decode_idle_ms,
-                max_decode_idle_ms=s.max_decode_idle_ms,
-                flashinfer_attention=s.flashinfer_attention,
-            )
+        graphs = self.llm.runner.graphs
+        own = ThinkerStats(
+            open_streams=len(self._pending) + len(self._streams),
+            num_waiting_encode=len(self._pending),
+            encoder_cache_hits=self.cache.hits,
+            encoder_cache_misses=self.cache.misses,
+            encoder_cache_items=len(self.cache),
+            media_skipped=self.media_skipped,
+            prefetched=self.prefetched,
+            prefetch_hits=self.prefetch_hits,
+            prefetch_held=len(self._ahead),
+            max_step_ms=self._max_step_ms,
+            max_decode_gap_ms=self._max_gap_ms,
+            holds=self.holds.started,
+            holds_timed_out=self.holds.timed_out,
+            llm_prefill_graph_steps=graphs.prefill_steps if graphs else 0,
+            **(self.audio_graphs.runner.counts("audio") if self.audio_graphs else {}),
         )
+        return {**asdict(self.llm.stats()), **asdict(own)}
 
 
 def _synced_time(device: torch.device) -> float:

@@ -393,10 +393,6 @@ class Qwen3LM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_hidden_layers
-
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 

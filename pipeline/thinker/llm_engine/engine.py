@@ -26,16 +26,14 @@ Every step computes every running decode plus prompt tokens (chunks) up to
 they come; steps compute up to `num_ready` only, so prefill chunks start before the last
 media row exists.
 
-Launching ahead (on CUDA; a CPU step is done when launched: nothing to overlap): `step()` plans and launches the
-next step before it waits for the one in flight, and returns that one's outputs, so the
-host's planning, the caller's handling of outputs and whatever else holds the GIL overlap
-the GPU's work instead of stalling it between steps. The step launched ahead feeds each
-pending id from the device (runner.py); a sequence the in-flight step stops computes one
-row more, which is dropped (scheduler.py). Outputs come one `step()` later than without it;
-`has_unfinished()` holds until the last launched step is returned. The tokens are those of
-the synchronous steps: the same ops on the same rows, except that a batch holds a stopped
-row for one step more, which can change the kernel a GEMM takes (a float summation order,
-as any change of batch does).
+Launching ahead (on CUDA; a CPU step is done when launched: nothing to overlap): `step()`
+plans and launches the next step before it waits for the one in flight, and returns that
+one's outputs, so the host's work overlaps the GPU's instead of stalling it between steps.
+The step launched ahead feeds each pending id from the device (runner.py); a sequence the
+in-flight step stops computes one row more, which is dropped (scheduler.py). Outputs come one
+`step()` later; `has_unfinished()` holds until the last launched step is returned. The tokens
+are those of synchronous steps, up to the float summation order of a batch that holds a
+stopped row for one step more.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Executes a `StepPlan` on the model.
 
-`run(plan)` is `finish(launch(plan))`: `launch` enqueues the whole step on the device and
-returns; `finish` waits for the step's device->host copy (its sampled ids and hidden rows,
-one event) and returns them. Steps of `launch`:
+`launch(plan)` enqueues the whole step on the device and returns; `finish` waits for the
+step's device->host copy (its sampled ids and hidden rows, one event). Steps of `launch`:
   1. Flatten the plan: token ids, positions and KV slot ids of every scheduled token,
      plus per-sequence query offsets, KV lengths and block tables (`AttnMetadata`).
   2. One branch: a step the graphs can run (`LLMGraphRunner.can_run`) replays one, any
@@ -207,9 +206,6 @@ class ModelRunner:
             ) from None
 
     # -- run ---------------------------------------------------------------------------
-    def run(self, plan: StepPlan) -> RunnerOutput:
-        return self.finish(self.launch(plan))
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
         started = None
