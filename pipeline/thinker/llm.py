@@ -292,7 +292,7 @@ class Qwen3DecoderLayer(nn.Module):
         x, q, k, v = self.pre_attention(x, delta, cos, sin)
         return self.post_attention(x, self.attention(q, k, v, cos, sin))
 
-    # The layer on either side of its attention (what a piecewise CUDA graph captures).
+    # The layer on either side of its attention (each half compiled by `compile_ops`).
     def pre_attention(
         self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

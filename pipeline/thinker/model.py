@@ -163,11 +163,12 @@ AUDIO_GRAPH_FRAMES = (256, 512, 1024, 2048)
 class AudioGraphs:
     """The audio encoder, projection and pooling of one clip of at most one window (30 s)
     as a CUDA graph per bucket of mel frames. Why: an eager pass is host-bound at any clip
-    length, and it sits on the first-text path of a spoken turn (a realtime utterance, a voice message). The clip is padded with
-    zero frames to its bucket and masked as a shorter clip batched beside a longer one is
-    (`WhisperEncoder.masks`): its tokens are those it gets alone, up to the order in which
-    kernels over more rows sum. The masks are inputs, so one graph serves every length of
-    its bucket. Outputs are copied out of the graph's static buffer."""
+    length, and it sits on the first-text path of a spoken turn (a realtime utterance, a
+    voice message). The clip is padded with zero frames to its bucket and masked as a
+    shorter clip batched beside a longer one is (`WhisperEncoder.masks`): its tokens are
+    those it gets alone, up to the order in which kernels over more rows sum. The masks are
+    inputs, so one graph serves every length of its bucket. Outputs are copied out of the
+    graph's static buffer."""
 
     def __init__(self, audio: AudioEncoder, dtype: torch.dtype,
                  buckets: tuple[int, ...] = AUDIO_GRAPH_FRAMES):

@@ -41,7 +41,12 @@ from pipeline.thinker.llm_engine.attention import (
 )
 from pipeline.thinker.llm_engine.kv_cache import KVCache
 from pipeline.thinker.llm_engine.scheduler import StepPlan
-from pipeline.thinker.llm_engine.sampling import SamplingTensors, pack_rows, sample_batch, sampling_fields
+from pipeline.thinker.llm_engine.sampling import (
+    SamplingTensors,
+    pack_rows,
+    sample_batch,
+    sampling_fields,
+)
 from pipeline.graphs import GraphRunner
 
 Fields = dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -525,10 +530,11 @@ class PrefillGraphs:
 
 
 class LLMGraphRunner:
-    """The LLM's CUDA graphs behind one contract: `can_run(...)` says whether a step replays
-    a graph; a decode step replays through `decode` (sampling inside), any other through
-    `forward` (embeddings in, hidden rows out). Either part may be absent (tests build one
-    alone); `build` captures both for the engine."""
+    """The LLM's CUDA graphs behind one contract: `can_run(plan, media)` says whether a step
+    replays a graph; a decode step (`is_decode`) replays its `decode` graph (sampling
+    inside), any other the whole-step graph of its size through `forward` (embeddings in,
+    final-norm hidden rows out). Either part may be absent (tests build one alone); `build`
+    captures both for the engine."""
 
     def __init__(self, decode: DecodeGraphs | None = None, prefill: PrefillGraphs | None = None):
         self.decode, self.prefill = decode, prefill
@@ -568,6 +574,21 @@ class LLMGraphRunner:
             return True
         tokens = sum(s.num_new for s in plan.seqs)
         return self.prefill is not None and self.prefill.key(len(plan.seqs), tokens) is not None
+
+    def forward(
+        self,
+        plan: StepPlan,
+        embeds: torch.Tensor,
+        qo_indptr: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        kv_lens: Sequence[int],
+    ) -> torch.Tensor:
+        """A step `can_run` took but not `is_decode`, in its whole-step graph: the step's
+        flattened rows (`PrefillGraphs.forward`) -> final-norm hidden (T, H)."""
+        key = self.prefill.key(len(plan.seqs), embeds.shape[0])
+        tables = [s.seq.block_table for s in plan.seqs]
+        return self.prefill.forward(key, embeds, qo_indptr, positions, slots, kv_lens, tables)
 
     @property
     def decode_replays(self) -> int:

@@ -222,14 +222,12 @@ class ModelRunner:
         src = self._pending_sources(fb)
         mm = [self._mm_rows(s) for s in plan.seqs]
         media = any(m is not None for m in mm)
-        if self.graphs is not None and self.graphs.can_run(plan, media):
-            if self.graphs.is_decode(plan, media):
+        g = self.graphs
+        if g is not None and g.can_run(plan, media):
+            if g.is_decode(plan, media):
                 return self._decode_replay(plan, fb, src)
             ids, embeds = self._embed(plan, fb, mm, src)
-            tables = [s.seq.block_table for s in plan.seqs]
-            g = self.graphs.prefill
-            key = g.key(len(plan.seqs), len(fb.ids))
-            hidden = g.forward(key, embeds, fb.qo_indptr, fb.positions, fb.slots, fb.kv_lens, tables)
+            hidden = g.forward(plan, embeds, fb.qo_indptr, fb.positions, fb.slots, fb.kv_lens)
             return self._sample_step(plan, fb, ids, hidden)
         return self._eager_step(plan, fb, mm, src)
 

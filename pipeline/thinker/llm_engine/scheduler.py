@@ -9,9 +9,9 @@ step mixes them. A sequence samples a token when the step reaches its last token
 Policy of `schedule()`, under `max_num_seqs` and `max_num_batched_tokens`:
   1. Running sequences first, oldest first. Every running decode gets its token: budget for
      the decodes behind a prefill chunk is held back before the chunk is sized. One that
-     needs more blocks than are free preempts the newest running sequence (its blocks are freed, it goes back to the head
-     of the waiting queue and is recomputed later), repeatedly; if it is itself the newest,
-     it is preempted and the pass stops.
+     needs more blocks than are free preempts the newest running sequence (its blocks are
+     freed, it goes back to the head of the waiting queue and is recomputed later),
+     repeatedly; if it is itself the newest, it is preempted and the pass stops.
   2. Then waiting sequences, FIFO: admitted while the token budget, `max_num_seqs` and
      free blocks allow; a prompt longer than the remaining budget is chunked. The queue
      head blocks everything behind it (no overtaking). With prefix caching, admission
