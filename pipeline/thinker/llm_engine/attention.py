@@ -249,9 +249,8 @@ def import_flashinfer():
         import flashinfer
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise ImportError(
-            "attention_backend='flashinfer' needs the flashinfer-python package "
-            "(0.7.2.post1 is known to work; see docs/gpu.md); use attention_backend='torch' "
-            f"or 'auto' instead ({e})"
+            "FlashInfer's attention needs the flashinfer-python package (0.7.2.post1 is known "
+            f"to work; see docs/gpu.md) ({e})"
         ) from e
     return flashinfer
 
