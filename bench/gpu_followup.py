@@ -17,7 +17,7 @@ import torch
 
 from bench.gpu_thinker import _media
 from pipeline.checkpoint import ModelSource
-from pipeline.engine.engine import EngineConfig
+from pipeline.thinker.llm_engine.engine import EngineConfig
 from pipeline.handoff import SamplingParams
 from pipeline.processing.processor import Processor
 from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig

@@ -48,8 +48,8 @@ import time
 import torch
 
 from pipeline.config import LLMConfig
-from pipeline.engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
-from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
 from pipeline.handoff import SamplingParams
 from pipeline.thinker.llm import Qwen3LM
 

@@ -70,7 +70,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from pipeline.checkpoint import ModelSource
-    from pipeline.engine.engine import EngineConfig
+    from pipeline.thinker.llm_engine.engine import EngineConfig
     from pipeline.handoff import SamplingParams
     from pipeline.processing.processor import Processor
     from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from pipeline.checkpoint import ModelSource
-    from pipeline.engine.engine import EngineConfig
+    from pipeline.thinker.llm_engine.engine import EngineConfig
     from pipeline.handoff import SamplingParams
     from pipeline.processing.errors import MediaError
     from pipeline.processing.processor import Processor

@@ -1,11 +1,10 @@
 """Which SDPA kernels run attention whose shapes change from call to call (CUDA).
 
-cuDNN attention, SDPA's first choice for bf16 on an H200, builds a graph for every new
-shape it meets: ~3 ms of host time per call at each new (batch, length), paid inside the
-engine step, so it stalls every request in that step: a Talker prefill of a new prompt
-length (20 layers) ~58 ms, a vision batch of a new size or frame shape 100-1300 ms, an audio
-clip of a new length ~90 ms. Flash and memory-efficient attention compute the same
-softmax(QK^T)V with no per-shape cost. So the encoders, the resampler and the Talker's
+cuDNN attention, SDPA's first choice for bf16 on recent GPUs, builds a graph for every new
+shape it meets: host time paid inside the engine step at each new (batch, length), so it
+stalls every request in that step (a Talker prefill of a new prompt length, a vision batch
+of a new size or frame shape, an audio clip of a new length). Flash and memory-efficient
+attention compute the same softmax(QK^T)V with no per-shape cost. So the encoders, the resampler and the Talker's
 prefills (a streamed chunk's recompute prompt has any length) run under `any_shape()`;
 attention captured once per shape in a CUDA graph keeps SDPA's own choice. On the CPU the
 kernels allowed include SDPA's CPU ones (flash, math): nothing changes there.

@@ -41,6 +41,6 @@ def random_lm(cfg: LLMConfig, std: float = 0.2, seed: int = 0) -> Qwen3LM:
 
 
 def has_flashinfer() -> bool:
-    from pipeline.engine.attention import flashinfer_available
+    from pipeline.thinker.llm_engine.attention import flashinfer_available
 
     return torch.cuda.is_available() and flashinfer_available()

@@ -22,27 +22,30 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm, tiny_llm_config  # tests/ is on sys.path
+from _sampling_ref import (  # tests/ is on sys.path
+    Sampler,
+    apply_bans,
+    apply_repetition_penalty,
+    top_k_mask,
+    top_p_mask,
+)
+from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm, tiny_llm_config
 
-import pipeline.engine.graphs as graphs_module
+import pipeline.thinker.llm_engine.graphs as graphs_module
 from pipeline.config import LLMConfig
-from pipeline.engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.graphs import (
+from pipeline.thinker.llm_engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.graphs import (
     DecodeGraphs,
-    PiecewiseGraphs,
+    LLMGraphRunner,
     Staging,
     decode_fields,
     page_table,
-    piece_buckets,
 )
-from pipeline.engine.sampling import (
+from pipeline.thinker.llm_engine.sampling import (
     HISTORY_WIDTH,
     PENDING_ID,
-    Sampler,
     SamplingTensors,
-    apply_bans,
-    apply_repetition_penalty,
     ban,
     draw_noise,
     make_generator,
@@ -50,8 +53,6 @@ from pipeline.engine.sampling import (
     penalize,
     sample_batch,
     sampling_fields,
-    top_k_mask,
-    top_p_mask,
     widened_history,
 )
 from pipeline.handoff import SamplingParams
@@ -347,15 +348,35 @@ ARRIVAL = {
 }
 
 
-def _engine(model, **kw) -> LLMEngine:
+def _engine(model, launch_ahead: bool = False, **kw) -> LLMEngine:
+    """launch_ahead: launch step N+1 before finishing step N, as on CUDA."""
     base = {
         "num_blocks": 512,
         "block_size": 4,
-        "attention_backend": "torch",
         "max_num_seqs": 4,
         "max_num_batched_tokens": 16,  # prompts chunk; decode and prefill rows share steps
     }
-    return LLMEngine(model, EngineConfig(**{**base, **kw}))
+    eng = LLMEngine(model, EngineConfig(**{**base, **kw}))
+    eng.launch_ahead = launch_ahead
+    return eng
+
+
+def _host_sampled(eng: LLMEngine) -> LLMEngine:
+    """The engine with the reference host sampler (tests/_sampling_ref.py) in place of the
+    batched one, row by row on the host; synchronous steps only (no pending ids)."""
+
+    def sample(logits, sampling, last_ids, newest):
+        assert not newest and not eng.launch_ahead
+        ids = Sampler()(
+            logits,
+            [s.seq.sampling for s in sampling],
+            [s.seq.output_ids for s in sampling],  # the penalty counts generated ids only
+            [s.seq.generator for s in sampling],
+        )
+        return torch.tensor(ids, device=logits.device)
+
+    eng.runner._sample_eager = sample
+    return eng
 
 
 def _staggered(eng: LLMEngine, requests=REQUESTS, arrival=ARRIVAL) -> dict[str, list[int]]:
@@ -373,9 +394,9 @@ def _staggered(eng: LLMEngine, requests=REQUESTS, arrival=ARRIVAL) -> dict[str, 
 
 def test_engine_device_sampling_equals_host_sampling(model):
     torch.manual_seed(0)
-    host = _staggered(_engine(model, device_sampling=False))
+    host = _staggered(_host_sampled(_engine(model)))
     torch.manual_seed(0)
-    dev = _staggered(_engine(model, device_sampling=True))
+    dev = _staggered(_engine(model))
     for rid in REQUESTS:
         assert dev[rid] == host[rid], rid
     assert len(set(host["pen_all"])) >= HISTORY_WIDTH  # the wide-history path ran
@@ -501,20 +522,14 @@ def test_launch_ahead_aborts_and_preemption(model, monkeypatch):
             assert ids == ref and why == ref_why, rid
 
 
-def test_launch_ahead_needs_device_sampling(model):
-    with pytest.raises(ValueError, match="device_sampling"):
-        EngineConfig(launch_ahead=True, device_sampling=False)
-
-
 def test_pending_token_must_come_from_the_previous_step(model):
-    for device_sampling, match in ((True, "did not sample"), (False, "need device sampling")):
-        eng = _engine(model, device_sampling=device_sampling)
-        eng.add_request("a", _prompt(5, 1), SamplingParams(max_tokens=4, stop_ids=()))
-        eng.step()  # 'a' sampled its first token
-        eng.add_request("b", _prompt(5, 2), SamplingParams(max_tokens=4, stop_ids=()))
-        eng._seqs["b"].output_ids.append(PENDING_ID)  # but 'b' was not in that step
-        with pytest.raises(RuntimeError, match=match):
-            eng.runner.launch(eng.scheduler.schedule())
+    eng = _engine(model)
+    eng.add_request("a", _prompt(5, 1), SamplingParams(max_tokens=4, stop_ids=()))
+    eng.step()  # 'a' sampled its first token
+    eng.add_request("b", _prompt(5, 2), SamplingParams(max_tokens=4, stop_ids=()))
+    eng._seqs["b"].output_ids.append(PENDING_ID)  # but 'b' was not in that step
+    with pytest.raises(RuntimeError, match="did not sample"):
+        eng.runner.launch(eng.scheduler.schedule())
 
 
 def test_staged_page_table_equals_paged_csr():
@@ -607,20 +622,19 @@ def _cpu_graph_engine(model, monkeypatch, **kw) -> LLMEngine:
         model, eng.kv_cache, backend, (1, 2, 4), CFG.head_dim**-0.5, torch.float32, CPU
     )
     g.capture()
-    eng.runner.graphs = g
+    eng.runner.graphs = LLMGraphRunner(decode=g)
     return eng
 
 
 def test_graph_step_host_side_on_cpu(model, monkeypatch):
     torch.manual_seed(0)
-    ref = _staggered(_engine(model, device_sampling=False))
-    for device_sampling in (True, False):
-        torch.manual_seed(0)
-        eng = _cpu_graph_engine(model, monkeypatch, device_sampling=device_sampling)
-        got = _staggered(eng)
-        assert eng.runner.graphs.num_replays > 250
-        for rid in REQUESTS:
-            assert got[rid] == ref[rid], (device_sampling, rid)
+    ref = _staggered(_host_sampled(_engine(model)))
+    torch.manual_seed(0)
+    eng = _cpu_graph_engine(model, monkeypatch)
+    got = _staggered(eng)
+    assert eng.runner.graphs.decode_replays > 250
+    for rid in REQUESTS:
+        assert got[rid] == ref[rid], rid
     reqs = {k: v for k, v in REQUESTS.items() if k != "hot"}
     eng = _cpu_graph_engine(model, monkeypatch, launch_ahead=True)
     ahead = _staggered(eng, reqs, {k: ARRIVAL[k] for k in reqs})  # pending ids in graph steps
@@ -650,27 +664,23 @@ def test_graph_sampling_matches_eager_on_cuda():
     reqs = {k: v for k, v in REQUESTS.items() if k != "hot"}
     arrival = {k: ARRIVAL[k] for k in reqs}
     outs = {}
-    for graphs, device_sampling in ((False, False), (False, True), (True, True), (True, False)):
+    for graphs, host in ((False, True), (False, False), (True, False)):
         eng = LLMEngine(
             m,
-            EngineConfig(
-                num_blocks=256,
-                block_size=16,
-                attention_backend="flashinfer",
-                cuda_graphs=graphs,
-                max_num_seqs=4,
-                max_num_batched_tokens=64,
-                device_sampling=device_sampling,
-            ),
+            EngineConfig(num_blocks=256, block_size=16, cuda_graphs=graphs, max_num_seqs=4,
+                         max_num_batched_tokens=64),
             "cuda",
             torch.bfloat16,
         )
+        eng.launch_ahead = False
+        if host:
+            _host_sampled(eng)
         assert eng.uses_cuda_graphs == graphs
-        replays = eng.runner.graphs.num_replays if graphs else 0
-        outs[(graphs, device_sampling)] = _staggered(eng, reqs, arrival)
+        replays = eng.runner.graphs.decode_replays if graphs else 0
+        outs[(graphs, host)] = _staggered(eng, reqs, arrival)
         if graphs:
-            assert eng.runner.graphs.num_replays - replays > 200  # decode ran as graphs
-    ref = outs[(False, False)]  # eager, host sampler
+            assert eng.runner.graphs.decode_replays - replays > 200  # decode ran as graphs
+    ref = outs[(False, True)]  # eager, host sampler
     for key, got in outs.items():
         for rid in reqs:
             assert got[rid] == ref[rid], (key, rid)
@@ -691,10 +701,11 @@ def test_launch_ahead_matches_synchronous_on_cuda():
     arrival = {"pen": 0, "pen_all": 0, "sampled": 3, "ban_sampled": 5}
 
     def engine(ahead: bool) -> LLMEngine:
-        cfg = EngineConfig(num_blocks=256, block_size=16, attention_backend="flashinfer",
-                           max_num_seqs=4, max_num_batched_tokens=64,
-                           enable_prefix_caching=False, launch_ahead=ahead)
-        return LLMEngine(m, cfg, "cuda", torch.bfloat16)
+        cfg = EngineConfig(num_blocks=256, block_size=16, max_num_seqs=4,
+                           max_num_batched_tokens=64, enable_prefix_caching=False)
+        eng = LLMEngine(m, cfg, "cuda", torch.bfloat16)
+        eng.launch_ahead = ahead
+        return eng
 
     sync = _staggered(engine(False), reqs, arrival)
     eng = engine(True)
@@ -727,91 +738,6 @@ def test_batched_sampler_on_cuda_equals_host_and_alone():
                 assert one == [want[i]], f"step {step}, row {i} alone"
         for i, tok in enumerate(want):
             outputs[i].append(tok)
-
-
-# ---------------------------------------------------------------------------------------
-# Piecewise graphs: prefill and mixed steps with everything but attention captured
-
-
-def _piecewise_engine(model, monkeypatch, max_tokens: int, **kw) -> LLMEngine:
-    monkeypatch.setattr(graphs_module, "GraphRunner", _DirectRunner)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    eng = _engine(model, **kw)
-    eng.runner.pieces = PiecewiseGraphs(model, max_tokens, torch.float32, CPU)
-    eng.runner.pieces.capture()
-    return eng
-
-
-def test_piecewise_steps_equal_the_plain_forward_on_cpu(model, monkeypatch):
-    """The pieces, run in their buckets with padded rows, compute what the plain forward
-    does: the same tokens for every request of a staggered mix (prefill chunks of 16 rows
-    beside decodes, so steps of 1-16 tokens in buckets 16 and, for max 24, 24), and the
-    same hidden rows to fp32 rounding. Steps over the largest bucket run the plain forward."""
-    assert piece_buckets(24) == (16, 24) and piece_buckets(16) == (16,)
-    assert piece_buckets(100) == (16, 32, 64, 100)
-    torch.manual_seed(0)
-    ref = _staggered(_engine(model))
-    for max_tokens in (16, 24):
-        torch.manual_seed(0)
-        eng = _piecewise_engine(model, monkeypatch, max_tokens)
-        got = _staggered(eng)
-        assert eng.runner.pieces.steps > 20  # prefill and mixed steps ran as pieces
-        for rid in REQUESTS:
-            assert got[rid] == ref[rid], (max_tokens, rid)
-    rows = {}
-    for name, eng in (("pieces", _piecewise_engine(model, monkeypatch, 8, max_num_batched_tokens=8)),
-                      ("plain", _engine(model, max_num_batched_tokens=8))):
-        eng.add_request("h", _prompt(30, 9), REQUESTS["greedy"][1], return_hidden=True)
-        eng.add_request("g", _prompt(5, 8), REQUESTS["greedy"][1], return_hidden=True)
-        hid = {"h": [], "g": []}
-        while eng.has_unfinished():
-            for o in eng.step():
-                if o.hidden is not None:
-                    hid[o.request_id].append(o.hidden)
-        rows[name] = {rid: torch.cat(h) for rid, h in hid.items()}
-    for rid in ("h", "g"):
-        # a GEMM over the padded bucket may sum in another order: fp32 rounding, not bits
-        torch.testing.assert_close(rows["pieces"][rid], rows["plain"][rid], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
-@torch.no_grad()
-def test_piecewise_graphs_match_the_plain_forward_on_cuda():
-    """Captured pieces (bf16, FlashInfer between them) against the eager forward: a
-    staggered mix whose prefill chunks share steps with decodes (100-300 tokens each) draws
-    the same greedy and seeded tokens; and over a 200-token run whose prompt (90 tokens, two
-    chunks) was prefilled by pieces, every decode row's hidden state stays within bf16
-    rounding of the eager run's, the last rows no further off than the first (no drift)."""
-    m = random_lm(CUDA_LLM).to("cuda", torch.bfloat16)
-    reqs = {k: v for k, v in REQUESTS.items() if k != "hot"}
-    arrival = {k: ARRIVAL[k] for k in reqs}
-    outs, hidden = {}, {}
-    for pieces in (0, 64):
-        eng = LLMEngine(
-            m,
-            EngineConfig(num_blocks=256, block_size=16, attention_backend="flashinfer",
-                         max_num_seqs=4, max_num_batched_tokens=64,
-                         enable_prefix_caching=False, piecewise_graph_tokens=pieces),
-            "cuda",
-            torch.bfloat16,
-        )
-        assert (eng.runner.pieces is not None) == bool(pieces)
-        outs[pieces] = _staggered(eng, reqs, arrival)
-        if pieces:
-            assert eng.runner.pieces.steps >= 5 and eng.runner.pieces.runner.replays > 0
-        eng.add_request("h", _prompt(90, 9), REQUESTS["greedy"][1], return_hidden=True)
-        rows = []
-        while eng.has_unfinished():
-            rows += [o.hidden for o in eng.step() if o.hidden is not None]
-        hidden[pieces] = torch.cat(rows).float()
-    for rid in reqs:
-        assert outs[64][rid] == outs[0][rid], rid
-    diff = (hidden[64] - hidden[0]).abs().amax(dim=-1)  # per row
-    scale = hidden[0].abs().amax()
-    print(f"piecewise vs eager: max |diff| / max |h| {(diff.max() / scale).item():.2e}")
-    assert diff.max() <= 3e-2 * scale, (diff.max(), scale)
-    assert diff[-50:].mean() <= 2 * diff[:50].mean() + 1e-3 * scale, (diff[:50], diff[-50:])
 
 
 # ---------------------------------------------------------------------------------------
@@ -870,7 +796,7 @@ def test_compiled_layers_equal_the_plain_forward_on_cpu(model):
 @pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
 @torch.no_grad()
 def test_compiled_layers_match_the_plain_forward_on_cuda():
-    """bf16 on the GPU, decode graphs and piecewise graphs on, FlashInfer: compiled layers
+    """bf16 on the GPU, decode and whole-step graphs on, FlashInfer: compiled layers
     draw the same greedy and seeded tokens as the plain ones over the staggered mix, and a
     200-token run's hidden rows stay within bf16 rounding of the plain run's, the last rows
     no further off than the first (no drift)."""
@@ -881,14 +807,13 @@ def test_compiled_layers_match_the_plain_forward_on_cuda():
     for name, model in (("plain", m), ("compiled", _compiled_copy(m))):
         eng = LLMEngine(
             model,
-            EngineConfig(num_blocks=256, block_size=16, attention_backend="flashinfer",
-                         max_num_seqs=4, max_num_batched_tokens=64,
-                         enable_prefix_caching=False, piecewise_graph_tokens=64),
+            EngineConfig(num_blocks=256, block_size=16, max_num_seqs=4,
+                         max_num_batched_tokens=64, enable_prefix_caching=False),
             "cuda",
             torch.bfloat16,
         )
         outs[name] = _staggered(eng, reqs, arrival)
-        assert eng.runner.graphs.num_replays > 200
+        assert eng.runner.graphs.decode_replays > 200 and eng.runner.graphs.prefill_steps > 0
         hidden[name] = _decode_hidden(eng, _prompt(90, 9), REQUESTS["greedy"][1])
     for rid in reqs:
         assert outs["compiled"][rid] == outs["plain"][rid], rid

@@ -9,8 +9,8 @@ import pytest
 import torch
 from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm, tiny_llm_config  # tests/ is on sys.path
 
-from pipeline.engine.attention import AttnMetadata, TorchAttention
-from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.attention import AttnMetadata, TorchAttention
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
 from pipeline.handoff import SamplingParams
 from pipeline.thinker.llm import Qwen3LM
 
@@ -23,15 +23,17 @@ def model() -> Qwen3LM:
     return random_lm(CFG)
 
 
-def _engine(model, **kw) -> LLMEngine:
+def _engine(model, launch_ahead: bool = False, **kw) -> LLMEngine:
+    """launch_ahead: launch step N+1 before finishing step N, as on CUDA."""
     base = {
         "num_blocks": 256,
         "block_size": 4,
-        "attention_backend": "torch",
         "max_num_seqs": 8,
         "max_num_batched_tokens": 512,
     }
-    return LLMEngine(model, EngineConfig(**{**base, **kw}))
+    eng = LLMEngine(model, EngineConfig(**{**base, **kw}))
+    eng.launch_ahead = launch_ahead
+    return eng
 
 
 def _close(a, b, atol, what):
@@ -210,14 +212,16 @@ def test_request_that_cannot_fit_is_refused(model):
         eng.add_request("big", _prompt(10, 1), SamplingParams(max_tokens=10))
 
 
-def test_auto_backend_on_a_gpu_without_flashinfer_says_so(model, monkeypatch, caplog):
-    """'auto' serves on the torch backend when flashinfer cannot be imported, but on CUDA it
-    warns (that backend captures no decode graph: several times slower) and the engine's
+def test_a_gpu_without_flashinfer_runs_torch_attention_and_says_so(model, monkeypatch, caplog):
+    """The engine serves on the torch backend when flashinfer cannot be imported, but on CUDA
+    it warns (that backend captures no CUDA graph: several times slower) and the engine's
     stats say which it runs (`flashinfer_attention`, a number like every stat); on CPU torch
     is the expected one, said quietly."""
-    from pipeline.engine import attention
+    from pipeline.thinker.llm_engine import attention
 
-    assert _engine(model, attention_backend="auto").stats().flashinfer_attention == 0
+    eng = _engine(model)
+    assert eng.stats().flashinfer_attention == 0 and not eng.launch_ahead
+    assert LLMEngine(model, EngineConfig(num_blocks=8)).launch_ahead is False  # CPU: off
 
     def missing():
         raise ImportError("No module named 'flashinfer'")
@@ -226,9 +230,9 @@ def test_auto_backend_on_a_gpu_without_flashinfer_says_so(model, monkeypatch, ca
     kw = {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 8, "block_size": 4,
           "max_num_pages": 8, "dtype": torch.float32}
     with caplog.at_level("WARNING", logger=attention.__name__):
-        cpu = attention.make_backend("auto", device=torch.device("cpu"), **kw)
+        cpu = attention.make_backend(torch.device("cpu"), **kw)
         assert not caplog.records  # torch is CPU's backend: nothing to warn about
-        gpu = attention.make_backend("auto", device=torch.device("cuda"), **kw)
+        gpu = attention.make_backend(torch.device("cuda"), **kw)
     assert isinstance(cpu, TorchAttention) and isinstance(gpu, TorchAttention)
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "torch backend" in caplog.text and "No module named 'flashinfer'" in caplog.text
@@ -288,21 +292,20 @@ def test_engine_seeded_sampling_and_stop(model, ahead):
 
 @pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
 @torch.no_grad()
-def test_flashinfer_and_graphs_match_torch_backend_on_cuda():
+def test_flashinfer_and_graphs_match_torch_backend_on_cuda(monkeypatch):
+    from pipeline.thinker.llm_engine import engine as engine_module
+
     m = random_lm(CUDA_LLM).to("cuda", torch.bfloat16)
     prompts = {f"r{i}": _prompt(n, 50 + i) for i, n in enumerate((5, 40, 17))}
     sp = SamplingParams(max_tokens=10, stop_ids=())
     outs = {}
+    shipped = engine_module.make_backend
     for backend, graphs in (("torch", False), ("flashinfer", False), ("flashinfer", True)):
+        pick = (lambda device, **kw: TorchAttention()) if backend == "torch" else shipped
+        monkeypatch.setattr(engine_module, "make_backend", pick)
         eng = LLMEngine(
             m,
-            EngineConfig(
-                num_blocks=64,
-                block_size=16,
-                attention_backend=backend,
-                cuda_graphs=graphs,
-                max_num_seqs=4,
-            ),
+            EngineConfig(num_blocks=64, block_size=16, cuda_graphs=graphs, max_num_seqs=4),
             "cuda",
             torch.bfloat16,
         )
@@ -323,11 +326,11 @@ def test_decode_steps_are_timed_on_cuda():
     m = random_lm(CUDA_LLM).to("cuda", torch.bfloat16)
     eng = LLMEngine(
         m,
-        EngineConfig(num_blocks=64, block_size=16, attention_backend="flashinfer",
-                     cuda_graphs=True, max_num_seqs=4, launch_ahead=True),
+        EngineConfig(num_blocks=64, block_size=16, cuda_graphs=True, max_num_seqs=4),
         "cuda",
         torch.bfloat16,
     )
+    assert eng.launch_ahead  # on CUDA
     eng.generate({"r0": _prompt(20, 7)}, SamplingParams(max_tokens=24, stop_ids=()))
     s = eng.stats()
     assert s.decode_gpu_steps >= 20 and s.decode_gpu_ms > 0
@@ -340,7 +343,7 @@ def test_decode_times_tell_the_gpu_span_from_the_hosts_late_launch():
     event to its done event; the GPU's idle gap before it counts only when it was launched
     with another step in flight, from that step's done; a prefill step is not timed but
     its done still bounds the next gap."""
-    from pipeline.engine.runner import DecodeTimes, LaunchedStep
+    from pipeline.thinker.llm_engine.runner import DecodeTimes, LaunchedStep
 
     class Stamp:
         def __init__(self, ms: float) -> None:

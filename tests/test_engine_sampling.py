@@ -7,23 +7,25 @@ import math
 
 import pytest
 import torch
-from _tiny_lm import random_lm, tiny_llm_config  # tests/ is on sys.path
-
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.graphs import Staging
-from pipeline.engine.sampling import (
+from _sampling_ref import (  # tests/ is on sys.path
     Sampler,
-    SamplingTensors,
     apply_repetition_penalty,
+    sample_row,
+    top_k_mask,
+    top_p_mask,
+)
+from _tiny_lm import random_lm, tiny_llm_config
+
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.graphs import Staging
+from pipeline.thinker.llm_engine.sampling import (
+    SamplingTensors,
     make_generator,
     pack_rows,
     penalize,
     penalty_history,
     sample_batch,
-    sample_row,
     sampling_fields,
-    top_k_mask,
-    top_p_mask,
 )
 from pipeline.handoff import SamplingParams
 from pipeline.thinker.llm import Qwen3LM
@@ -373,7 +375,7 @@ def test_engine_penalizes_generated_ids_only(tiny_lm):
     for window in (16, None):
         eng = LLMEngine(
             tiny_lm,
-            EngineConfig(num_blocks=128, block_size=4, attention_backend="torch"),
+            EngineConfig(num_blocks=128, block_size=4),
         )
         sp = SamplingParams(
             max_tokens=steps, stop_ids=(), repetition_penalty=penalty, repetition_window=window
@@ -410,7 +412,7 @@ def test_engine_bans_before_the_penalty_every_step(tiny_lm):
     free, _ = _reference_stream_greedy(at, steps, penalty, 16)
     banned = tuple(sorted(set(free[:12])))
     want, _ = _reference_stream_greedy(at, steps, penalty, 16, banned)
-    eng = LLMEngine(tiny_lm, EngineConfig(num_blocks=128, block_size=4, attention_backend="torch"))
+    eng = LLMEngine(tiny_lm, EngineConfig(num_blocks=128, block_size=4))
     sp = SamplingParams(
         max_tokens=steps,
         stop_ids=(),

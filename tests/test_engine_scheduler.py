@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipeline.config import LLMConfig
-from pipeline.engine.kv_cache import BlockManager, KVCache, bytes_per_block, num_blocks_for_budget
-from pipeline.engine.scheduler import Scheduler, SeqStatus, Sequence
+from pipeline.thinker.llm_engine.kv_cache import BlockManager, KVCache, bytes_per_block, num_blocks_for_budget
+from pipeline.thinker.llm_engine.scheduler import Scheduler, SeqStatus, Sequence
 from pipeline.handoff import SamplingParams
 
 SP = SamplingParams(max_tokens=100, stop_ids=(7,))

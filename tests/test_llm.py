@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.config import LLMConfig
-from pipeline.engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
 from pipeline.handoff import SamplingParams
 from pipeline.thinker.llm import Qwen3LM
 
@@ -90,7 +90,7 @@ def test_engine_greedy_matches_hf_generate():
     ref = hf.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)[
         0, ids.shape[1] :
     ].tolist()
-    eng = LLMEngine(ours, EngineConfig(num_blocks=32, block_size=4, attention_backend="torch"))
+    eng = LLMEngine(ours, EngineConfig(num_blocks=32, block_size=4))
     got = eng.generate({"r": ids[0].tolist()}, SamplingParams(max_tokens=20, stop_ids=()))["r"]
     assert got == ref
 
@@ -100,7 +100,7 @@ def test_engine_hidden_rows_match_hf_hidden_states():
     """return_hidden: one final-norm row per decode step, at the fed output token."""
     hf, ours = _pair(seed=2)
     ids = torch.randint(0, TINY["vocab_size"], (12,)).tolist()
-    eng = LLMEngine(ours, EngineConfig(num_blocks=32, block_size=4, attention_backend="torch"))
+    eng = LLMEngine(ours, EngineConfig(num_blocks=32, block_size=4))
     eng.add_request("r", ids, SamplingParams(max_tokens=6, stop_ids=()), return_hidden=True)
     toks, rows = [], []
     while eng.has_unfinished():

@@ -1,4 +1,4 @@
-"""Whole-step prefill graphs (`graphs.PrefillGraphs`, EngineConfig.prefill_graph_tokens).
+"""Whole-step prefill graphs (`graphs.PrefillGraphs`, behind `graphs.LLMGraphRunner`).
 
 Claims tested here:
   * on CPU, the graphs' host side (keys, staging, padded rows and one-row padding
@@ -19,11 +19,11 @@ import pytest
 import torch
 from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm  # tests/ is on sys.path
 
-import pipeline.engine.graphs as graphs_module
+import pipeline.thinker.llm_engine.graphs as graphs_module
 from pipeline.config import LLMConfig
-from pipeline.engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.graphs import PrefillGraphs, prefill_fields
+from pipeline.thinker.llm_engine.attention import AttnMetadata, FlashInferAttention, TorchAttention
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.graphs import LLMGraphRunner, PrefillGraphs, prefill_fields
 from pipeline.handoff import SamplingParams
 from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from tests.test_device_sampling import (
@@ -114,7 +114,7 @@ def _graph_engine(model, monkeypatch, max_tokens: int, **kw) -> LLMEngine:
         CPU,
     )
     whole.capture()
-    eng.runner.prefill_graphs = whole
+    eng.runner.graphs = LLMGraphRunner(prefill=whole)
     return eng
 
 
@@ -166,7 +166,7 @@ def test_prefill_graph_steps_equal_the_plain_forward_on_cpu(model, monkeypatch):
     for max_tokens in (16, 24):
         torch.manual_seed(0)
         eng = _graph_engine(model, monkeypatch, max_tokens, enable_prefix_caching=False)
-        whole = eng.runner.prefill_graphs
+        whole = eng.runner.graphs.prefill
         assert whole.buckets == ((16,) if max_tokens == 16 else (16, 24))
         assert whole.key(1, 1) == (1, 16) and whole.key(3, 16) == (
             None if max_tokens == 16 else (4, 24)
@@ -191,7 +191,7 @@ def test_prefill_graph_steps_equal_the_plain_forward_on_cpu(model, monkeypatch):
         eng = _graph_engine(model, monkeypatch, max_tokens)
         launched = _counting(eng)
         got = _staggered(eng)
-        whole = eng.runner.prefill_graphs
+        whole = eng.runner.graphs.prefill
         for rid in REQUESTS:
             assert got[rid] == ref[rid], (max_tokens, rid)
         if max_tokens == 24:
@@ -218,7 +218,7 @@ def test_prefill_graph_hidden_rows_over_a_cached_prefix_and_media(model, monkeyp
         assert eng.stats().prefix_cache_hits == 40
         rows[name] = (first, turn, mm)
         if name == "graphs":  # the turn: its 7 new rows over 40 cached, one graph step
-            whole = eng.runner.prefill_graphs
+            whole = eng.runner.graphs.prefill
             assert [0, 7] in whole.backend.wrappers[1, 16].plans and whole.steps >= 3 + 3 * 11
     for got, want in zip(rows["graphs"], rows["plain"]):
         assert got.shape == want.shape
@@ -236,7 +236,7 @@ def test_what_a_prefill_graph_captures_never_reads_the_device_back(model, monkey
             return out.copy_(q)
 
     eng = _graph_engine(model, monkeypatch, 16)
-    whole = eng.runner.prefill_graphs
+    whole = eng.runner.graphs.prefill
     whole.backend.graph_prefill_wrapper = lambda seqs, tokens: Copy()
     with torch.inference_mode(), AtenOps() as ops:
         whole._forward((2, 16))
@@ -256,10 +256,11 @@ def test_a_thinker_with_prefill_graphs_streams_the_same(tiny_source, monkeypatch
     backend = _PlannedTorchAttention(
         eng.model.cfg.llm, llm.kv_cache.num_blocks + 1, llm.kv_cache.block_size
     )
-    llm.runner.prefill_graphs = PrefillGraphs(
+    whole = PrefillGraphs(
         eng.model.llm, llm.kv_cache, backend, 512, (1, 2), llm.runner.scale, torch.float32, CPU
     )
-    llm.runner.prefill_graphs.capture()
+    whole.capture()
+    llm.runner.graphs = LLMGraphRunner(prefill=whole)
     reqs = {"a": {"image_seed": 5}, "b": {"image_seed": 6, "audio_freq": 330.0}}
     got = _run(eng, [thinker_request(eng, rid, **kw) for rid, kw in reqs.items()])
     want = _run(plain, [thinker_request(plain, rid, **kw) for rid, kw in reqs.items()])
@@ -268,7 +269,7 @@ def test_a_thinker_with_prefill_graphs_streams_the_same(tiny_source, monkeypatch
         assert got[rid]["hidden"].shape[0] > 0
         torch.testing.assert_close(got[rid]["hidden"], want[rid]["hidden"], rtol=1e-5, atol=1e-5)
     stats = eng.stats()
-    assert stats["llm_prefill_graph_steps"] == llm.runner.prefill_graphs.steps > 0
+    assert stats["llm_prefill_graph_steps"] == whole.steps > 0
     assert plain.stats()["llm_prefill_graph_steps"] == 0
     # both prompts (media rows and all, > 256 tokens together) in one step of two sequences
     (step,) = [p for p in backend.wrappers[2, 512].plans[1:] if p[1] > 1 and p[2] - p[1] > 1]
@@ -288,43 +289,36 @@ def test_prefill_graphs_match_the_plain_forward_on_cuda():
     reqs = {k: v for k, v in REQUESTS.items() if k != "hot"}
     arrival = {k: ARRIVAL[k] for k in reqs}
     outs, alone, hidden = {}, {}, {}
-    for tokens in (0, 64):
+    for graphs in (False, True):
         eng = LLMEngine(
             m,
-            EngineConfig(
-                num_blocks=256,
-                block_size=16,
-                attention_backend="flashinfer",
-                max_num_seqs=4,
-                max_num_batched_tokens=64,
-                enable_prefix_caching=False,
-                prefill_graph_tokens=tokens,
-            ),
+            EngineConfig(num_blocks=256, block_size=16, max_num_seqs=4, cuda_graphs=graphs,
+                         max_num_batched_tokens=64, enable_prefix_caching=False),
             "cuda",
             torch.bfloat16,
         )
-        assert (eng.runner.prefill_graphs is not None) == bool(tokens)
-        outs[tokens] = _staggered(eng, reqs, arrival)
-        alone[tokens] = {}
+        assert eng.uses_cuda_graphs == graphs
+        outs[graphs] = _staggered(eng, reqs, arrival)
+        alone[graphs] = {}
         for rid, (prompt, sp) in reqs.items():
             eng.add_request(rid, prompt, sp)
             ids = []
             while eng.has_unfinished():
                 for o in eng.step():
                     ids += o.token_ids
-            alone[tokens][rid] = ids
-        if tokens:
-            assert eng.runner.prefill_graphs.steps >= len(reqs)
+            alone[graphs][rid] = ids
+        if graphs:
+            assert eng.runner.graphs.prefill_steps >= len(reqs)
         eng.add_request("h", _prompt(40, 9), REQUESTS["greedy"][1], return_hidden=True)
         rows = []
         while eng.has_unfinished():
             rows += [o.hidden for o in eng.step() if o.hidden is not None]
-        hidden[tokens] = torch.cat(rows).float()
+        hidden[graphs] = torch.cat(rows).float()
     for rid in reqs:
-        assert outs[64][rid] == outs[0][rid], rid
-        assert alone[64][rid] == alone[0][rid], rid
-    diff = (hidden[64] - hidden[0]).abs().amax(dim=-1)  # per row
-    scale = hidden[0].abs().amax()
+        assert outs[True][rid] == outs[False][rid], rid
+        assert alone[True][rid] == alone[False][rid], rid
+    diff = (hidden[True] - hidden[False]).abs().amax(dim=-1)  # per row
+    scale = hidden[False].abs().amax()
     print(f"prefill graphs vs eager: max |diff| / max |h| {(diff.max() / scale).item():.2e}")
     assert diff.max() <= 3e-2 * scale, (diff.max(), scale)
     assert diff[-50:].mean() <= 2 * diff[:50].mean() + 1e-3 * scale, (diff[:50], diff[-50:])

@@ -20,9 +20,9 @@ from _tiny_lm import has_flashinfer, random_lm, tiny_llm_config  # tests/ is on 
 from test_thinker import _png, _wav  # tests/ is on sys.path
 from test_thinker import _run as run_thinker
 
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.kv_cache import BlockManager, hash_block
-from pipeline.engine.scheduler import MediaSpan, Scheduler, Sequence
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.kv_cache import BlockManager, hash_block
+from pipeline.thinker.llm_engine.scheduler import MediaSpan, Scheduler, Sequence
 from pipeline.handoff import SamplingParams
 from pipeline.processing.processor import Processor
 from pipeline.thinker.llm import Qwen3LM
@@ -38,17 +38,19 @@ def model() -> Qwen3LM:
     return random_lm(CFG)
 
 
-def _engine(model, dtype=torch.float32, device="cpu", loader=None, **kw) -> LLMEngine:
+def _engine(
+    model, dtype=torch.float32, device="cpu", loader=None, launch_ahead=False, **kw
+) -> LLMEngine:
+    """launch_ahead: launch step N+1 before finishing step N, as on CUDA."""
     base = {
         "num_blocks": 256,
         "block_size": 4,
-        "attention_backend": "torch",
         "max_num_seqs": 8,
         "max_num_batched_tokens": 512,
-        # the logits tests record what the host sampler is given
-        "device_sampling": False,
     }
-    return LLMEngine(model, EngineConfig(**{**base, **kw}), device, dtype, loader)
+    eng = LLMEngine(model, EngineConfig(**{**base, **kw}), device, dtype, loader)
+    eng.launch_ahead = launch_ahead
+    return eng
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -71,13 +73,20 @@ class _Logits:
         self.rows: list[torch.Tensor] = []
 
     def watch(self, eng: LLMEngine) -> LLMEngine:
-        sample = eng.runner.sampler
+        runner = eng.runner
+        sample, replay = runner._sample_eager, runner._decode_replay
 
-        def record(logits, *args, **kw):
+        def record(logits, *args):
             self.rows.append(logits.float().cpu())
-            return sample(logits, *args, **kw)
+            return sample(logits, *args)
 
-        eng.runner.sampler = record
+        def replayed(plan, *args):  # a decode graph samples inside: read its logits
+            step = replay(plan, *args)
+            rows = [i for i, s in enumerate(plan.seqs) if s.sample]
+            self.rows.append(runner.graphs.decode.logits[rows].float().cpu())
+            return step
+
+        runner._sample_eager, runner._decode_replay = record, replayed
         return eng
 
     def take(self) -> torch.Tensor:
@@ -410,7 +419,7 @@ def test_eviction_abort_and_preemption_keep_accounting_and_outputs(model, ahead)
     bases = [_prompt(13, 20 + i) for i in range(3)]
     eng = _engine(
         model, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=24,
-        launch_ahead=ahead, device_sampling=ahead,  # launching ahead samples on the device
+        launch_ahead=ahead,
     )
     prompts, got, aborted = {}, {}, set()
     live = lambda: [s.block_table for s in eng.scheduler.running]
@@ -599,7 +608,7 @@ def test_flashinfer_cached_prefill_matches_uncached_on_cuda():
     m = random_lm(tiny_llm_config(hidden_size=256, intermediate_size=512, head_dim=128,
                                   max_position_embeddings=2048)).to("cuda", torch.bfloat16)
     logits = _Logits()
-    kw = {"block_size": 16, "attention_backend": "flashinfer", "max_num_seqs": 4}
+    kw = {"block_size": 16, "max_num_seqs": 4}
     for graphs in (False, True):
         cached = logits.watch(_engine(m, torch.bfloat16, "cuda", cuda_graphs=graphs, **kw))
         assert cached.uses_cuda_graphs == graphs

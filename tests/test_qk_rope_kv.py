@@ -1,5 +1,5 @@
 """The fused QK-norm + RoPE + K/V cache write (`pipeline/thinker/qk_rope_kv.py`,
-`Qwen3LM.fuse_qk_rope_kv`, ThinkerEngineConfig.fused_qk_rope_kv).
+`Qwen3LM.fuse_qk_rope_kv`, which the Thinker takes wherever the kernel runs).
 
 Claims tested here, on CPU in Triton's interpreter (the engine takes the kernel there only
 because `available` is patched):
@@ -13,14 +13,14 @@ because `available` is patched):
     greedy tokens, then a second turn prefilled over the cached prefix and 16 more: the same
     tokens and logits within one bf16 ulp of the largest logit, the last rows no further off
     than the first (no drift);
-  * the same in fp32 through the decode graphs, the piecewise graphs and the whole-step
-    prefill graphs (their host sides, as the graphs' own CPU tests run them): the same
-    tokens for a staggered mix; a prefill graph's forward makes no K/V copies and no host
-    reads (the kernel takes the staged rows);
+  * the same in fp32 through the decode graphs and the whole-step prefill graphs (their
+    host sides, as the graphs' own CPU tests run them): the same tokens for a staggered
+    mix; a prefill graph's forward makes no K/V copies and no host reads (the kernel takes
+    the staged rows);
   * compile_ops with the knob (Inductor's CPU code): the q|k|v half compiled, the same tokens;
-  * the Thinker's knob: off where the kernel does not run (CPU), on where it does.
-  * CUDA (`-k cuda`): bf16, FlashInfer, decode + piecewise + prefill graphs and compiled
-    layers, knob on against off: the same tokens, hidden rows within bf16 rounding, no drift.
+  * the Thinker: the plain ops where the kernel does not run (CPU), the kernel where it does.
+  * CUDA (`-k cuda`): bf16, FlashInfer, decode + whole-step graphs and compiled layers,
+    kernel on against off: the same tokens, hidden rows within bf16 rounding, no drift.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import pytest
 import torch
 from _tiny_lm import CUDA_LLM, has_flashinfer, random_lm  # tests/ is on sys.path
 
-from pipeline.engine.attention import kv_rows, write_kv
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.graphs import PrefillGraphs
+from pipeline.thinker.llm_engine.attention import kv_rows, write_kv
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.graphs import PrefillGraphs
 from pipeline.handoff import SamplingParams
 from pipeline.thinker import qk_rope_kv
 from pipeline.thinker.llm import Qwen3LM, RotaryEmbedding, qk_norm_rope
@@ -45,7 +45,6 @@ from tests.test_device_sampling import (
     _cpu_graph_engine,
     _decode_hidden,
     _engine,
-    _piecewise_engine,
     _prompt,
     _staggered,
 )
@@ -214,7 +213,7 @@ def test_engine_bf16_same_tokens_and_logits_no_drift(kernel_on_cpu):
     fused = _fused(model)
     got = {}
     for name, m in (("plain", model), ("fused", fused)):
-        cfg = EngineConfig(num_blocks=64, block_size=4, attention_backend="torch")
+        cfg = EngineConfig(num_blocks=64, block_size=4)
         eng = LLMEngine(m, cfg, "cpu", torch.bfloat16)
         ids, hidden = _turns(eng, _prompt(40, 1), _prompt(9, 2))
         got[name] = ids, model.compute_logits(hidden).float()
@@ -239,28 +238,26 @@ SHORT_ARRIVAL = {rid: ARRIVAL[rid] for rid in SHORT}
 @needs_kernel_on_cpu
 @torch.no_grad()
 def test_graph_paths_same_tokens(kernel_on_cpu, monkeypatch):
-    """Decode graphs + whole-step prefill graphs on one engine, piecewise graphs on
-    another (steps of 1-16 tokens, up to 4 sequences): the plain engine's tokens."""
+    """Decode graphs + whole-step prefill graphs on one engine (steps of 1-16 tokens, up to
+    4 sequences): the plain engine's tokens."""
     model = random_lm(CFG)
     fused = _fused(model)
     torch.manual_seed(0)
     want = _staggered(_engine(model), SHORT, SHORT_ARRIVAL)
-    graphs = _cpu_graph_engine(fused, monkeypatch)
-    kv = graphs.kv_cache
+    eng = _cpu_graph_engine(fused, monkeypatch)
+    kv = eng.kv_cache
     whole = PrefillGraphs(
         fused, kv, PlannedPrefill(CFG, kv.num_blocks + 1, kv.block_size), 16, (1, 2, 4),
         CFG.head_dim**-0.5, torch.float32, CPU,
     )
     whole.capture()
-    graphs.runner.prefill_graphs = whole
-    pieces = _piecewise_engine(fused, monkeypatch, 16)
-    for eng in (graphs, pieces):
-        torch.manual_seed(0)
-        got = _staggered(eng, SHORT, SHORT_ARRIVAL)
-        for rid in SHORT:
-            assert got[rid] == want[rid], rid
-    assert graphs.runner.graphs.num_replays > 20 and whole.steps > 3
-    assert pieces.runner.pieces.steps > 3 and fused.kernel_calls[0] > 0
+    eng.runner.graphs.prefill = whole
+    torch.manual_seed(0)
+    got = _staggered(eng, SHORT, SHORT_ARRIVAL)
+    for rid in SHORT:
+        assert got[rid] == want[rid], rid
+    assert eng.runner.graphs.decode_replays > 20 and whole.steps > 3
+    assert fused.kernel_calls[0] > 0
 
 
 @needs_kernel_on_cpu
@@ -274,7 +271,7 @@ def test_a_prefill_graph_with_the_kernel_makes_no_copies_or_host_reads(kernel_on
         def run(self, q, kv, out):
             return out.copy_(q)
 
-    whole = _graph_engine(_fused(random_lm(CFG)), monkeypatch, 16).runner.prefill_graphs
+    whole = _graph_engine(_fused(random_lm(CFG)), monkeypatch, 16).runner.graphs.prefill
     whole.backend.graph_prefill_wrapper = lambda seqs, tokens: Copy()
     whole.x.normal_()  # rows staged by the capture: every one writes the scratch slot
     kv = whole.kv_cache
@@ -311,18 +308,15 @@ def test_compiled_layers_with_the_kernel(kernel_on_cpu):
     assert not _debug_get_cache_entry_list(llm_module.layer_pre.__code__)
 
 
-def test_the_thinker_knob_takes_the_kernel_where_it_runs(tiny_source, monkeypatch):
+def test_the_thinker_takes_the_kernel_where_it_runs(tiny_source, monkeypatch):
     from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 
-    cfg = ThinkerEngineConfig(
-        llm=EngineConfig(kv_cache_bytes=8 * 2**20), fused_qk_rope_kv=True, warm_up=False
-    )
+    cfg = ThinkerEngineConfig(llm=EngineConfig(kv_cache_bytes=8 * 2**20), warm_up=False)
     eng = ThinkerEngine.from_source(tiny_source, cfg, device="cpu")
     assert eng.model.llm.ops.qk_rope_kv is None  # CPU: the plain ops
     monkeypatch.setattr(qk_rope_kv, "available", lambda device: True)
     eng = ThinkerEngine.from_source(tiny_source, cfg, device="cpu")
     assert eng.model.llm.ops.qk_rope_kv is qk_rope_kv.qk_norm_rope_kv
-    assert ThinkerEngineConfig().fused_qk_rope_kv is False
 
 
 # ---------------------------------------------------------------------------------------
@@ -333,8 +327,8 @@ def test_the_thinker_knob_takes_the_kernel_where_it_runs(tiny_source, monkeypatc
 @pytest.mark.skipif(not has_flashinfer(), reason="needs CUDA and flashinfer")
 @torch.no_grad()
 def test_fused_qk_rope_kv_matches_the_plain_layers_on_cuda():
-    """bf16, FlashInfer, decode graphs, piecewise and whole-step prefill graphs, plain and
-    compiled layers: the knob draws the same greedy and seeded tokens over the staggered
+    """bf16, FlashInfer, decode and whole-step graphs, plain and compiled layers: the
+    kernel draws the same greedy and seeded tokens over the staggered
     mix, and a 200-token run's hidden rows stay within bf16 rounding of the plain run's,
     the last rows no further off than the first (no drift)."""
     m = random_lm(CUDA_LLM).to("cuda", torch.bfloat16)
@@ -350,16 +344,14 @@ def test_fused_qk_rope_kv_matches_the_plain_layers_on_cuda():
             assert model.fuse_qk_rope_kv(fused) == fused
             eng = LLMEngine(
                 model,
-                EngineConfig(num_blocks=256, block_size=16, attention_backend="flashinfer",
-                             max_num_seqs=4, max_num_batched_tokens=64,
-                             enable_prefix_caching=False, piecewise_graph_tokens=64,
-                             prefill_graph_tokens=32),
+                EngineConfig(num_blocks=256, block_size=16, max_num_seqs=4,
+                             max_num_batched_tokens=64, enable_prefix_caching=False),
                 "cuda",
                 torch.bfloat16,
             )
             outs[fused] = _staggered(eng, reqs, arrival)
-            assert eng.runner.graphs.num_replays > 200 and eng.runner.prefill_graphs.steps > 0
-            assert eng.runner.pieces.steps > 0
+            g = eng.runner.graphs
+            assert g.decode_replays > 200 and g.prefill_steps > 0
             hidden[fused] = _decode_hidden(eng, _prompt(90, 9), REQUESTS["greedy"][1])
         for rid in reqs:
             assert outs[True][rid] == outs[False][rid], (compiled, rid)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
-from pipeline.engine.engine import EngineConfig
+from pipeline.thinker.llm_engine.engine import EngineConfig
 from pipeline.handoff import CodeChunk, SamplingParams, SpokenChunk, TalkerSpec, ThinkerRequest
 from pipeline.stage_engine import StageEngine, StageOutput
 from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig

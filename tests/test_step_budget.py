@@ -1,8 +1,6 @@
-"""Per-step budget: every running decode gets its token in every step, and a step does at
-most `max_prefill_tokens_per_step` prompt tokens and `max_encoder_items_per_step` encoder
-items, so a new request holds the running decodes up by one bounded step. Media are
-encoded across steps and a prompt's prefill chunks start once the rows they need exist;
-the outputs equal the unbudgeted run's (chunked prefill and encoder batching: within the
+"""Per-step work: every running decode gets its token in every step, a step computes at most
+`max_num_batched_tokens`, and a prompt's prefill chunks start once the rows they need exist;
+the outputs equal those of unchunked steps (chunked prefill and encoder batching: within the
 bound tests/test_thinker.py uses for batched == alone)."""
 
 from __future__ import annotations
@@ -12,9 +10,9 @@ import torch
 from _tiny_lm import random_lm, tiny_llm_config  # tests/ is on sys.path
 from test_thinker import _png, _wav  # tests/ is on sys.path
 
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.kv_cache import BlockManager
-from pipeline.engine.scheduler import Scheduler, Sequence
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.kv_cache import BlockManager
+from pipeline.thinker.llm_engine.scheduler import Scheduler, Sequence
 from pipeline.handoff import AudioInput, ImageInput, SamplingParams
 from pipeline.processing.processor import Processor
 from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
@@ -42,8 +40,6 @@ def _step(s: Scheduler):
     for q in decoding:
         assert id(q) in shares and shares[id(q)].num_new == 1 and shares[id(q)].sample, q
     assert plan.num_tokens <= s.max_num_batched_tokens
-    if decoding:  # the prefill bound is for steps somebody waits on
-        assert sum(x.num_new for x in plan.seqs if x.num_new > 1) <= s.max_prefill_tokens
     s.postprocess(plan, [1 for x in plan.seqs if x.sample])
     return plan
 
@@ -53,7 +49,7 @@ def _step(s: Scheduler):
 
 
 def test_scripted_arrivals_keep_every_decode_in_every_step():
-    s = Scheduler(BlockManager(512, 4), 8, max_num_batched_tokens=40, max_prefill_tokens=16)
+    s = Scheduler(BlockManager(512, 4), 8, max_num_batched_tokens=16)
     arrivals = {0: [("a", 30)], 2: [("b", 50)], 3: [("c", 7), ("d", 70)], 9: [("e", 33)]}
     for i in range(40):
         for rid, n in arrivals.get(i, []):
@@ -106,7 +102,7 @@ def model() -> Qwen3LM:
 
 
 def _engine(model, **kw) -> LLMEngine:
-    base = {"num_blocks": 256, "block_size": 4, "attention_backend": "torch"}
+    base = {"num_blocks": 256, "block_size": 4}
     return LLMEngine(model, EngineConfig(**{**base, **kw}))
 
 
@@ -125,13 +121,13 @@ def _scripted(eng: LLMEngine, arrivals: dict[int, list[tuple[str, int]]]) -> dic
     return out
 
 
-def test_engine_budget_equals_unbudgeted_and_reports_its_work(model):
+def test_engine_chunked_equals_unchunked_and_reports_its_work(model):
     arrivals = {0: [("a", 20)], 3: [("b", 90)], 5: [("c", 40), ("d", 7)]}
-    budgeted = _engine(model, max_num_batched_tokens=32, max_prefill_tokens_per_step=16)
-    plain = _engine(model, max_num_batched_tokens=512, max_prefill_tokens_per_step=None)
-    assert _scripted(budgeted, arrivals) == _scripted(plain, arrivals)
-    st, ref = budgeted.stats(), plain.stats()
-    assert st.max_decode_wait_steps == 0 and st.max_step_prefill_tokens == 16
+    chunked = _engine(model, max_num_batched_tokens=32)
+    plain = _engine(model, max_num_batched_tokens=512)
+    assert _scripted(chunked, arrivals) == _scripted(plain, arrivals)
+    st, ref = chunked.stats(), plain.stats()
+    assert st.max_decode_wait_steps == 0 and 16 < st.max_step_prefill_tokens < 32
     assert ref.max_step_prefill_tokens == 90 and st.max_step_ms > 0
 
 
@@ -145,7 +141,7 @@ def _drain(eng: LLMEngine) -> list[int]:
 def test_rows_supplied_over_steps_equal_rows_given_at_once(model):
     """Two media spans whose rows come one step apart; the prompt is computed up to the
     first span still without rows, then on: same tokens as a request with all rows."""
-    from pipeline.engine.scheduler import MediaSpan
+    from pipeline.thinker.llm_engine.scheduler import MediaSpan
 
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 1000, (60,), generator=g).tolist()
@@ -153,11 +149,11 @@ def test_rows_supplied_over_steps_equal_rows_given_at_once(model):
     rows = [torch.randn(sp.end - sp.start, CFG.hidden_size, generator=g) for sp in spans]
     pos = torch.cat([torch.arange(sp.start, sp.end) for sp in spans])
     sp = SamplingParams(max_tokens=6, stop_ids=())
-    whole = _engine(model, max_num_batched_tokens=512, max_prefill_tokens_per_step=None)
+    whole = _engine(model, max_num_batched_tokens=512)
     whole.add_request("r", prompt, sp, pos, torch.cat(rows), mm_spans=spans)
     ref = _drain(whole)
 
-    eng = _engine(model, max_num_batched_tokens=512, max_prefill_tokens_per_step=None)
+    eng = _engine(model, max_num_batched_tokens=512)
     with pytest.raises(ValueError, match="no loader"):
         eng.add_request("bad", prompt, sp, mm_spans=spans)
     eng.add_request("r", prompt, sp, mm_spans=spans, num_ready=10)
@@ -175,13 +171,15 @@ def test_rows_supplied_over_steps_equal_rows_given_at_once(model):
     assert got == ref and not eng.has_unfinished()
 
 
-def test_configs_refuse_bad_budgets():
-    with pytest.raises(ValueError, match="max_prefill_tokens_per_step"):
-        EngineConfig(num_blocks=8, max_prefill_tokens_per_step=0)
-    with pytest.raises(ValueError, match="max_encoder_items_per_step"):
-        ThinkerEngineConfig(max_encoder_items_per_step=-1)
-    with pytest.raises(ValueError, match="audio_seconds_per_item"):
-        ThinkerEngineConfig(audio_seconds_per_item=0)
+def test_configs_refuse_bad_sizes():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(num_blocks=8, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="kv_cache_bytes or num_blocks"):
+        EngineConfig(kv_cache_bytes=None)
+    with pytest.raises(ValueError, match="vision_batch_size"):
+        ThinkerEngineConfig(vision_batch_size=0)
+    with pytest.raises(ValueError, match="prefetch_capacity"):
+        ThinkerEngineConfig(prefetch_capacity=-1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,24 +188,20 @@ def test_configs_refuse_bad_budgets():
 
 @pytest.fixture(scope="module")
 def thinker(tiny_source):
-    def make(
-        items: int, prefill: int | None, cache: int = 0, device: str = "cpu", **llm
-    ) -> ThinkerEngine:
-        # The torch attention backend: float32 on CUDA too (FlashInfer's kernels are half precision).
-        # Synchronous steps (launch ahead is CUDA's default): the scripts below check what
-        # each step returns, and launching ahead returns a step's ids one step later.
-        llm = {"kv_cache_bytes": 32 * 2**20, "block_size": 4, "attention_backend": "torch",
-               "launch_ahead": False, **llm}
+    def make(tokens: int = 8192, cache: int = 0, device: str = "cpu", **llm) -> ThinkerEngine:
+        llm = {"kv_cache_bytes": 32 * 2**20, "block_size": 4, "max_num_batched_tokens": tokens,
+               **llm}
         cfg = ThinkerEngineConfig(
-            llm=EngineConfig(max_prefill_tokens_per_step=prefill, **llm),
+            llm=EngineConfig(**llm),
             encoder_cache_size=cache,
-            max_encoder_items_per_step=items,
             dtype="float32",  # the equality below is a float32 one on CUDA too
-            compile_mm_encoder=False,
-            compile_llm_ops=False,
             warm_up=False,  # the scripted schedules count every step's work from the first
         )
-        return ThinkerEngine.from_source(tiny_source, cfg, device=device)
+        eng = ThinkerEngine.from_source(tiny_source, cfg, device=device)
+        # Synchronous steps (launching ahead is CUDA's): the scripts below check what each
+        # step returns, and launching ahead returns a step's ids one step later.
+        eng.llm.launch_ahead = False
+        return eng
 
     return make
 
@@ -257,12 +251,10 @@ class _EncoderWork:
 
 
 def _drive(eng: ThinkerEngine, arrivals: dict[int, list], work: _EncoderWork | None = None):
-    """Run the script; with `work`, check the bounds of every step with a running decode.
-    Returns the outputs, each step's encoder items and whether a request ever had prefill
-    computed while media of it were still to encode."""
+    """Run the script, checking that no running decode waits a step; with `work`, the media
+    each step encoded. Returns the outputs and each step's count of encoded media."""
     out: dict[str, dict] = {}
-    costs: list[int] = []
-    pipelined = False
+    counts: list[int] = []
     i = 0
     while i <= max(arrivals) or eng.has_work():
         for r in arrivals.get(i, []):
@@ -279,19 +271,11 @@ def _drive(eng: ThinkerEngine, arrivals: dict[int, list], work: _EncoderWork | N
             if d.spoken_hidden is not None:
                 out[d.request_id]["hidden"].append(d.spoken_hidden)
         if work is not None:
-            items = work.take()
-            costs.append(sum(eng._item_cost(m) for m in items))
-            if decoding:
-                budget = eng.config.max_encoder_items_per_step
-                assert costs[-1] <= budget or len(items) == 1, f"step {i}: {costs[-1]} items"
-            assert eng.stats()["max_step_prefill_tokens"] <= eng.llm.scheduler.max_prefill_tokens
-        pipelined |= any(
-            st.todo and eng.llm._seqs[rid].num_computed > 0 for rid, st in eng._streams.items()
-        )
+            counts.append(len(work.take()))
         i += 1
     for o in out.values():
         o["hidden"] = torch.cat(o["hidden"]) if o["hidden"] else torch.zeros(0)
-    return out, costs, pipelined
+    return out, counts
 
 
 def _same(a: dict, b: dict) -> None:
@@ -311,58 +295,63 @@ def _same(a: dict, b: dict) -> None:
         ),
     ],
 )
-def test_thinker_budget_bounds_every_step_and_equals_unbudgeted(thinker, monkeypatch, device):
-    eng = thinker(items=3, prefill=24, device=device)
-    plain = thinker(items=0, prefill=None, device=device)
+def test_thinker_chunked_keeps_every_decode_and_equals_unchunked(
+    thinker, monkeypatch, device
+):
+    if device == "cuda":  # float32: the torch attention backend (FlashInfer's is half precision)
+        from pipeline.thinker.llm_engine import engine as engine_module
+        from pipeline.thinker.llm_engine.attention import TorchAttention
+
+        monkeypatch.setattr(engine_module, "make_backend", lambda device, **kw: TorchAttention())
+    eng = thinker(tokens=24, device=device)
+    plain = thinker(device=device)
     work = _EncoderWork(eng, monkeypatch)
 
     def script(e):
         return {0: [_req(e, "a", 0, max_tokens=30)], 4: [_req(e, "b", 1)], 5: [_req(e, "c", 2)]}
 
-    got, costs, pipelined = _drive(eng, script(eng), work)
-    ref, _, _ = _drive(plain, script(plain))
+    got, counts = _drive(eng, script(eng), work)
+    ref, _ = _drive(plain, script(plain))
     _same(got, ref)
-    assert costs[0] == 6  # nothing decodes yet: a's media (3 + 1 + 1 + 1) in one batch
-    assert max(costs[1:]) <= 3 and sum(costs) == 18
-    assert pipelined  # prefill chunks ran while later media of the prompt were encoding
+    assert counts[0] == 4 and sum(counts) == 12  # each request's media in the step admitting it
     st = eng.stats()
-    assert st["max_decode_wait_steps"] == 0 and 0 < st["max_step_encoder_items"] <= 3
-    assert st["max_step_prefill_tokens"] <= 24 < plain.stats()["max_step_prefill_tokens"]
+    assert st["max_decode_wait_steps"] == 0
+    assert st["max_step_prefill_tokens"] < 24 < plain.stats()["max_step_prefill_tokens"]
     assert st["max_decode_gap_ms"] > 0 and st["max_step_ms"] > 0
     assert st["num_free_blocks"] == st["num_total_blocks"]
 
 
 def test_media_inside_a_cached_prefix_are_still_skipped(thinker, monkeypatch):
-    eng = thinker(items=2, prefill=16)
+    eng = thinker(tokens=16)
     work = _EncoderWork(eng, monkeypatch)
     _drive(eng, {0: [_req(eng, "q1", 0)]})
     assert len(work.take()) == 4
     follow = _req(eng, "q2", 0, follow_up="And the sound?")
     before = eng.stats()
-    got, _, _ = _drive(eng, {0: [follow]})
+    got, _ = _drive(eng, {0: [follow]})
     st = eng.stats()
     assert work.take() == [] and st["media_skipped"] == 4
     assert st["prefix_cache_hits"] - before["prefix_cache_hits"] >= follow.audio_bounds[-1][1]
-    off = thinker(items=0, prefill=None, enable_prefix_caching=False)
-    ref, _, _ = _drive(off, {0: [_req(off, "q2", 0, follow_up="And the sound?")]})
+    off = thinker(enable_prefix_caching=False)
+    ref, _ = _drive(off, {0: [_req(off, "q2", 0, follow_up="And the sound?")]})
     _same(got, ref)
 
 
-def test_encoder_cache_hits_cost_no_budget(thinker, monkeypatch):
-    eng = thinker(items=2, prefill=16, cache=8, enable_prefix_caching=False)
+def test_encoder_cache_hits_are_not_encoded_again(thinker, monkeypatch):
+    eng = thinker(tokens=16, cache=8, enable_prefix_caching=False)
     work = _EncoderWork(eng, monkeypatch)
-    first, _, _ = _drive(eng, {0: [_req(eng, "x", 0)]})
+    first, _ = _drive(eng, {0: [_req(eng, "x", 0)]})
     assert len(work.take()) == 4 and (eng.cache.hits, eng.cache.misses) == (0, 4)
-    # The same media behind a running decode: all four hits go in its first step.
+    # The same media behind a running decode: all four hits, nothing encoded.
     script = {0: [_req(eng, "r", 5, max_tokens=20)], 3: [_req(eng, "x", 0)]}
-    second, costs, _ = _drive(eng, script, work)
-    assert costs[3] == 0 and (eng.cache.hits, eng.cache.misses) == (4, 8)
-    assert not eng._streams and eng.stats()["max_step_encoder_items"] == 0
+    second, counts = _drive(eng, script, work)
+    assert counts[3] == 0 and (eng.cache.hits, eng.cache.misses) == (4, 8)
+    assert not eng._streams
     _same(first, {"x": second["x"]})
 
 
-def test_abort_mid_encoding_frees_everything(thinker):
-    eng = thinker(items=1, prefill=8)
+def test_abort_mid_prefill_frees_everything(thinker):
+    eng = thinker(tokens=8)
     total = eng.stats()["num_total_blocks"]
     eng.open("run", _req(eng, "run", 0, max_tokens=40))
     eng.step()
@@ -371,8 +360,8 @@ def test_abort_mid_encoding_frees_everything(thinker):
     eng.open("enc", _req(eng, "enc", 1))
     for _ in range(3):
         eng.step()
-    st = eng._streams["enc"]
-    assert st.todo and eng.llm._seqs["enc"].num_computed > 0  # part-encoded, part-prefilled
+    seq = eng.llm._seqs["enc"]
+    assert 0 < seq.num_computed < seq.num_prompt  # encoded, part-prefilled
     eng.abort("enc")
     assert "enc" not in eng._streams and "enc" not in eng.llm._seqs
     deltas = eng.step()

@@ -17,7 +17,7 @@ import soundfile as sf
 import torch
 from PIL import Image
 
-from pipeline.engine.engine import EngineConfig
+from pipeline.thinker.llm_engine.engine import EngineConfig
 from pipeline.graphs import GraphRunner
 from pipeline.handoff import SamplingParams
 from pipeline.processing.processor import Processor
@@ -41,10 +41,13 @@ def _wav(seconds: float, freq: float) -> bytes:
 @pytest.fixture(scope="module")
 def engine_factory(tiny_source):
     def make(**kw) -> ThinkerEngine:
-        cfg = ThinkerEngineConfig(
-            llm=EngineConfig(kv_cache_bytes=32 * 2**20, **kw.pop("llm", {})), **kw
-        )
-        return ThinkerEngine.from_source(tiny_source, cfg, device="cpu")
+        """llm={"launch_ahead": True}: the LLM launches ahead, as on CUDA."""
+        llm = dict(kw.pop("llm", {}))
+        ahead = llm.pop("launch_ahead", False)
+        cfg = ThinkerEngineConfig(llm=EngineConfig(kv_cache_bytes=32 * 2**20, **llm), **kw)
+        eng = ThinkerEngine.from_source(tiny_source, cfg, device="cpu")
+        eng.llm.launch_ahead = ahead
+        return eng
 
     return make
 
@@ -286,14 +289,6 @@ def test_bad_requests_are_refused(engine_factory):
         eng.feed("b", None)
 
 
-def test_fused_projections_equal_separate(engine_factory):
-    fused, plain = engine_factory(fuse_projections=True), engine_factory(fuse_projections=False)
-    a = _run(fused, [_request(fused, "f")])["f"]
-    b = _run(plain, [_request(plain, "f")])["f"]
-    assert a["ids"] == b["ids"]
-    torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-5, rtol=1e-5)
-
-
 def test_uint8_strips_encode_like_normalized_float_strips(engine_factory):
     """Pixels cross processes as bytes; the encoder's on-device normalization (and the zeroed
     padding of a mixed-length batch) must equal feeding the reference's float32 strips."""
@@ -398,41 +393,24 @@ def test_images_encoded_ahead_give_the_same_stream(engine_factory, ahead):
         torch.testing.assert_close(got["hidden"], ref["hidden"], atol=1e-5, rtol=1e-5)
 
 
-def test_items_sent_ahead_wait_their_step_bound_while_a_decode_runs(engine_factory):
-    """`max_prefetch_items_per_step`: while a decode runs, a step encodes at most that many
-    items sent ahead of their request, the rest in the next steps; without a decode, all of
-    them at once. The streams are those of the unbounded steps."""
-    outs = []
-    for bound in (0, 1):
-        eng = engine_factory(max_prefetch_items_per_step=bound,
-                             llm={"launch_ahead": False, "enable_prefix_caching": False})
-        calls = _counting_vision(eng)
-        first = _request(eng, "a", image_seed=1, max_tokens=12)
-        late = [_request(eng, f"b{i}", image_seed=10 + i, max_tokens=3) for i in range(3)]
-        eng.open("a", first)
-        early = [d for _ in range(3) for d in eng.step()]  # "a" decodes
-        assert eng.llm.has_decodes() and calls == [1]
-        eng.prefetch([r.images[0] for r in late])
-        for _ in range(3):
-            early += eng.step()
-        assert calls == ([1, 3] if bound == 0 else [1, 1, 1, 1])
-        assert eng.stats()["prefetch_held"] == 3
-        for r in late:
-            eng.open(r.request_id, r)
-        outs.append(_collect(eng, early, [first, *late]))
-        assert sum(calls) == 4  # nothing encoded twice
-    assert outs[0].keys() == outs[1].keys()
-    for rid, ref in outs[0].items():
-        for k in ("ids", "text", "spoken", "reason"):
-            assert outs[1][rid][k] == ref[k], (rid, k)
-        torch.testing.assert_close(outs[1][rid]["hidden"], ref["hidden"], atol=1e-5, rtol=1e-5)
-    idle = engine_factory(max_prefetch_items_per_step=1)  # no decode running: no bound
-    calls = _counting_vision(idle)
-    idle.prefetch([r.images[0] for r in late])
-    idle.step()
-    assert calls == [3]
-    with pytest.raises(ValueError, match="max_prefetch_items_per_step"):
-        ThinkerEngineConfig(max_prefetch_items_per_step=-1)
+def test_items_sent_ahead_go_in_one_batch_while_a_decode_runs(engine_factory):
+    """Items sent ahead of their requests while a decode runs are encoded together in the
+    next step, and wait there for their requests: nothing is encoded twice."""
+    eng = engine_factory(llm={"enable_prefix_caching": False})
+    calls = _counting_vision(eng)
+    first = _request(eng, "a", image_seed=1, max_tokens=12)
+    late = [_request(eng, f"b{i}", image_seed=10 + i, max_tokens=3) for i in range(3)]
+    eng.open("a", first)
+    early = [d for _ in range(3) for d in eng.step()]  # "a" decodes
+    assert eng.llm.has_decodes() and calls == [1]
+    eng.prefetch([r.images[0] for r in late])
+    early += eng.step()
+    assert calls == [1, 3] and eng.stats()["prefetch_held"] == 3
+    for r in late:
+        eng.open(r.request_id, r)
+    out = _collect(eng, early, [first, *late])
+    assert sum(calls) == 4 and eng.stats()["prefetch_hits"] == 3
+    assert all(o["reason"] == "length" for o in out.values())
 
 
 def test_images_sent_ahead_are_bounded_and_skip_what_is_encoded(engine_factory):
@@ -547,88 +525,11 @@ def _strips_image(sizes, seed, patch):
     return ImageInput(strips, torch.tensor(sizes, dtype=torch.int32), f"im{seed}")
 
 
-def test_vision_graphs_give_what_eager_gives(engine_factory):
-    """`vision_cuda_graphs`: each batch holds one patch grid and replays its graph (one per
-    slices and grid; the key's plan made once), and two batches of one key in a call keep
-    their own rows (the graph's output is copied out). Where the batches are the eager
-    path's (one grid), the rows are bitwise its; slices of other grids are batched apart
-    instead of padded together, the same up to the padded batch's masked kernels."""
-    from pipeline.thinker.model import VisionGraphs
-
-    model = engine_factory().model
-    p = model.cfg.slicing.patch_size
-    one_grid = [_strips_image([(4, 6)] * 5, 1, p)]
-    graphs = VisionGraphs.of(model)
-    graphs.runner = _StaticRunner()
-    got, ref = model.encode_images(one_grid, 2, graphs), model.encode_images(one_grid, 2)
-    assert torch.equal(got[0], ref[0])
-    assert graphs.runner.keys == [(2, (4, 6)), (2, (4, 6)), (1, (4, 6))]
-
-    mixed = one_grid + [_strips_image([(6, 6), (3, 8)], 2, p), _strips_image([(4, 6)], 3, p)]
-    graphs.runner = _StaticRunner()
-    got, ref = model.encode_images(mixed, 2, graphs), model.encode_images(mixed, 2)
-    for a, b in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    # by length, then grid: (3, 8), six (4, 6) in twos, (6, 6)
-    assert graphs.runner.keys == [(1, (3, 8)), (2, (4, 6)), (2, (4, 6)), (2, (4, 6)), (1, (6, 6))]
-    assert graphs.runner.fallbacks == 0
-
-
-def test_vision_graphs_drop_plans_with_evicted_graphs(engine_factory):
-    from pipeline.thinker.model import VisionGraphs
-
-    model = engine_factory().model
-    p = model.cfg.slicing.patch_size
-    graphs = VisionGraphs.of(model)
-    graphs.runner = _StaticRunner(max_graphs=1)
-    for seed, grid in enumerate([(4, 6), (5, 5), (4, 6)]):
-        image = _strips_image([grid], seed, p)
-        got = model.encode_images([image], 4, graphs)
-        assert torch.equal(got[0], model.encode_images([image], 4)[0])
-        assert set(graphs.plans) == {(1, grid)}
-    assert graphs.runner.captures == 3
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-def test_vision_graphs_on_cuda_equal_eager(tiny_source):
-    from pipeline.thinker.model import ThinkerModel, VisionGraphs
-
-    model = ThinkerModel.load(tiny_source, "cuda", torch.bfloat16)
-    p = model.cfg.slicing.patch_size
-    # batches of one grid either way: (4, 6) x 2 twice, (6, 6) x 2
-    images = [_strips_image([(4, 6)] * 4, 1, p), _strips_image([(6, 6)] * 2, 2, p)]
-    graphs = VisionGraphs.of(model)
-    for _ in range(2):  # capture, then replay
-        got = model.encode_images(images, 2, graphs)
-        ref = model.encode_images(images, 2)
-        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-    assert graphs.runner.captures == 2 and graphs.runner.replays == 6
-
-
-def test_an_engine_with_vision_graphs_streams_the_same(engine_factory):
-    """The engine hands its vision batches to its graphs (CUDA only: on the CPU the knob
-    builds none, so the CPU runner stands in) and streams what an engine without them does;
-    its stats count the replays and the eager batches."""
-    plain, eng = engine_factory(), engine_factory(vision_cuda_graphs=True)
-    assert eng.vision_graphs is None  # not on the CPU
-    from pipeline.thinker.model import VisionGraphs
-
-    eng.vision_graphs = VisionGraphs.of(eng.model)
-    eng.vision_graphs.runner = _StaticRunner()
-    a = _run(eng, [_request(eng, "g", image_seed=5)])["g"]
-    b = _run(plain, [_request(plain, "g", image_seed=5)])["g"]
-    assert a["ids"] == b["ids"]  # an image's overview and slices: one batch each with graphs
-    torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-5, rtol=1e-5)
-    stats = eng.stats()
-    assert stats["vision_graph_replays"] == len(eng.vision_graphs.runner.keys) >= 2
-    assert stats["vision_graph_fallbacks"] == 0
-
-
 def test_an_engine_with_audio_graphs_streams_the_same(engine_factory):
     """The engine hands a step's lone audio clip to its graphs (CUDA only; the CPU runner
     stands in) and streams what an engine without them does; two clips in one step are
     encoded together, eagerly; the stats count both."""
-    plain, eng = engine_factory(), engine_factory(audio_cuda_graphs=True)
+    plain, eng = engine_factory(), engine_factory()
     assert eng.audio_graphs is None  # not on the CPU
     from pipeline.thinker.model import AudioGraphs
 

@@ -8,20 +8,16 @@ Each `step()`:
      cached prefix are not encoded at all (a follow-up question about the same video
      computes only the new turn); should that prefix be evicted before the request runs,
      the LLM engine calls back for the rows;
-  2) encodes at most `max_encoder_items_per_step` of the admitted requests' media (while a
-     decode is running; all of them otherwise) (FIFO over
-     requests, each request's media in prompt order, a content-hash LRU in front of the
-     encoders, the chosen images batched in one vision pass and the clips in one audio
-     pass) and hands their rows to the LLM engine, which computes each prompt only up to
-     its first slot still waiting for rows: a request's prefill chunks start while its
-     later frames are being encoded. Media sent ahead of their request (`prefetch`: a
-     video's frames, an audio part's clip, while the ingress still decodes the rest) go in
-     the same batches, after the admitted requests' media (at most
-     `max_prefetch_items_per_step` of them while a decode runs), and wait for their request;
-  3) runs one continuous-batching step of the LLM engine (every running decode + at most
-     `max_prefill_tokens_per_step` prompt tokens); with media to encode while an LLM step
-     launched ahead is in flight, the step only returns that one's outputs (encoders
-     wait for the device, and those ids should not wait for the encoders);
+  2) encodes the admitted requests' media (FIFO over requests, each request's media in
+     prompt order, a content-hash LRU in front of the encoders, the images batched in one
+     vision pass and the clips in one audio pass) and hands their rows to the LLM engine,
+     which computes each prompt only up to its first slot still waiting for rows. Media
+     sent ahead of their request (`prefetch`: a video's frames, an audio part's clip, while
+     the ingress still decodes the rest) go in the same batches, after the admitted
+     requests' media, and wait for their request;
+  3) runs one continuous-batching step of the LLM engine; with media to encode while an
+     LLM step launched ahead is in flight, the step only returns that one's outputs
+     (encoders wait for the device, and those ids should not wait for the encoders);
   4) turns new ids into text deltas (no half UTF-8 characters) and pairs each spoken-span
      token with the hidden state computed when it was the input token (what the Talker
      conditions on: spec section 2.2).
@@ -38,7 +34,6 @@ Synchronous and single-threaded: the deployment drives it in a loop.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
@@ -46,8 +41,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from pipeline.checkpoint import ModelSource
-from pipeline.engine.engine import EngineConfig, LLMEngine
-from pipeline.engine.scheduler import MediaSpan
+from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.scheduler import MediaSpan
 from pipeline.handoff import (
     HOLD_LIMIT_S,
     AudioInput,
@@ -57,7 +52,7 @@ from pipeline.handoff import (
     ThinkerRequest,
 )
 from pipeline.stage_engine import Holds
-from pipeline.thinker.model import AudioGraphs, ThinkerModel, VisionGraphs
+from pipeline.thinker.model import AudioGraphs, ThinkerModel
 from pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from pipeline.utils import resolve_device, resolve_dtype
 
@@ -67,57 +62,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ThinkerEngineConfig:
     llm: EngineConfig = field(default_factory=EngineConfig)
-    vision_attn_backend: str = "sdpa"  # eager | sdpa | flash
-    # Regional torch.compile of each SigLIP layer (CUDA only; 2.38 against ~3.2 ms a 448x448
-    # slice), compiled at start by a warm-up pass per batch kind, so no request pays for it.
-    compile_mm_encoder: bool = True
-    fuse_projections: bool = True  # one q|k|v and one gate|up matmul per layer (same math)
-    compile_llm_ops: bool = True  # torch.compile each LLM layer's halves around attention (CUDA)
-    # CUDA only: each LLM layer's QK-norm + RoPE and its two K/V cache copies as one Triton
-    # kernel (llm.py `fuse_qk_rope_kv`): ~2 fewer launches a layer, 72 a decode step. The
-    # norm's sum of squares sums in another order (bounded by the tests on CPU); off until
-    # measured and checked at full size on a GPU (bench/gpu_llm.py --qk-rope-kv).
-    fused_qk_rope_kv: bool = False
     encoder_cache_size: int = 256  # images / audio clips kept by content hash; 0 = off
     vision_batch_size: int = 16  # slices per vision forward
-    # CUDA only: vision batches of one patch grid each (an image's overview and its slices
-    # go apart) as a CUDA graph per (slices, grid), captured at its first use (model.py
-    # VisionGraphs): the same kernels without the ~11-16 ms of host work a pass costs. Off:
-    # in the app a video's passes run while it still decodes, so no turn ended sooner, and a
-    # new (slices, grid) costs a 50-140 ms capture at its first turn (docs/performance.md).
-    vision_cuda_graphs: bool = False
-    # CUDA only: a step's lone audio clip of at most the encoder's 30 s window (a realtime
-    # utterance, a voice message, a clip's track) as a CUDA graph per bucket of mel frames,
-    # captured at warm-up (model.py AudioGraphs): an eager pass is host work (7-16 ms of
-    # wall on an H200 at any clip length). The clip is padded to its bucket, so the encoder's
-    # kernels run over more rows: reordered sums, bounded by the tests. Off here (the plain
-    # path); the app ships it on (6.9 -> 2.0 ms a short clip on an H200).
-    audio_cuda_graphs: bool = False
-    max_admit_per_step: int = 8  # requests admitted (handed to the encoders and LLM) per step
-    # Encoder work per step, in items: one item = one vision slice (448x448, ~2.4 ms on an
-    # H200) or `audio_seconds_per_item` seconds of one audio clip (~0.5 ms/s). An image or a
-    # clip is never split across steps (a clip's rows come from one encoder pass over all
-    # of it), so a step takes whole media while they fit, and always at least one. 10 items
-    # ~ 25 ms: the most a running decode waits for a new request's encoders. Binds only
-    # steps with a running decode (with none, all admitted media go in one batch, as with
-    # 0 = no limit: every admitted request's media in the step that admits it). Off by
-    # default: in the app at c=8 (30 s clips) 10 items cost 28% of the throughput and doubled
-    # TTFT, since the steps it splits a request's encoding into also decode eagerly.
-    max_encoder_items_per_step: int = 0
-    audio_seconds_per_item: float = 5.0
     # Media encoded ahead of their request (`prefetch`: a video's frames, an audio clip,
     # while the ingress still decodes the rest) wait for it here, outside the LRU above, at
     # most this many (oldest dropped first: a request that never came). 512 (~256 MiB of
     # bf16 rows) holds the frames of 8 clips at the 64-frame limit, all on their way at once.
     prefetch_capacity: int = 512
-    # While a decode runs, a step encodes at most this many items sent ahead (after the
-    # admitted requests' media, which this leaves alone); the rest wait for later steps, or
-    # for their request's admission. 0 = every item waiting. What the unbounded steps cost:
-    # at c=8 (30 s clips, an H100) one step encoded 132 items (four clips' frames) in 583 ms
-    # while every running decode waited; bounding all encoder items instead (36 a step) cut
-    # that to 244 ms but split the admitted clips over steps: -10 to -13% throughput. This
-    # bound at 8 changed throughput and first audio by under 2% at c=4 and c=8 (off).
-    max_prefetch_items_per_step: int = 0
     dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
     # CUDA only: two short requests before serving (warm_up), so that what a first request
     # would pay (FlashInfer kernels built on first use, compiled helpers at prefill shapes)
@@ -125,24 +76,10 @@ class ThinkerEngineConfig:
     warm_up: bool = True
 
     def __post_init__(self) -> None:
-        if self.vision_attn_backend not in ("eager", "sdpa", "flash"):
+        if self.encoder_cache_size < 0 or self.vision_batch_size < 1 or self.prefetch_capacity < 0:
             raise ValueError(
-                f"vision_attn_backend must be eager|sdpa|flash, got {self.vision_attn_backend!r}"
+                "encoder_cache_size >= 0, vision_batch_size >= 1, prefetch_capacity >= 0"
             )
-        if self.encoder_cache_size < 0 or self.vision_batch_size < 1 or self.max_admit_per_step < 1:
-            raise ValueError(
-                "encoder_cache_size >= 0, vision_batch_size >= 1, max_admit_per_step >= 1"
-            )
-        if self.max_encoder_items_per_step < 0 or self.audio_seconds_per_item <= 0:
-            raise ValueError("max_encoder_items_per_step >= 0, audio_seconds_per_item > 0")
-        if self.prefetch_capacity < 0 or self.max_prefetch_items_per_step < 0:
-            raise ValueError("prefetch_capacity >= 0, max_prefetch_items_per_step >= 0")
-
-
-def _past(budget: int, used: int, cost: int) -> bool:
-    """Whether `cost` more items pass a step's encoder budget (0: none) with `used` taken;
-    a step's first item always goes in, however large."""
-    return bool(budget) and used > 0 and used + cost > budget
 
 
 class EncoderCache:
@@ -213,49 +150,25 @@ class _Stream:
 
 @dataclass(frozen=True)
 class ThinkerStats:
-    """`ThinkerEngine.stats()`, as a dict of these fields."""
+    """`ThinkerEngine.stats()`: these fields over the LLM engine's (`EngineStats`)."""
 
     open_streams: int  # requests the engine holds (queued, encoding, waiting or running)
     num_waiting_encode: int  # requests not admitted yet (those encoding count in the LLM's)
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
     encoder_cache_hits: int
     encoder_cache_misses: int
     encoder_cache_items: int
-    prefix_cache_hits: int  # prompt tokens whose K/V came from the LLM's prefix cache
-    prefix_cache_queries: int  # prompt tokens looked up
-    num_cached_blocks: int
     media_skipped: int  # images / clips not encoded: all their slots inside a cached prefix
     prefetched: int  # images and clips encoded ahead of their request (`prefetch`)
     prefetch_hits: int  # ... whose request took the rows
     prefetch_held: int  # ... waiting for their request now
-    # Per-step work, the largest seen (what bounds how long a running decode waits):
-    max_step_encoder_items: int  # encoder items of one step with a running decode
-    max_step_prefill_tokens: int  # prompt tokens of one LLM step with running decodes
-    max_decode_wait_steps: int  # most steps in a row a running decode got no token (0: none)
     max_step_ms: float  # the longest step(): encoders + LLM step
     max_decode_gap_ms: float  # the longest time between two token deltas of one request
-    holds: int = 0  # requests held for their first audio (hold_after_spoken)
-    holds_timed_out: int = 0  # ... whose hold ran out before a resume came (HOLD_LIMIT_S)
-    vision_graph_replays: int = 0  # vision batches run as CUDA graphs (vision_cuda_graphs)
-    vision_graph_captures: int = 0
-    vision_graph_fallbacks: int = 0  # ... run eagerly (float pixels)
-    audio_graph_replays: int = 0  # audio clips run as CUDA graphs (audio_cuda_graphs)
+    holds: int  # requests held for their first audio (hold_after_spoken)
+    holds_timed_out: int  # ... whose hold ran out before a resume came (HOLD_LIMIT_S)
+    llm_prefill_graph_steps: int  # LLM steps but pure decodes run as whole-step graphs
+    audio_graph_replays: int = 0  # audio clips run as CUDA graphs (CUDA)
     audio_graph_captures: int = 0
     audio_graph_fallbacks: int = 0  # ... encoder calls run eagerly (several clips in a step)
-    llm_piecewise_steps: int = 0  # LLM steps run as piecewise graphs (piecewise_graph_tokens)
-    llm_prefill_graph_steps: int = 0  # ... as whole prefill graphs (prefill_graph_tokens)
-    # The LLM's pure-decode steps on CUDA, cumulative (EngineStats): GPU spans, and the GPU's
-    # idle time before the steps launched with another in flight (the host was late)
-    decode_gpu_steps: int = 0
-    decode_gpu_ms: float = 0.0
-    decode_idle_gaps: int = 0
-    decode_idle_ms: float = 0.0
-    max_decode_idle_ms: float = 0.0
-    flashinfer_attention: int = 0  # the LLM's paged attention: 1 FlashInfer's, 0 torch's
 
 
 class ThinkerEngine:
@@ -278,9 +191,7 @@ class ThinkerEngine:
         self.dtype = dtype
         self.llm = LLMEngine(model.llm, config.llm, self.device, dtype, self._load_media)
         self.cache = EncoderCache(config.encoder_cache_size)
-        cuda = self.device.type == "cuda"
-        self.vision_graphs = VisionGraphs.of(model) if config.vision_cuda_graphs and cuda else None
-        self.audio_graphs = AudioGraphs.of(model) if config.audio_cuda_graphs and cuda else None
+        self.audio_graphs = AudioGraphs.of(model) if self.device.type == "cuda" else None
         self.tokens = model.cfg.tokens
         self._pending: list[ThinkerRequest] = []
         self._prefetch: dict[str, ImageInput | AudioInput] = {}  # to encode ahead
@@ -288,7 +199,6 @@ class ThinkerEngine:
         self.prefetched = self.prefetch_hits = 0
         self._streams: dict[str, _Stream] = {}
         self.media_skipped = 0
-        self._max_step_items = 0
         self._max_step_ms = 0.0
         self._max_gap_ms = 0.0
         self.holds = Holds(HOLD_LIMIT_S)
@@ -300,22 +210,14 @@ class ThinkerEngine:
         config = config or ThinkerEngineConfig()
         dev = resolve_device(device)
         dtype = resolve_dtype(config.dtype, dev)
-        # Compiling on the CPU only costs start-up time (minutes on 2 cores) for no gain.
-        model = ThinkerModel.load(
-            source,
-            dev,
-            dtype,
-            config.vision_attn_backend,
-            config.compile_mm_encoder and dev.type == "cuda",
-        )
+        cuda = dev.type == "cuda"  # compiling on the CPU only costs start-up time
+        model = ThinkerModel.load(source, dev, dtype, compile_mm_encoder=cuda)
         # After the weights are final: fusing makes the Linear weights views of fused tensors.
-        if config.fuse_projections:
-            model.llm.fuse_projections()
-        if config.compile_llm_ops and dev.type == "cuda":
+        model.llm.fuse_projections()
+        if cuda:
             model.llm.compile_ops()
-        if config.fused_qk_rope_kv and not model.llm.fuse_qk_rope_kv():
-            log.info("fused_qk_rope_kv: the kernel does not run on %s; plain QK-norm + RoPE", dev)
-        if config.compile_mm_encoder and dev.type == "cuda":
+        model.llm.fuse_qk_rope_kv()  # where its kernel runs (CUDA)
+        if cuda:
             t0 = time.perf_counter()
             passes = model.warm_up_vision(config.vision_batch_size)
             log.info("vision encoder compiled for %d batch kinds in %.1f s",
@@ -433,7 +335,7 @@ class ThinkerEngine:
         t0 = time.perf_counter()
         deltas: list[ThinkerDelta] = []
         if self._pending:
-            admit = self._pending[: self.config.max_admit_per_step]
+            admit = self._pending[: self.config.llm.max_num_seqs]
             self._pending = self._pending[len(admit) :]
             self._admit(admit)
         if self.llm.in_flight and (
@@ -497,56 +399,24 @@ class ThinkerEngine:
             )
             self._streams[r.request_id] = st
 
-    def _item_cost(self, media: ImageInput | AudioInput) -> int:
-        if isinstance(media, ImageInput):
-            return media.num_slices
-        seconds = media.num_frames / 100  # mel frames are 10 ms
-        return max(1, math.ceil(seconds / self.config.audio_seconds_per_item))
-
     def _encode_step(self) -> None:
-        """Encode the next media of the admitted requests, at most the step's budget of
-        items (FIFO: requests in admission order, media in prompt order, no overtaking;
-        media already encoded or in the encoder cache cost nothing), and hand every
-        request the rows of its media that now exist."""
-        # The budget is there for running decodes: with none, nobody waits on this step.
-        decoding = self.llm.has_decodes()
-        budget = self.config.max_encoder_items_per_step if decoding else 0
+        """Encode the admitted requests' media (requests in admission order, media in prompt
+        order; media already encoded or in the encoder cache cost nothing), then the media
+        sent ahead, and hand every request the rows of its media that now exist."""
         chosen: dict[str, ImageInput | AudioInput] = {}  # by key, in encoding order
-        used = 0
-        full = False
         for st in self._streams.values():
             for m in st.todo:
-                key = m.content_hash
-                free = key in chosen or key in self.cache or key in self._ahead
-                cost = 0 if free else self._item_cost(m)
-                if _past(budget, used, cost):
-                    full = True
-                    break
-                used += cost
-                chosen[key] = m
-            if full:
-                break
+                chosen.setdefault(m.content_hash, m)
         ahead: list[str] = []  # media encoded for requests still on their way
-        ahead_budget = self.config.max_prefetch_items_per_step if decoding else 0
-        ahead_used = 0
-        for key, m in list(self._prefetch.items()):
-            if key in chosen or key in self._ahead or key in self.cache:
-                del self._prefetch[key]  # an admitted request's own, or encoded meanwhile
-                continue
-            cost = self._item_cost(m)
-            if full or _past(budget, used, cost) or _past(ahead_budget, ahead_used, cost):
-                break
-            used += cost
-            ahead_used += cost
-            chosen[key] = m
-            ahead.append(key)
-            del self._prefetch[key]
+        for key, m in self._prefetch.items():
+            if key not in chosen and key not in self._ahead and key not in self.cache:
+                chosen[key] = m
+                ahead.append(key)
+        self._prefetch.clear()
         if not chosen:
             return
         images = {k: m for k, m in chosen.items() if isinstance(m, ImageInput)}
         audios = {k: m for k, m in chosen.items() if isinstance(m, AudioInput)}
-        if decoding:
-            self._max_step_items = max(self._max_step_items, used)
         have, vision_end, audio_end = self._encode(images, audios, time.time())
         for key in ahead:
             self._hold(key, have[key])
@@ -608,7 +478,7 @@ class ThinkerEngine:
         todo_audios = {k: v for k, v in audios.items() if k not in have}
         if todo_images:
             rows = self.model.encode_images(
-                list(todo_images.values()), self.config.vision_batch_size, self.vision_graphs
+                list(todo_images.values()), self.config.vision_batch_size
             )
             have.update(zip(todo_images, rows))
         vision_end = _synced_time(self.device) if todo_images else start
@@ -718,47 +588,25 @@ class ThinkerEngine:
                 )
 
     def stats(self) -> dict[str, float]:
-        s, runner = self.llm.stats(), self.llm.runner
-        return asdict(
-            ThinkerStats(
-                open_streams=len(self._pending) + len(self._streams),
-                num_waiting_encode=len(self._pending),
-                num_running=s.num_running,
-                num_waiting=s.num_waiting,
-                num_free_blocks=s.num_free_blocks,
-                num_total_blocks=s.num_total_blocks,
-                num_preemptions=s.num_preemptions,
-                encoder_cache_hits=self.cache.hits,
-                encoder_cache_misses=self.cache.misses,
-                encoder_cache_items=len(self.cache),
-                prefix_cache_hits=s.prefix_cache_hits,
-                prefix_cache_queries=s.prefix_cache_queries,
-                num_cached_blocks=s.num_cached_blocks,
-                media_skipped=self.media_skipped,
-                prefetched=self.prefetched,
-                prefetch_hits=self.prefetch_hits,
-                prefetch_held=len(self._ahead),
-                max_step_encoder_items=self._max_step_items,
-                max_step_prefill_tokens=s.max_step_prefill_tokens,
-                max_decode_wait_steps=s.max_decode_wait_steps,
-                max_step_ms=self._max_step_ms,
-                max_decode_gap_ms=self._max_gap_ms,
-                holds=self.holds.started,
-                holds_timed_out=self.holds.timed_out,
-                **(self.vision_graphs.runner.counts("vision") if self.vision_graphs else {}),
-                **(self.audio_graphs.runner.counts("audio") if self.audio_graphs else {}),
-                llm_piecewise_steps=runner.pieces.steps if runner.pieces else 0,
-                llm_prefill_graph_steps=(
-                    runner.prefill_graphs.steps if runner.prefill_graphs else 0
-                ),
-                decode_gpu_steps=s.decode_gpu_steps,
-                decode_gpu_ms=s.decode_gpu_ms,
-                decode_idle_gaps=s.decode_idle_gaps,
-                decode_idle_ms=s.decode_idle_ms,
-                max_decode_idle_ms=s.max_decode_idle_ms,
-                flashinfer_attention=s.flashinfer_attention,
-            )
+        graphs = self.llm.runner.graphs
+        own = ThinkerStats(
+            open_streams=len(self._pending) + len(self._streams),
+            num_waiting_encode=len(self._pending),
+            encoder_cache_hits=self.cache.hits,
+            encoder_cache_misses=self.cache.misses,
+            encoder_cache_items=len(self.cache),
+            media_skipped=self.media_skipped,
+            prefetched=self.prefetched,
+            prefetch_hits=self.prefetch_hits,
+            prefetch_held=len(self._ahead),
+            max_step_ms=self._max_step_ms,
+            max_decode_gap_ms=self._max_gap_ms,
+            holds=self.holds.started,
+            holds_timed_out=self.holds.timed_out,
+            llm_prefill_graph_steps=graphs.prefill_steps if graphs else 0,
+            **(self.audio_graphs.runner.counts("audio") if self.audio_graphs else {}),
         )
+        return {**asdict(self.llm.stats()), **asdict(own)}
 
 
 def _synced_time(device: torch.device) -> float:

@@ -10,7 +10,7 @@ State-dict keys equal the checkpoint's after stripping `llm.`: `model.embed_toke
 input_layernorm, post_attention_layernorm}`, `model.norm`, `lm_head`.
 
 The model knows nothing about sequences or blocks. Attention asks the scoped forward
-context (`pipeline.engine.attention.current_forward_batch()`) for the step's metadata and
+context (`pipeline.thinker.llm_engine.attention.current_forward_batch()`) for the step's metadata and
 KV cache. Outside a context (parity tests, one-off scoring) the whole flat batch is treated
 as one causal sequence with no cache.
 
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import LLMConfig
-from pipeline.engine.attention import current_forward_batch
+from pipeline.thinker.llm_engine.attention import current_forward_batch
 from pipeline.thinker import qk_rope_kv
 from pipeline.utils import fuse_into_views
 
@@ -292,7 +292,7 @@ class Qwen3DecoderLayer(nn.Module):
         x, q, k, v = self.pre_attention(x, delta, cos, sin)
         return self.post_attention(x, self.attention(q, k, v, cos, sin))
 
-    # The layer on either side of its attention (what a piecewise CUDA graph captures).
+    # The layer on either side of its attention (each half compiled by `compile_ops`).
     def pre_attention(
         self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -392,10 +392,6 @@ class Qwen3LM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_hidden_layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)

@@ -3,15 +3,13 @@
     image slices --vpm--> (S, L, 1152) --resampler--> (S, 64, H)   one row per <unk> slot
     audio mel    --apm--> (T', 1024) --projection--> (T', H) --avgpool 5--> (n, H)
     prompt ids   --embed--> (P, H), <unk> rows replaced by the media rows above
-                 --Qwen3 (paged KV, continuous batching: pipeline/engine)--> next token
+                 --Qwen3 (paged KV, continuous batching: pipeline/thinker/llm_engine)--> next token
 
 `ThinkerModel` only holds the modules and encodes media; the engine
 (`pipeline/thinker/engine.py`) splices, schedules and samples.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 from torch import nn
@@ -39,22 +37,23 @@ from pipeline.utils import default_dtype
 
 
 class ThinkerModel(nn.Module):
-    def __init__(self, cfg: ThinkerConfig, vision_attn_backend: str = "sdpa"):
+    def __init__(self, cfg: ThinkerConfig):
         super().__init__()
         self.cfg = cfg
-        self.vpm = VisionEncoder(cfg.vision, vision_attn_backend)
+        self.vpm = VisionEncoder(cfg.vision)
         self.resampler = Resampler.from_config(cfg)
         self.audio = AudioEncoder.from_config(cfg)  # children: apm, audio_projection_layer
         self.llm = Qwen3LM(cfg.llm)
 
     @classmethod
     def load(cls, source: ModelSource, device: torch.device | str = "cpu",
-             dtype: torch.dtype = torch.float32, vision_attn_backend: str = "sdpa",
+             dtype: torch.dtype = torch.float32,
              compile_mm_encoder: bool = False) -> ThinkerModel:
-        """Build on the target device, then load every part strictly."""
+        """Build on the target device, then load every part strictly (`compile_mm_encoder`:
+        the vision layers compiled, CUDA)."""
         cfg = source.config.thinker
         with torch.device(device), default_dtype(dtype):
-            model = cls(cfg, vision_attn_backend)
+            model = cls(cfg)
         t, opt = source.tensors, optional_patterns(cfg)
 
         def part(prefix: str, schema: dict) -> dict[str, torch.Tensor]:
@@ -102,38 +101,22 @@ class ThinkerModel(nn.Module):
         return ImageInput(strips, torch.tensor(sizes, dtype=torch.int32), content_hash)
 
     @torch.inference_mode()
-    def encode_images(self, images: list[ImageInput], batch_size: int = 16,
-                      graphs: VisionGraphs | None = None) -> list[torch.Tensor]:
+    def encode_images(self, images: list[ImageInput], batch_size: int = 16) -> list[torch.Tensor]:
         """Every slice of every image, batched `batch_size` slices per vision forward.
-        Returns per image (num_slices * query_num, H). With `graphs`, batches hold slices of
-        one patch grid each and uint8 ones replay that batch shape's CUDA graph."""
+        Returns per image (num_slices * query_num, H)."""
         strips = [s for im in images for s in im.pixel_values]
         sizes = torch.cat([im.tgt_sizes.reshape(-1, 2) for im in images]) if images else None
         if not strips:
             return []
         device, dtype = self.llm.lm_head.weight.device, self.llm.lm_head.weight.dtype
-        # Sort by length so each batch pads little; restore order afterwards. With graphs a
-        # batch holds one grid (an image's overview and its slices differ): each replays its
-        # graph, and none is padded.
+        # Sort by length so each batch pads little; restore order afterwards.
         lens = (sizes[:, 0] * sizes[:, 1]).tolist()
-        grid = [(int(h), int(w)) for h, w in sizes.tolist()]
-        if graphs is None:
-            order = sorted(range(len(strips)), key=lambda i: lens[i])
-            runs = [order]
-        else:
-            order = sorted(range(len(strips)), key=lambda i: (lens[i], grid[i]))
-            runs = [list(run) for _, run in itertools.groupby(order, key=lambda i: grid[i])]
-        batches = [run[s : s + batch_size] for run in runs for s in range(0, len(run), batch_size)]
+        order = sorted(range(len(strips)), key=lambda i: lens[i])
+        batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
         rows: list[torch.Tensor | None] = [None] * len(strips)
         for idx in batches:
             pix, tgt, mask = pack_strips([strips[i] for i in idx], sizes[idx])
-            pix = pix.to(device, non_blocking=True)
-            if graphs is not None and pix.dtype == torch.uint8:
-                out = graphs.encode(pix, grid[idx[0]])
-            else:
-                if graphs is not None:
-                    graphs.runner.fallback()
-                out = self._encode_batch(pix, tgt, mask, dtype)
+            out = self._encode_batch(pix.to(device, non_blocking=True), tgt, mask, dtype)
             for j, i in enumerate(idx):
                 rows[i] = out[j]
         result, k = [], 0
@@ -179,13 +162,13 @@ AUDIO_GRAPH_FRAMES = (256, 512, 1024, 2048)
 
 class AudioGraphs:
     """The audio encoder, projection and pooling of one clip of at most one window (30 s)
-    as a CUDA graph per bucket of mel frames. Why: an eager pass is host-bound (on the H200
-    7-16 ms of wall at any clip length, docs/performance.md), and it sits on the first-text
-    path of a spoken turn (a realtime utterance, a voice message). The clip is padded with
-    zero frames to its bucket and masked as a shorter clip batched beside a longer one is
-    (`WhisperEncoder.masks`): its tokens are those it gets alone, up to the order in which
-    kernels over more rows sum. The masks are inputs, so one graph serves every length of
-    its bucket. Outputs are copied out of the graph's static buffer."""
+    as a CUDA graph per bucket of mel frames. Why: an eager pass is host-bound at any clip
+    length, and it sits on the first-text path of a spoken turn (a realtime utterance, a
+    voice message). The clip is padded with zero frames to its bucket and masked as a
+    shorter clip batched beside a longer one is (`WhisperEncoder.masks`): its tokens are
+    those it gets alone, up to the order in which kernels over more rows sum. The masks are
+    inputs, so one graph serves every length of its bucket. Outputs are copied out of the
+    graph's static buffer."""
 
     def __init__(self, audio: AudioEncoder, dtype: torch.dtype,
                  buckets: tuple[int, ...] = AUDIO_GRAPH_FRAMES):
@@ -224,46 +207,3 @@ class AudioGraphs:
 
     def _forward(self, features: torch.Tensor, mel_valid: torch.Tensor, mask: torch.Tensor):
         return self.audio.tokens(self.audio.apm.run(features, mel_valid, mask))
-
-
-class VisionGraphs:
-    """The vision encoder and resampler of a batch of slices of one patch grid as a CUDA
-    graph per (slices, grid). Why: a vision pass is host-bound at small batches (on the H200
-    ~11 ms of host work for one slice's ~2.6 ms of kernels, 16 ms for 8 slices' 19 ms), and
-    an image request or a video's first frames come in such batches. A replay runs the same
-    kernels on the same values as eager: the batch's position ids and masks (`plan`) are
-    made once per key, before its capture, and kept beside it. `encode_images` hands it
-    batches of one grid each; float pixels run eagerly (`runner.fallbacks`). Outputs are
-    copied out of the graph's static buffer, so two batches of one key in a call keep their
-    own rows."""
-
-    def __init__(self, vpm: VisionEncoder, resampler: Resampler, dtype: torch.dtype,
-                 max_graphs: int = 32):
-        self.vpm, self.resampler, self.dtype = vpm, resampler, dtype
-        self.runner = GraphRunner(max_graphs)
-        self.plans: dict[tuple[int, tuple[int, int]], tuple] = {}
-
-    @classmethod
-    def of(cls, model: ThinkerModel, max_graphs: int = 32) -> VisionGraphs:
-        return cls(model.vpm, model.resampler, model.llm.lm_head.weight.dtype, max_graphs)
-
-    def encode(self, pix: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """pix (B, 3, P, P*h*w) uint8 on the device, every slice of patch grid `grid` ->
-        (B, Q, H), the rows `ThinkerModel._encode_batch` gives."""
-        key, dtype = (pix.shape[0], grid), self.dtype
-        plans = self.plans.get(key)
-        if plans is None:
-            sizes, seq_len = [grid] * pix.shape[0], grid[0] * grid[1]
-            plans = (self.vpm.plan(sizes, seq_len, pix.device),
-                     self.resampler.plan(sizes, seq_len, dtype))
-        vision, resampler = plans
-
-        def forward(pixels: torch.Tensor) -> torch.Tensor:
-            feats = self.vpm.run(normalize_pixels(pixels).to(dtype), vision)
-            return self.resampler.run(feats, resampler)
-
-        out = self.runner.run(key, [pix], forward)
-        self.plans[key] = plans
-        for k in [k for k in self.plans if k not in self.runner]:  # evicted with their graphs
-            del self.plans[k]
-        return out.clone()

@@ -1,12 +1,11 @@
 """The Qwen3 layer's QK-norm + RoPE and its paged K/V cache write as one Triton kernel.
 
-Why: a B=1 decode step of the Thinker is ~650 kernels (5.6 ms of kernel time on an H200
-against a ~3.5 ms floor), and per layer the compiled QK-norm + RoPE and `write_kv`'s two
-`index_copy_` are about three of them (~108 a step over 36 layers), each a short
-launch-bound kernel. `qk_norm_rope_kv` does their work in one launch: for every
-token row it reads q, k and v where the q|k|v GEMM left them, applies the per-head RMSNorm
-and rotate-half RoPE to q and k, writes q out for attention and stores k and v into the
-layer's paged cache at the step's `kv_rows`. Attention then only reads the cache.
+Why: a small decode step of the Thinker is launch-bound, and per layer the compiled QK-norm
++ RoPE and `write_kv`'s two `index_copy_` are about three short kernels. `qk_norm_rope_kv`
+does their work in one launch: for every token row it reads q, k and v where the q|k|v GEMM
+left them, applies the per-head RMSNorm and rotate-half RoPE to q and k, writes q out for
+attention and stores k and v into the layer's paged cache at the step's `kv_rows`. Attention
+then only reads the cache.
 
 Numerics: the same ops as `llm.qk_norm_rope` (the HF order) rounded where they round. In
 bf16 each of `normed.to(bf16)`, `weight * normed`, `q * cos`, `rotate_half(q) * sin` and

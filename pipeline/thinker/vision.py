@@ -8,15 +8,12 @@ Stages of `VisionEncoder.forward`:
    27th) with a key-padding mask when strips in a batch have different L.
 4. post_layernorm. No pooling head: the resampler (resampler.py) pools to 64 tokens.
 
-Attention backends (speed only, same math):
-- "eager": matmul + additive mask + fp32 softmax, exactly the reference SiglipAttention.
-- "sdpa":  F.scaled_dot_product_attention with the same additive mask (None when unpadded).
-- "flash": padding removed, all strips packed into one (T, D) sequence and attended with a
-  varlen kernel (flash_attn if installed, else torch.nn.attention.varlen on CUDA) using
-  cu_seqlens. Padded rows skip the layers and come out as post_layernorm(0).
+Attention: "sdpa" (F.scaled_dot_product_attention with an additive key-padding mask, None
+when unpadded), what serves; "eager" (matmul + additive mask + fp32 softmax, exactly the
+reference SiglipAttention) is the reference the tests compare it with.
 
-Padded rows (beyond a strip's L) carry garbage in eager/sdpa, as in the reference; only
-the resampler reads this output and it masks them.
+Padded rows (beyond a strip's L) carry garbage, as in the reference; only the resampler
+reads this output and it masks them.
 
 `compile_vision_layers(encoder)` applies regional torch.compile from outside (one compiled
 layer forward shared by all layers); see its docstring for the dynamic-shape policy.
@@ -40,7 +37,7 @@ from torch import nn
 from pipeline.config import ThinkerConfig, VisionConfig
 from pipeline.sdpa import any_shape
 
-ATTN_BACKENDS = ("eager", "sdpa", "flash")
+ATTN_BACKENDS = ("eager", "sdpa")
 
 POS_ID_CACHE_SIZE = 256  # distinct (h, w) slice grids whose position ids are kept
 
@@ -124,39 +121,6 @@ def _eager_attention(q, k, v, mask, scale):
     return torch.matmul(probs, v)
 
 
-def _resolve_varlen_kernel():
-    """flash_attn's varlen kernel if installed, else torch's own (CUDA only)."""
-    try:
-        from flash_attn import flash_attn_varlen_func
-
-        def run(q, k, v, cu, max_len, scale):
-            return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale)
-
-        return run, "flash_attn"
-    except ImportError:
-        pass
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-
-        def run(q, k, v, cu, max_len, scale):
-            return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale)
-
-        return run, "torch.varlen"
-    except ImportError:
-        return None, None
-
-
-_VARLEN_KERNEL, VARLEN_KERNEL_NAME = _resolve_varlen_kernel()
-
-
-def flash_available(device: torch.device | str = "cuda") -> bool:
-    """Whether the "flash" backend can run on `device`."""
-    device = torch.device(device)
-    if VARLEN_KERNEL_NAME == "flash_attn":
-        return device.type == "cuda"
-    return VARLEN_KERNEL_NAME == "torch.varlen" and device.type == "cuda"
-
-
 # ---------------------------------------------------------------------------------------
 # Modules
 
@@ -167,10 +131,9 @@ class VisionPlan:
     besides the pixels."""
 
     seq_len: int  # patches per strip in the batch (the longest strip's)
-    padded_len: int  # seq_len rounded up to pad_multiple (eager / sdpa under a static compile)
+    padded_len: int  # seq_len rounded up to pad_multiple (under a static compile)
     pos_ids: torch.Tensor  # (B, padded_len) int64
-    mask: torch.Tensor | None  # eager / sdpa: additive key-padding (B, 1, 1, padded_len); None = all real
-    packed: tuple[torch.Tensor, torch.Tensor, int] | None  # flash: real-patch index, cu_seqlens, max len
+    mask: torch.Tensor | None  # additive key-padding (B, 1, 1, padded_len); None = all real
 
 
 class VisionEmbeddings(nn.Module):
@@ -206,15 +169,7 @@ class VisionAttention(nn.Module):
         self.v_proj = nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        max_seqlen: int = 0,
-    ) -> torch.Tensor:
-        if self.backend == "flash":
-            return self._forward_packed(x, cu_seqlens, max_seqlen)
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, n, d = x.shape
         # (B, L, D) -> (B, H, L, hd)
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
@@ -225,22 +180,6 @@ class VisionAttention(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
         return self.out_proj(o.transpose(1, 2).reshape(b, n, d))
-
-    def _forward_packed(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
-    ) -> torch.Tensor:
-        # x: (T, D), all strips concatenated without padding
-        if _VARLEN_KERNEL is None:
-            raise RuntimeError(
-                "vision_attn_backend='flash' needs flash_attn (pip install flash-attn) or "
-                "torch.nn.attention.varlen (torch>=2.10) on CUDA; use 'sdpa' instead"
-            )
-        t, d = x.shape
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_heads, self.head_dim)
-        o = _VARLEN_KERNEL(q, k, v, cu_seqlens, max_seqlen, self.scale)  # (T, H, hd)
-        return self.out_proj(o.reshape(t, d))
 
 
 class VisionMLP(nn.Module):
@@ -255,8 +194,7 @@ class VisionMLP(nn.Module):
 
 
 class VisionEncoderLayer(nn.Module):
-    """Pre-LN block: x + attn(ln1(x)), then x + mlp(ln2(x)). Works on (B, L, D) for
-    eager/sdpa and on packed (T, D) for flash (everything but attention is per token)."""
+    """Pre-LN block: x + attn(ln1(x)), then x + mlp(ln2(x)), on (B, L, D)."""
 
     def __init__(self, cfg: VisionConfig, backend: str = "sdpa"):
         super().__init__()
@@ -265,14 +203,8 @@ class VisionEncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = VisionMLP(cfg)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        max_seqlen: int = 0,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), attn_mask, cu_seqlens, max_seqlen)
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), attn_mask)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -298,7 +230,7 @@ class VisionEncoder(nn.Module):
         # (h, w) -> navit_position_ids, least recently used first. Bounded: the sizes come
         # from requests, and an unbounded dict keyed by them only ever grows.
         self._pos_id_cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
-        # When set, L is padded up to a multiple of this (eager/sdpa only): bounds the
+        # When set, L is padded up to a multiple of this: bounds the
         # number of distinct shapes a static-shape compile sees. See compile_vision_layers.
         self.pad_multiple: int | None = None
         self.set_attn_backend(attn_backend)
@@ -315,11 +247,7 @@ class VisionEncoder(nn.Module):
 
     def set_attn_backend(self, backend: str) -> None:
         if backend not in ATTN_BACKENDS:
-            raise ValueError(f"vision_attn_backend must be one of {ATTN_BACKENDS}, got {backend!r}")
-        if backend == "flash" and _VARLEN_KERNEL is None:
-            raise RuntimeError(
-                "vision_attn_backend='flash' needs flash_attn or torch.nn.attention.varlen"
-            )
+            raise ValueError(f"vision attention must be one of {ATTN_BACKENDS}, got {backend!r}")
         self._attn_backend = backend
         for layer in self.encoder.layers:
             layer.self_attn.backend = backend
@@ -365,7 +293,7 @@ class VisionEncoder(nn.Module):
         b, lens = len(sizes), [h * w for h, w in sizes]
         device = torch.device(device)
         padded_len = seq_len
-        if self.pad_multiple and self.attn_backend != "flash":
+        if self.pad_multiple:
             padded_len = math.ceil(seq_len / self.pad_multiple) * self.pad_multiple
         pos_ids = self.position_ids(sizes, padded_len).to(device, non_blocking=True)
 
@@ -380,27 +308,14 @@ class VisionEncoder(nn.Module):
                 raise ValueError(
                     "patch_attention_mask must mark the first h*w patches of each strip"
                 )
-        mask = packed = None
-        if self.attn_backend == "flash":
-            if not flash_available(device):
-                raise RuntimeError(
-                    f"vision_attn_backend='flash' has no varlen kernel on {device} "
-                    f"(found: {VARLEN_KERNEL_NAME}); use 'sdpa'"
-                )
-            # flat indices of real patches and cu_seqlens, built on CPU (no device sync)
-            idx = torch.cat([torch.arange(m, device="cpu") + i * padded_len
-                             for i, m in enumerate(lens)])
-            cu = torch.zeros(b + 1, dtype=torch.int32, device="cpu")
-            cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32, device="cpu"), 0)
-            packed = (idx.to(device, non_blocking=True), cu.to(device, non_blocking=True),
-                      max(lens))
-        elif min(lens) != padded_len:
+        mask = None
+        if min(lens) != padded_len:
             # additive key-padding mask, (B, 1, 1, L): broadcasts over heads and queries
             dtype = self.embeddings.patch_embedding.weight.dtype
             mask = torch.zeros(b, 1, 1, padded_len, dtype=dtype, device=device)
             pad = ~valid_cpu.to(device, non_blocking=True)
             mask.masked_fill_(pad[:, None, None, :], torch.finfo(dtype).min)
-        return VisionPlan(seq_len, padded_len, pos_ids, mask, packed)
+        return VisionPlan(seq_len, padded_len, pos_ids, mask)
 
     def run(self, pixel_values: torch.Tensor, plan: VisionPlan) -> torch.Tensor:
         """The device work of `forward` for a batch planned by `plan`: no host syncs."""
@@ -408,26 +323,12 @@ class VisionEncoder(nn.Module):
         if plan.padded_len != plan.seq_len:
             pixel_values = F.pad(pixel_values, (0, (plan.padded_len - plan.seq_len) * p))
         x = self.embeddings(pixel_values, plan.pos_ids)  # (B, L, D)
-        if plan.packed is not None:
-            x = self._run_packed(x, *plan.packed)
-        else:
-            # a vision batch's B and L change (a clip's last partial batch, frame sizes)
-            with any_shape():
-                for layer in self.encoder.layers:
-                    x = layer(x, plan.mask)
+        # a vision batch's B and L change (a clip's last partial batch, frame sizes)
+        with any_shape():
+            for layer in self.encoder.layers:
+                x = layer(x, plan.mask)
         x = self.post_layernorm(x)
         return x[:, : plan.seq_len]
-
-    def _run_packed(
-        self, x: torch.Tensor, idx: torch.Tensor, cu: torch.Tensor, max_len: int
-    ) -> torch.Tensor:
-        b, n, d = x.shape
-        h = x.reshape(b * n, d).index_select(0, idx)  # (T, D)
-        for layer in self.encoder.layers:
-            h = layer(h, None, cu, max_len)
-        out = x.new_zeros(b * n, d)
-        out.index_copy_(0, idx, h)
-        return out.view(b, n, d)
 
 
 def build_vision_encoder(

@@ -249,9 +249,8 @@ def import_flashinfer():
         import flashinfer
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise ImportError(
-            "attention_backend='flashinfer' needs the flashinfer-python package "
-            "(0.7.2.post1 is known to work; see docs/gpu.md); use attention_backend='torch' "
-            f"or 'auto' instead ({e})"
+            "FlashInfer's attention needs the flashinfer-python package (0.7.2.post1 is known "
+            f"to work; see docs/gpu.md) ({e})"
         ) from e
     return flashinfer
 
@@ -379,7 +378,7 @@ class FlashInferAttention:
 
 
 def make_backend(
-    name: str,
+    device: torch.device,
     *,
     num_qo_heads: int,
     num_kv_heads: int,
@@ -387,27 +386,18 @@ def make_backend(
     block_size: int,
     max_num_pages: int,
     dtype: torch.dtype,
-    device: torch.device,
 ) -> AttentionBackend:
-    """'torch' | 'flashinfer' | 'auto' (flashinfer on CUDA when importable, else torch).
-    'auto' on CUDA without flashinfer still serves, on the torch backend, but says so: that
-    backend captures no decode graph, so every step runs eagerly (an H100's app at c=1: a decode
-    step 32.4 ms of GPU against 8.5 with flashinfer, a 30 s clip's prefill 300 ms against 67)."""
-    if name == "auto":
-        name = "torch"
-        if device.type == "cuda":
-            try:
-                import_flashinfer()
-                name = "flashinfer"
-            except ImportError as e:
-                log.warning("attention_backend 'auto' on CUDA runs the torch backend, several "
-                            "times slower (no decode CUDA graphs): %s", e)
-    if name == "torch":
+    """FlashInfer's paged attention on CUDA when it imports, else torch's. CUDA without
+    FlashInfer still serves, on the torch backend, but says so: that backend captures no
+    CUDA graph, so every step runs eagerly, several times slower."""
+    if device.type != "cuda":
         return TorchAttention()
-    if name == "flashinfer":
-        if device.type != "cuda":
-            raise ValueError("attention_backend='flashinfer' needs a CUDA device")
-        return FlashInferAttention(
-            num_qo_heads, num_kv_heads, head_dim, block_size, max_num_pages, dtype, device
-        )
-    raise ValueError(f"unknown attention backend {name!r}")
+    try:
+        import_flashinfer()
+    except ImportError as e:
+        log.warning("no FlashInfer on CUDA: the LLM's attention runs on the torch backend, "
+                    "several times slower (no CUDA graphs): %s", e)
+        return TorchAttention()
+    return FlashInferAttention(
+        num_qo_heads, num_kv_heads, head_dim, block_size, max_num_pages, dtype, device
+    )

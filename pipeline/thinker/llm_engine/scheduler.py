@@ -6,15 +6,12 @@ are already in the cache (`num_computed`). A step schedules, per sequence, the n
 preemption, or a single decode token. There is no separate prefill/decode phase, so one
 step mixes them. A sequence samples a token when the step reaches its last token.
 
-Policy of `schedule()`, under `max_num_seqs`, `max_num_batched_tokens` and
-`max_prefill_tokens` (tokens of every share but single-token ones: decodes and last chunks;
-it binds steps with a running decode only, the ones somebody waits on):
+Policy of `schedule()`, under `max_num_seqs` and `max_num_batched_tokens`:
   1. Running sequences first, oldest first. Every running decode gets its token: budget for
-     the decodes behind a prefill chunk is held back before the chunk is sized, so a long
-     prompt never pushes a running decode out of a step. One that needs more blocks than are free
-     preempts the newest running sequence (its blocks are freed, it goes back to the head
-     of the waiting queue and is recomputed later), repeatedly; if it is itself the newest,
-     it is preempted and the pass stops.
+     the decodes behind a prefill chunk is held back before the chunk is sized. One that
+     needs more blocks than are free preempts the newest running sequence (its blocks are
+     freed, it goes back to the head of the waiting queue and is recomputed later),
+     repeatedly; if it is itself the newest, it is preempted and the pass stops.
   2. Then waiting sequences, FIFO: admitted while the token budget, `max_num_seqs` and
      free blocks allow; a prompt longer than the remaining budget is chunked. The queue
      head blocks everything behind it (no overtaking). With prefix caching, admission
@@ -58,8 +55,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.engine.kv_cache import ROOT_HASH, BlockHash, BlockManager, hash_block
-from pipeline.engine.sampling import PENDING_ID
+from pipeline.thinker.llm_engine.kv_cache import ROOT_HASH, BlockHash, BlockManager, hash_block
+from pipeline.thinker.llm_engine.sampling import PENDING_ID
 from pipeline.handoff import SamplingParams
 
 
@@ -230,12 +227,10 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        max_prefill_tokens: int | None = None,
     ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_prefill_tokens = max_prefill_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_prefix_queries = 0  # tokens of admitted sequences (readmissions count again)
@@ -279,18 +274,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     @staticmethod
-    def _share(seq: Sequence, start: int, budget: int, prefill: int) -> int:
+    def _share(seq: Sequence, start: int, budget: int) -> int:
         """Tokens `seq` computes this step from `start`: all it has left, cut to what is
-        ready, the token budget and (for more than one token) the prefill budget."""
-        n = _ready(seq) - start
-        return min(n, budget) if n <= 1 else min(n, budget, prefill)
+        ready and to the token budget."""
+        return min(_ready(seq) - start, budget)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
-        # The prefill bound is there for running decodes: a step with none (nobody waits on
-        # it) takes as many prompt tokens as the token budget allows.
-        prefill = self.max_prefill_tokens if self.has_decodes() else budget
 
         # 1) Running sequences, oldest first; make blocks by preempting the newest.
         i = 0
@@ -300,7 +291,7 @@ class Scheduler:
             later = sum(
                 1 for s in self.running[i + 1 :] if _ready(s) - s.num_computed == 1 and _wants(s)
             )
-            n = self._share(seq, seq.num_computed, budget, prefill) if _wants(seq) else 0
+            n = self._share(seq, seq.num_computed, budget) if _wants(seq) else 0
             if n > 1:
                 n = min(n, max(budget - later, 1))
             if n <= 0:
@@ -320,8 +311,6 @@ class Scheduler:
                 ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
             )
             budget -= n
-            if n > 1:
-                prefill -= n
             i += 1
 
         # 2) Waiting sequences, FIFO (a preempted one was put back at the head).
@@ -333,7 +322,7 @@ class Scheduler:
             seq = self.waiting[0]  # num_computed == 0, empty block table
             hit = self._match_prefix(seq)
             cached = len(hit) * self.blocks.block_size
-            n = self._share(seq, cached, budget, prefill)
+            n = self._share(seq, cached, budget)
             if n <= 0:
                 break  # its first rows are still being encoded: the queue waits with it
             # Fresh blocks for the computed part, plus the cached hits that leave the free
@@ -356,8 +345,6 @@ class Scheduler:
                 ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
             )
             budget -= n
-            if n > 1:
-                prefill -= n
         return plan
 
     def _match_prefix(self, seq: Sequence) -> list[int]:

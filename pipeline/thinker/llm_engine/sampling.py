@@ -31,23 +31,21 @@ Repetition penalty, as the reference's streaming chat computes it
   * each distinct id is penalized once (`torch.unique` there, HF's processor likewise):
     positive logits divided by the penalty, the others multiplied.
 
-Two samplers compute that rule:
-  * `Sampler`: per row on the host's schedule (a few host syncs a row), the reference path;
-  * `sample_batch`: the whole batch as one fixed sequence of tensor ops with no host sync,
-    so the decode CUDA graph can capture it. Its inputs are per-row tensors
-    (`SamplingTensors`) that `pack_rows` writes on the host and `draw_noise` fills on the
-    device. It computes the same function as `Sampler` bit for bit:
-      - penalty and temperature divide by float32 tensors in both (true division; a Python
-        scalar divisor would make CUDA multiply by its reciprocal instead);
-      - the bans are -inf in both (an index fill on the host, a bitmask row in the batch);
-      - top-k's threshold is the k-th largest value either way; top-p sorts stably and sums
-        the mass in float64, where every prefix sum of float32 probabilities down to 2**-29
-        is exact, so the cut does not depend on the scan algorithm torch picks for a
-        batch size;
-      - the draw is the exponential race `argmax(probs / q)`, q ~ Exp(1), which is what
-        `torch.multinomial(probs, 1)` computes: `draw_noise` takes q from the row's own
-        generator exactly as multinomial would, so a seed draws the same token on either
-        path, whatever else is in the batch.
+`sample_batch` computes that rule for the whole batch as one fixed sequence of tensor ops
+with no host sync, so the decode CUDA graph can capture it. Its inputs are per-row tensors
+(`SamplingTensors`) that `pack_rows` writes on the host and `draw_noise` fills on the device.
+It computes the same function as the per-row host sampler (tests/_sampling_ref.py, the
+reference path) bit for bit:
+  - penalty and temperature divide by float32 tensors (true division; a Python scalar
+    divisor would make CUDA multiply by its reciprocal instead);
+  - the bans are -inf (a bitmask row);
+  - top-k's threshold is the k-th largest value; top-p sorts stably and sums the mass in
+    float64, where every prefix sum of float32 probabilities down to 2**-29 is exact, so
+    the cut does not depend on the scan algorithm torch picks for a batch size;
+  - the draw is the exponential race `argmax(probs / q)`, q ~ Exp(1), which is what
+    `torch.multinomial(probs, 1)` computes: `draw_noise` takes q from the row's own
+    generator exactly as multinomial would, so a seed draws the same token whatever else
+    is in the batch.
 """
 
 from __future__ import annotations
@@ -110,58 +108,9 @@ def _banned(ids: tuple[int, ...], vocab: int) -> tuple[np.ndarray, np.ndarray]:
     return index, bits
 
 
-def apply_bans(logits: torch.Tensor, ids: tuple[int, ...]) -> torch.Tensor:
-    """logits (V,) with every id of `ids` at -inf (a new tensor when there is one)."""
-    if not ids:
-        return logits
-    index = torch.from_numpy(_banned(ids, logits.shape[-1])[0]).to(logits.device)
-    return logits.index_fill(-1, index, float("-inf"))
-
-
 def top_p_threshold(p: float) -> float:
     """p as the reference compares it: rounded to float32 (see the module docstring)."""
     return float(np.float32(p))
-
-
-def apply_repetition_penalty(
-    logits: torch.Tensor, ids: torch.Tensor, penalty: float
-) -> torch.Tensor:
-    """HF semantics: for every id seen, positive logits are divided by the penalty and
-    negative ones multiplied. logits: (V,), ids: (N,) int64. Returns a new tensor."""
-    if penalty == 1.0 or ids.numel() == 0:
-        return logits
-    out = logits.clone()
-    ids = ids.unique()
-    picked = out[ids]
-    # A tensor divisor divides exactly on every device, as the batched `penalize` does;
-    # CUDA would multiply by the reciprocal of a Python scalar (1 ulp apart at times).
-    pen = torch.full((), penalty, dtype=out.dtype, device=out.device)
-    out[ids] = torch.where(picked > 0, picked / pen, picked * pen)
-    return out
-
-
-def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest (ties at the threshold kept, as HF does); others -> -inf."""
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    thresh = torch.topk(logits, k).values[..., -1:]
-    return logits.masked_fill(logits < thresh, float("-inf"))
-
-
-def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus, the reference's rule: keep the top tokens until the mass before a token is
-    over p (a token whose mass before equals p stays; the first token always does)."""
-    p = top_p_threshold(p)
-    if p >= 1.0:
-        return logits
-    # Ties in index order and an exact float64 mass: the same cut as `sample_batch`.
-    sorted_logits, order = torch.sort(logits, descending=True, stable=True)
-    probs = sorted_logits.softmax(-1).double()
-    mass_before = probs.cumsum(-1) - probs
-    drop_sorted = mass_before > p
-    drop_sorted[..., 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -170,63 +119,6 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
-
-
-def sample_row(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    history: torch.Tensor,
-    generator: torch.Generator | None,
-) -> int:
-    """One token from one row of logits (V,). `history`: the ids to penalize (N,), the
-    request's `penalty_history`."""
-    logits = apply_bans(logits.float(), params.banned_ids)
-    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
-    if params.greedy:
-        return int(torch.argmax(logits))
-    temperature = torch.full((), params.temperature, dtype=logits.dtype, device=logits.device)
-    logits = logits / temperature  # a tensor divisor, as for the penalty
-    logits = top_k_mask(logits, params.top_k)
-    logits = top_p_mask(logits, params.top_p)
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-class Sampler:
-    """Batch sampler. Rows that are all plain greedy (no bans, no penalty) share one argmax;
-    the rest go row by row (per-request bans, penalty, temperature, top-k/p and generator).
-    `outputs[i]` are the ids row i's request generated so far (no prompt ids)."""
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        outputs: list[list[int]],
-        generators: list[torch.Generator | None],
-    ) -> list[int]:
-        out: list[int | None] = [None] * len(params)
-        plain = [
-            i
-            for i, p in enumerate(params)
-            if p.greedy and p.repetition_penalty == 1.0 and not p.banned_ids
-        ]
-        if plain:
-            idx = torch.tensor(plain, device=logits.device)
-            for i, tok in zip(plain, torch.argmax(logits[idx], dim=-1).tolist()):
-                out[i] = tok
-        for i, p in enumerate(params):
-            if out[i] is None:
-                hist = torch.tensor(
-                    penalty_history(outputs[i], p.repetition_window),
-                    dtype=torch.long,
-                    device=logits.device,
-                )
-                out[i] = sample_row(logits[i], p, hist, generators[i])
-        return out  # type: ignore[return-value]
-
-
-# ---------------------------------------------------------------------------------------
-# The batched sampler: host packing, device noise, and the capturable step
 
 
 def sampling_fields(
@@ -344,7 +236,8 @@ def draw_noise(
 
 
 def penalize(x: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """`apply_repetition_penalty` per row: x (B, V) float32, history (B, W) ids padded with
+    """The repetition penalty per row (HF semantics: positive logits divided, others
+    multiplied, each distinct id once): x (B, V) float32, history (B, W) ids padded with
     V, penalty (B,). Each distinct id is marked once (column V is the padding's sink)."""
     vocab = x.shape[-1]
     seen = torch.zeros(x.shape[0], vocab + 1, dtype=torch.bool, device=x.device)
@@ -354,14 +247,14 @@ def penalize(x: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> t
 
 
 def ban(x: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
-    """`apply_bans` per row: x (B, V), banned (B, ceil(V / 8)) bitmask rows."""
+    """The banned ids at -inf per row: x (B, V), banned (B, ceil(V / 8)) bitmask rows."""
     shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
     bits = (banned[:, :, None] >> shifts) & 1  # (B, ceil(V / 8), 8): bit j of byte b = id 8b + j
     return x.masked_fill(bits.flatten(1)[:, : x.shape[-1]].bool(), float("-inf"))
 
 
 def sample_batch(logits: torch.Tensor, t: SamplingTensors, sampled: bool = True) -> torch.Tensor:
-    """One id per row of logits (B, V): `Sampler`'s rule for every row at once, with no host
+    """One id per row of logits (B, V): the module's rule for every row at once, with no host
     sync. sampled=False runs bans + penalty + argmax only (every row greedy). Returns (B,)
     int64."""
     x = penalize(ban(logits.float(), t.banned), t.history, t.penalty)

@@ -6,7 +6,8 @@
         for out in engine.step(): ...
 
 Construction, in order: KV cache (sized from a byte budget or a block count) ->
-block manager + scheduler -> attention backend -> runner (+ CUDA graphs when enabled).
+block manager + scheduler -> attention backend (FlashInfer on CUDA, torch elsewhere) ->
+runner (+ CUDA graphs on CUDA with FlashInfer, unless `cuda_graphs=False`).
 The caller (a deployment) drives `step()` in a loop; nothing here spawns threads, and a step
 waits only for the device (for the step before it when launching ahead, below).
 
@@ -19,24 +20,20 @@ of spans it expects inside a cached prefix (`cached_prefix_len` says how far tha
 should the prefix be evicted before the request runs, or the request be preempted, the
 engine asks `media_loader` for those rows before a step computes them.
 
-Per-step bound: a step computes every running decode plus at most
-`max_prefill_tokens_per_step` prompt tokens (chunks), within `max_num_batched_tokens`, so a
-new prompt delays the running decodes by one bounded step, not by its whole prefill (a step
-with no running decode is bound by `max_num_batched_tokens` only: nobody waits on it). A caller
-whose media are still being encoded adds the request with `num_ready` (positions whose rows
-exist) and hands the later rows over with `supply_media` as they come; steps compute up to
-`num_ready` only, so prefill chunks start before the last media row exists.
+Every step computes every running decode plus prompt tokens (chunks) up to
+`max_num_batched_tokens`. A caller whose media are still being encoded adds the request with
+`num_ready` (positions whose rows exist) and hands the later rows over with `supply_media` as
+they come; steps compute up to `num_ready` only, so prefill chunks start before the last
+media row exists.
 
-Launching ahead (`launch_ahead`, on for CUDA by default): `step()` plans and launches the
-next step before it waits for the one in flight, and returns that one's outputs, so the
-host's planning, the caller's handling of outputs and whatever else holds the GIL overlap
-the GPU's work instead of stalling it between steps. The step launched ahead feeds each
-pending id from the device (runner.py); a sequence the in-flight step stops computes one
-row more, which is dropped (scheduler.py). Outputs come one `step()` later than without it;
-`has_unfinished()` holds until the last launched step is returned. The tokens are those of
-the synchronous steps: the same ops on the same rows, except that a batch holds a stopped
-row for one step more, which can change the kernel a GEMM takes (a float summation order,
-as any change of batch does).
+Launching ahead (on CUDA; a CPU step is done when launched: nothing to overlap): `step()`
+plans and launches the next step before it waits for the one in flight, and returns that
+one's outputs, so the host's work overlaps the GPU's instead of stalling it between steps.
+The step launched ahead feeds each pending id from the device (runner.py); a sequence the
+in-flight step stops computes one row more, which is dropped (scheduler.py). Outputs come one
+`step()` later; `has_unfinished()` holds until the last launched step is returned. The tokens
+are those of synchronous steps, up to the float summation order of a batch that holds a
+stopped row for one step more.
 """
 
 from __future__ import annotations
@@ -48,17 +45,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.engine.attention import FlashInferAttention, make_backend
-from pipeline.engine.graphs import (
-    DecodeGraphs,
-    PiecewiseGraphs,
-    PrefillGraphs,
-    default_graph_sizes,
-)
-from pipeline.engine.kv_cache import BlockManager, KVCache, num_blocks_for_budget
-from pipeline.engine.runner import LaunchedStep, ModelRunner
-from pipeline.engine.sampling import make_generator
-from pipeline.engine.scheduler import (
+from pipeline.thinker.llm_engine.attention import FlashInferAttention, make_backend
+from pipeline.thinker.llm_engine.graphs import LLMGraphRunner
+from pipeline.thinker.llm_engine.kv_cache import BlockManager, KVCache, num_blocks_for_budget
+from pipeline.thinker.llm_engine.runner import LaunchedStep, ModelRunner
+from pipeline.thinker.llm_engine.sampling import make_generator
+from pipeline.thinker.llm_engine.scheduler import (
     MediaSpan,
     ScheduledSeq,
     Scheduler,
@@ -77,52 +69,17 @@ MediaLoader = Callable[[str, list[MediaSpan]], list[torch.Tensor]]
 class EngineConfig:
     max_num_seqs: int = 8  # running sequences per step
     max_num_batched_tokens: int = 8192  # tokens computed per step (prefill chunking limit)
-    # Prompt tokens (chunks of more than one token) per step, on top of the decodes: bounds
-    # how long a new prompt holds up the running decodes (~25 ms of prefill on an H200 for
-    # the Thinker). None = max_num_batched_tokens (the default: mixed prefill + decode steps
-    # run without the decode graph, so more of them cost more than the bound saves).
-    max_prefill_tokens_per_step: int | None = None
     block_size: int = 16  # tokens per KV block (FlashInfer page size)
     kv_cache_bytes: int | None = 4 * 1024**3  # KV budget; ignored when num_blocks is set
     num_blocks: int | None = None  # explicit block count (tests)
-    attention_backend: str = "auto"  # "torch" | "flashinfer" | "auto"
-    cuda_graphs: bool = True  # capture decode graphs (CUDA + flashinfer only)
-    graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 32, ... max_num_seqs
-    # Steps decode graphs do not take (prefill, mixed, multimodal rows) of at most this many
-    # tokens run as piecewise CUDA graphs: every part of the forward but attention, captured
-    # per bucket of tokens (16, 32, ... this), attention eager between the pieces. Such a step
-    # is otherwise host-bound (~0.8 ms a layer of op-by-op launches). CUDA only; 0 = off.
-    piecewise_graph_tokens: int = 0
-    # Steps decode graphs do not take (prompts, chunks of them, prefills beside decodes) of
-    # at most this many tokens run as one CUDA graph per bucket of sequences (the decode
-    # graphs' sizes) and of tokens (16, 32, ... this), attention included (FlashInfer's
-    # prefill in its CUDA-graph mode): none of the piecewise path's host work between
-    # layers. CUDA + flashinfer only; 0 = off. Its GEMMs over the padded bucket and its
-    # attention's split of the keys may sum in another order.
-    prefill_graph_tokens: int = 0
+    cuda_graphs: bool = True  # decode and whole-step CUDA graphs (CUDA + FlashInfer); False: eager
     enable_prefix_caching: bool = True  # reuse K/V of cached full-block prompt prefixes
-    device_sampling: bool = True  # batched sampling on the device (False: the per-row host Sampler)
-    # Plan and launch step N+1 before waiting for step N (needs device sampling). None: on
-    # for CUDA, off elsewhere (a CPU step is done when launched: nothing to overlap).
-    launch_ahead: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("torch", "flashinfer", "auto"):
-            raise ValueError(
-                f"attention_backend must be torch|flashinfer|auto, got {self.attention_backend!r}"
-            )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
-        if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
-            raise ValueError("max_prefill_tokens_per_step must be >= 1 (or None)")
-        if self.piecewise_graph_tokens < 0:
-            raise ValueError("piecewise_graph_tokens must be >= 0 (0 = off)")
-        if self.prefill_graph_tokens < 0:
-            raise ValueError("prefill_graph_tokens must be >= 0 (0 = off)")
         if self.num_blocks is None and self.kv_cache_bytes is None:
             raise ValueError("set kv_cache_bytes or num_blocks")
-        if self.launch_ahead and not self.device_sampling:
-            raise ValueError("launch_ahead needs device_sampling (pending ids are on the device)")
 
 
 @dataclass
@@ -187,64 +144,28 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.max_prefill_tokens_per_step,
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
 
-        # ===== Attention backend =====
+        # ===== Attention backend, runner and its CUDA graphs =====
         self.backend = make_backend(
-            config.attention_backend,
+            self.device,
             num_qo_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
             block_size=config.block_size,
             max_num_pages=num_blocks + 1,
             dtype=dtype,
-            device=self.device,
         )
         self.flashinfer_attention = isinstance(self.backend, FlashInferAttention)
-
-        # ===== CUDA graphs (decode only) =====
         graphs = None
-        if (
-            config.cuda_graphs
-            and self.device.type == "cuda"
-            and isinstance(self.backend, FlashInferAttention)
-        ):
-            sizes = config.graph_batch_sizes or default_graph_sizes(config.max_num_seqs)
-            graphs = DecodeGraphs(
-                model, self.kv_cache, self.backend, sizes, cfg.head_dim**-0.5, dtype, self.device
+        if config.cuda_graphs and self.device.type == "cuda" and self.flashinfer_attention:
+            graphs = LLMGraphRunner.build(
+                model, self.kv_cache, self.backend, config.max_num_seqs, dtype, self.device
             )
-            graphs.capture()
-        pieces = None
-        if config.cuda_graphs and config.piecewise_graph_tokens and self.device.type == "cuda":
-            pieces = PiecewiseGraphs(model, config.piecewise_graph_tokens, dtype, self.device)
-            pieces.capture()
-        whole = None
-        if config.prefill_graph_tokens and graphs is not None:  # CUDA + flashinfer
-            whole = PrefillGraphs(
-                model, self.kv_cache, self.backend, config.prefill_graph_tokens, graphs.sizes,
-                cfg.head_dim**-0.5, dtype, self.device,
-            )
-            whole.capture()
-        self.runner = ModelRunner(
-            model,
-            self.kv_cache,
-            self.backend,
-            self.device,
-            dtype,
-            graphs,
-            config.device_sampling,
-            pieces,
-            whole,
-        )
-
-        ahead = config.launch_ahead
-        self.launch_ahead = (
-            ahead if ahead is not None else self.device.type == "cuda" and config.device_sampling
-        )
+        self.runner = ModelRunner(model, self.kv_cache, self.backend, self.device, dtype, graphs)
+        # Plan and launch step N+1 before waiting for step N (tests set it on the CPU).
+        self.launch_ahead = self.device.type == "cuda"
         self._inflight: tuple[StepPlan, LaunchedStep] | None = None  # launched, not returned
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []

@@ -1,32 +1,26 @@
 """Executes a `StepPlan` on the model.
 
-`run(plan)` is `finish(launch(plan))`: `launch` enqueues the whole step on the device and
-returns; `finish` waits for the step's device->host copy (its sampled ids and hidden rows,
-one event) and returns them. Steps of `launch`:
+`launch(plan)` enqueues the whole step on the device and returns; `finish` waits for the
+step's device->host copy (its sampled ids and hidden rows, one event). Steps of `launch`:
   1. Flatten the plan: token ids, positions and KV slot ids of every scheduled token,
      plus per-sequence query offsets, KV lengths and block tables (`AttnMetadata`).
-  2. Pure decode steps with a captured graph size replay a CUDA graph (graphs.py) that
-     samples inside the graph: the host only stages inputs, with no sync.
-     Everything else runs eagerly:
+  2. One branch: a step the graphs can run (`LLMGraphRunner.can_run`) replays one, any
+     other runs eagerly. A pure decode step's graph samples inside: the host only stages
+     inputs, with no sync. Otherwise:
   3. Embed the ids, then overwrite the rows at multimodal positions with the sequence's
      `mm_embeds` (only the rows inside this step's chunk).
-  4. Plan attention once, run the model inside the scoped forward context, or, for steps
-     of at most `piecewise_graph_tokens` tokens, as piecewise graphs (everything but
-     attention replayed, attention eager between the pieces: graphs.PiecewiseGraphs); a
-     step of at most `prefill_graph_tokens` tokens replays a whole graph instead,
-     attention inside (graphs.PrefillGraphs).
+  4. The model's forward: a whole-step graph's replay, or attention planned once and the
+     model run inside the scoped forward context.
   5. Logits for the last row of every sequence that reached its last token, sampled by
-     the same batched sampler (`sampling.sample_batch`), eagerly.
-  With `device_sampling=False` both paths sample row by row on the host instead
-  (`sampling.Sampler`, several syncs a row); the graphs then only provide the logits.
+     the batched sampler (`sampling.sample_batch`), eagerly.
   6. Hidden rows for `return_hidden` sequences: the final-norm hidden state of every
      output token fed as input (one row per decode step), each returned once.
 
-Launching ahead (`EngineConfig.launch_ahead`). The engine launches step N+1 before it
+Launching ahead (the engine's `launch_ahead`). The engine launches step N+1 before it
 finishes step N, so that the host plans N+1 while the GPU runs N; step N+1's inputs need
 not wait for step N's ids on the host: a sequence that samples in step N carries PENDING_ID
 as its last output id (the token step N is drawing), and the runner feeds that token, and
-the penalty history's newest id, from the ids step N left on the device. Device sampling only. A graph step's
+the penalty history's newest id, from the ids step N left on the device. A graph step's
 one wait is for the previous graph step's staged inputs to have been read (the first
 thing that step does on the GPU); eager steps still make blocking input copies.
 """
@@ -39,12 +33,16 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.attention import AttentionBackend, AttnMetadata, ForwardBatch, forward_batch
-from pipeline.engine.graphs import DecodeGraphs, PiecewiseGraphs, PrefillGraphs, Staging
-from pipeline.engine.kv_cache import KVCache
-from pipeline.engine.sampling import (
+from pipeline.thinker.llm_engine.attention import (
+    AttentionBackend,
+    AttnMetadata,
+    ForwardBatch,
+    forward_batch,
+)
+from pipeline.thinker.llm_engine.graphs import LLMGraphRunner, Staging
+from pipeline.thinker.llm_engine.kv_cache import KVCache
+from pipeline.thinker.llm_engine.sampling import (
     PENDING_ID,
-    Sampler,
     SamplingTensors,
     draw_noise,
     pack_rows,
@@ -52,7 +50,7 @@ from pipeline.engine.sampling import (
     sampling_fields,
     widened_history,
 )
-from pipeline.engine.scheduler import ScheduledSeq, Sequence, StepPlan
+from pipeline.thinker.llm_engine.scheduler import ScheduledSeq, Sequence, StepPlan
 
 
 @dataclass
@@ -65,7 +63,7 @@ class RunnerOutput:
 class LaunchedStep:
     """A step in flight: what `finish` reads once `done` has fired."""
 
-    ids: torch.Tensor | list[int]  # host copy of the device ids, or the host sampler's ids
+    ids: torch.Tensor | list[int]  # host copy of the device ids ([] when none sampled)
     keep: list[int] | None  # the entries of `ids` that are sampling plan entries (None: all)
     hidden: torch.Tensor | None  # host copy of the hidden rows `spans` point into
     spans: list[tuple[str, int, int]]  # request id, rows [start, end) of `hidden`
@@ -131,10 +129,7 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         dtype: torch.dtype,
-        graphs: DecodeGraphs | None = None,
-        device_sampling: bool = True,
-        pieces: PiecewiseGraphs | None = None,
-        prefill_graphs: PrefillGraphs | None = None,
+        graphs: LLMGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -144,13 +139,9 @@ class ModelRunner:
         self.graphs = graphs
         self.decode_times = DecodeTimes()
         self._in_flight = 0  # launched, not finished
-        self.pieces = pieces
-        self.prefill_graphs = prefill_graphs
-        self.device_sampling = device_sampling
         self.block_size = kv_cache.block_size
         self.scale = model.cfg.head_dim**-0.5
         self.vocab = model.cfg.vocab_size
-        self.sampler = Sampler()
         self._cuda = device.type == "cuda"
         # Eager steps' sampling rows (grown on demand; the graphs own theirs).
         self._staging: Staging | None = None
@@ -206,8 +197,6 @@ class ModelRunner:
 
     def _pending_sources(self, fb: _FlatBatch) -> list[int]:
         """Rows of `_prev_ids` holding the tokens of `fb.pending`."""
-        if fb.pending and not self.device_sampling:
-            raise RuntimeError("pending tokens need device sampling (device_sampling=True)")
         try:
             return [self._prev_rows[seq] for _, seq in fb.pending]
         except KeyError as e:
@@ -217,9 +206,6 @@ class ModelRunner:
             ) from None
 
     # -- run ---------------------------------------------------------------------------
-    def run(self, plan: StepPlan) -> RunnerOutput:
-        return self.finish(self.launch(plan))
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
         started = None
@@ -235,14 +221,14 @@ class ModelRunner:
         fb = self._flatten(plan)
         src = self._pending_sources(fb)
         mm = [self._mm_rows(s) for s in plan.seqs]
-        use_graph = (
-            self.graphs is not None
-            and plan.is_decode_only
-            and all(m is None for m in mm)
-            and self.graphs.bucket(len(plan.seqs)) is not None
-        )
-        if use_graph:
-            return self._graph_step(plan, fb, src)
+        media = any(m is not None for m in mm)
+        g = self.graphs
+        if g is not None and g.can_run(plan, media):
+            if g.is_decode(plan, media):
+                return self._decode_replay(plan, fb, src)
+            ids, embeds = self._embed(plan, fb, mm, src)
+            hidden = g.forward(plan, embeds, fb.qo_indptr, fb.positions, fb.slots, fb.kv_lens)
+            return self._sample_step(plan, fb, ids, hidden)
         return self._eager_step(plan, fb, mm, src)
 
     def finish(self, step: LaunchedStep, decode: bool = False) -> RunnerOutput:
@@ -258,15 +244,14 @@ class ModelRunner:
         hidden = {rid: step.hidden[a:b].clone() for rid, a, b in step.spans}
         return RunnerOutput(ids, hidden)
 
-    # -- 2) CUDA graph ---------------------------------------------------------------------
-    def _graph_step(self, plan: StepPlan, fb: _FlatBatch, src: list[int]) -> LaunchedStep:
-        g = self.graphs
+    # -- 2) a decode graph ----------------------------------------------------------------
+    def _decode_replay(self, plan: StepPlan, fb: _FlatBatch, src: list[int]) -> LaunchedStep:
+        g = self.graphs.decode
         n = len(plan.seqs)
         bucket = g.stage(
             fb.ids, fb.positions, fb.slots, fb.kv_lens, [s.seq.block_table for s in plan.seqs]
         )
-        dev = self.device_sampling
-        params = [s.seq.sampling if s.sample and dev else None for s in plan.seqs]
+        params = [s.seq.sampling if s.sample else None for s in plan.seqs]
         outputs = [s.seq.output_ids for s in plan.seqs]
         pad = bucket - n
         host = g.staging.host
@@ -281,10 +266,6 @@ class ModelRunner:
 
         keep = [i for i, s in enumerate(plan.seqs) if s.sample]
         spans = self._hidden_spans(plan, fb)
-        if not dev:
-            self._prev_ids, self._prev_rows = None, {}
-            ids = self._host_sample(g.logits[:n][keep], [plan.seqs[i] for i in keep])
-            return self._copy_out(ids, None, g.hidden[:n], spans, gather=False)
         ids = g.next_ids[:n]
         if packed.wide:  # a penalty history wider than the graph's: sample again, eagerly
             t = g.sampling_tensors(n)
@@ -294,6 +275,26 @@ class ModelRunner:
         return self._copy_out(ids, None if len(keep) == n else keep, g.hidden[:n], spans, False)
 
     # -- 3-5) eager --------------------------------------------------------------------
+    def _embed(
+        self,
+        plan: StepPlan,
+        fb: _FlatBatch,
+        mm: list[tuple[torch.Tensor, torch.Tensor] | None],
+        src: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ids on the device (pending ones from the previous step) and their
+        embeddings with the multimodal rows spliced in."""
+        ids = torch.tensor(fb.ids, dtype=torch.long).to(self.device)
+        if src:
+            rows = torch.tensor([row for row, _ in fb.pending], device=self.device)
+            ids[rows] = self._prev_ids[torch.tensor(src, device=self.device)]
+        embeds = self.model.embed(ids)  # (T, H)
+        for m, lo in zip(mm, fb.qo_indptr):
+            if m is not None:
+                rows, vals = m
+                embeds[lo + rows.to(self.device)] = vals.to(self.device, embeds.dtype)
+        return ids, embeds
+
     def _eager_step(
         self,
         plan: StepPlan,
@@ -301,45 +302,26 @@ class ModelRunner:
         mm: list[tuple[torch.Tensor, torch.Tensor] | None],
         src: list[int],
     ) -> LaunchedStep:
-        ids = torch.tensor(fb.ids, dtype=torch.long).to(self.device)
-        if src:
-            rows = torch.tensor([row for row, _ in fb.pending], device=self.device)
-            ids[rows] = self._prev_ids[torch.tensor(src, device=self.device)]
-        # 3) embeddings with multimodal rows spliced in
-        embeds = self.model.embed(ids)  # (T, H)
-        for s, m, lo in zip(plan.seqs, mm, fb.qo_indptr):
-            if m is not None:
-                rows, vals = m
-                embeds[lo + rows.to(self.device)] = vals.to(self.device, embeds.dtype)
-        # 4) attention plan + model
-        whole = self.prefill_graphs
-        key = None if whole is None else whole.key(len(plan.seqs), len(fb.ids))
-        if key is not None:
-            tables = [s.seq.block_table for s in plan.seqs]
-            hidden = whole.forward(
-                key, embeds, fb.qo_indptr, fb.positions, fb.slots, fb.kv_lens, tables
-            )
-        else:
-            positions = torch.tensor(fb.positions, dtype=torch.long)
-            meta = self._meta(plan, fb)
-            self.backend.prepare(meta)
-            batch = ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)
-            if self.pieces is not None and self.pieces.bucket(len(fb.ids)) is not None:
-                hidden = self.pieces.forward(embeds, positions.to(self.device), batch)
-            else:
-                with forward_batch(batch):
-                    hidden = self.model(embeds, positions.to(self.device))  # (T, H)
-        spans = self._hidden_spans(plan, fb)
+        ids, embeds = self._embed(plan, fb, mm, src)
+        positions = torch.tensor(fb.positions, dtype=torch.long).to(self.device)
+        meta = self._meta(plan, fb)
+        self.backend.prepare(meta)
+        batch = ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)
+        with forward_batch(batch):
+            hidden = self.model(embeds, positions)  # (T, H)
+        return self._sample_step(plan, fb, ids, hidden)
 
-        # 5) sampling
+    def _sample_step(
+        self, plan: StepPlan, fb: _FlatBatch, ids: torch.Tensor, hidden: torch.Tensor
+    ) -> LaunchedStep:
+        """Sample the last row of every sampling sequence; the step's outputs."""
+        spans = self._hidden_spans(plan, fb)
         sampling = [s for s in plan.seqs if s.sample]
         self._prev_ids, self._prev_rows = None, {}
         if not sampling:
             return self._copy_out([], None, hidden, spans, gather=True)
         rows = torch.tensor(fb.sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # (N, V)
-        if not self.device_sampling:
-            return self._copy_out(self._host_sample(logits, sampling), None, hidden, spans, True)
         pending = {seq for _, seq in fb.pending}
         newest = [j for j, s in enumerate(sampling) if s.seq in pending]
         out = self._sample_eager(logits, sampling, ids[rows], newest)
@@ -376,14 +358,6 @@ class ModelRunner:
                 widened_history(t.history, st.host["history"], packed.wide, self.vocab)
             )
         return sample_batch(logits, t, packed.sampled)
-
-    def _host_sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[int]:
-        return self.sampler(
-            logits,
-            [s.seq.sampling for s in sampling],
-            [s.seq.output_ids for s in sampling],  # the penalty counts generated ids only
-            [s.seq.generator for s in sampling],
-        )
 
     # -- 6) outputs ----------------------------------------------------------------------
     @staticmethod

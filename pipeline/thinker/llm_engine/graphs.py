@@ -1,26 +1,26 @@
-"""CUDA graphs for pure-decode steps of the LLM, on the project's GraphRunner (pipeline/graphs.py).
+"""CUDA graphs of whole LLM steps, on the project's GraphRunner (pipeline/graphs.py).
 
-Contract (one graph per bucketed batch size and sampler variant, captured at start, largest
-bucket first):
-- A graph computes `embed -> layers -> norm -> lm_head -> sample_batch` over static
-  buffers: the step's inputs (ids, positions, KV slots, FlashInfer's page table, every
-  row's sampling parameters and penalty history) live in one `Staging`, which the host
-  fills and uploads with one non-blocking copy; the noise rows are drawn on the device
-  before the replay; the outputs (hidden, logits, next ids) are static tensors read as
-  rows [:bs] (consume or copy them before the next replay).
-- Variants: `sampled=False` (penalty + argmax: every row greedy, the common case, and the
-  host sampler's logits) and `sampled=True` (the full sampler).
-- Padded rows up to the bucket: token 0 at position 0 writing to the KV cache's scratch
-  slot, attending over the scratch block, greedy with no penalty; their ids are ignored.
-- Attention metadata is not captured: before each replay the bucket's FlashInfer decode
-  wrapper is re-planned from the staged page table (pinned host indptr / last-page
-  lengths, device indices), so planning never waits for the GPU.
-- Only the FlashInfer backend is capturable (the torch backend syncs to read lengths).
-- Prefill and mixed steps, steps with multimodal rows, and batches above the largest
-  bucket run eagerly, or, with `piecewise_graph_tokens`, as `PiecewiseGraphs` (everything
-  but attention captured per bucket of tokens), or, with `prefill_graph_tokens`, as
-  `PrefillGraphs` (the whole forward, attention included, per bucket of sequences and of
-  tokens). `cuda_graphs=False` in the engine config turns graphs off entirely.
+`LLMGraphRunner` is the one contract the model runner sees: `can_run(plan, ...)` says whether
+a step has a captured graph, `decode` / `forward` replay it. Two kinds of graph lie behind it,
+all captured at start (largest first, smaller ones reuse its pool memory):
+
+- `DecodeGraphs`: pure-decode steps without multimodal rows, one graph per bucketed batch
+  size and sampler variant, computing `embed -> layers -> norm -> lm_head -> sample_batch`
+  over static buffers. The step's inputs (ids, positions, KV slots, FlashInfer's page table,
+  every row's sampling parameters and penalty history) live in one `Staging` uploaded with
+  one non-blocking copy; the noise rows are drawn on the device before the replay. Variants:
+  `sampled=False` (penalty + argmax: every row greedy) and `sampled=True` (the full sampler).
+- `PrefillGraphs`: every other step (prompts, chunks of them, prefills beside decodes,
+  multimodal rows) of at most `GRAPH_TOKENS` tokens, one graph per (bucket of sequences,
+  bucket of tokens), attention included (FlashInfer's prefill in its CUDA-graph mode). The
+  embeddings are the input, the final-norm hidden rows the output; sampling runs eagerly.
+
+Padded rows up to a bucket hold token 0 / a zero embedding at position 0, write their K/V
+into the KV cache's scratch slot and attend over its scratch block. Attention metadata is
+not captured: before each replay the key's FlashInfer wrapper is planned from the staged page
+table (pinned host arrays, device indices), so planning never waits for the GPU. Only the
+FlashInfer backend is capturable (the torch backend syncs to read lengths). Steps no graph
+takes run eagerly.
 """
 
 from __future__ import annotations
@@ -32,18 +32,28 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pipeline.engine.attention import (
+from pipeline.thinker.llm_engine.attention import (
     AttnMetadata,
     FlashInferAttention,
     ForwardBatch,
     forward_batch,
     write_new_kv,
 )
-from pipeline.engine.kv_cache import KVCache
-from pipeline.engine.sampling import SamplingTensors, pack_rows, sample_batch, sampling_fields
+from pipeline.thinker.llm_engine.kv_cache import KVCache
+from pipeline.thinker.llm_engine.scheduler import StepPlan
+from pipeline.thinker.llm_engine.sampling import (
+    SamplingTensors,
+    pack_rows,
+    sample_batch,
+    sampling_fields,
+)
 from pipeline.graphs import GraphRunner
 
 Fields = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+# Tokens of the largest whole-step graph: longer steps (a long prompt's first chunk) are
+# GPU-bound and run eagerly.
+GRAPH_TOKENS = 512
 
 
 def default_graph_sizes(max_bs: int) -> tuple[int, ...]:
@@ -306,115 +316,13 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
 
-def piece_buckets(max_tokens: int) -> tuple[int, ...]:
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
     """16, 32, 64, ... up to max_tokens (max_tokens itself always included)."""
     sizes, n = [], 16
     while n < max_tokens:
         sizes.append(n)
         n *= 2
     return (*sizes, max_tokens)
-
-
-class PiecewiseGraphs:
-    """CUDA graphs for the steps decode graphs do not take (prefills, mixed prefill + decode
-    steps, multimodal rows): every part of the forward but attention, captured per bucket of
-    tokens, with attention run eagerly between the pieces.
-
-    Why: such a step was issued op by op from the host, ~0.8 ms a layer, so a short prefill
-    took 30-38 ms of wall for ~7 ms of kernels (docs/performance.md). Attention stays outside
-    the graphs because its plan depends on every sequence's lengths; all the rest depends
-    only on the number of tokens.
-
-    Contract:
-    - a step of T tokens runs in the smallest bucket >= T (`bucket`); rows past T are zero
-      on input and ignored on output. Every op in a piece works row by row (norms, matmuls,
-      RoPE, SwiGLU), so padding never reaches a real row; a GEMM over more rows may pick
-      another kernel, so results may differ from the plain forward by reordered sums;
-    - per bucket, num_layers + 1 graphs over buffers this class owns: piece 0 is the rotary
-      table lookup and layer 0 up to its attention; piece i is layer i-1 after its attention
-      and layer i up to its attention; the last piece ends with the final norm (`hidden`);
-    - between pieces, the layer's `attention` (the step's planned attention, which also
-      writes the new K/V; under `fuse_qk_rope_kv` after the fused kernel, which normalizes
-      and rotates q and k first) runs on the real rows only, inside the step's ForwardBatch.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        max_tokens: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        cfg = model.cfg
-        self.model = model
-        self.layers = model.model.layers
-        self.buckets = piece_buckets(max_tokens)
-        n, hq, hkv, d = max_tokens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        kw = {"dtype": dtype, "device": device}
-        self.x = torch.zeros(n, cfg.hidden_size, **kw)  # the residual stream
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.cos = torch.zeros(n, 1, d, dtype=torch.float32, device=device)
-        self.sin = torch.zeros(n, 1, d, dtype=torch.float32, device=device)
-        self.q = torch.zeros(n, hq, d, **kw)
-        self.k = torch.zeros(n, hkv, d, **kw)
-        self.v = torch.zeros(n, hkv, d, **kw)
-        self.o = torch.zeros(n, hq, d, **kw)
-        self.hidden = torch.zeros(n, cfg.hidden_size, **kw)
-        pieces = len(self.layers) + 1
-        self.runner = GraphRunner(max_graphs=pieces * len(self.buckets), warmup_iters=1)
-        self.steps = 0  # observability: forwards run as pieces
-
-    def bucket(self, tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= tokens), None)
-
-    def _piece(self, n: int, i: int) -> None:
-        """Piece i over rows [:n] of the buffers."""
-        x, delta = self.x[:n], None
-        if i == 0:
-            cos, sin = self.model.rotary(self.positions[:n])
-            self.cos[:n].copy_(cos)
-            self.sin[:n].copy_(sin)
-        else:
-            x, delta = self.layers[i - 1].post_attention(x, self.o[:n])
-        if i == len(self.layers):
-            self.hidden[:n].copy_(self.model.final_norm(x, delta))
-            return
-        x, q, k, v = self.layers[i].pre_attention(x, delta, self.cos[:n], self.sin[:n])
-        if i > 0:
-            self.x[:n].copy_(x)
-        self.q[:n].copy_(q)
-        self.k[:n].copy_(k)
-        self.v[:n].copy_(v)
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Every piece of every bucket, largest bucket first (smaller ones reuse its pool)."""
-        for n in sorted(self.buckets, reverse=True):
-            for i in range(len(self.layers) + 1):
-                self.runner.add((n, i), lambda n=n, i=i: self._piece(n, i))
-        torch.cuda.synchronize()
-
-    def forward(
-        self, embeds: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """The model's forward over T <= max bucket tokens, attention through `batch` (the
-        step's, planned) -> final-norm hidden (T, H), a view of `hidden` (read it before the
-        next step)."""
-        t = embeds.shape[0]
-        n = self.bucket(t)
-        assert n is not None, f"{t} tokens exceed the largest piecewise bucket {self.buckets[-1]}"
-        self.x[:t].copy_(embeds)
-        self.x[t:n].zero_()
-        self.positions[:t].copy_(positions)
-        self.positions[t:n].zero_()
-        self.steps += 1
-        q, k, v, cos, sin = self.q[:t], self.k[:t], self.v[:t], self.cos[:t], self.sin[:t]
-        with forward_batch(batch):
-            for i in range(len(self.layers) + 1):
-                if i > 0:
-                    self.o[:t].copy_(self.layers[i - 1].attention(q, k, v, cos, sin))
-                self.runner.run((n, i), (), fn=None)  # every piece was captured at start
-        return self.hidden[:t]
 
 
 def prefill_fields(max_seqs: int, max_tokens: int, max_pages: int) -> Fields:
@@ -453,14 +361,13 @@ class _PlannedPrefill:
 
 class PrefillGraphs:
     """Whole-step CUDA graphs for the steps decode graphs do not take (prompts, chunks of
-    them, new turns over a cached history, prefills beside decodes), per (bucket of
-    sequences, bucket of tokens), attention included.
+    them, new turns over a cached history, prefills beside decodes, multimodal rows), per
+    (bucket of sequences, bucket of tokens), attention included.
 
-    Why: with attention between the pieces (`PiecewiseGraphs`), a short prefill's wall time
-    is still the host's: 36 layers of FlashInfer calls, K/V writes and piece launches, ~13 ms
-    for ~7 ms of kernels on an H200 (docs/performance.md). Attention can be captured too:
-    FlashInfer's prefill in its CUDA-graph mode takes a fixed number of sequences and at
-    most the rows of its first plan, and a plan before each replay rewrites its buffers.
+    Why: an eager short prefill is host-bound (every layer's attention call, K/V write and
+    op launches), a graph's wall time is its kernels'. FlashInfer's prefill in its
+    CUDA-graph mode takes a fixed number of sequences and at most the rows of its first
+    plan, and a plan before each replay rewrites its buffers.
 
     Contract:
     - a step of b sequences and T tokens runs in the key (B, n): B the smallest batch bucket
@@ -494,7 +401,7 @@ class PrefillGraphs:
         cfg = model.cfg
         self.model, self.kv_cache, self.backend, self.scale = model, kv_cache, backend, scale
         self.batch_sizes = tuple(sorted(b for b in batch_sizes if b <= max_tokens))
-        self.buckets = piece_buckets(max_tokens)
+        self.buckets = token_buckets(max_tokens)
         kw = {"dtype": dtype, "device": device}
         fields = prefill_fields(self.batch_sizes[-1], max_tokens, backend.max_num_pages)
         self.staging = Staging(fields, device)
@@ -620,3 +527,73 @@ class PrefillGraphs:
         self.steps += 1
         self.runner.run(key, (), fn=None)  # every key was captured at start
         return self.hidden[:t]
+
+
+class LLMGraphRunner:
+    """The LLM's CUDA graphs behind one contract: `can_run(plan, media)` says whether a step
+    replays a graph; a decode step (`is_decode`) replays its `decode` graph (sampling
+    inside), any other the whole-step graph of its size through `forward` (embeddings in,
+    final-norm hidden rows out). Either part may be absent (tests build one alone); `build`
+    captures both for the engine."""
+
+    def __init__(self, decode: DecodeGraphs | None = None, prefill: PrefillGraphs | None = None):
+        self.decode, self.prefill = decode, prefill
+
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        backend: FlashInferAttention,
+        max_seqs: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LLMGraphRunner:
+        scale = model.cfg.head_dim**-0.5
+        sizes = default_graph_sizes(max_seqs)
+        decode = DecodeGraphs(model, kv_cache, backend, sizes, scale, dtype, device)
+        decode.capture()
+        prefill = PrefillGraphs(
+            model, kv_cache, backend, GRAPH_TOKENS, sizes, scale, dtype, device
+        )
+        prefill.capture()
+        return cls(decode, prefill)
+
+    def is_decode(self, plan: StepPlan, media: bool) -> bool:
+        """The step is one for the decode graphs (`media`: it has multimodal rows)."""
+        return (
+            self.decode is not None
+            and plan.is_decode_only
+            and not media
+            and self.decode.bucket(len(plan.seqs)) is not None
+        )
+
+    def can_run(self, plan: StepPlan, media: bool) -> bool:
+        """The step has a graph: a decode graph, or a whole-step graph of its size."""
+        if self.is_decode(plan, media):
+            return True
+        tokens = sum(s.num_new for s in plan.seqs)
+        return self.prefill is not None and self.prefill.key(len(plan.seqs), tokens) is not None
+
+    def forward(
+        self,
+        plan: StepPlan,
+        embeds: torch.Tensor,
+        qo_indptr: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        kv_lens: Sequence[int],
+    ) -> torch.Tensor:
+        """A step `can_run` took but not `is_decode`, in its whole-step graph: the step's
+        flattened rows (`PrefillGraphs.forward`) -> final-norm hidden (T, H)."""
+        key = self.prefill.key(len(plan.seqs), embeds.shape[0])
+        tables = [s.seq.block_table for s in plan.seqs]
+        return self.prefill.forward(key, embeds, qo_indptr, positions, slots, kv_lens, tables)
+
+    @property
+    def decode_replays(self) -> int:
+        return self.decode.num_replays if self.decode is not None else 0
+
+    @property
+    def prefill_steps(self) -> int:
+        return self.prefill.steps if self.prefill is not None else 0
