@@ -1,32 +1,26 @@
-"""The fused Talker forward (TalkerEngineConfig.talker_fused): model.py's Llama with fewer,
-larger kernels, on the same weights.
+"""The Talker's forward: model.py's Llama with few, large kernels, on the same weights.
 
   * q|k|v and gate|up each as one GEMM: `TalkerModel.fuse_projections()` concatenates the
     loaded weights in place (the checkpoint's Linears keep their names and view them);
   * the residual add and the next RMSNorm as one step (`add_rms_norm`);
   * RoPE from a per-position table in the model dtype (cos, and sin with rotate-half's sign
     folded in) and a roll by half instead of neg + cat, on q and k at once, in place;
-  * k and v written into the "heads" cache (TalkerKVCache) by one `scatter_` per layer;
-  * attention: SDPA, as on the plain path, over contiguous per-head key rows, with the
-    mask built once per forward (additive, as SDPA converts a bool mask itself);
-  * `compile=True` (talker_compile): the pure parts of a layer (`first_attn_pre` /
-    `attn_pre` up to attention, `mlp_post` after it) and `final_norm` compiled with Inductor
-    and shared by every layer, rows and prompt length dynamic (3 graphs each: prefill,
-    decode at one row, decode at many); the cache write and attention stay eager. A decode
-    layer is then 10 kernels (add + norm, qkv GEMM, RoPE, scatter, SDPA, o GEMM, add + norm,
-    gate|up GEMM, SiLU * up, down GEMM; Inductor's CPU output has this split) where the plain
-    path launches ~50. Nothing in them syncs with the host, so the decode graphs capture
-    them after they compile in the graphs' warm-up runs;
-  * `rope_kernel=True` (talker_rope_kernel, CUDA): the rotation and the cache write as one
-    Triton kernel a layer (rope_kv.py), the compiled part then ending at the q|k|v GEMM
-    (`first_attn_qkv` / `attn_qkv`): 9 kernels a decode layer.
+  * k and v written into the TalkerKVCache by one `scatter_` per layer;
+  * attention: SDPA over contiguous per-head key rows, with the mask built once per forward
+    (additive, as SDPA converts a bool mask itself);
+  * on CUDA, the rotation and the cache write as one Triton kernel a layer (rope_kv.py), and
+    the pure parts of a layer (up to the q|k|v GEMM, and after attention: `mlp_post`) and
+    `final_norm` compiled with Inductor, shared by every layer, rows and prompt length
+    dynamic (3 graphs each: prefill, decode at one row, decode at many); attention stays
+    eager. Nothing in them syncs with the host, so the decode graphs capture them after
+    they compile in the graphs' warm-up runs. The CPU runs the same ops eagerly.
 
-Numerics. Every elementwise op rounds where the plain path rounds (bf16 products, sums and
-casts in the same order), so fused and plain differ only where the concatenated GEMMs'
-kernels sum in a different order (none on CPU: tests/test_talker_model.py checks bitwise
-equality there; on a GPU cuBLAS may pick other kernels for the wider matrices, measured by
-bench/gpu_talker.py). Compiled parts keep eager's bf16 roundings (emulate_precision_casts)
-but Inductor's own reduction order in the norms and its own SiLU, bounded by the tests.
+Numerics. Every elementwise op rounds where transformers' Llama rounds (bf16 products, sums
+and casts in the same order), so this forward differs from a plain one only where the
+concatenated GEMMs' kernels sum in another order (none on CPU: tests/test_talker_model.py
+checks bitwise equality against tests/_talker_ref.py there). Compiled parts keep eager's bf16
+roundings (emulate_precision_casts) but Inductor's own reduction order in the norms and its
+own SiLU, bounded by the tests.
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel
-from pipeline.talker.rope_kv import rope_kv_
+from pipeline.talker.rope_kv import available, rope_kv_
 
 
 def add_rms_norm(
@@ -91,8 +85,8 @@ def attn_qkv(
     heads: int,
     kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """attn_pre without the rotation (`rope_kernel`: rope_kv.py rotates and writes the
-    cache): (x + delta, qkv (B, L, H + 2 Hkv, D))."""
+    """attn_pre without the rotation (rope_kv.py rotates and writes the cache):
+    (x + delta, qkv (B, L, H + 2 Hkv, D))."""
     x, h = add_rms_norm(x, delta, norm_weight, eps)
     return x, _qkv(h, qkv_weight, heads, kv_heads)
 
@@ -169,35 +163,37 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class FusedTalker:
-    """`prefill` / `decode` of TalkerModel (same signatures and results up to GEMM summation
-    order) over a "heads" TalkerKVCache. Fuses the model's projections in place."""
+    """The Talker's `prefill` / `decode` over a TalkerKVCache. Fuses the model's projections
+    in place. `compile` and `rope_kernel` default to the device: on for CUDA (the kernel where
+    Triton runs), off elsewhere; tests set them to run either on the CPU."""
 
     def __init__(
-        self, model: TalkerModel, compile: bool = False, rope_kernel: bool = False
+        self, model: TalkerModel, compile: bool | None = None, rope_kernel: bool | None = None
     ) -> None:
         model.fuse_projections()
         self.model = model
         cfg = model.cfg
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.eps = cfg.rms_norm_eps
-        self.compiled = compile
-        # rope_kernel: each layer's rotation and K / V write as one Triton launch (rope_kv.py)
-        self.rope_kernel = rope_kernel
-        self._first, self._pre, self._post = first_attn_pre, attn_pre, mlp_post
-        self._first_qkv, self._qkv = first_attn_qkv, attn_qkv
-        self._final = final_norm
-        if compile:
-            self._first = _compiled(first_attn_pre, (0, 3))
-            self._pre = _compiled(attn_pre, (0, 1, 4))
-            self._first_qkv = _compiled(first_attn_qkv, (0,))
-            self._qkv = _compiled(attn_qkv, (0, 1))
+        device = model.emb_code[0].weight.device
+        on_cuda = device.type == "cuda"
+        self.compiled = on_cuda if compile is None else compile
+        self.rope_kernel = on_cuda and available(device) if rope_kernel is None else rope_kernel
+        # the layer's part up to attention: with the kernel, up to the q|k|v GEMM
+        first, pre = (first_attn_qkv, attn_qkv) if self.rope_kernel else (first_attn_pre, attn_pre)
+        self._first, self._pre, self._post, self._final = first, pre, mlp_post, final_norm
+        if self.compiled:
+            table = () if self.rope_kernel else (3,)  # the rope rows' position of each
+            self._first = _compiled(first, (0, *table))
+            self._pre = _compiled(pre, (0, 1, *(t + 1 for t in table)))
             self._post = _compiled(mlp_post, (0, 1))
             self._final = _compiled(final_norm, (0, 1))
 
     def prefill(
         self, cache: TalkerKVCache, slot: int, embeds: torch.Tensor, start: int = 0
     ) -> torch.Tensor:
-        """TalkerModel.prefill: embeds (L, E) at positions [start, start + L) of `slot`."""
+        """Run `embeds` (L, E) at positions [start, start + L) of `slot`'s cache row, after
+        the `start` cached positions. Returns the last position's logits (V,) float32."""
         length = embeds.shape[0]
         if start + length > cache.max_len:
             raise ValueError(f"prompt of {length} at {start} does not fit max_len {cache.max_len}")
@@ -212,7 +208,7 @@ class FusedTalker:
         )
         # a copy, not a view: compiled parts see the same kind of input at every layer
         hidden = self._forward(embeds[None].clone(), positions, cache, batch)
-        return self.model.head(hidden[0])  # a vector, as the plain path's head sees it
+        return self.model.head(hidden[0])  # a vector, as transformers' head sees it
 
     def prefill_padded(
         self, staging: TalkerKVCache, embeds: torch.Tensor, last: torch.Tensor
@@ -221,7 +217,7 @@ class FusedTalker:
         one-slot cache): embeds (P, E), `last` (1,) the prompt's last row. The padding comes
         after the prompt, so causal attention keeps it out of the prompt's rows, and its K / V
         land past the prompt. Returns the logits at `last` (V,). Every shape is fixed by P: a
-        CUDA graph per P replays it (the engine's `prefill_graphs`)."""
+        CUDA graph per P replays it (the engine's padded prefills)."""
         length = embeds.shape[0]
         positions = staging.position_ids[:length][None, :]  # (1, P)
         batch = AttentionBatch(slice(0, 1), staging.row_ids[:1], positions, length, None)
@@ -236,7 +232,12 @@ class FusedTalker:
         active: torch.Tensor,
         read_len: int,
     ) -> torch.Tensor:
-        """TalkerModel.decode: one step for cache rows [0, R). Returns logits (R, V)."""
+        """One step for cache rows [0, R): feed codes (R,) at positions (R,).
+
+        Rows with active False are idle slots: they write to the scratch column, read only
+        key 0, and their logits are meaningless. read_len must exceed every active
+        position. Returns logits (R, V) float32.
+        """
         r = codes.shape[0]
         x = self.model.embed_codes(codes[:, None])  # (R, 1, E), not a view (see prefill)
         pos = torch.where(active, positions, 0)
@@ -257,8 +258,6 @@ class FusedTalker:
     ) -> torch.Tensor:
         """x (B, L, E) -> final-norm hidden of the last position (B, E), or of position
         `last` (1,)."""
-        if cache.kv is None or cache.rope_cs is None:
-            raise ValueError("the fused path needs a TalkerKVCache with layout 'heads'")
         b, length, _ = x.shape
         h, hkv = self.heads, self.kv_heads
         cs = index = None
@@ -286,14 +285,10 @@ class FusedTalker:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer up to attention: (x + delta, qkv), q and k rotated unless rope_kernel."""
         args = (layer.input_layernorm.weight, layer.self_attn.qkv_weight)
-        shape = (self.eps, self.heads, self.kv_heads)
-        if self.rope_kernel:
-            if delta is None:
-                return x, self._first_qkv(x, *args, *shape)
-            return self._qkv(x, delta, *args, *shape)
+        args += (() if self.rope_kernel else (cs,)) + (self.eps, self.heads, self.kv_heads)
         if delta is None:
-            return x, self._first(x, *args, cs, *shape)
-        return self._pre(x, delta, *args, cs, *shape)
+            return x, self._first(x, *args)
+        return self._pre(x, delta, *args)
 
     def _attend_and_mlp(
         self,
