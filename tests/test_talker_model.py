@@ -420,10 +420,6 @@ def test_compiled_fused_forward_within_bound_and_few_graphs(dtype, rope_kernel):
     # a third).
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    first, pre = (
-        (fused_module.first_attn_qkv, fused_module.attn_qkv)
-        if rope_kernel
-        else (fused_module.first_attn_pre, fused_module.attn_pre)
-    )
-    for fn in (first, pre, fused_module.mlp_post, fused_module.final_norm):
+    for fn in (fused_module.first_attn_pre, fused_module.attn_pre, fused_module.mlp_post,
+               fused_module.final_norm):
         assert len(_debug_get_cache_entry_list(fn.__code__)) == 2, fn.__name__

@@ -296,25 +296,23 @@ class TalkerEngine:
         return bool(s.held_since)
 
     def stats(self) -> dict[str, float]:
-        return asdict(
-            TalkerStats(
-                open_streams=len(self._streams),
-                decoding_streams=sum(s.decoding for s in self._streams.values()),
-                free_slots=len(self._free),
-                steps=self._steps,
-                graph_replays=self.graphs.replays if self.graphs is not None else 0,
-                prefills=self._prefills,
-                codes=self._codes,
-                capacity=self.config.max_streams,
-                unaccounted_slots=self.config.max_streams
-                - len(self._free)
-                - sum(not s.finished for s in self._streams.values()),
-                holds=self.holds.started,
-                holds_timed_out=self.holds.timed_out,
-                prefill_ms=round(self._prefill_ms, 3),
-                decode_ms=round(self._decode_ms, 3),
-            )
-        )
+        streams = self._streams.values()
+        return asdict(TalkerStats(
+            open_streams=len(self._streams),
+            decoding_streams=sum(s.decoding for s in streams),
+            free_slots=len(self._free),
+            capacity=self.config.max_streams,
+            steps=self._steps,
+            graph_replays=self.graphs.replays if self.graphs is not None else 0,
+            prefills=self._prefills,
+            codes=self._codes,
+            unaccounted_slots=self.config.max_streams - len(self._free)
+            - sum(not s.finished for s in streams),
+            holds=self.holds.started,
+            holds_timed_out=self.holds.timed_out,
+            prefill_ms=round(self._prefill_ms, 3),
+            decode_ms=round(self._decode_ms, 3),
+        ))
 
     def stream_codes(self, stream_id: str) -> list[int]:
         """Every code the stream kept so far (released or not), EOS excluded."""
@@ -555,36 +553,18 @@ class TalkerEngine:
         size, ahead = CHUNK_CODES, LOOKAHEAD_CODES
         out = []
         while len(s.codes) - s.released >= size + ahead:
-            start = s.released
-            now = time.time()
-            out.append(
-                CodeChunk(
-                    s.stream_id,
-                    tuple(s.codes[start : start + size]),
-                    False,
-                    tuple(s.codes[start + size : start + size + ahead]),
-                    s.chunks_sent,
-                    s.chunk_started_at,
-                    now,
-                )
-            )
+            a, now = s.released, time.time()
+            out.append(CodeChunk(s.stream_id, tuple(s.codes[a : a + size]), False,
+                                 tuple(s.codes[a + size : a + size + ahead]), s.chunks_sent,
+                                 s.chunk_started_at, now))
             s.chunk_started_at = now
             s.released += size
             s.chunks_sent += 1
             if s.hold and s.chunks_sent == 1:
                 s.held_since = self.holds.start()
         if s.finished and not s.done_sent:
-            out.append(
-                CodeChunk(
-                    s.stream_id,
-                    tuple(s.codes[s.released :]),
-                    True,
-                    (),
-                    s.chunks_sent,
-                    s.chunk_started_at,
-                    time.time(),
-                )
-            )
+            out.append(CodeChunk(s.stream_id, tuple(s.codes[s.released :]), True, (),
+                                 s.chunks_sent, s.chunk_started_at, time.time()))
             s.released = len(s.codes)
             s.chunks_sent += 1
             s.done_sent = True

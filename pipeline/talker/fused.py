@@ -46,86 +46,40 @@ def add_rms_norm(
 
 
 def attn_pre(
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    norm_weight: torch.Tensor,
-    qkv_weight: torch.Tensor,
-    cs: torch.Tensor,
-    eps: float,
-    heads: int,
-    kv_heads: int,
+    x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
+    cs: torch.Tensor | None, eps: float, heads: int, kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer up to attention. x, delta (B, L, E): residual stream and the previous layer's
-    MLP output; cs (B, L, 2, D) rope rows. Returns (x + delta, qkv (B, L, H + 2 Hkv, D))
-    with q and k rotated."""
+    MLP output; cs (B, L, 2, D) rope rows, or None where rope_kv.py rotates q and k (and
+    writes the cache). Returns (x + delta, qkv (B, L, H + 2 Hkv, D))."""
     x, h = add_rms_norm(x, delta, norm_weight, eps)
-    return x, _rotated_qkv(h, qkv_weight, cs, heads, kv_heads)
+    return x, _qkv(h, qkv_weight, cs, heads, kv_heads)
 
 
 def first_attn_pre(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    qkv_weight: torch.Tensor,
-    cs: torch.Tensor,
-    eps: float,
-    heads: int,
-    kv_heads: int,
+    x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
+    cs: torch.Tensor | None, eps: float, heads: int, kv_heads: int,
 ) -> torch.Tensor:
     """attn_pre of the first layer (nothing to add): its own compiled function, so that
     neither needs a graph per `delta is None` case."""
-    return _rotated_qkv(add_rms_norm(x, None, norm_weight, eps)[1], qkv_weight, cs, heads, kv_heads)
+    return _qkv(add_rms_norm(x, None, norm_weight, eps)[1], qkv_weight, cs, heads, kv_heads)
 
 
-def attn_qkv(
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    norm_weight: torch.Tensor,
-    qkv_weight: torch.Tensor,
-    eps: float,
-    heads: int,
-    kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """attn_pre without the rotation (rope_kv.py rotates and writes the cache):
-    (x + delta, qkv (B, L, H + 2 Hkv, D))."""
-    x, h = add_rms_norm(x, delta, norm_weight, eps)
-    return x, _qkv(h, qkv_weight, heads, kv_heads)
-
-
-def first_attn_qkv(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    qkv_weight: torch.Tensor,
-    eps: float,
-    heads: int,
-    kv_heads: int,
+def _qkv(
+    h: torch.Tensor, qkv_weight: torch.Tensor, cs: torch.Tensor | None, heads: int, kv_heads: int
 ) -> torch.Tensor:
-    """attn_qkv of the first layer (nothing to add)."""
-    return _qkv(add_rms_norm(x, None, norm_weight, eps)[1], qkv_weight, heads, kv_heads)
-
-
-def _qkv(h: torch.Tensor, qkv_weight: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    return F.linear(h, qkv_weight).unflatten(-1, (heads + 2 * kv_heads, -1))
-
-
-def _rotated_qkv(
-    h: torch.Tensor, qkv_weight: torch.Tensor, cs: torch.Tensor, heads: int, kv_heads: int
-) -> torch.Tensor:
-    qkv = _qkv(h, qkv_weight, heads, kv_heads)
-    qk = qkv[:, :, : heads + kv_heads]
-    cos, sin = cs[:, :, None, 0], cs[:, :, None, 1]
-    rotated = qk.roll(qk.shape[-1] // 2, dims=-1) * sin  # rotate_half(x) * sin
-    qk.mul_(cos).add_(rotated)
+    qkv = F.linear(h, qkv_weight).unflatten(-1, (heads + 2 * kv_heads, -1))
+    if cs is not None:  # rotate q and k in place: x * cos + rotate_half(x) * sin
+        qk = qkv[:, :, : heads + kv_heads]
+        cos, sin = cs[:, :, None, 0], cs[:, :, None, 1]
+        rotated = qk.roll(qk.shape[-1] // 2, dims=-1) * sin
+        qk.mul_(cos).add_(rotated)
     return qkv
 
 
 def mlp_post(
-    x: torch.Tensor,
-    attn: torch.Tensor,
-    o_weight: torch.Tensor,
-    norm_weight: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    eps: float,
+    x: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor, down_weight: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer after attention: (x + o_proj(attn), the MLP's output to add next)."""
     x = x + F.linear(attn, o_weight)
@@ -149,8 +103,9 @@ def _compiled(fn: Callable, dynamic_args: tuple[int, ...]) -> Callable:
 
     def call(*args):
         for i in dynamic_args:
-            torch._dynamo.maybe_mark_dynamic(args[i], 0)
-            torch._dynamo.maybe_mark_dynamic(args[i], 1)
+            if args[i] is not None:
+                torch._dynamo.maybe_mark_dynamic(args[i], 0)
+                torch._dynamo.maybe_mark_dynamic(args[i], 1)
         return compiled(*args)
 
     return call
@@ -179,13 +134,11 @@ class FusedTalker:
         on_cuda = device.type == "cuda"
         self.compiled = on_cuda if compile is None else compile
         self.rope_kernel = on_cuda and available(device) if rope_kernel is None else rope_kernel
-        # the layer's part up to attention: with the kernel, up to the q|k|v GEMM
-        first, pre = (first_attn_qkv, attn_qkv) if self.rope_kernel else (first_attn_pre, attn_pre)
-        self._first, self._pre, self._post, self._final = first, pre, mlp_post, final_norm
-        if self.compiled:
-            table = () if self.rope_kernel else (3,)  # the rope rows' position of each
-            self._first = _compiled(first, (0, *table))
-            self._pre = _compiled(pre, (0, 1, *(t + 1 for t in table)))
+        self._first, self._pre = first_attn_pre, attn_pre
+        self._post, self._final = mlp_post, final_norm
+        if self.compiled:  # the rope rows (args 3 and 4) are None with the kernel
+            self._first = _compiled(first_attn_pre, (0, 3))
+            self._pre = _compiled(attn_pre, (0, 1, 4))
             self._post = _compiled(mlp_post, (0, 1))
             self._final = _compiled(final_norm, (0, 1))
 
@@ -225,12 +178,8 @@ class FusedTalker:
         return self.model.head(hidden[0])
 
     def decode(
-        self,
-        cache: TalkerKVCache,
-        codes: torch.Tensor,
-        positions: torch.Tensor,
-        active: torch.Tensor,
-        read_len: int,
+        self, cache: TalkerKVCache, codes: torch.Tensor, positions: torch.Tensor,
+        active: torch.Tensor, read_len: int,
     ) -> torch.Tensor:
         """One step for cache rows [0, R): feed codes (R,) at positions (R,).
 
@@ -249,11 +198,7 @@ class FusedTalker:
         return self.model.head(self._forward(x, pos[:, None], cache, batch))
 
     def _forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cache: TalkerKVCache,
-        batch: AttentionBatch,
+        self, x: torch.Tensor, positions: torch.Tensor, cache: TalkerKVCache, batch: AttentionBatch,
         last: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (B, L, E) -> final-norm hidden of the last position (B, E), or of position
@@ -284,37 +229,25 @@ class FusedTalker:
         self, layer, x: torch.Tensor, delta: torch.Tensor | None, cs: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer up to attention: (x + delta, qkv), q and k rotated unless rope_kernel."""
-        args = (layer.input_layernorm.weight, layer.self_attn.qkv_weight)
-        args += (() if self.rope_kernel else (cs,)) + (self.eps, self.heads, self.kv_heads)
+        args = (layer.input_layernorm.weight, layer.self_attn.qkv_weight, cs, self.eps,
+                self.heads, self.kv_heads)
         if delta is None:
             return x, self._first(x, *args)
         return self._pre(x, delta, *args)
 
     def _attend_and_mlp(
-        self,
-        layer,
-        x: torch.Tensor,
-        qkv: torch.Tensor,
-        kv_rows: torch.Tensor,
+        self, layer, x: torch.Tensor, qkv: torch.Tensor, kv_rows: torch.Tensor,
         batch: AttentionBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer from its rotated qkv, with this step's K / V in the cache: attend, then
         mlp_post."""
-        out = self._attend(qkv, kv_rows, batch)
-        mlp = layer.mlp
-        return self._post(
-            x,
-            out,
-            layer.self_attn.o_proj.weight,
-            layer.post_attention_layernorm.weight,
-            mlp.gate_up_weight,
-            mlp.down_proj.weight,
-            self.eps,
-        )
+        attn, mlp = layer.self_attn, layer.mlp
+        return self._post(x, self._attend(qkv, kv_rows, batch), attn.o_proj.weight,
+                          layer.post_attention_layernorm.weight, mlp.gate_up_weight,
+                          mlp.down_proj.weight, self.eps)
 
-    def _attend(
-        self, qkv: torch.Tensor, kv_rows: torch.Tensor, batch: AttentionBatch
-    ) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, kv_rows: torch.Tensor, batch: AttentionBatch
+                ) -> torch.Tensor:
         """SDPA of the rotated q over the new keys (mask None: causal prefill from an empty
         cache) or the cached keys [0, read_len). Returns (B, L, H * D)."""
         h, hkv = self.heads, self.kv_heads
@@ -327,7 +260,6 @@ class FusedTalker:
         if hkv != h:
             keys = keys.repeat_interleave(h // hkv, dim=1)
             values = values.repeat_interleave(h // hkv, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=batch.mask, is_causal=batch.mask is None
-        )
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask,
+                                             is_causal=batch.mask is None)
         return out.transpose(1, 2).flatten(2)

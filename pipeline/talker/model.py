@@ -110,15 +110,15 @@ class TalkerKVCache:
     """
 
     def __init__(
-        self, cfg: TalkerConfig, slots: int, max_len: int, dtype: torch.dtype,
-        device: torch.device,
+        self, cfg: TalkerConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
     ) -> None:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_len {max_len} exceeds max_position_embeddings {cfg.max_position_embeddings}"
             )
         layers, kv_heads, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        self.kv = torch.zeros(layers, 2, slots, kv_heads, max_len + 1, d, dtype=dtype, device=device)
+        shape = (layers, 2, slots, kv_heads, max_len + 1, d)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.slots = slots
         self.max_len = max_len
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len + 1, device)

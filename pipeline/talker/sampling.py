@@ -147,11 +147,8 @@ def top_k_filter(logits: torch.Tensor, top_k: int, min_keep: int) -> torch.Tenso
 
 
 def process_logits(
-    logits: torch.Tensor,
-    state: SamplerState,
-    params: TalkerSamplingParams,
-    temperature: torch.Tensor,
-    eos_column: torch.Tensor,
+    logits: torch.Tensor, state: SamplerState, params: TalkerSamplingParams,
+    temperature: torch.Tensor, eos_column: torch.Tensor,
 ) -> torch.Tensor:
     """Steps 1-5 of the module docstring. Returns new (B, V) float32 logits.
 
