@@ -75,18 +75,10 @@ class PlainTalker:
     def __init__(self, talker: TalkerModel) -> None:
         self.model = talker
 
-    def prefill(
-        self, cache: TalkerKVCache, slot: int, embeds: torch.Tensor, start: int = 0
-    ) -> torch.Tensor:
+    def prefill(self, cache: TalkerKVCache, slot: int, embeds: torch.Tensor) -> torch.Tensor:
         length = embeds.shape[0]
-        positions = cache.position_ids[start : start + length][None, :]  # (1, L)
-        mask = None
-        if start > 0:  # continue after cached positions: mask keys beyond each query
-            keys = cache.position_ids[: start + length]
-            mask = (keys[None, :] <= positions[0, :, None])[None, None]
-        batch = AttentionBatch(
-            slice(slot, slot + 1), cache.row_ids[:1], positions, start + length, mask
-        )
+        positions = cache.position_ids[:length][None, :]  # (1, L)
+        batch = AttentionBatch(slice(slot, slot + 1), cache.row_ids[:1], positions, length, None)
         hidden = backbone(self.model, embeds[None], positions, cache, batch)
         return self.model.head(hidden[0, -1])
 

@@ -11,12 +11,5 @@ from pipeline.talker.engine import CodeChunk, TalkerEngine, TalkerEngineConfig, 
 from pipeline.talker.model import TalkerKVCache, TalkerModel
 from pipeline.talker.sampling import TalkerSamplingParams
 
-__all__ = [
-    "CodeChunk",
-    "TalkerEngine",
-    "TalkerEngineConfig",
-    "TalkerKVCache",
-    "TalkerModel",
-    "TalkerSamplingParams",
-    "TalkerStats",
-]
+__all__ = ["CodeChunk", "TalkerEngine", "TalkerEngineConfig", "TalkerKVCache", "TalkerModel",
+           "TalkerSamplingParams", "TalkerStats"]

@@ -15,12 +15,10 @@ row + one sampler-state row):
   resume(rid)                   end the stream's hold (below): its first audio is out
 
 A stream opened with `TalkerSpec.hold` is held once its first chunk is released: its work
-runs only in steps that another stream's work calls for, until `resume` or HOLD_LIMIT_S.
+runs only in steps that another stream's work calls for, until `resume` or HOLD_LIMIT_S, so
+that on a GPU shared with Code2Wav the first chunk's audio comes sooner (the same codes).
 Should its first unit end before that chunk, the stream waits for text its Thinker holds
-for the same first audio: step() says so once (TextWanted), and the ingress resumes the
-Thinker.
-What it computes is unchanged, only when: on a GPU shared with Code2Wav, the first chunk's
-audio comes sooner.
+for the same first audio: step() says so once (TextWanted).
 
 A "unit" is what the reference decodes from one prompt:
   full_span   the whole spoken span: prompt [c_1..c_n, text_eos, audio_bos] once the text is
@@ -330,10 +328,9 @@ class TalkerEngine:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "streaming" and self.cfg.attention_type != "sliding_recompute":
-            raise ValueError(
-                f"streaming mode implements attention_type 'sliding_recompute' only, the "
-                f"checkpoint says {self.cfg.attention_type!r}; use mode 'full_span'"
-            )
+            raise ValueError(f"streaming mode implements attention_type 'sliding_recompute' "
+                             f"only, the checkpoint says {self.cfg.attention_type!r}; use mode "
+                             f"'full_span'")
         if seed is not None and not 0 <= seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
         if not self._free:
@@ -361,20 +358,15 @@ class TalkerEngine:
             s.text_finished = msg.finished
             return
         ids = torch.as_tensor(msg.ids, dtype=torch.long).reshape(-1).to(self.device)
-        hidden = msg.hidden
-        if hidden is None:
-            hidden = torch.zeros(0, self.cfg.llm_dim)
+        hidden = torch.zeros(0, self.cfg.llm_dim) if msg.hidden is None else msg.hidden
         if hidden.shape != (ids.numel(), self.cfg.llm_dim):
-            raise ValueError(
-                f"hidden must be ({ids.numel()}, {self.cfg.llm_dim}), got {tuple(hidden.shape)}"
-            )
+            raise ValueError(f"hidden must be ({ids.numel()}, {self.cfg.llm_dim}), "
+                             f"got {tuple(hidden.shape)}")
         total = s.pending.shape[0] + ids.numel()
         if s.mode == "full_span" and total + 2 >= self.max_len:
             # the prompt (span + text_eos + audio_bos) and at least one code must fit
-            raise ValueError(
-                f"stream {rid!r}: spoken span of {total} rows does not fit "
-                f"the {self.max_len} positions of a slot"
-            )
+            raise ValueError(f"stream {rid!r}: spoken span of {total} rows does not fit "
+                             f"the {self.max_len} positions of a slot")
         if ids.numel():
             rows = self.model.build_condition(ids, hidden.to(self.device))
             s.pending = torch.cat([s.pending, rows], dim=0)
@@ -445,10 +437,7 @@ class TalkerEngine:
             s.chunk_started_at = time.time()
         s.started_units += 1
         self._prefills += 1
-        s.unit_final = final
-        s.unit_codes = []
-        s.unit_draws = 0
-        s.decoding = True
+        s.unit_final, s.unit_codes, s.unit_draws, s.decoding = final, [], 0, True
         s.position = length
         with any_shape():  # a chunk's recompute prompt has any length
             logits = self._prefill(s.slot, prompt)  # (V,)

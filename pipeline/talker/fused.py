@@ -142,23 +142,14 @@ class FusedTalker:
             self._post = _compiled(mlp_post, (0, 1))
             self._final = _compiled(final_norm, (0, 1))
 
-    def prefill(
-        self, cache: TalkerKVCache, slot: int, embeds: torch.Tensor, start: int = 0
-    ) -> torch.Tensor:
-        """Run `embeds` (L, E) at positions [start, start + L) of `slot`'s cache row, after
-        the `start` cached positions. Returns the last position's logits (V,) float32."""
+    def prefill(self, cache: TalkerKVCache, slot: int, embeds: torch.Tensor) -> torch.Tensor:
+        """Run `embeds` (L, E) at positions [0, L) of `slot`'s cache row (causal attention
+        over them alone). Returns the last position's logits (V,) float32."""
         length = embeds.shape[0]
-        if start + length > cache.max_len:
-            raise ValueError(f"prompt of {length} at {start} does not fit max_len {cache.max_len}")
-        positions = cache.position_ids[start : start + length][None, :]  # (1, L)
-        mask = None
-        if start > 0:
-            keys = cache.position_ids[: start + length]
-            allowed = (keys[None, :] <= positions[0, :, None])[None, None]  # (1, 1, L, S)
-            mask = _additive_mask(allowed, embeds.dtype)
-        batch = AttentionBatch(
-            slice(slot, slot + 1), cache.row_ids[:1], positions, start + length, mask
-        )
+        if length > cache.max_len:
+            raise ValueError(f"prompt of {length} does not fit max_len {cache.max_len}")
+        positions = cache.position_ids[:length][None, :]  # (1, L)
+        batch = AttentionBatch(slice(slot, slot + 1), cache.row_ids[:1], positions, length, None)
         # a copy, not a view: compiled parts see the same kind of input at every layer
         hidden = self._forward(embeds[None].clone(), positions, cache, batch)
         return self.model.head(hidden[0])  # a vector, as transformers' head sees it

@@ -40,15 +40,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)
 
 
-def rope_tables(
-    head_dim: int, theta: float, num_positions: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, theta: float, num_positions: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (num_positions, head_dim) float32, Llama "default" RoPE."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)  # (D/2,)
@@ -67,9 +65,7 @@ def concat_rows(*linears: nn.Linear) -> torch.Tensor:
     start = 0
     for lin in linears:
         rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(
-            weight[start : start + rows], requires_grad=lin.weight.requires_grad
-        )
+        lin.weight = nn.Parameter(weight[start : start + rows], lin.weight.requires_grad)
         start += rows
     return weight
 
