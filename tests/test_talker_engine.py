@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from _talker_ref import PlainTalker
 from test_talker_model import hf_llama
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
@@ -21,7 +22,7 @@ from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec, TextWanted
 from pipeline.presets import tiny_hf_config
 from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
 from pipeline.talker.fused import FusedTalker
-from pipeline.talker.model import TalkerModel
+from pipeline.talker.model import TalkerKVCache, TalkerModel
 from pipeline.talker.sampling import TalkerSamplingParams
 
 
@@ -181,18 +182,12 @@ def all_codes(chunks: list[CodeChunk]) -> list[int]:
 # ---------------------------------------------------------------------------------------
 
 
-FORWARDS = [pytest.param(False, id="plain"), pytest.param(True, id="fused")]
-
-
-@pytest.mark.parametrize("fused", FORWARDS)
-def test_full_span_matches_reference_generate(fused):
+def test_full_span_matches_reference_generate():
     cfg = tiny_cfg()
     talker = make_talker(cfg, eos_bias=2.0)
     ref = Reference(talker, TalkerSamplingParams.from_config(cfg))
     ids, hidden = spoken(23, cfg, seed=5)
-    engine = TalkerEngine(
-        talker, TalkerEngineConfig(max_streams=2, mode="full_span", talker_fused=fused)
-    )
+    engine = TalkerEngine(talker, TalkerEngineConfig(max_streams=2, mode="full_span"))
     engine.open("a", TalkerSpec(seed=11))
     engine.feed("a", SpokenChunk(ids[:9], hidden[:9]))
     assert engine.step() == []  # full_span waits for the whole span
@@ -243,23 +238,21 @@ def test_chunks_of_25_released_with_3_lookahead():
     assert not first.finished and not second.finished
 
 
-@pytest.mark.parametrize("knobs", [{}, {"talker_fused": True},
-                                   {"talker_fused": True, "prefill_graphs": True}],
-                         ids=["plain", "fused", "padded prefills"])
-def test_streaming_matches_reference_generate_with_buffer(knobs, monkeypatch):
-    """The padded prefills: prompts up to 32 rows padded to 16 / 32 in the staging slot
-    (the recompute prompts of later chunks are longer and prefill as before); fp32 on the
-    CPU, so the padding changes no code."""
-    monkeypatch.setattr("pipeline.talker.engine.PREFILL_GRAPH_ROWS", 32)
-    cfg = tiny_cfg()
+@pytest.mark.parametrize("pad", [False, True], ids=["eager", "padded prefills"])
+def test_streaming_matches_reference_generate_with_buffer(pad, monkeypatch):
+    """The padded prefills (CUDA graphs on a GPU, run eagerly here): prompts up to 32 rows
+    padded to 16 / 32 in the staging slot (the recompute prompts of later chunks are longer
+    and prefill as before); fp32 on the CPU, so the padding changes no code."""
     cap = 30
+    monkeypatch.setattr("pipeline.talker.engine.STREAMING_CHUNK_MAX_CODES", cap)
+    cfg = tiny_cfg()
     talker = make_talker(cfg, eos_bias=2.0)
     ref = Reference(talker, TalkerSamplingParams.from_config(cfg))
-    engine = TalkerEngine(
-        talker, TalkerEngineConfig(max_streams=4, streaming_chunk_max_codes=cap, **knobs)
-    )
+    engine = TalkerEngine(talker, TalkerEngineConfig(max_streams=4))
+    assert engine.graphs is None and engine.prefill_lengths == ()  # the CPU's own path
     padded, unpadded = [], []
-    if knobs.get("prefill_graphs"):
+    if pad:
+        engine._pad_prefills(32)
         assert engine.prefill_lengths == (16, 32)
         pad, plain = engine._prefill_padded, engine.decoder.prefill
         monkeypatch.setattr(engine, "_prefill_padded", lambda r, i: padded.append(
@@ -297,7 +290,7 @@ def test_streaming_matches_reference_generate_with_buffer(knobs, monkeypatch):
         )
     assert all_codes(chunks["A"]) == [c for part in expected_a for c in part]
     assert all_codes(chunks["B"]) == [c for part in expected_b for c in part]
-    if knobs.get("prefill_graphs"):  # both paths ran: first chunks padded, long recomputes not
+    if pad:  # both paths ran: first chunks padded, long recomputes not
         assert padded and set(padded) <= {16, 32} and all(n > 32 for n in unpadded)
         assert unpadded
     # The test exercises both ways a chunk ends: EOS (short chunks) and the draw cap.
@@ -316,7 +309,8 @@ def test_streaming_eos_at_every_chunk_start_flushes_empty_final_chunk():
     assert engine._streams["s"].started_units == 3  # 10 + 10 + 5 rows, no minimum in streaming
 
 
-def test_batched_decode_equals_one_stream_at_a_time():
+def test_batched_decode_equals_one_stream_at_a_time(monkeypatch):
+    monkeypatch.setattr("pipeline.talker.engine.STREAMING_CHUNK_MAX_CODES", 20)
     cfg = tiny_cfg(max_new_tokens=45, min_new_tokens=5)
     talker = make_talker(cfg, eos_bias=2.0)
     plan = [
@@ -325,7 +319,7 @@ def test_batched_decode_equals_one_stream_at_a_time():
         ("s2", "streaming", 103, 18),
     ]
     data = {sid: spoken(n, cfg, seed=seed) for sid, _, seed, n in plan}
-    econf = TalkerEngineConfig(max_streams=4, streaming_chunk_max_codes=20)
+    econf = TalkerEngineConfig(max_streams=4)
 
     alone = {}
     for sid, mode, seed, n in plan:
@@ -354,7 +348,7 @@ def test_batched_decode_equals_one_stream_at_a_time():
     stats = engine.stats()
     assert stats["prefills"] == sum(e.started_units for e in engine._streams.values())
     assert stats["codes"] == sum(len(all_codes(c)) for c in together.values())
-    assert stats["free_slots"] == 4 and stats["decoding_streams"] == 0
+    assert stats["free_slots"] == stats["capacity"] == 4 and stats["decoding_streams"] == 0
     assert stats["graph_replays"] == 0
     assert stats["prefill_ms"] > 0 and stats["decode_ms"] > 0  # where the wall time went
     for sid, chunks in together.items():
@@ -363,8 +357,8 @@ def test_batched_decode_equals_one_stream_at_a_time():
 
 
 def test_slots_open_close_and_errors():
-    cfg = tiny_cfg(max_new_tokens=30, min_new_tokens=0)
-    engine = TalkerEngine(make_talker(cfg, 0.0), TalkerEngineConfig(max_streams=2, max_seq_len=64))
+    cfg = tiny_cfg(max_new_tokens=30, min_new_tokens=0, max_position_embeddings=64)
+    engine = TalkerEngine(make_talker(cfg, 0.0), TalkerEngineConfig(max_streams=2))
     assert engine.step() == [] and not engine.has_work()
     engine.open("a", TalkerSpec(seed=1))
     engine.open("b", TalkerSpec(mode="full_span", seed=2))
@@ -392,78 +386,49 @@ def test_slots_open_close_and_errors():
     engine.abort("c")  # idempotent
 
 
-def test_engine_config_resolution():
-    cfg = TalkerConfig()
-    conf = TalkerEngineConfig(max_streams=12).resolved(cfg, torch.bfloat16)
-    assert conf.graph_batch_sizes == (1, 2, 4, 8, 12)
-    assert conf.graph_kv_lengths == (256, 512, 1024, 2048, 4096)
-    assert conf.sampling == TalkerSamplingParams()
-    per_slot = 2 * 20 * 12 * 64 * 2 * 1025
-    budget = TalkerEngineConfig(max_streams=64, max_seq_len=1024, kv_cache_bytes=5 * per_slot + 7)
-    conf = budget.resolved(cfg, torch.bfloat16)
-    assert conf.max_streams == 5 and conf.graph_kv_lengths == (256, 512, 1024)
-    custom = TalkerEngineConfig(max_streams=6, graph_batch_sizes=(1, 3, 9), graph_kv_lengths=(128,))
-    conf = custom.resolved(cfg, torch.bfloat16)
-    assert conf.graph_batch_sizes == (1, 3, 6) and conf.graph_kv_lengths == (128, 4096)
-    with pytest.raises(ValueError):
-        TalkerEngineConfig(mode="duplex")
-    with pytest.raises(ValueError):
-        TalkerEngineConfig(max_seq_len=100, kv_cache_bytes=10).resolved(cfg, torch.bfloat16)
-    with pytest.raises(ValueError, match="talker_fused"):
-        TalkerEngineConfig(talker_compile=True)
-    with pytest.raises(ValueError, match="prefill_graphs pads the fused"):
-        TalkerEngineConfig(prefill_graphs=True)
-    with pytest.raises(ValueError, match="talker_rope_kernel is a kernel of the fused"):
-        TalkerEngineConfig(talker_rope_kernel=True)
-
-
-VARIANTS = {
-    "plain": {},
-    "fused": {"talker_fused": True},
-    "compiled": {"talker_fused": True, "talker_compile": True},
-    "padded": {"talker_fused": True, "talker_compile": True, "prefill_graphs": True},
-    "rope-kernel": {
-        "talker_fused": True, "talker_compile": True, "prefill_graphs": True,
-        "talker_rope_kernel": True,
-    },
-}
+def test_engine_config_buckets_and_capacity():
+    """Graph buckets follow max_streams and the model's positions; a KV budget that cannot
+    hold max_streams streams refuses to build, naming the numbers and the knobs."""
+    cfg = tiny_cfg(max_position_embeddings=1024)
+    talker = make_talker(cfg, 0.0)
+    engine = TalkerEngine(talker, TalkerEngineConfig(max_streams=12))
+    assert engine.batch_sizes == (1, 2, 4, 8, 12)
+    assert engine.kv_lengths == (256, 512, 1024) and engine.max_len == 1024
+    assert engine.stats()["capacity"] == 12 and engine.num_free_slots == 12
+    assert engine.params == TalkerSamplingParams.from_config(cfg)
+    per_slot = TalkerKVCache.bytes_per_slot(cfg, 1024, torch.float32)
+    exact = TalkerEngine(talker, TalkerEngineConfig(max_streams=5, kv_cache_bytes=5 * per_slot))
+    assert exact.stats()["capacity"] == 5
+    with pytest.raises(ValueError, match=r"holds 4 streams .* not max_streams 5: raise "
+                                         r"kv_cache_bytes .*memory_fraction.* capacity"):
+        TalkerEngine(talker, TalkerEngineConfig(max_streams=5, kv_cache_bytes=5 * per_slot - 1))
+    for bad in ({"mode": "duplex"}, {"max_streams": 0}, {"kv_cache_bytes": -1}):
+        with pytest.raises(ValueError):
+            TalkerEngineConfig(**bad)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_cuda_graph_decode_matches_eager(variant):
-    """Each forward (plain, fused, fused + compiled, + padded prefills) gives the same codes
-    eagerly and in its graphs (decode, one step or four per replay; the padded prefills)."""
+def test_cuda_graph_decode_matches_eager():
+    """The compiled forward with the RoPE kernel gives the same codes eagerly and in its
+    graphs (the decode step and the padded prefills)."""
     torch._dynamo.reset()
-    cfg = tiny_cfg(max_new_tokens=80, min_new_tokens=10)
+    cfg = tiny_cfg(max_new_tokens=80, min_new_tokens=10, max_position_embeddings=512)
     talker = make_talker(cfg, eos_bias=2.0, device="cuda")
     results = []
-    for graphs, steps in ((False, 1), (True, 1), (True, 4)):  # 4: four steps per replay
-        engine = TalkerEngine(
-            talker,
-            TalkerEngineConfig(
-                max_streams=4,
-                cuda_graphs=graphs,
-                max_seq_len=512,
-                decode_steps=steps,
-                **VARIANTS[variant],
-            ),
-        )
-        assert (engine.graphs is not None) == graphs
-        assert isinstance(engine.decoder, FusedTalker) == (variant != "plain")
-        rope_kernel = VARIANTS[variant].get("talker_rope_kernel", False)
-        assert getattr(engine.decoder, "rope_kernel", False) == rope_kernel
+    for graphs in (False, True):
+        engine = TalkerEngine(talker, TalkerEngineConfig(max_streams=4, cuda_graphs=graphs))
+        assert (engine.graphs is not None) == graphs and bool(engine.prefill_lengths) == graphs
+        assert engine.decoder.compiled and engine.decoder.rope_kernel
         start = engine.stats()["graph_replays"]  # compiling at start replays a padded prefill
         for i, mode in enumerate(["streaming", "full_span", "streaming"]):
             engine.open(f"s{i}", TalkerSpec(mode=mode, seed=i))
             ids, hidden = spoken(24 + 7 * i, cfg, seed=i)
             engine.feed(f"s{i}", SpokenChunk(ids, hidden, True))
         results.append(run(engine, ["s0", "s1", "s2"]))
-        if graphs and steps == 1:  # every decode step and (padded) every prefill replayed
+        if graphs:  # every decode step and every (padded) prefill replayed
             stats = engine.stats()
-            padded = stats["prefills"] if variant == "padded" else 0
-            assert stats["graph_replays"] - start == stats["steps"] + padded > padded
-    assert results[0] == results[1] == results[2]
+            assert stats["graph_replays"] - start == stats["steps"] + stats["prefills"]
+    assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("mode", ["full_span", "streaming"])
@@ -486,35 +451,6 @@ def test_fixed_code_count_ignores_eos(mode):
         engine.open("b", TalkerSpec(max_codes=0))
 
 
-@pytest.mark.parametrize("steps", [3, 4])
-def test_decode_groups_equal_one_step_at_a_time(steps):
-    """decode_steps > 1: several draws per decode call. Streams that draw EOS inside a group
-    stop there and rewind their generator; caps (chunk draws, fixed code count, max_new) fall
-    back to single steps, so every stream's chunks equal the one-step engine's."""
-    cfg = tiny_cfg(max_new_tokens=45, min_new_tokens=5)
-    talker = make_talker(cfg, eos_bias=2.0)  # units of ~10 codes: EOS lands inside groups
-    plan = [
-        ("s1", "streaming", 1, 31, None),
-        ("f1", "full_span", 2, 12, None),
-        ("s2", "streaming", 3, 18, None),
-        ("x1", "streaming", 4, 20, 30),
-    ]
-    results, engines = [], []
-    for k in (1, steps):
-        engine = TalkerEngine(
-            talker, TalkerEngineConfig(max_streams=4, streaming_chunk_max_codes=20, decode_steps=k)
-        )
-        for sid, mode, seed, n, max_codes in plan:
-            engine.open(sid, TalkerSpec(mode=mode, seed=seed, max_codes=max_codes))
-            engine.feed(sid, SpokenChunk(*spoken(n, cfg, seed=seed), True))
-        results.append(run(engine, [p[0] for p in plan]))
-        engines.append(engine)
-    assert results[0] == results[1]
-    one, grouped = engines
-    assert grouped.rewinds > 0 and grouped.stats()["codes"] == one.stats()["codes"]
-    assert len(all_codes(results[1]["x1"])) == 30
-
-
 class RecordingSampler:
     """Wraps an engine's sampler: every draw's (logits, active rows, codes), in call order."""
 
@@ -529,28 +465,24 @@ class RecordingSampler:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["fused", "compiled"])
 @pytest.mark.parametrize("temperature", [0.8, 0.0], ids=["sampled", "greedy"])
-def test_fused_engine_codes_against_plain_over_300_codes(compiled, temperature):
-    """bf16 on CPU, three streams of 300 codes each (EOS masked), same seeds.
+def test_engine_codes_against_the_plain_forward_over_300_codes(compiled, temperature):
+    """The precision contract, bf16 on CPU: three streams of 300 codes each (EOS masked),
+    same seeds, on the engine's forward and on the plain one (tests/_talker_ref.py).
 
-    Fused (eager): every draw's logits and every code equal the plain forward's.
-    Compiled: logits stay within the compiled bound of test_talker_model.py at every draw;
-    a draw can still pick another code where two candidates are that close, after which the
-    stream parts. Measured over model seeds 0-2, sampled and greedy (6 runs of 3 streams):
-    4 runs bitwise equal to plain throughout, one with a 1-ulp logit difference and the same
-    codes, one with a stream parting at its 18th code (seed 0, sampled: the case below)."""
+    Eager (the CPU's path): every draw's logits and every code equal the plain forward's.
+    Compiled (the GPU's path, forced here): logits stay within the compiled bound of
+    test_talker_model.py at every draw; a draw can still pick another code where two
+    candidates are that close, after which the stream parts (with model seed 0, sampled, a
+    stream parts at its 18th code)."""
     torch._dynamo.reset()
-    cfg = replace(tiny_cfg(), max_new_tokens=2048)
+    cfg = replace(tiny_cfg(), max_new_tokens=2048, max_position_embeddings=512,
+                  temperature=temperature)
     torch.manual_seed(0)
     talker = TalkerModel(cfg).eval().to(torch.bfloat16)
-    sampling = replace(TalkerSamplingParams.from_config(cfg), temperature=temperature)
     codes, calls = [], []
-    for knobs in ({}, {"talker_fused": True, "talker_compile": compiled}):
-        engine = TalkerEngine(
-            talker,
-            TalkerEngineConfig(
-                max_streams=4, mode="full_span", max_seq_len=512, sampling=sampling, **knobs
-            ),
-        )
+    for decoder in (PlainTalker, lambda m: FusedTalker(m, compile=compiled)):
+        engine = TalkerEngine(talker, TalkerEngineConfig(max_streams=4, mode="full_span"))
+        engine.decoder = decoder(talker)
         engine.sampler = recorder = RecordingSampler(engine.sampler)
         for i in range(3):
             engine.open(f"s{i}", TalkerSpec(seed=100 + i, max_codes=300))
@@ -573,12 +505,13 @@ def test_fused_engine_codes_against_plain_over_300_codes(compiled, temperature):
             break  # the streams part here: later logits belong to other code histories
 
 
-def test_cpu_replica_drops_talker_compile(tiny_source):
-    """A CPU replica is built without Inductor (a C++ toolchain and minutes of start-up);
-    the fused path itself stays as configured."""
-    eng = TalkerEngine.from_source(
-        tiny_source, TalkerEngineConfig(talker_fused=True, talker_compile=True), "cpu")
-    assert eng.config.talker_fused and not eng.config.talker_compile
+def test_cpu_replica_runs_the_portable_path(tiny_source):
+    """A CPU replica is built without Inductor (a C++ toolchain and minutes of start-up), the
+    RoPE kernel or CUDA graphs: the same forward, eagerly."""
+    eng = TalkerEngine.from_source(tiny_source, TalkerEngineConfig(), "cpu")
+    assert isinstance(eng.decoder, FusedTalker)
+    assert not eng.decoder.compiled and not eng.decoder.rope_kernel
+    assert eng.graphs is None and eng.prefill_lengths == ()
 
 
 def test_a_held_stream_waits_for_resume_and_speaks_the_same(monkeypatch):

@@ -1,6 +1,7 @@
-"""Talker model parity (CPU, fp32, tiny sizes): backbone + KV cache vs transformers
-LlamaModel, checkpoint key layout, weight-norm head, condition and prompt building; the fused
-forward (fused.py) against the plain one, eager (bitwise) and compiled (bounded)."""
+"""Talker model parity (CPU, fp32, tiny sizes): the plain forward (tests/_talker_ref.py) +
+KV cache vs transformers LlamaModel, checkpoint key layout, weight-norm head, condition and
+prompt building; the fused forward (fused.py) against the plain one, eager (bitwise) and
+compiled (bounded)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from _talker_ref import PlainTalker, backbone
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from pipeline.config import TalkerConfig, talker_config_from_hf
@@ -79,22 +81,23 @@ CONFIGS = [
 def test_prefill_and_decode_match_transformers_llama(overrides):
     cfg = tiny_cfg(**overrides)
     talker, hf = talker_and_hf(cfg)
-    cache = TalkerKVCache(cfg, slots=3, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
+    cache = TalkerKVCache(cfg, slots=3, max_len=64, dtype=torch.float32, device=CPU)
+    plain = PlainTalker(talker)
     slot, length = 1, 11
     prompt = torch.randn(length, cfg.hidden_size)
 
     # Full prompt: hidden states at every position and the last position's logits.
     positions = torch.arange(length)[None]
     batch = AttentionBatch(slice(slot, slot + 1), cache.row_ids[:1], positions, length, None)
-    ours = talker.model(prompt[None], positions, cache, batch)
+    ours = backbone(talker, prompt[None], positions, cache, batch)
     ref = hf(inputs_embeds=prompt[None], position_ids=positions, use_cache=False).last_hidden_state
     assert_close(ours, ref, 2e-5, "prompt hidden states")
-    cache.k.zero_(), cache.v.zero_()
-    logits = talker.prefill(cache, slot, prompt)
+    cache.kv.zero_()
+    logits = plain.prefill(cache, slot, prompt)
     assert_close(logits, talker.head(ref[0, -1]), 2e-5, "prefill logits")
 
     # Incremental steps: ours decodes rows [0, 3) with only `slot` active.
-    other_rows = cache.k[:, [0, 2], :64].clone()
+    other_rows = cache.kv[:, :, [0, 2]].clone()
     past = DynamicCache(config=hf.config)
     hf(inputs_embeds=prompt[None], position_ids=positions, past_key_values=past, use_cache=True)
     codes = torch.tensor([5, 17, 6561, 3, 3000])
@@ -103,7 +106,7 @@ def test_prefill_and_decode_match_transformers_llama(overrides):
         pos = length + t
         batch_codes = torch.tensor([7, code, 9])
         batch_pos = torch.tensor([0, pos, 40])
-        got = talker.decode(cache, batch_codes, batch_pos, active, read_len=32)
+        got = plain.decode(cache, batch_codes, batch_pos, active, read_len=32)
         emb = talker.embed_codes(torch.tensor([[code]]))
         out = hf(
             inputs_embeds=emb,
@@ -112,19 +115,7 @@ def test_prefill_and_decode_match_transformers_llama(overrides):
             use_cache=True,
         ).last_hidden_state
         assert_close(got[1], talker.head(out[0, -1]), 3e-5, f"decode step {t} logits")
-    assert torch.equal(cache.k[:, [0, 2], :64], other_rows), "idle slots' cache rows were written"
-
-
-@torch.no_grad()
-def test_prefill_continuation_matches_one_shot():
-    cfg = tiny_cfg()
-    talker, hf = talker_and_hf(cfg, seed=1)
-    cache = TalkerKVCache(cfg, slots=1, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
-    prompt = torch.randn(15, cfg.hidden_size)
-    talker.prefill(cache, 0, prompt[:9])
-    got = talker.prefill(cache, 0, prompt[9:], start=9)
-    ref = hf(inputs_embeds=prompt[None], position_ids=torch.arange(15)[None]).last_hidden_state
-    assert_close(got, talker.head(ref[0, -1]), 2e-5, "continued prefill logits")
+    assert torch.equal(cache.kv[:, :, [0, 2], :, :64], other_rows[..., :64, :]), "idle slots' rows"
 
 
 class _RefProjector(nn.Module):
@@ -232,9 +223,9 @@ def test_kv_cache_budget_arithmetic():
 
 
 def run_both(cfg: TalkerConfig, plain, fused, dtype: torch.dtype, steps: int = 40):
-    """The same prefills, decode steps (one idle row, read_len crossing a bucket) and a
-    continued prefill through `plain` and `fused`. Returns (pairs of logits, caches)."""
-    caches = [TalkerKVCache(cfg, 4, 128, dtype, CPU, layout=lay) for lay in ("tokens", "heads")]
+    """The same prefills and decode steps (one idle row, read_len crossing a bucket) through
+    `plain` and `fused`. Returns (pairs of logits, caches)."""
+    caches = [TalkerKVCache(cfg, 4, 128, dtype, CPU) for _ in range(2)]
     pairs = []
     g = torch.Generator().manual_seed(3)
     lengths = (13, 5, 30)
@@ -252,9 +243,6 @@ def run_both(cfg: TalkerConfig, plain, fused, dtype: torch.dtype, steps: int = 4
         pairs.append([o[:3] for o in out])
         codes = out[0].argmax(-1)
         positions = positions + active.long()
-    embeds = torch.randn(6, cfg.hidden_size, generator=g).to(dtype)
-    start = int(positions[1])
-    pairs.append([m.prefill(c, 1, embeds, start=start) for m, c in zip((plain, fused), caches)])
     return pairs, caches
 
 
@@ -273,10 +261,11 @@ def test_fused_forward_equals_plain_bitwise(overrides, dtype):
     cfg = tiny_cfg(**overrides)
     talker = random_talker(cfg, dtype)
     fused = FusedTalker(copy.deepcopy(talker))
-    pairs, (plain_cache, fused_cache) = run_both(cfg, talker, fused, dtype)
+    assert not fused.compiled and not fused.rope_kernel  # the CPU's own choice
+    pairs, (plain_cache, fused_cache) = run_both(cfg, PlainTalker(talker), fused, dtype)
     for i, (a, b) in enumerate(pairs):
         assert torch.equal(a, b), f"output {i}: max diff {(a - b).abs().max().item():.3e}"
-    assert torch.equal(plain_cache.k, fused_cache.k) and torch.equal(plain_cache.v, fused_cache.v)
+    assert torch.equal(plain_cache.kv, fused_cache.kv)
 
 
 @torch.no_grad()
@@ -286,7 +275,8 @@ def test_fuse_projections_keeps_checkpoint_names_and_one_copy():
     before = {k: v.clone() for k, v in talker.state_dict().items()}
     embeds = torch.randn(9, cfg.hidden_size)
     cache = TalkerKVCache(cfg, 1, 32, torch.float32, CPU)
-    plain_logits = talker.prefill(cache, 0, embeds)
+    plain = PlainTalker(talker)
+    plain_logits = plain.prefill(cache, 0, embeds)
 
     talker.fuse_projections()
     talker.fuse_projections()  # idempotent
@@ -301,7 +291,7 @@ def test_fuse_projections_keeps_checkpoint_names_and_one_copy():
     assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.data_ptr()
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_weight.data_ptr()
     # The plain path on a fused model computes what it computed before.
-    assert torch.equal(talker.prefill(cache, 0, embeds), plain_logits)
+    assert torch.equal(plain.prefill(cache, 0, embeds), plain_logits)
 
     # Loading (by the checkpoint's names) lands in the concatenated weights.
     other = TalkerModel(cfg).state_dict()
@@ -318,19 +308,8 @@ def test_fuse_projections_keeps_checkpoint_names_and_one_copy():
     assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.data_ptr()
 
 
-def test_fused_forward_needs_a_heads_cache():
-    cfg = tiny_cfg()
-    fused = FusedTalker(TalkerModel(cfg).eval())
-    cache = TalkerKVCache(cfg, 1, 32, torch.float32, CPU)
-    with pytest.raises(ValueError, match="layout 'heads'"), torch.no_grad():
-        fused.prefill(cache, 0, torch.randn(4, cfg.hidden_size))
-    with pytest.raises(ValueError, match="layout"):
-        TalkerKVCache(cfg, 1, 32, torch.float32, CPU, layout="pages")  # type: ignore[arg-type]
-
-
 # Inductor keeps the bf16 roundings (emulate_precision_casts) but sums the norms' squares in
-# its own order and computes SiLU its own way: measured 1.2e-6 (fp32) and one bf16 step of
-# the logits (0.0156 at |logits| ~2.8) over these 44 outputs.
+# its own order and computes SiLU its own way: about one bf16 step of the logits.
 COMPILED_BOUND = {torch.float32: 1e-5, torch.bfloat16: 4 * 2**-7}  # bf16: x max |logit|
 
 
@@ -349,10 +328,10 @@ def test_rope_kv_kernel_forward_equals_plain_bitwise(dtype):
     cfg = tiny_cfg()
     talker = random_talker(cfg, dtype)
     fused = FusedTalker(copy.deepcopy(talker), rope_kernel=True)
-    pairs, (plain_cache, fused_cache) = run_both(cfg, talker, fused, dtype, steps=12)
+    pairs, (plain_cache, fused_cache) = run_both(cfg, PlainTalker(talker), fused, dtype, steps=12)
     for i, (a, b) in enumerate(pairs):
         assert torch.equal(a, b), f"output {i}: max diff {(a - b).abs().max().item():.3e}"
-    assert torch.equal(plain_cache.k, fused_cache.k) and torch.equal(plain_cache.v, fused_cache.v)
+    assert torch.equal(plain_cache.kv, fused_cache.kv)
 
 
 @needs_rope_kernel
@@ -364,8 +343,7 @@ def test_rope_kv_kernel_rounds_bf16_to_nearest_even():
     differs. K and v land in the cache at their write positions."""
     cfg = tiny_cfg()
     h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    cache = TalkerKVCache(cfg, 3, 16, torch.bfloat16, CPU, layout="heads")
-    assert cache.kv is not None
+    cache = TalkerKVCache(cfg, 3, 16, torch.bfloat16, CPU)
     g = torch.Generator().manual_seed(5)
 
     def odd(*shape: int, below: int) -> torch.Tensor:  # +-1, +-3, ... up to below - 1
@@ -416,7 +394,7 @@ def test_compiled_fused_forward_within_bound_and_few_graphs(dtype, rope_kernel):
     cfg = tiny_cfg()
     talker = random_talker(cfg, dtype)
     fused = FusedTalker(copy.deepcopy(talker), compile=True, rope_kernel=rope_kernel)
-    pairs, _ = run_both(cfg, talker, fused, dtype)
+    pairs, _ = run_both(cfg, PlainTalker(talker), fused, dtype)
     scale = max(a.abs().max().item() for a, _ in pairs)
     bound = COMPILED_BOUND[dtype] * (scale if dtype == torch.bfloat16 else 1.0)
     worst = max((a - b).abs().max().item() for a, b in pairs)
@@ -426,10 +404,6 @@ def test_compiled_fused_forward_within_bound_and_few_graphs(dtype, rope_kernel):
     # a third).
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    first, pre = (
-        (fused_module.first_attn_qkv, fused_module.attn_qkv)
-        if rope_kernel
-        else (fused_module.first_attn_pre, fused_module.attn_pre)
-    )
-    for fn in (first, pre, fused_module.mlp_post, fused_module.final_norm):
+    for fn in (fused_module.first_attn_pre, fused_module.attn_pre, fused_module.mlp_post,
+               fused_module.final_norm):
         assert len(_debug_get_cache_entry_list(fn.__code__)) == 2, fn.__name__

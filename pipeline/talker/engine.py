@@ -5,10 +5,9 @@ row + one sampler-state row):
   open(rid, TalkerSpec)         reserve a slot; a torch.Generator seeded per request
   feed(rid, SpokenChunk)        condition rows c_i (Talker dtype) are built at once
   step()                        1. one batched decode over the slots that are decoding
-                                   (CUDA graph per (rows, read_len) bucket, or eager); with
-                                   `decode_steps` k > 1, k steps per call (see the config)
+                                   (a CUDA graph per (rows, read_len) bucket, or eager)
                                 2. start every unit whose text is ready: prefill its prompt
-                                   (eager, one stream at a time, attention without cuDNN's
+                                   (one stream at a time, attention without cuDNN's
                                    per-shape graphs: pipeline/sdpa.py) and draw its first code
                                 3. release 25-code chunks once 25 + 3 lookahead codes exist;
                                    the last chunk flushes the rest (finished=True)
@@ -16,12 +15,10 @@ row + one sampler-state row):
   resume(rid)                   end the stream's hold (below): its first audio is out
 
 A stream opened with `TalkerSpec.hold` is held once its first chunk is released: its work
-runs only in steps that another stream's work calls for, until `resume` or HOLD_LIMIT_S.
+runs only in steps that another stream's work calls for, until `resume` or HOLD_LIMIT_S, so
+that on a GPU shared with Code2Wav the first chunk's audio comes sooner (the same codes).
 Should its first unit end before that chunk, the stream waits for text its Thinker holds
-for the same first audio: step() says so once (TextWanted), and the ingress resumes the
-Thinker.
-What it computes is unchanged, only when: on a GPU shared with Code2Wav, the first chunk's
-audio comes sooner.
+for the same first audio: step() says so once (TextWanted).
 
 A "unit" is what the reference decodes from one prompt:
   full_span   the whole spoken span: prompt [c_1..c_n, text_eos, audio_bos] once the text is
@@ -40,9 +37,12 @@ A "unit" is what the reference decodes from one prompt:
 The repetition penalty sees the stream's last 16 codes across chunks; a stream's first
 draw is temperature-only.
 
-Prefill and decode run on the plain model (model.py) or, with `talker_fused`, on the fused
-forward over the same weights (fused.py, optionally compiled: `talker_compile`; its RoPE and
-cache write as one kernel: `talker_rope_kernel`).
+Prefill and decode run on fused.py's forward (compiled on CUDA). On CUDA, unless
+`cuda_graphs` is off, the decode step is a CUDA graph per (rows, read_len) bucket, and a
+prompt of up to PREFILL_GRAPH_ROWS rows is padded at its end to a power of two and prefilled
+in a one-slot staging cache as a graph per length, its K / V then copied into the stream's
+slot: a graph replaces the host work of an eager prefill, and the padding after the prompt
+changes none of its rows' values (only, on a GPU, the order in which their products sum).
 
 Not thread-safe: one caller drives open/feed/step/abort.
 """
@@ -52,7 +52,8 @@ from __future__ import annotations
 import heapq
 import secrets
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -63,112 +64,52 @@ from pipeline.graphs import GraphRunner
 from pipeline.handoff import HOLD_LIMIT_S, CodeChunk, SpokenChunk, TalkerSpec, TextWanted
 from pipeline.sdpa import any_shape
 from pipeline.stage_engine import Holds
-from pipeline.talker import rope_kv
 from pipeline.talker.fused import FusedTalker
-from pipeline.talker.graphs import bucket_up, power_of_two_buckets
 from pipeline.talker.model import TalkerKVCache, TalkerModel
 from pipeline.talker.sampling import CodeSampler, SamplerState, TalkerSamplingParams
 
-PREFILL_GRAPH_ROWS = 128  # prefill_graphs: the longest prompt prefilled padded (a graph)
+CHUNK_CODES = 25  # codes per released chunk (1 s of audio)
+LOOKAHEAD_CODES = 3  # a chunk is released once this many later codes exist
+STREAMING_CHUNK_MAX_CODES = 500  # draws per text chunk (generate_with_buffer's cap)
+PREFILL_GRAPH_ROWS = 128  # the longest prompt prefilled padded (a graph per length)
 TalkerMode = Literal["full_span", "streaming"]
 MODES: tuple[str, ...] = ("full_span", "streaming")
 
 
 @dataclass(frozen=True)
 class TalkerEngineConfig:
-    """Engine knobs. Zero / empty values mean "derive"; `resolved()` fills them in."""
+    """What an operator sets; the rest follows from the model config and the device."""
 
-    max_streams: int = 8  # slots (upper bound; kv_cache_bytes may lower it)
     mode: TalkerMode = "streaming"  # default for open()
-    cuda_graphs: bool = True  # capture the decode step (CUDA only; eager on CPU)
-    graph_batch_sizes: tuple[int, ...] = ()  # row buckets; () = 1, 2, 4, ... max_streams
-    graph_kv_lengths: tuple[int, ...] = ()  # read_len buckets; () = 256, 512, ... max_seq_len
-    max_seq_len: int = 0  # KV positions per slot; 0 = max_position_embeddings
-    kv_cache_bytes: int = 0  # KV memory budget; 0 = max_streams slots regardless
-    chunk_codes: int = 25  # codes per released chunk (1 s of audio)
-    lookahead_codes: int = 3  # a chunk is released once this many later codes exist
-    streaming_chunk_max_codes: int = 500  # draws per text chunk (generate_with_buffer)
-    sampling: TalkerSamplingParams | None = None  # None = TalkerConfig's values
-    # Decode steps per call (one graph replay, one read of the codes): a group of k steps
-    # runs when every decoding stream has k draws left before a cap; a stream that draws
-    # EOS inside a group stops on the device and its generator is rewound to the draws it
-    # used, so the codes equal one step at a time. 1 = one step per call.
-    decode_steps: int = 1
-    # The fused forward (fused.py): q|k|v and gate|up concatenated, RoPE from tables, one
-    # scatter for the KV write, the mask built once per step. The same ops as the plain
-    # path but wider GEMMs, whose kernels may sum in another order on a GPU: off by default.
-    talker_fused: bool = False
-    # Inductor-compiled layer parts of the fused forward (needs talker_fused); compiled at
-    # start (graph warm-up, one prefill), reordered sums in the norms.
-    talker_compile: bool = False
-    # A unit's prefill (the fused forward's) padded at its end to a power of two up to
-    # PREFILL_GRAPH_ROWS rows in a one-slot staging cache, as a CUDA graph per length (captured
-    # at start; eagerly on the CPU), then its K / V copied into the stream's slot; longer
-    # prompts prefill as before. An eager prefill is ~9 ms of host work for ~1 ms of GPU
-    # work on an H200. The padded rows' products may sum in another order: off by default.
-    prefill_graphs: bool = False
-    # Each layer's RoPE and K / V cache write in the fused forward as one Triton kernel
-    # (rope_kv.py; CUDA only, needs talker_fused): the same roundings in bf16, one launch
-    # where the compiled path has two. Off until measured at full size on a GPU.
-    talker_rope_kernel: bool = False
+    max_streams: int = 8  # slots: streams decoded together
+    kv_cache_bytes: int = 0  # KV budget; 0 = what max_streams slots need (less: refused)
+    cuda_graphs: bool = True  # decode steps and short prefills as CUDA graphs (False: eager)
 
     def __post_init__(self) -> None:
-        if self.talker_compile and not self.talker_fused:
-            raise ValueError(
-                "talker_compile compiles the fused forward: set talker_fused too, or "
-                "talker_compile to false")
-        if self.prefill_graphs and not self.talker_fused:
-            raise ValueError(
-                "prefill_graphs pads the fused forward's prefills: set talker_fused too, or "
-                "prefill_graphs to false")
-        if self.talker_rope_kernel and not self.talker_fused:
-            raise ValueError(
-                "talker_rope_kernel is a kernel of the fused forward: set talker_fused too, "
-                "or talker_rope_kernel to false")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
-        if self.chunk_codes < 1 or self.lookahead_codes < 0:
-            raise ValueError("chunk_codes must be >= 1 and lookahead_codes >= 0")
-        if self.streaming_chunk_max_codes < 1:
-            raise ValueError("streaming_chunk_max_codes must be >= 1")
-        if self.decode_steps < 1:
-            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.kv_cache_bytes < 0:
+            raise ValueError(f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
 
-    def resolved(self, cfg: TalkerConfig, dtype: torch.dtype) -> TalkerEngineConfig:
-        max_len = self.max_seq_len or cfg.max_position_embeddings
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_seq_len {max_len} > max_position_embeddings")
-        streams = self.max_streams
-        if self.kv_cache_bytes:
-            per_slot = TalkerKVCache.bytes_per_slot(cfg, max_len, dtype)
-            streams = min(streams, self.kv_cache_bytes // per_slot)
-            if streams < 1:
-                raise ValueError(
-                    f"kv_cache_bytes {self.kv_cache_bytes} < one slot ({per_slot} bytes at "
-                    f"max_seq_len {max_len}); lower max_seq_len or raise the budget"
-                )
-        batch_sizes = tuple(sorted({b for b in self.graph_batch_sizes if b < streams}))
-        batch_sizes = (
-            (batch_sizes + (streams,))
-            if self.graph_batch_sizes
-            else (power_of_two_buckets(1, streams))
-        )
-        kv_lengths = tuple(sorted({k for k in self.graph_kv_lengths if k < max_len}))
-        kv_lengths = (
-            (kv_lengths + (max_len,))
-            if self.graph_kv_lengths
-            else (power_of_two_buckets(min(256, max_len), max_len))
-        )
-        return replace(
-            self,
-            max_streams=streams,
-            max_seq_len=max_len,
-            graph_batch_sizes=batch_sizes,
-            graph_kv_lengths=kv_lengths,
-            sampling=self.sampling or TalkerSamplingParams.from_config(cfg),
-        )
+
+def bucket_up(value: int, sizes: Sequence[int]) -> int:
+    """Smallest size >= value; `sizes` is sorted ascending. Graphs or not, a step runs at its
+    bucket's shape, so turning graphs off never changes the codes."""
+    for size in sizes:
+        if size >= value:
+            return size
+    raise ValueError(f"{value} exceeds the largest bucket {sizes[-1]}")
+
+
+def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2*lo, 4*lo, ... below hi, then hi itself."""
+    sizes = []
+    while lo < hi:
+        sizes.append(lo)
+        lo *= 2
+    return (*sizes, hi)
 
 
 @dataclass(frozen=True)
@@ -179,8 +120,9 @@ class TalkerStats:
     open_streams: int
     decoding_streams: int
     free_slots: int
+    capacity: int  # slots (max_streams)
     steps: int  # batched decode steps
-    graph_replays: int  # CUDA graph replays: decode steps (and prefills, prefill_graphs)
+    graph_replays: int  # CUDA graph replays: decode steps and padded prefills
     prefills: int  # units started (one prefill each)
     codes: int  # codes kept (EOS excluded)
     unaccounted_slots: int = 0  # slots neither free nor held by an unfinished stream (a leak)
@@ -231,72 +173,70 @@ class TalkerEngine:
         self.cfg: TalkerConfig = model.cfg
         weight = model.emb_code[0].weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.config = (config or TalkerEngineConfig()).resolved(self.cfg, self.dtype)
-        slots, max_len = self.config.max_streams, self.config.max_seq_len
-        fused = self.config.talker_fused
-        self.cache = TalkerKVCache(
-            self.cfg, slots, max_len, self.dtype, self.device, layout="heads" if fused else "tokens"
-        )
-        # prefill / decode of the plain model or of the fused forward over the same weights
-        if self.config.talker_rope_kernel and not rope_kv.available(self.device):
-            self.config = replace(self.config, talker_rope_kernel=False)  # CUDA only
-        self.decoder: TalkerModel | FusedTalker = (
-            FusedTalker(model, self.config.talker_compile, self.config.talker_rope_kernel)
-            if fused
-            else model
-        )
-        params = self.config.sampling
-        assert params is not None
+        self.config = config or TalkerEngineConfig()
+        slots, self.max_len = self.config.max_streams, self.cfg.max_position_embeddings
+        self._check_capacity()
+        self.cache = TalkerKVCache(self.cfg, slots, self.max_len, self.dtype, self.device)
+        self.decoder = FusedTalker(model)  # compiled, with the RoPE kernel, on CUDA
+        self.batch_sizes = power_of_two_buckets(1, slots)  # decode graphs' row buckets
+        self.kv_lengths = power_of_two_buckets(min(256, self.max_len), self.max_len)
+        self.params = TalkerSamplingParams.from_config(self.cfg)
         self.eos = self.cfg.eos_code
-        self.sampler = CodeSampler(params, self.cfg.num_audio_tokens, self.eos, self.device)
-        self.state = SamplerState.empty(
-            slots, params.repetition_window, self.cfg.num_audio_tokens, self.device
-        )
+        vocab = self.cfg.num_audio_tokens
+        self.sampler = CodeSampler(self.params, vocab, self.eos, self.device)
+        self.state = SamplerState.empty(slots, self.params.repetition_window, vocab, self.device)
         # Static decode buffers: row r = slot r.
         self._in_codes = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._active = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self._out_codes = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._one_active = torch.ones(1, dtype=torch.bool, device=self.device)
-        k = self.config.decode_steps  # a call decodes up to k steps: per-step noise in, codes out
-        vocab = self.cfg.num_audio_tokens
-        self._noise_k = torch.ones(k, slots, vocab, dtype=torch.float32, device=self.device)
-        self._out_k = torch.zeros(k, slots, dtype=torch.long, device=self.device)
-        self._scratch = torch.empty(vocab, dtype=torch.float32, device=self.device)
-        self.rewinds = 0  # streams that ended inside a group (generator rewound)
         self._streams: dict[str, _Stream] = {}
         self._free: list[int] = list(range(slots))  # a heap: lowest slot first keeps R small
         self._steps = self._prefills = self._codes = 0
         self._prefill_ms = self._decode_ms = 0.0
         self.holds = Holds(HOLD_LIMIT_S)
-        # prefill_graphs: prompt lengths padded to these, prefilled in a one-slot cache
-        self.prefill_lengths: tuple[int, ...] = ()
-        if self.config.prefill_graphs:
-            top = min(PREFILL_GRAPH_ROWS, max_len)
-            self.prefill_lengths = power_of_two_buckets(min(16, top), top)
-            self.staging = TalkerKVCache(self.cfg, 1, top, self.dtype, self.device, "heads")
-            self._last = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.prefill_lengths: tuple[int, ...] = ()  # prompts padded to these (_pad_prefills)
         self.graphs: GraphRunner | None = None
         if self.config.cuda_graphs and self.device.type == "cuda":
-            keys = [
-                (r, n, k)
-                for r in self.config.graph_batch_sizes
-                for n in self.config.graph_kv_lengths
-                for k in sorted({1, self.config.decode_steps})
-            ]
-            self.graphs = GraphRunner(max_graphs=len(keys) + len(self.prefill_lengths))
-            with torch.no_grad():
-                # largest first, so smaller graphs reuse the pool blocks of larger ones
-                for key in sorted(keys, reverse=True):
-                    self.graphs.add(key, lambda key=key: self._decode_steps(*key))
-                for n in reversed(self.prefill_lengths):
-                    rows = torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype,
-                                       device=self.device)
-                    with any_shape():
-                        self.graphs.add(("prefill", n), self._prefill_padded, (rows, self._last))
-            torch.cuda.synchronize()
-        if self.config.talker_compile:
+            self._pad_prefills(PREFILL_GRAPH_ROWS)
+            self._capture()
+        if self.decoder.compiled:
             self._compile_now()
+
+    def _check_capacity(self) -> None:
+        """Refuse to build when the KV budget cannot hold max_streams streams."""
+        budget, streams = self.config.kv_cache_bytes, self.config.max_streams
+        per_slot = TalkerKVCache.bytes_per_slot(self.cfg, self.max_len, self.dtype)
+        if budget and budget < streams * per_slot:
+            raise ValueError(
+                f"talker: kv_cache_bytes {budget} holds {budget // per_slot} streams of "
+                f"{per_slot} bytes ({self.max_len} positions), not max_streams {streams}: "
+                f"raise kv_cache_bytes (and the stage's memory_fraction) or lower max_streams "
+                f"(the capacity)")
+
+    def _pad_prefills(self, top: int) -> None:
+        """Prefill prompts of up to `top` rows padded to a power of two in a one-slot staging
+        cache (see the module docstring); longer prompts prefill as they are."""
+        top = min(top, self.max_len)
+        self.prefill_lengths = power_of_two_buckets(min(16, top), top)
+        self.staging = TalkerKVCache(self.cfg, 1, top, self.dtype, self.device)
+        self._last = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        """Capture the decode step per (rows, read_len) bucket and the padded prefills. The
+        step runs on static buffers only, never syncs with the host, and leaves idle rows
+        untouched: every row is idle now, so the warm-up runs change nothing."""
+        keys = [(r, n) for r in self.batch_sizes for n in self.kv_lengths]
+        self.graphs = GraphRunner(max_graphs=len(keys) + len(self.prefill_lengths))
+        for key in sorted(keys, reverse=True):  # largest first: smaller ones reuse its pool
+            self.graphs.add(key, lambda key=key: self._decode_rows(*key))
+        for n in reversed(self.prefill_lengths):
+            rows = torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            with any_shape():
+                self.graphs.add(("prefill", n), self._prefill_padded, (rows, self._last))
+        torch.cuda.synchronize()
 
     @classmethod
     def from_source(
@@ -307,16 +247,11 @@ class TalkerEngine:
         from pipeline.checkpoint import load_into, load_part, talker_schema
         from pipeline.utils import resolve_dtype
 
-        config = config or TalkerEngineConfig()
         cfg = source.config.talker
-        dtype = resolve_dtype("auto", device)
-        if torch.device(device).type != "cuda" and config.talker_compile:
-            # Inductor on CPU needs a C++ compiler and minutes of start-up; the knob is for GPUs
-            config = replace(config, talker_compile=False)
         model = TalkerModel(cfg)
         part = load_part(source.tensors, "tts.", talker_schema(cfg), "cpu", torch.float32)
         load_into(model, part, "talker")
-        return cls(model.to(device=device, dtype=dtype), config)
+        return cls(model.to(device=device, dtype=resolve_dtype("auto", device)), config)
 
     @torch.no_grad()
     def _compile_now(self) -> None:
@@ -330,8 +265,8 @@ class TalkerEngine:
             if self.prefill_lengths:  # the padded prefill (a replay where it was captured)
                 self._prefill(0, warm)
         if self.graphs is None:
-            for rows in sorted({1, self.config.graph_batch_sizes[-1]}):
-                self._decode_steps(rows, self.config.graph_kv_lengths[0], 1)
+            for rows in sorted({1, self.batch_sizes[-1]}):
+                self._decode_rows(rows, self.kv_lengths[0])
 
     # -- public API ----------------------------------------------------------------------
 
@@ -359,24 +294,23 @@ class TalkerEngine:
         return bool(s.held_since)
 
     def stats(self) -> dict[str, float]:
-        return asdict(
-            TalkerStats(
-                open_streams=len(self._streams),
-                decoding_streams=sum(s.decoding for s in self._streams.values()),
-                free_slots=len(self._free),
-                steps=self._steps,
-                graph_replays=self.graphs.replays if self.graphs is not None else 0,
-                prefills=self._prefills,
-                codes=self._codes,
-                unaccounted_slots=self.config.max_streams
-                - len(self._free)
-                - sum(not s.finished for s in self._streams.values()),
-                holds=self.holds.started,
-                holds_timed_out=self.holds.timed_out,
-                prefill_ms=round(self._prefill_ms, 3),
-                decode_ms=round(self._decode_ms, 3),
-            )
-        )
+        streams = self._streams.values()
+        return asdict(TalkerStats(
+            open_streams=len(self._streams),
+            decoding_streams=sum(s.decoding for s in streams),
+            free_slots=len(self._free),
+            capacity=self.config.max_streams,
+            steps=self._steps,
+            graph_replays=self.graphs.replays if self.graphs is not None else 0,
+            prefills=self._prefills,
+            codes=self._codes,
+            unaccounted_slots=self.config.max_streams - len(self._free)
+            - sum(not s.finished for s in streams),
+            holds=self.holds.started,
+            holds_timed_out=self.holds.timed_out,
+            prefill_ms=round(self._prefill_ms, 3),
+            decode_ms=round(self._decode_ms, 3),
+        ))
 
     def stream_codes(self, stream_id: str) -> list[int]:
         """Every code the stream kept so far (released or not), EOS excluded."""
@@ -394,10 +328,9 @@ class TalkerEngine:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "streaming" and self.cfg.attention_type != "sliding_recompute":
-            raise ValueError(
-                f"streaming mode implements attention_type 'sliding_recompute' only, the "
-                f"checkpoint says {self.cfg.attention_type!r}; use mode 'full_span'"
-            )
+            raise ValueError(f"streaming mode implements attention_type 'sliding_recompute' "
+                             f"only, the checkpoint says {self.cfg.attention_type!r}; use mode "
+                             f"'full_span'")
         if seed is not None and not 0 <= seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
         if not self._free:
@@ -425,20 +358,15 @@ class TalkerEngine:
             s.text_finished = msg.finished
             return
         ids = torch.as_tensor(msg.ids, dtype=torch.long).reshape(-1).to(self.device)
-        hidden = msg.hidden
-        if hidden is None:
-            hidden = torch.zeros(0, self.cfg.llm_dim)
+        hidden = torch.zeros(0, self.cfg.llm_dim) if msg.hidden is None else msg.hidden
         if hidden.shape != (ids.numel(), self.cfg.llm_dim):
-            raise ValueError(
-                f"hidden must be ({ids.numel()}, {self.cfg.llm_dim}), got {tuple(hidden.shape)}"
-            )
+            raise ValueError(f"hidden must be ({ids.numel()}, {self.cfg.llm_dim}), "
+                             f"got {tuple(hidden.shape)}")
         total = s.pending.shape[0] + ids.numel()
-        if s.mode == "full_span" and total + 2 >= self.config.max_seq_len:
+        if s.mode == "full_span" and total + 2 >= self.max_len:
             # the prompt (span + text_eos + audio_bos) and at least one code must fit
-            raise ValueError(
-                f"stream {rid!r}: spoken span of {total} rows does not fit "
-                f"max_seq_len {self.config.max_seq_len}"
-            )
+            raise ValueError(f"stream {rid!r}: spoken span of {total} rows does not fit "
+                             f"the {self.max_len} positions of a slot")
         if ids.numel():
             rows = self.model.build_condition(ids, hidden.to(self.device))
             s.pending = torch.cat([s.pending, rows], dim=0)
@@ -501,19 +429,15 @@ class TalkerEngine:
                     parts.append(self.model.embed_codes(prev))
                 prompt = torch.cat([*parts, s.unit_prompt], dim=0)
         length = prompt.shape[0]
-        if length >= self.config.max_seq_len:
+        if length >= self.max_len:
             raise RuntimeError(
-                f"stream {s.stream_id!r}: prompt of {length} does not fit max_seq_len "
-                f"{self.config.max_seq_len}"
-            )
+                f"stream {s.stream_id!r}: prompt of {length} does not fit the {self.max_len} "
+                f"positions of a slot")
         if not s.started_units:
             s.chunk_started_at = time.time()
         s.started_units += 1
         self._prefills += 1
-        s.unit_final = final
-        s.unit_codes = []
-        s.unit_draws = 0
-        s.decoding = True
+        s.unit_final, s.unit_codes, s.unit_draws, s.decoding = final, [], 0, True
         s.position = length
         with any_shape():  # a chunk's recompute prompt has any length
             logits = self._prefill(s.slot, prompt)  # (V,)
@@ -528,10 +452,9 @@ class TalkerEngine:
 
     def _prefill(self, slot: int, prompt: torch.Tensor) -> torch.Tensor:
         """A unit's prompt (L, E) into `slot` from position 0; its logits at the last row.
-        With prefill_graphs and L within the lengths: padded to a length's rows in the staging
-        slot (that length's CUDA graph where there are graphs), then rows [0, L) of its K / V
-        copied into `slot`: the padding after the prompt changes none of its rows' values
-        but may change the order in which their products sum."""
+        With L within the padded lengths: padded to a length's rows in the staging slot (that
+        length's CUDA graph where there are graphs), then rows [0, L) of its K / V copied
+        into `slot`."""
         length = prompt.shape[0]
         if not self.prefill_lengths or length > self.prefill_lengths[-1]:
             return self.decoder.prefill(self.cache, slot, prompt)
@@ -542,79 +465,28 @@ class TalkerEngine:
                                      self._prefill_padded)
         else:
             logits = self._prefill_padded(rows, self._last)
-        assert self.cache.kv is not None and self.staging.kv is not None
         self.cache.kv[:, :, slot, :, :length].copy_(self.staging.kv[:, :, 0, :, :length])
         return logits
 
     def _prefill_padded(self, rows: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        assert isinstance(self.decoder, FusedTalker)
         return self.decoder.prefill_padded(self.staging, rows, last)
-
-    def _group_size(self, decoding: list[_Stream]) -> int:
-        """config.decode_steps if no decoding stream can reach a cap within that many draws,
-        else 1: only EOS may end a unit inside a group (the device stops on EOS itself)."""
-        k = self.config.decode_steps
-        if k == 1:
-            return 1
-        for s in decoding:
-            cap = (
-                self.config.streaming_chunk_max_codes
-                if s.mode == "streaming"
-                else self.cfg.max_new_tokens
-            )
-            left = min(cap - s.unit_draws, self.config.max_seq_len - s.position)
-            if s.max_codes is not None:
-                left = min(left, s.max_codes - len(s.codes))
-            if left < k:
-                return 1
-        return k
 
     def _decode(self, decoding: list[_Stream]) -> None:
         t0 = time.perf_counter()
-        k = self._group_size(decoding)
-        rows = bucket_up(max(s.slot for s in decoding) + 1, self.config.graph_batch_sizes)
-        read_len = bucket_up(max(s.position for s in decoding) + k, self.config.graph_kv_lengths)
-        saved = {}
+        rows = bucket_up(max(s.slot for s in decoding) + 1, self.batch_sizes)
+        read_len = bucket_up(max(s.position for s in decoding) + 1, self.kv_lengths)
         for s in decoding:
-            if k > 1:  # to rewind a stream that ends inside the group
-                saved[s.stream_id] = s.generator.get_state()
-            for i in range(k):
-                self._noise_k[i, s.slot].exponential_(generator=s.generator)
-        self._steps += k
+            self.state.noise[s.slot].exponential_(generator=s.generator)
+        self._steps += 1
         if self.graphs is not None:
-            key = (rows, read_len, k)
-            self.graphs.run(key, (), lambda: self._decode_steps(*key))
+            self.graphs.run((rows, read_len), (), lambda: self._decode_rows(rows, read_len))
         else:
-            self._decode_steps(rows, read_len, k)
-        codes = self._out_k[:k, :rows].tolist()
+            self._decode_rows(rows, read_len)
+        codes = self._out_codes[:rows].tolist()
         self._decode_ms += 1e3 * (time.perf_counter() - t0)
         for s in decoding:
-            for i in range(k):
-                s.position += 1
-                self._accept(s, codes[i][s.slot])
-                if not s.decoding:
-                    if i < k - 1:  # only EOS can end a unit inside a group (_group_size)
-                        assert codes[i][s.slot] == self.eos, "a cap inside a decode group"
-                        self._rewind(s, saved[s.stream_id], used=i + 1)
-                    break
-
-    def _rewind(self, s: _Stream, state: torch.Tensor, used: int) -> None:
-        """Put the stream's generator where `used` single steps would have left it."""
-        s.generator.set_state(state)
-        for _ in range(used):
-            self._scratch.exponential_(generator=s.generator)
-        self.rewinds += 1
-
-    def _decode_steps(self, rows: int, read_len: int, steps: int) -> None:
-        """`steps` decode steps over slots [0, rows) (captured as one CUDA graph). Step i
-        draws with noise row i; a row that draws EOS is inactive for the rest of the group,
-        as the host would make it after one step."""
-        active = self._active[:rows]
-        for i in range(steps):
-            self.state.noise[:rows].copy_(self._noise_k[i, :rows])
-            self._decode_rows(rows, read_len)
-            self._out_k[i, :rows].copy_(self._out_codes[:rows])
-            active.logical_and_(self._out_codes[:rows] != self.eos)
+            s.position += 1
+            self._accept(s, codes[s.slot])
 
     def _decode_rows(self, rows: int, read_len: int) -> None:
         """One step over slots [0, rows) on static buffers (captured as a CUDA graph)."""
@@ -642,8 +514,8 @@ class TalkerEngine:
             s.unit_final = True  # fixed-length mode: the stream is done
             self._end_unit(s)
             return
-        capped = s.mode == "streaming" and s.unit_draws >= self.config.streaming_chunk_max_codes
-        if capped or s.position >= self.config.max_seq_len:
+        capped = s.mode == "streaming" and s.unit_draws >= STREAMING_CHUNK_MAX_CODES
+        if capped or s.position >= self.max_len:
             self._end_unit(s)
 
     def _end_unit(self, s: _Stream) -> None:
@@ -663,43 +535,25 @@ class TalkerEngine:
     # -- chunk release -------------------------------------------------------------------
 
     def _releasable(self, s: _Stream) -> bool:
-        need = self.config.chunk_codes + self.config.lookahead_codes
+        need = CHUNK_CODES + LOOKAHEAD_CODES
         return len(s.codes) - s.released >= need or (s.finished and not s.done_sent)
 
     def _release(self, s: _Stream) -> list[CodeChunk]:
-        size, ahead = self.config.chunk_codes, self.config.lookahead_codes
+        size, ahead = CHUNK_CODES, LOOKAHEAD_CODES
         out = []
         while len(s.codes) - s.released >= size + ahead:
-            start = s.released
-            now = time.time()
-            out.append(
-                CodeChunk(
-                    s.stream_id,
-                    tuple(s.codes[start : start + size]),
-                    False,
-                    tuple(s.codes[start + size : start + size + ahead]),
-                    s.chunks_sent,
-                    s.chunk_started_at,
-                    now,
-                )
-            )
+            a, now = s.released, time.time()
+            out.append(CodeChunk(s.stream_id, tuple(s.codes[a : a + size]), False,
+                                 tuple(s.codes[a + size : a + size + ahead]), s.chunks_sent,
+                                 s.chunk_started_at, now))
             s.chunk_started_at = now
             s.released += size
             s.chunks_sent += 1
             if s.hold and s.chunks_sent == 1:
                 s.held_since = self.holds.start()
         if s.finished and not s.done_sent:
-            out.append(
-                CodeChunk(
-                    s.stream_id,
-                    tuple(s.codes[s.released :]),
-                    True,
-                    (),
-                    s.chunks_sent,
-                    s.chunk_started_at,
-                    time.time(),
-                )
-            )
+            out.append(CodeChunk(s.stream_id, tuple(s.codes[s.released :]), True, (),
+                                 s.chunks_sent, s.chunk_started_at, time.time()))
             s.released = len(s.codes)
             s.chunks_sent += 1
             s.done_sent = True

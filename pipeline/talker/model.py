@@ -8,6 +8,7 @@ Stages:
                  streaming:  [c_chunk, (emb_text(text_eos) if text ended), emb_text(audio_bos)]
   3. backbone    Llama (RMSNorm, RoPE, MHA, SwiGLU) over inputs_embeds, with a static
                  per-slot KV cache; prefill a prompt, then one emb_code(prev_code) per step
+                 (the forward: fused.py; restated plainly in tests/_talker_ref.py)
   4. head        logits = head_code(hidden), a weight-normed Linear(E -> 6562)    (., 6562)
                  6561 speech codes + EOS (= num_audio_tokens - 1)
 
@@ -19,7 +20,6 @@ and `projector_spk` are loaded but unused (inputs are always embeddings; no spea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +40,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)
 
 
-def rope_tables(
-    head_dim: int, theta: float, num_positions: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, theta: float, num_positions: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (num_positions, head_dim) float32, Llama "default" RoPE."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)  # (D/2,)
@@ -56,18 +54,6 @@ def rope_tables(
     freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
     angles = torch.cat([freqs, freqs], dim=-1)  # (P, D)
     return angles.cos(), angles.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, L, H, D); cos/sin (B, L, D) float32, cast to x's dtype like transformers."""
-    cos = cos[:, :, None, :].to(x.dtype)
-    sin = sin[:, :, None, :].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
 
 
 @torch.no_grad()
@@ -79,9 +65,7 @@ def concat_rows(*linears: nn.Linear) -> torch.Tensor:
     start = 0
     for lin in linears:
         rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(
-            weight[start : start + rows], requires_grad=lin.weight.requires_grad
-        )
+        lin.weight = nn.Parameter(weight[start : start + rows], lin.weight.requires_grad)
         start += rows
     return weight
 
@@ -112,56 +96,32 @@ class _Fusable(nn.Module):
 class TalkerKVCache:
     """Static KV cache, one row of `max_len + 1` positions per slot (stream).
 
-    k, v: (layers, slots, max_len + 1, kv_heads, head_dim) in the model dtype.
-    Position `max_len` is a scratch column: decode rows of idle slots write there, so a
-    batched step over slots [0, R) never touches the cache of a slot that is not decoding.
-
-    layout "tokens" (the plain path): k and v are two contiguous tensors of that shape.
-    layout "heads" (the fused path, fused.py): one tensor kv (layers, 2, slots, kv_heads,
-    max_len + 1, head_dim), so each head's keys are contiguous rows for attention and one
-    scatter writes k and v together; k and v are then views of it with the shape above,
-    and it also holds `rope_cs` (max_len + 1, 2, D) in the model dtype: cos and the sin
-    with its first half negated (rotate-half's sign folded into the table).
+    kv: (layers, 2, slots, kv_heads, max_len + 1, head_dim) in the model dtype: k and v of
+    each layer in one tensor, so each head's keys are contiguous rows for attention and one
+    write stores k and v together. Position `max_len` is a scratch column: decode rows of
+    idle slots write there, so a batched step over slots [0, R) never touches the cache of
+    a slot that is not decoding.
+    rope_cs: (max_len + 1, 2, head_dim) in the model dtype: cos, and sin with its first half
+    negated (rotate-half's sign folded into the table).
     """
 
     def __init__(
-        self,
-        cfg: TalkerConfig,
-        slots: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        layout: Literal["tokens", "heads"] = "tokens",
+        self, cfg: TalkerConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
     ) -> None:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_len {max_len} exceeds max_position_embeddings {cfg.max_position_embeddings}"
             )
-        if layout not in ("tokens", "heads"):
-            raise ValueError(f"layout must be 'tokens' or 'heads', got {layout!r}")
         layers, kv_heads, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        self.layout = layout
-        self.kv: torch.Tensor | None = None
-        if layout == "tokens":
-            shape = (layers, slots, max_len + 1, kv_heads, d)
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
-        else:
-            kv = torch.zeros(layers, 2, slots, kv_heads, max_len + 1, d, dtype=dtype, device=device)
-            self.kv = kv
-            self.k, self.v = kv[:, 0].transpose(2, 3), kv[:, 1].transpose(2, 3)
+        shape = (layers, 2, slots, kv_heads, max_len + 1, d)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.slots = slots
         self.max_len = max_len
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_len + 1, device)
-        self.rope_cos = cos  # (max_len + 1, D) float32
-        self.rope_sin = sin
-        self.rope_cs: torch.Tensor | None = None
-        if layout == "heads":
-            # Cast like apply_rope casts its gathered rows; negating is exact, so
-            # x2 * (-sin) here equals rotate-half's (-x2) * sin bit for bit.
-            half = d // 2
-            signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-            self.rope_cs = torch.stack([cos, signed], dim=1).to(dtype)
+        # Cast like transformers casts its gathered rows; negating is exact, so
+        # x2 * (-sin) here equals rotate-half's (-x2) * sin bit for bit.
+        signed = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
+        self.rope_cs = torch.stack([cos, signed], dim=1).to(dtype)
         # Built once, sliced per step: key positions for masks, row ids for cache writes.
         self.position_ids = torch.arange(max_len + 1, device=device)
         self.row_ids = torch.arange(slots, device=device)[:, None]  # (slots, 1)
@@ -185,7 +145,7 @@ class AttentionBatch:
     row_ids:   (B, 1) 0..B-1, the row index of each sequence within those rows
     write_pos: (B, L) cache positions of the L new tokens
     read_len:  keys [0, read_len) are attended
-    mask:      (B, 1, L, read_len) bool, or None: causal attention over the L new tokens
+    mask:      (B, 1, L, read_len) additive, or None: causal attention over the L new tokens
                only (a prefill from an empty cache)
     """
 
@@ -197,7 +157,7 @@ class AttentionBatch:
 
 
 class Attention(_Fusable):
-    """Llama self-attention (no bias) reading and writing a `TalkerKVCache` row range.
+    """Llama self-attention's weights (no bias); fused.py runs it over a `TalkerKVCache`.
 
     After `fuse()`, `qkv_weight` holds the q|k|v rows (q_proj / k_proj / v_proj view it)."""
 
@@ -216,42 +176,6 @@ class Attention(_Fusable):
     def fuse(self) -> None:
         self.qkv_weight = concat_rows(self.q_proj, self.k_proj, self.v_proj)
         self.fused = True
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_rows: torch.Tensor,
-        v_rows: torch.Tensor,
-        batch: AttentionBatch,
-    ) -> torch.Tensor:
-        """x (B, L, E); cos/sin (B, L, D); k_rows/v_rows (B, T, Hkv, D): this layer's cache
-        rows of the B sequences. The new keys/values are written before attending."""
-        b, l, _ = x.shape
-        q = self.q_proj(x).view(b, l, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, l, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, l, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        k_rows[batch.row_ids, batch.write_pos] = k
-        v_rows[batch.row_ids, batch.write_pos] = v
-        if batch.mask is None:
-            keys, values, causal = k, v, True  # (B, L, Hkv, D)
-        else:
-            keys, values, causal = k_rows[:, : batch.read_len], v_rows[:, : batch.read_len], False
-        q = q.transpose(1, 2)  # (B, H, L, D)
-        keys = keys.transpose(1, 2)  # (B, Hkv, S, D)
-        values = values.transpose(1, 2)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=batch.mask, is_causal=causal
-        )
-        out = out.transpose(1, 2).reshape(b, l, self.num_heads * self.head_dim)
-        return self.o_proj(out)
 
 
 class MLP(_Fusable):
@@ -280,18 +204,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_rows: torch.Tensor,
-        v_rows: torch.Tensor,
-        batch: AttentionBatch,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_rows, v_rows, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
 
 class Backbone(nn.Module):
     """transformers `LlamaModel` layout (keys `embed_tokens`, `layers.N.*`, `norm`)."""
@@ -302,20 +214,6 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.backbone_vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cache: TalkerKVCache,
-        batch: AttentionBatch,
-    ) -> torch.Tensor:
-        """x (B, L, E), positions (B, L) RoPE positions. Returns final-norm hidden (B, L, E)."""
-        cos = cache.rope_cos[positions]  # (B, L, D)
-        sin = cache.rope_sin[positions]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i, batch.rows], cache.v[i, batch.rows], batch)
-        return self.norm(x)
 
 
 class _WeightNormParams(nn.Module):
@@ -403,11 +301,10 @@ class TalkerModel(nn.Module):
         self.projector_spk = SemanticProjector(cfg.llm_dim, e)  # unused at inference
 
     def fuse_projections(self) -> None:
-        """Concatenate each layer's q|k|v and gate|up weights in place (idempotent), for the
-        fused path (fused.py). The checkpoint's names stay: q_proj, ..., up_proj remain
-        Linears whose weights are row views of the concatenated ones (the same values, so
-        the plain path still runs on a fused model), and `load_state_dict` / `.to()` keep
-        the concatenation."""
+        """Concatenate each layer's q|k|v and gate|up weights in place (idempotent), for
+        fused.py. The checkpoint's names stay: q_proj, ..., up_proj remain Linears whose
+        weights are row views of the concatenated ones, and `load_state_dict` / `.to()`
+        keep the concatenation."""
         for layer in self.model.layers:
             if not layer.self_attn.fused:
                 layer.self_attn.fuse()
@@ -449,48 +346,3 @@ class TalkerModel(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., E) -> (..., V) float32 logits (computed in the model dtype, like the reference)."""
         return self.head_code[0](hidden).float()
-
-    # -- running the backbone ------------------------------------------------------------
-
-    def prefill(
-        self, cache: TalkerKVCache, slot: int, embeds: torch.Tensor, start: int = 0
-    ) -> torch.Tensor:
-        """Run `embeds` (L, E) at positions [start, start + L) of `slot`'s cache row, after
-        the `start` cached positions. Returns the last position's logits (V,) float32."""
-        length = embeds.shape[0]
-        if start + length > cache.max_len:
-            raise ValueError(f"prompt of {length} at {start} does not fit max_len {cache.max_len}")
-        positions = cache.position_ids[start : start + length][None, :]  # (1, L)
-        mask = None
-        if start > 0:  # continue after cached positions: mask keys beyond each query
-            keys = cache.position_ids[: start + length]
-            mask = (keys[None, :] <= positions[0, :, None])[None, None]  # (1, 1, L, start+L)
-        batch = AttentionBatch(
-            slice(slot, slot + 1), cache.row_ids[:1], positions, start + length, mask
-        )
-        hidden = self.model(embeds[None], positions, cache, batch)
-        return self.head(hidden[0, -1])
-
-    def decode(
-        self,
-        cache: TalkerKVCache,
-        codes: torch.Tensor,
-        positions: torch.Tensor,
-        active: torch.Tensor,
-        read_len: int,
-    ) -> torch.Tensor:
-        """One step for cache rows [0, R): feed codes (R,) at positions (R,).
-
-        Rows with active False are idle slots: they write to the scratch column, read only
-        key 0, and their logits are meaningless. read_len must exceed every active
-        position. Returns logits (R, V) float32.
-        """
-        r = codes.shape[0]
-        x = self.embed_codes(codes)[:, None, :]  # (R, 1, E)
-        pos = torch.where(active, positions, 0)
-        write_pos = torch.where(active, positions, cache.scratch_pos)
-        keys = cache.position_ids[:read_len]
-        mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (R, 1, 1, read_len)
-        batch = AttentionBatch(slice(0, r), cache.row_ids[:r], write_pos[:, None], read_len, mask)
-        hidden = self.model(x, pos[:, None], cache, batch)
-        return self.head(hidden[:, 0])

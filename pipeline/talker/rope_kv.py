@@ -1,9 +1,8 @@
-"""The fused Talker's RoPE and K / V cache write as one Triton kernel a layer.
+"""The Talker forward's RoPE and K / V cache write as one Triton kernel a layer (CUDA).
 
-Why: a compiled batch-1 decode step is ~326 kernels for ~0.9 ms of GPU time on an H200,
-and 40 of them are each layer's rotation (Inductor's kernel) and its `scatter_` of k and v
-into the "heads" cache. This kernel rotates q and k in place in the q|k|v projection and
-stores k and v at their cache positions in one launch.
+Why: a decode step is launch-bound, and two of each layer's launches are its rotation
+(Inductor's kernel) and its `scatter_` of k and v into the cache. This kernel rotates q and
+k in place in the q|k|v projection and stores k and v at their cache positions in one launch.
 
 Numerics: it computes the fused path's `_rotated_qkv` and `scatter_` with the same
 roundings: in bf16, `x * cos` and `roll(x) * signed_sin` are each rounded to bf16 and then
@@ -35,8 +34,8 @@ if triton is not None:
     # Triton compiles a variant per integer argument equal to 1 or divisible by 16, and per
     # pointer aligned to 16 bytes or not; the prompt length, the first slot and the
     # positions' row stride and offset take many values (a prefill's positions are a
-    # slice of the cache's table), and a compile at a request's prefill would cost it
-    # ~1 s: one variant for all of them.
+    # slice of the cache's table), and a request must not wait for a compile at its
+    # prefill: one variant for all of them.
     @triton.jit(do_not_specialize=["length", "row0", "sp_b", "sw_b", "pos_ptr", "wpos_ptr"])
     def _rope_kv_kernel(
         qkv_ptr, cs_ptr, pos_ptr, wpos_ptr, kv_ptr,
@@ -89,7 +88,7 @@ def rope_kv_(
 ) -> torch.Tensor:
     """Rotate q and k of qkv (B, L, H + 2 Hkv, D) in place at `positions` (B, L) with the
     table rope_cs (P, 2, D) (cos, sin with rotate-half's sign folded in), and store k and v
-    into one layer's "heads" cache kv (2, S, Hkv, T, D) at slots row0 + b, positions
+    into one layer's cache kv (2, S, Hkv, T, D) at slots row0 + b, positions
     `write_pos` (B, L). Returns qkv."""
     b, length, nh, d = qkv.shape
     if nh != heads + 2 * kv_heads or d & (d - 1) or d < 2:

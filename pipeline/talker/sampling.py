@@ -52,13 +52,8 @@ class TalkerSamplingParams:
 
     @classmethod
     def from_config(cls, cfg: TalkerConfig) -> TalkerSamplingParams:
-        return cls(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            repetition_penalty=cfg.repetition_penalty,
-            repetition_window=cfg.repetition_window,
-        )
+        return cls(cfg.temperature, cfg.top_p, cfg.top_k, cfg.repetition_penalty,
+                   cfg.repetition_window)
 
     @property
     def greedy(self) -> bool:
@@ -147,11 +142,8 @@ def top_k_filter(logits: torch.Tensor, top_k: int, min_keep: int) -> torch.Tenso
 
 
 def process_logits(
-    logits: torch.Tensor,
-    state: SamplerState,
-    params: TalkerSamplingParams,
-    temperature: torch.Tensor,
-    eos_column: torch.Tensor,
+    logits: torch.Tensor, state: SamplerState, params: TalkerSamplingParams,
+    temperature: torch.Tensor, eos_column: torch.Tensor,
 ) -> torch.Tensor:
     """Steps 1-5 of the module docstring. Returns new (B, V) float32 logits.
 
@@ -185,21 +177,16 @@ def draw(logits: torch.Tensor, noise: torch.Tensor, greedy: bool) -> torch.Tenso
 class CodeSampler:
     """The sampler with its constant tensors built once per device (not per step)."""
 
-    def __init__(
-        self, params: TalkerSamplingParams, vocab: int, eos_code: int, device: torch.device
-    ) -> None:
-        self.params = params
-        self.vocab = vocab
-        self.eos_code = eos_code
-        self.temperature = torch.full(
-            (1, 1), params.temperature, dtype=torch.float32, device=device
-        )
+    def __init__(self, params: TalkerSamplingParams, vocab: int, eos_code: int,
+                 device: torch.device) -> None:
+        self.params, self.vocab, self.eos_code = params, vocab, eos_code
+        self.temperature = torch.full((1, 1), params.temperature, dtype=torch.float32,
+                                      device=device)
         self.eos_column = torch.zeros(1, vocab, dtype=torch.bool, device=device)
         self.eos_column[0, eos_code] = True
 
-    def __call__(
-        self, logits: torch.Tensor, state: SamplerState, active: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, state: SamplerState, active: torch.Tensor
+                 ) -> torch.Tensor:
         """Draw one code per row and advance the state of `active` rows in place.
 
         logits (B, V) float32; state: rows matching logits; active (B,) bool.
