@@ -423,7 +423,7 @@ def _ordered(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def headline(summary: dict[str, Any]) -> dict[str, float]:
-    """The figures compared against a baseline and across attribution pairs."""
+    """The figures compared against a baseline."""
 
     def med(name: str) -> float:
         return summary.get(name, {}).get("median", float("nan"))

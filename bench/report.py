@@ -282,8 +282,8 @@ def format_accuracy(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# Issue 5's targets on one H200 with 30 s clips: {concurrency: {headline key: (op, bound)}}
-ISSUE5_TARGETS: dict[int, dict[str, tuple[str, float]]] = {
+# The app benchmark's targets (30 s clips): {concurrency: {headline key: (op, bound)}}
+APP_TARGETS: dict[int, dict[str, tuple[str, float]]] = {
     1: {"ttft_ms": ("<=", 180.0), "audio_ttfp_ms": ("<=", 250.0), "audio_rtf": ("<=", 0.15),
         "request_throughput": (">=", 3.0)},
     4: {"request_throughput": (">=", 5.0), "audio_throughput": (">=", 11.0),
@@ -307,7 +307,7 @@ def check_targets(run: dict[str, Any], targets: dict[int, dict[str, tuple[str, f
 
 
 def format_targets(run: dict[str, Any],
-                   targets: dict[int, dict[str, tuple[str, float]]] = ISSUE5_TARGETS) -> str:
+                   targets: dict[int, dict[str, tuple[str, float]]] = APP_TARGETS) -> str:
     rows = []
     for r in check_targets(run, targets):
         rows.append([f"c={r['concurrency']}", r["metric"], f"{r['op']} {r['bound']:g}",
