@@ -23,7 +23,6 @@ from typing import Any, Sequence
 
 from bench.metrics import (
     DEFAULT_PERCENTILES,
-    HIGHER_IS_BETTER,
     RequestRecord,
     RoundResult,
     headline,
@@ -330,20 +329,6 @@ def format_report(run: dict[str, Any], baseline: dict[str, Any] | None = None,
     if targets:
         parts += ["", format_targets(run, targets)]
     return "\n".join(parts)
-
-
-def relative_delta(b: float, a: float) -> float:
-    """(b - a) / a as a fraction; NaN when undefined."""
-    r = ratio(b, a)
-    return r - 1.0 if math.isfinite(r) else float("nan")
-
-
-def format_delta(name: str, delta: float) -> str:
-    """'+12.3%' with a trailing '!' when the change is for the worse."""
-    if not math.isfinite(delta):
-        return "-"
-    worse = (delta < 0) if name in HIGHER_IS_BETTER else (delta > 0)
-    return f"{100 * delta:+.1f}%" + ("!" if worse and abs(delta) >= 0.005 else "")
 
 
 # ----------------------------------------------------------------------------- plots
