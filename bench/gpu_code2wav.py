@@ -66,7 +66,8 @@ def schedule(lengths: list[int], seed: int, only: int | None = None):
 
 
 def play(engine: Code2WavEngine, rounds, voices) -> dict[str, list[np.ndarray]]:
-    """Each stream's PCM chunks, the schedule fed round by round with a step after each."""
+    """Each stream's PCM chunks, the schedule fed round by round with a step after each;
+    the streams closed at the end."""
     out: dict[str, list[np.ndarray]] = {}
     for rnd in rounds:
         for sid, piece, final, first in rnd:
@@ -78,6 +79,8 @@ def play(engine: Code2WavEngine, rounds, voices) -> dict[str, list[np.ndarray]]:
             out[chunk.request_id].append(chunk.pcm)
     for sid, pcm in engine.drain().items():
         out[sid].extend(pcm)
+    for sid in out:  # the stage server closes a finished turn; so does this
+        engine.abort(sid)
     return out
 
 

@@ -1,20 +1,13 @@
-"""The app benchmark in one process: the app started in-process on one Ray instance (its
-Serve config with `model` set), then the closed-loop client against it.
+"""The app benchmark in one process: the app started in-process on one Ray instance
+(`deployments.app.build_app` over its Serve config), then the closed-loop client against it.
 
     python -m bench.gpu_e2e --phases main --checkpoint random-full --data-dir /tmp/syn \\
         --synthetic-durations 30 --media file --fixed-text-tokens 16 --fixed-speech-codes 57 \\
         --concurrency 1,4,8 --text-concurrency 1,8 --num-prompts 20 --rounds 3 --warmups 4 \\
         --no-plots --no-progress --out /tmp/r/e2e
 
-`main` runs `--config` (serve_config.yaml, `--set key=value` overrides applied) at each c in
---concurrency: the run's JSON, report and plots under <out>/main; then, on the same app, the
-questions alone (no media, speech still asked for) at --text-concurrency under <out>/text.
-Every stage's `stats` is written next to the run as stats.json. Per concurrency it prints
-each group's Code2Wav busy share, the Talker's wall ms a unit start and a decode step and
-the Thinker's GPU ms a decode step (the engines' counters over the measured rounds;
-<out>/main/stages.json). `--profile-first-turn STAGE:N[,STAGE:N...]` profiles each stage's
-first N engine steps after RUNNING in its own process (<out>/main/profile_<stage>.json).
-Exits 1 if a request failed. Needs Ray Serve importable.
+Outputs under <out>/main and <out>/text, the stages' stats and per-concurrency engine
+counters beside them (docs/bench.md). Exits 1 if a request failed. Needs Ray Serve.
 """
 
 from __future__ import annotations
