@@ -82,10 +82,6 @@ def build_model(cfg: LLMConfig, device: torch.device, seed: int = 0) -> Qwen3LM:
     return model
 
 
-# ---------------------------------------------------------------------------------------
-# 1) attention op parity
-
-
 @torch.no_grad()
 def attention_parity(device: torch.device) -> None:
     print("1) FlashInfer vs torch paged attention (bf16)")
