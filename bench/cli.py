@@ -1,13 +1,13 @@
-"""Command line: `python -m bench {run,synth,report,attribution,soak} ...`.
+"""Command line: `python -m bench {run,synth,report,soak} ...`.
 
 Examples (docs/bench.md has more):
   # synthetic 30 s clips, fixed-length output for random weights, c=1 and c=4
   python -m bench run --url http://127.0.0.1:8000 --dataset synthetic --data-dir /tmp/syn \\
       --synthetic-durations 30 --concurrency 1,4 --num-prompts 20 --rounds 3 --warmups 4 \\
-      --fixed-text-tokens 16 --fixed-speech-codes 57 --out results/h200 --baseline base.json
+      --fixed-text-tokens 16 --fixed-speech-codes 57 --out results/run --baseline base.json
   # Daily-Omni in its published layout
   python -m bench run --dataset daily-omni --data-dir /data/Daily-Omni --durations 30s ...
-  python -m bench report results/h200/run.json --baseline results/base/run.json
+  python -m bench report results/run/run.json --baseline results/base/run.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from bench.datasets import (
 )
 from bench.metrics import DEFAULT_PERCENTILES, RequestRecord
 from bench.report import (
-    ISSUE5_TARGETS,
+    APP_TARGETS,
     build_run,
     format_report,
     load_run,
@@ -191,7 +191,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def write_outputs(run: dict[str, Any], out: Path | None, baseline: dict[str, Any] | None,
                   plots: bool = True, targets: bool = False) -> str:
-    text = format_report(run, baseline, ISSUE5_TARGETS if targets else None)
+    text = format_report(run, baseline, APP_TARGETS if targets else None)
     if out is not None:
         save_run(run, out / "run.json")
         (out / "report.txt").write_text(text + "\n")
@@ -235,7 +235,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     run = load_run(args.run)
     baseline = load_run(args.baseline) if args.baseline else None
-    print(format_report(run, baseline, ISSUE5_TARGETS if args.targets else None))
+    print(format_report(run, baseline, APP_TARGETS if args.targets else None))
     if args.plots:
         for p in plot_run(run, args.plots, baseline=baseline):
             print(f"wrote {p}", file=sys.stderr)
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--fail-on-error", action="store_true", help="exit 1 if a request failed")
     r.add_argument("--targets", action="store_true",
-                   help="also check issue 5's H200 targets (30 s clips, c=1 and c=4)")
+                   help="also check the app benchmark's targets (30 s clips, c=1 and c=4)")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("synth", help="write a synthetic Daily-Omni-shaped data set")
@@ -277,11 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run")
     p.add_argument("--baseline", default=None)
     p.add_argument("--plots", default=None, help="folder to write PNGs into")
-    p.add_argument("--targets", action="store_true", help="also check issue 5's H200 targets")
+    p.add_argument("--targets", action="store_true", help="also check the app benchmark's targets")
     p.set_defaults(func=cmd_report)
 
-    sub.add_parser("attribution", help="knob A/B runs (see python -m bench.attribution -h)",
-                   add_help=False)
     sub.add_parser("soak", help="many turns of every kind, hang-ups, a stage killed; then "
                    "check nothing leaked (see python -m bench soak -h)", add_help=False)
     return ap
@@ -289,10 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "attribution":
-        from bench.attribution import main as attribution_main
-
-        return attribution_main(argv[1:])
     if argv and argv[0] == "soak":
         from bench.soak import main as soak_main
 

@@ -409,27 +409,3 @@ async def run_benchmark(
                 on_rounds(c, "end")
             out[c] = entry
     return out
-
-
-async def wait_ready(url: str, timeout_s: float = 600.0, interval_s: float = 1.0,
-                     is_alive: Callable[[], bool] | None = None) -> None:
-    """Poll GET {url}/v1/models (then /health) until one answers 200.
-
-    `is_alive` lets a launcher abort early when the server process died.
-    """
-    deadline = time.monotonic() + timeout_s
-    paths = ("/v1/models", "/health", "/-/healthz")
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        while True:
-            for p in paths:
-                try:
-                    async with session.get(url.rstrip("/") + p) as resp:
-                        if resp.status == 200:
-                            return
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    pass
-            if is_alive is not None and not is_alive():
-                raise RuntimeError(f"server process exited before {url} became ready")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} not ready after {timeout_s} s")
-            await asyncio.sleep(interval_s)

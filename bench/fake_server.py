@@ -12,14 +12,10 @@ Per request (times in seconds after the request arrived, all multiplied by `time
 
 With `omniray.fixed_speech_codes` = n in the request, the audio becomes ceil(n / 25) chunks of
 25 codes (1 s) with the remainder last, 40 ms of audio per code, spaced `audio_times` apart.
-
-Run standalone: `python -m bench.fake_server --port 8123 [--config serve.yaml]`; with
---config, a `time_scale` key anywhere in that YAML scales the script (used by attribution tests).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
@@ -27,7 +23,7 @@ import math
 import struct
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -240,41 +236,3 @@ class FakeServerThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
-
-def _find_key(tree: Any, key: str) -> Any:
-    if isinstance(tree, dict):
-        if key in tree:
-            return tree[key]
-        for v in tree.values():
-            found = _find_key(v, key)
-            if found is not None:
-                return found
-    elif isinstance(tree, list):
-        for v in tree:
-            found = _find_key(v, key)
-            if found is not None:
-                return found
-    return None
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--config", default=None, help="serve config YAML; its time_scale is used")
-    ap.add_argument("--time-scale", type=float, default=1.0)
-    ap.add_argument("--capacity", type=int, default=1_000_000)
-    args = ap.parse_args(argv)
-    script = FakeScript(time_scale=args.time_scale, capacity=args.capacity)
-    if args.config:
-        import yaml
-
-        with open(args.config) as f:
-            ts = _find_key(yaml.safe_load(f), "time_scale")
-        if ts is not None:
-            script = replace(script, time_scale=float(ts))
-    web.run_app(make_app(script), host="127.0.0.1", port=args.port, print=None,
-                access_log=None)
-
-
-if __name__ == "__main__":
-    main()

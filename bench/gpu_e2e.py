@@ -1,33 +1,13 @@
-"""Issue 5's whole measurement in one process: the app, its baseline and the knob attribution,
-each started in-process on one Ray instance (no `serve run` per variant, no Ray restarts).
+"""The app benchmark in one process: the app started in-process on one Ray instance
+(`deployments.app.build_app` over its Serve config), then the closed-loop client against it.
 
-    python -m bench.gpu_e2e --phases main,baseline,attribution --checkpoint random-full \\
-        --data-dir /tmp/syn --synthetic-durations 30 --media file \\
-        --fixed-text-tokens 16 --fixed-speech-codes 57 \\
-        --concurrency 1,4 --num-prompts 20 --rounds 3 --warmups 4 \\
-        --baseline-num-prompts 10 --baseline-rounds 1 \\
-        --knob compile_mm_encoder=false --knob token2wav_cfm_cuda_graph=false \\
-        --attr-concurrency 4 --attr-num-prompts 12 --out results/h200
+    python -m bench.gpu_e2e --phases main --checkpoint random-full --data-dir /tmp/syn \\
+        --synthetic-durations 30 --media file --fixed-text-tokens 16 --fixed-speech-codes 57 \\
+        --concurrency 1,4,8 --text-concurrency 1,8 --num-prompts 20 --rounds 3 --warmups 4 \\
+        --no-plots --no-progress --out /tmp/r/e2e
 
-Phases (each one app at a time; the app is deleted before the next starts, so they never share
-the GPU):
-  main         `--config` (serve_config.yaml) with `model` set: c in --concurrency, the run's
-               JSON, report and plots under <out>/main (ratios against <out>/baseline if there);
-               then, on the same app, the questions alone (no media, speech still asked for)
-               at --text-concurrency, under <out>/text
-  baseline     `--baseline-config` (bench/baseline_config.yaml) at --baseline-concurrency
-  attribution  A = `--config`, then one B per --knob (bench.attribution's override syntax),
-               each at --attr-concurrency; table under <out>/attribution
-After each app run, every stage's `stats` (memory, engine counters such as graph replays and
-fallbacks) is written next to its run.json as stats.json. Exits 1 if a request failed.
-Per concurrency, the Code2Wav busy share (per group with `--groups N`, with its turns) and the
-Talker's wall ms a prefill and a decode call (its engine's counters over the measured rounds),
-printed and written as stages.json.
-`--profile-first-turn STAGE:N[,STAGE:N...]` (main phase) profiles each stage's first N engine
-steps after the app reports RUNNING, where they run (deployments/profiling.py: per step its
-wall and device ms, top kernels and host ops), into <out>/main/profile_<stage>.txt: the first
-turn's steps and, with N large enough, the next turns' to compare them with.
-Needs Ray Serve importable (on the GPU machine: `source .gpu/ray/device-env.sh`).
+Outputs under <out>/main and <out>/text, the stages' stats and per-concurrency engine
+counters beside them (docs/bench.md). Exits 1 if a request failed. Needs Ray Serve.
 """
 
 from __future__ import annotations
@@ -35,28 +15,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import copy
 import json
 import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from bench.attribution import (
-    CallbackLauncher,
-    Variant,
-    apply_overrides,
-    collect,
-    format_attribution,
-    parse_knob,
-    parse_sets,
-    run_attribution,
-)
 from bench.cli import (
     _ints,
     add_client_args,
@@ -67,9 +37,48 @@ from bench.cli import (
     load_specs,
     write_outputs,
 )
-from bench.report import load_run
 
 STAGES = ("Thinker", "Talker", "Code2Wav")
+
+
+def parse_sets(sets: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+    """--set arguments (each 'a=1' or 'a=1,b=2') -> ((key, YAML-parsed value), ...)."""
+    pairs = []
+    for part in (p for s in sets for p in s.split(",") if p.strip()):
+        if "=" not in part:
+            raise ValueError(f"--set {part!r} is not key=value")
+        k, v = part.split("=", 1)
+        pairs.append((k.strip(), yaml.safe_load(v.strip()) if v.strip() else ""))
+    return tuple(pairs)
+
+
+def apply_overrides(tree: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """A copy of a Serve YAML tree with the overrides set: `a.0.b` is a dotted path; a bare
+    key is replaced wherever it occurs, or added to every application's `args`."""
+    tree = copy.deepcopy(tree)
+    for key, value in overrides:
+        if "." in key:
+            paths = [[int(p) if p.isdigit() else p for p in key.split(".")]]
+        else:
+            paths = _key_paths(tree, key) or [
+                ["applications", i, "args", key] for i in range(len(tree["applications"]))]
+        for path in paths:
+            node = tree
+            for p in path[:-1]:
+                node = node[p] if isinstance(node, list) else node.setdefault(p, {})
+            node[path[-1]] = value
+    return tree
+
+
+def _key_paths(node: Any, key: str, path: tuple = ()) -> list[list]:
+    items = node.items() if isinstance(node, dict) else (
+        enumerate(node) if isinstance(node, list) else ())
+    found = []
+    for k, v in items:
+        if k == key and isinstance(node, dict):
+            found.append([*path, k])
+        found.extend(_key_paths(v, key, (*path, k)))
+    return found
 
 
 def _port() -> int:
@@ -83,14 +92,18 @@ def app_args(config_path: str, model: str | None, overrides=(), media_dir: str |
     """The app's `args` from a Serve YAML, with `model` and the overrides applied; `media_dir`
     is where file:// media may be read from (`--media file`, as vLLM-Omni's bench sends them)."""
     with open(config_path) as f:
-        tree = yaml.safe_load(f)
-    tree, _ = apply_overrides(tree, overrides)
+        tree = apply_overrides(yaml.safe_load(f), overrides)
     args = tree["applications"][0]["args"]
     if model is not None:
         args["model"] = model
     if media_dir is not None:
         args["allowed_local_media_path"] = str(Path(media_dir).resolve())
     return args
+
+
+def stage_names(stage: str, groups: int) -> list[str]:
+    """One deployment name per group of a stage: `Code2Wav`, or `Code2Wav-g0`, ..."""
+    return [stage] if groups == 1 else [f"{stage}-g{g}" for g in range(groups)]
 
 
 class InProcessServe:
@@ -113,23 +126,18 @@ class InProcessServe:
     @contextlib.contextmanager
     def app(self, args: dict[str, Any], label: str, stats_out: Path | None = None
             ) -> Iterator[str]:
-        from deployments.app import build_omni_app
-        from deployments.config import AppConfig
+        from deployments.app import build_app
 
         t = time.perf_counter()
-        self.serve.run(build_omni_app(args), name="omniray", route_prefix="/")
+        self.serve.run(build_app(args), name="omniray", route_prefix="/")
         self.groups = len(self.ingress_stats().get("groups", [None]))
-        # What moves the serving path's milliseconds: the stage hops' transport, and the
-        # Serve settings this process's Ray was started with (e.g. RAY_SERVE_PROXY_USE_GRPC).
+        # the Serve settings this process's Ray was started with move the serving path's ms
         serve_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
         print(f"[{label}] app RUNNING after {time.perf_counter() - t:.1f} s "
-              f"({self.groups} group(s); stage_transport "
-              f"{AppConfig.model_validate(args).stage_transport}; Serve environment "
-              f"{serve_env or 'default'})", flush=True)
+              f"({self.groups} group(s); Serve environment {serve_env or 'default'})", flush=True)
         try:
-            stats = {s: self.first(s).stats.remote().result() for s in STAGES}
-            print(f"[{label}] {attention_note(stats['Thinker'])}", flush=True)
-            print(f"[{label}] {start_note(stats)}", flush=True)
+            print(f"[{label}] {attention_note(self.first('Thinker').stats.remote().result())}",
+                  flush=True)
             yield self.url
             if stats_out is not None:
                 stats_out.mkdir(parents=True, exist_ok=True)
@@ -141,15 +149,7 @@ class InProcessServe:
             print(f"[{label}] app deleted in {time.perf_counter() - t:.1f} s", flush=True)
 
     def stage_names(self, stage: str) -> list[str]:
-        """One deployment name per group of a stage (e.g. Code2Wav, or Code2Wav-g0, ...)."""
-        from deployments.app import stage_names
-
-        return [stage_names(g, self.groups)[stage.lower()] for g in range(self.groups)]
-
-    def profile(self, stage: str, steps: int, timeout_s: float) -> Any:
-        """Arm a profile of the first group's `stage` (its next `steps` steps); returns the
-        pending response (`.result()`: {"stage", "steps"})."""
-        return self.first(stage).profile.remote(steps, timeout_s)
+        return stage_names(stage, self.groups)
 
     def first(self, stage: str) -> Any:
         """The handle of the first group's deployment of `stage`."""
@@ -259,17 +259,6 @@ def attention_note(thinker: dict[str, Any]) -> str:
     return f"Thinker attention backend: {backend}"
 
 
-def start_note(stats: dict[str, dict[str, Any]]) -> str:
-    """Each GPU stage's start, from its stats (`gpu_sharing.start_s`): the wait for the
-    per-GPU start lock (the stages before it, under `stage_start: serial`) and its build."""
-    parts = []
-    for stage, s in stats.items():
-        start = (s.get("gpu_sharing") or {}).get("start_s")
-        if start:
-            parts.append(f"{stage} waited {start['waited']} s, built in {start['built']} s")
-    return "stage starts: " + ("; ".join(parts) if parts else "not reported (CPU)")
-
-
 def _failed(run: dict[str, Any]) -> int:
     return sum(s["failed"] for s in run["summaries"].values())
 
@@ -303,27 +292,16 @@ def _median(xs: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_e2e", description=__doc__.split("\n")[0])
-    ap.add_argument("--phases", default="main,baseline,attribution")
+    ap.add_argument("--phases", default="main", choices=["main"],
+                    help="kept for the recorded commands: the app's run is the one phase")
     ap.add_argument("--config", default="serve_config.yaml")
-    ap.add_argument("--baseline-config", default="bench/baseline_config.yaml")
-    ap.add_argument("--checkpoint", default=None, help="overrides the configs' `model` (e.g. random-full)")
+    ap.add_argument("--checkpoint", default=None, help="overrides the config's `model` (e.g. random-full)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override in --config (and its attribution A), attribution syntax")
-    ap.add_argument("--baseline-concurrency", default="1")
-    ap.add_argument("--baseline-num-prompts", type=int, default=None)
-    ap.add_argument("--baseline-rounds", type=int, default=None)
+                    help="override in --config: a dotted path or a bare key (a=1,b=2 allowed)")
     ap.add_argument("--text-concurrency", default="",
-                    help="main phase: also run the questions alone (no media) at these c")
+                    help="also run the questions alone (no media) at these c")
     ap.add_argument("--groups", default=None,
                     help="stage groups (N or auto; one GPU each); reports per-group load")
-    ap.add_argument("--knob", action="append", default=[])
-    ap.add_argument("--attr-concurrency", default="4")
-    ap.add_argument("--attr-num-prompts", type=int, default=None)
-    ap.add_argument("--attr-rounds", type=int, default=1)
-    ap.add_argument("--attr-warmups", type=int, default=None)
-    ap.add_argument("--attr-resume", default=None, metavar="DIR",
-                    help="an earlier attribution folder: reuse its A, skip the Bs it has "
-                         "(combine both with `python -m bench.attribution --collect`)")
     ap.add_argument("--profile-first-turn", default=None, metavar="STAGE:N[,STAGE:N...]",
                     help="profile each STAGE's (Thinker, Talker, Code2Wav) first N steps after "
                          "RUNNING")
@@ -332,100 +310,56 @@ def main(argv: list[str] | None = None) -> int:
     add_client_args(ap, with_url=False)
     add_data_args(ap)
     args = ap.parse_args(argv)
-    args.url = "http://127.0.0.1:0"  # replaced per app
-    phases = [p for p in args.phases.split(",") if p]
+    args.url = "http://127.0.0.1:0"  # replaced by the app's
     out = Path(args.out)
     sets = [*args.set, *([f"applications.0.args.groups={args.groups}"] if args.groups else [])]
-    base_over = parse_sets(sets)
-    media_dir = args.data_dir if args.media == "file" else None
-
+    app = app_args(args.config, args.checkpoint, parse_sets(sets),
+                   args.data_dir if args.media == "file" else None)
     specs = load_specs(args)
     print(f"{len(specs)} request specs from {args.data_dir}", flush=True)
     srv = InProcessServe()
-    failed = 0
     try:
-        if "baseline" in phases:
-            cfg = bench_config(args, _ints(args.baseline_concurrency))
-            cfg = replace(cfg, num_prompts=args.baseline_num_prompts or cfg.num_prompts,
-                          num_rounds=args.baseline_rounds or cfg.num_rounds)
-            app = app_args(args.baseline_config, args.checkpoint, (), media_dir)
-            with srv.app(app, "baseline", out / "baseline") as url:
-                run = execute(specs, client_options(args, url), cfg, label="baseline",
-                              config={"serve_config": args.baseline_config, **vars(args)})
-            print(write_outputs(run, out / "baseline", None, plots=not args.no_plots), flush=True)
-            failed += _failed(run)
-        if "main" in phases:
-            app = app_args(args.config, args.checkpoint, base_over, media_dir)
-            with srv.app(app, "main", out / "main") as url:
-                profiling = []
-                for spec in filter(None, (args.profile_first_turn or "").split(",")):
-                    stage, _, n = spec.strip().partition(":")
-                    profiling.append((stage, srv.profile(stage, int(n or 40), timeout_s=600.0)))
-                per_c = StageShares(srv)
-                run = execute(specs, client_options(args, url), bench_config(args),
-                              label="omniray", config={"serve_config": args.config, **vars(args)},
-                              on_rounds=per_c)
-                first = first_turn(run)
-                print(f"[main] {first}", flush=True)
-                (out / "main").mkdir(parents=True, exist_ok=True)
-                from deployments.profiling import format_profile
-
-                for stage, pending in profiling:
-                    got = pending.result()
-                    (out / "main" / f"profile_{stage.lower()}.txt").write_text(
-                        format_profile(got["stage"], got["steps"]))
-                (out / "main" / "stages.json").write_text(json.dumps(per_c.rows, indent=1))
-                text_run = None
-                if args.text_concurrency:
-                    text_specs = load_specs(argparse.Namespace(**{**vars(args),
-                                                                  "input_mode": "text"}))
-                    text_run = execute(text_specs, client_options(args, url),
-                                       bench_config(args, _ints(args.text_concurrency)),
-                                       label="omniray text-only",
-                                       config={"serve_config": args.config, **vars(args),
-                                               "input_mode": "text"})
-            base_path = out / "baseline" / "run.json"
-            baseline = load_run(base_path) if base_path.exists() else None
-            print(write_outputs(run, out / "main", baseline, plots=not args.no_plots,
-                                targets=True), flush=True)
-            with (out / "main" / "report.txt").open("a") as f:  # kept with the run's numbers
-                f.write(f"\n{first}\n")
-            failed += _failed(run)
-            if text_run is not None:
-                print(write_outputs(text_run, out / "text", None, plots=not args.no_plots),
-                      flush=True)
-                failed += _failed(text_run)
-        if "attribution" in phases and args.knob:
-            cfg = bench_config(args, _ints(args.attr_concurrency))
-            cfg = replace(cfg, num_prompts=args.attr_num_prompts or cfg.num_prompts,
-                          num_rounds=args.attr_rounds,
-                          num_warmups=args.attr_warmups or cfg.num_warmups)
-            attr_out = out / "attribution"
-
-            def launch(v: Variant):
-                over = (*base_over, *v.overrides)
-                args_v = app_args(args.config, args.checkpoint, over, media_dir)
-                return srv.app(args_v, v.label, attr_out / _slug(v.label))
-
-            knobs, base_run = [parse_knob(k) for k in args.knob], None
-            if args.attr_resume:
-                done = collect([args.attr_resume])
-                base_run, labels = done.base, {v.label for v, _, _ in done.variants}
-                knobs = [k for k in knobs if k.label not in labels]
-                print(f"resuming {args.attr_resume}: {len(labels)} done, {len(knobs)} to run")
-            result = run_attribution(knobs, CallbackLauncher(launch), specs,
-                                     client_options(args), cfg, out_dir=attr_out,
-                                     base_run=base_run)
-            print(format_attribution(result), flush=True)
-            failed += bool(result.errors)
+        with srv.app(app, "main", out / "main") as url:
+            run, text_run, first = main_phase(srv, args, specs, url, out / "main")
     finally:
         srv.close()
+    print(write_outputs(run, out / "main", None, plots=not args.no_plots, targets=True),
+          flush=True)
+    with (out / "main" / "report.txt").open("a") as f:  # kept with the run's numbers
+        f.write(f"\n{first}\n")
+    failed = _failed(run)
+    if text_run is not None:
+        print(write_outputs(text_run, out / "text", None, plots=not args.no_plots), flush=True)
+        failed += _failed(text_run)
     print("PASS" if not failed else f"FAIL ({failed})")
     return 1 if failed else 0
 
 
-def _slug(s: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in s)[:60]
+def main_phase(srv: InProcessServe, args: argparse.Namespace, specs: list, url: str, out: Path
+               ) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """The runs on the app: clips at --concurrency, then text alone at --text-concurrency."""
+    profiling = []
+    for spec in filter(None, (args.profile_first_turn or "").split(",")):
+        stage, _, n = spec.strip().partition(":")
+        profiling.append((stage, srv.first(stage).profile.remote(int(n or 40), 600.0)))
+    per_c = StageShares(srv)
+    config = {"serve_config": args.config, **vars(args)}
+    run = execute(specs, client_options(args, url), bench_config(args), label="omniray",
+                  config=config, on_rounds=per_c)
+    first = first_turn(run)
+    print(f"[main] {first}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for stage, pending in profiling:
+        (out / f"profile_{stage.lower()}.json").write_text(
+            json.dumps(pending.result(), indent=1, default=str))
+    (out / "stages.json").write_text(json.dumps(per_c.rows, indent=1))
+    text_run = None
+    if args.text_concurrency:
+        text_specs = load_specs(argparse.Namespace(**{**vars(args), "input_mode": "text"}))
+        text_run = execute(text_specs, client_options(args, url),
+                           bench_config(args, _ints(args.text_concurrency)),
+                           label="omniray text-only", config={**config, "input_mode": "text"})
+    return run, text_run, first
 
 
 if __name__ == "__main__":

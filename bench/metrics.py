@@ -423,7 +423,7 @@ def _ordered(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def headline(summary: dict[str, Any]) -> dict[str, float]:
-    """The figures compared against a baseline and across attribution pairs."""
+    """The figures compared against a baseline."""
 
     def med(name: str) -> float:
         return summary.get(name, {}).get("median", float("nan"))
@@ -438,10 +438,6 @@ def headline(summary: dict[str, Any]) -> dict[str, float]:
     }
 
 
-# higher is better for these; lower is better for the rest of `headline`
-HIGHER_IS_BETTER = {"request_throughput", "audio_throughput", "output_token_throughput", "accuracy"}
-
-
 def ratio(value: float, base: float) -> float:
     """value / base, NaN when either is missing or base is 0."""
     if value is None or base is None or not math.isfinite(value) or not math.isfinite(base):
@@ -453,24 +449,3 @@ def ratio(value: float, base: float) -> float:
 
 def records_to_json(records: Iterable[RequestRecord], t0: float) -> list[dict[str, Any]]:
     return [r.timeline(t0) for r in records]
-
-
-__all__ = [
-    "AudioEvent",
-    "DEFAULT_PERCENTILES",
-    "HIGHER_IS_BETTER",
-    "LATENCY_METRICS",
-    "RequestRecord",
-    "RoundResult",
-    "STAGES",
-    "FIRST_AUDIO_MARKS",
-    "distribution",
-    "first_audio_marks",
-    "headline",
-    "ratio",
-    "records_to_json",
-    "stage_durations",
-    "summarize",
-    "wav_bytes",
-    "wav_frames",
-]

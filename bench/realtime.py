@@ -207,8 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.url:
         run(args.url.rstrip("/"))
     else:
-        from bench.attribution import parse_sets
-        from bench.gpu_e2e import InProcessServe, app_args
+        from bench.gpu_e2e import InProcessServe, app_args, parse_sets
 
         srv = InProcessServe()
         overrides = parse_sets(args.set)

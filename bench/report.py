@@ -23,7 +23,6 @@ from typing import Any, Sequence
 
 from bench.metrics import (
     DEFAULT_PERCENTILES,
-    HIGHER_IS_BETTER,
     RequestRecord,
     RoundResult,
     headline,
@@ -282,8 +281,8 @@ def format_accuracy(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# Issue 5's targets on one H200 with 30 s clips: {concurrency: {headline key: (op, bound)}}
-ISSUE5_TARGETS: dict[int, dict[str, tuple[str, float]]] = {
+# The app benchmark's targets (30 s clips): {concurrency: {headline key: (op, bound)}}
+APP_TARGETS: dict[int, dict[str, tuple[str, float]]] = {
     1: {"ttft_ms": ("<=", 180.0), "audio_ttfp_ms": ("<=", 250.0), "audio_rtf": ("<=", 0.15),
         "request_throughput": (">=", 3.0)},
     4: {"request_throughput": (">=", 5.0), "audio_throughput": (">=", 11.0),
@@ -307,7 +306,7 @@ def check_targets(run: dict[str, Any], targets: dict[int, dict[str, tuple[str, f
 
 
 def format_targets(run: dict[str, Any],
-                   targets: dict[int, dict[str, tuple[str, float]]] = ISSUE5_TARGETS) -> str:
+                   targets: dict[int, dict[str, tuple[str, float]]] = APP_TARGETS) -> str:
     rows = []
     for r in check_targets(run, targets):
         rows.append([f"c={r['concurrency']}", r["metric"], f"{r['op']} {r['bound']:g}",
@@ -330,20 +329,6 @@ def format_report(run: dict[str, Any], baseline: dict[str, Any] | None = None,
     if targets:
         parts += ["", format_targets(run, targets)]
     return "\n".join(parts)
-
-
-def relative_delta(b: float, a: float) -> float:
-    """(b - a) / a as a fraction; NaN when undefined."""
-    r = ratio(b, a)
-    return r - 1.0 if math.isfinite(r) else float("nan")
-
-
-def format_delta(name: str, delta: float) -> str:
-    """'+12.3%' with a trailing '!' when the change is for the worse."""
-    if not math.isfinite(delta):
-        return "-"
-    worse = (delta < 0) if name in HIGHER_IS_BETTER else (delta > 0)
-    return f"{100 * delta:+.1f}%" + ("!" if worse and abs(delta) >= 0.005 else "")
 
 
 # ----------------------------------------------------------------------------- plots

@@ -1,28 +1,13 @@
 """End to end: `python -m bench run` on a tiny synthetic set against the fake server (127.0.0.1),
-writing run.json + PNGs; baseline ratios; knob attribution through both launchers."""
+writing run.json + PNGs; baseline ratios; and bench.gpu_e2e's parts that need no GPU."""
 
 from __future__ import annotations
 
-import json
 import re
-import socket
-import sys
 
 import pytest
-import yaml
 
-from bench.attribution import (
-    ServeRunLauncher,
-    UrlLauncher,
-    apply_overrides,
-    collect,
-    format_attribution,
-    parse_knob,
-    parse_sets,
-    run_attribution,
-)
 from bench.cli import main as cli_main
-from bench.client import BenchConfig, ClientOptions, RequestSpec
 from bench.fake_server import FakeScript, FakeServerThread
 from bench.report import format_report, load_run
 
@@ -111,101 +96,32 @@ def test_baseline_ratios(tmp_path, capsys):
     assert rc == 0 and (tmp_path / "plots" / "throughput.png").exists()
 
 
-def test_apply_overrides_places_knobs():
-    cfg = {"applications": [{"name": "omni", "import_path": "deployments.app:build",
-                             "args": {"thinker": {"compile_mm_encoder": True},
-                                      "code2wav": {"batch_wait_ms": 5}}}]}
-    new, where = apply_overrides(cfg, parse_knob("compile_mm_encoder=false").overrides)
-    assert new["applications"][0]["args"]["thinker"]["compile_mm_encoder"] is False
-    assert cfg["applications"][0]["args"]["thinker"]["compile_mm_encoder"] is True, "copy"
-    assert where == ["applications.0.args.thinker.compile_mm_encoder"]
-    new, where = apply_overrides(cfg, parse_knob("active_stream_window=2").overrides)
-    assert new["applications"][0]["args"]["active_stream_window"] == 2
-    new, _ = apply_overrides(
-        cfg, parse_knob("applications.0.args.code2wav.batch_wait_ms=0,"
-                        "vision_attn_backend=sdpa").overrides)
-    assert new["applications"][0]["args"]["code2wav"]["batch_wait_ms"] == 0
-    assert new["applications"][0]["args"]["vision_attn_backend"] == "sdpa"
+def test_apply_overrides_places_keys():
+    """--set as bench.gpu_e2e and bench.realtime take it: a bare key replaced wherever it
+    occurs (or added to every application's args), a dotted path set as written."""
+    from bench.gpu_e2e import apply_overrides, parse_sets
 
-
-def _specs() -> list[RequestSpec]:
-    return [RequestSpec("x", [{"role": "user", "content": "hi"}])]
-
-
-def test_attribution_with_running_servers(tmp_path):
-    cfg = BenchConfig(concurrencies=(1,), num_prompts=3, num_rounds=1, num_warmups=0,
-                      progress=False)
-    knob = parse_knob("compile_mm_encoder=false")
-    broken = parse_knob("vision_attn_backend=nope")
-    with FakeServerThread(FakeScript()) as a, \
-            FakeServerThread(FakeScript(time_scale=2.0)) as b:
-        dead = f"http://127.0.0.1:{_free_port()}"
-        launcher = UrlLauncher(a.url, {knob.label: b.url, broken.label: dead},
-                               ready_timeout_s=1.5)
-        res = run_attribution([broken, knob], launcher, _specs(), ClientOptions(retries=0), cfg,
-                              out_dir=tmp_path / "attr")
-    assert list(res.errors) == ["vision_attn_backend=nope"], res.errors
-    assert "not ready" in res.errors[broken.label]
-    (row,) = res.deltas()
-    assert row["knob"] == "compile_mm_encoder=false" and row["concurrency"] == 1
-    # B takes twice as long: +100 % latency, -50 % throughput (loose: shared machine)
-    for k in ("e2el_ms", "audio_rtf"):
-        assert 0.6 < row["delta"][k] < 1.4, (k, row["delta"])
-    for k in ("ttft_ms", "audio_ttfp_ms"):
-        assert 0.3 < row["delta"][k] < 1.6, (k, row["delta"])
-    assert -0.65 < row["delta"]["request_throughput"] < -0.3, row["delta"]
-    table = format_attribution(res)
-    assert re.search(r"compile_mm_encoder=false\s+1\s+-\d\d\.\d%!", table), table
-    assert "vision_attn_backend=nope: no result" in table
-    # the saved runs rebuild the same deltas (e.g. from several split invocations)
-    again = collect([tmp_path / "attr"])
-    assert again.deltas() == res.deltas()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_attribution_launches_and_stops_a_server_per_config(tmp_path):
-    """ServeRunLauncher with the fake server as the 'serve run' command: the knob (time_scale)
-    reaches the server through the YAML copy; the server is stopped after each config."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve_yaml = tmp_path / "serve_config.yaml"
-    serve_yaml.write_text(yaml.safe_dump({"applications": [
-        {"name": "omni", "import_path": "x:y", "args": {"engine": {"time_scale": 1.0}}}]}))
-    launch = f"{sys.executable} -m bench.fake_server --port {port} --config {{config}}"
-    launcher = ServeRunLauncher(serve_yaml, url, launch_cmd=launch, log_dir=tmp_path / "logs",
-                                ready_timeout_s=60, stop_timeout_s=20)
-    # one warmup: the first request to a fresh process pays its start-up
-    cfg = BenchConfig(concurrencies=(1,), num_prompts=2, num_rounds=1, num_warmups=1,
-                      progress=False)
-    knob = parse_knob("time_scale=2")
-    crash = parse_knob("time_scale=oops")  # the server exits at start-up: reported, skipped
-    res = run_attribution([crash, knob], launcher, _specs(), ClientOptions(retries=0), cfg,
-                          out_dir=tmp_path / "attr")
-    assert "exited" in res.errors["time_scale=oops"], res.errors
-    (row,) = res.deltas()
-    # everything takes twice as long (loose bands: shared machine)
-    for k in ("e2el_ms", "audio_rtf"):
-        assert 0.6 < row["delta"][k] < 1.4, (k, row["delta"])
-    assert 0.3 < row["delta"]["ttft_ms"] < 1.6, row["delta"]
-    assert launcher.placements[knob.label] == ["applications.0.args.engine.time_scale"]
-    # servers are gone, temp configs removed, results and logs written
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", port)) != 0, "server still listening"
-    assert not list(tmp_path.glob(".attr-*.yaml"))
-    saved = json.loads((tmp_path / "attr" / "attribution.json").read_text())
-    assert saved["deltas"][0]["knob"] == "time_scale=2"
-    assert (tmp_path / "attr" / "base" / "run.json").exists()
-    assert (tmp_path / "logs" / "base.log").exists()
-    assert "time_scale=2" in (tmp_path / "attr" / "attribution.txt").read_text()
+    cfg = {"applications": [{"name": "omni", "import_path": "deployments.app:build_app",
+                             "args": {"thinker": {"engine": {"kv_cache_gib": 16}},
+                                      "code2wav": {"engine": {"kv_cache_gib": 2}}}}]}
+    new = apply_overrides(cfg, parse_sets(["kv_cache_gib=4"]))
+    args = new["applications"][0]["args"]
+    assert args["thinker"]["engine"]["kv_cache_gib"] == 4 == args["code2wav"]["engine"]["kv_cache_gib"]
+    assert cfg["applications"][0]["args"]["thinker"]["engine"]["kv_cache_gib"] == 16, "a copy"
+    new = apply_overrides(cfg, parse_sets(["capacity=2", "applications.0.args.talker_mode=x,"
+                                           "applications.0.args.thinker.engine.kv_cache_gib=8"]))
+    args = new["applications"][0]["args"]
+    assert args["capacity"] == 2 and args["talker_mode"] == "x"
+    assert args["thinker"]["engine"]["kv_cache_gib"] == 8
+    assert args["code2wav"]["engine"]["kv_cache_gib"] == 2
+    assert parse_sets([]) == ()
+    assert parse_sets(["a=false,b=1.5", "c=sdpa"]) == (("a", False), ("b", 1.5), ("c", "sdpa"))
+    with pytest.raises(ValueError):
+        parse_sets(["a"])
 
 
 def test_targets_table():
-    from bench.report import ISSUE5_TARGETS, check_targets, format_targets
+    from bench.report import APP_TARGETS, check_targets, format_targets
 
     def summ(rps, aps, ttft, ttfp, rtf):
         return {"request_throughput": rps, "audio_throughput": aps, "ttft_ms": {"median": ttft},
@@ -214,7 +130,7 @@ def test_targets_table():
 
     run = {"summaries": {"1": summ(3.5, 8.0, 150.0, 260.0, 0.12),
                          "4": summ(4.0, 12.0, 300.0, 400.0, 0.3)}}
-    rows = {(r["concurrency"], r["metric"]): r for r in check_targets(run, ISSUE5_TARGETS)}
+    rows = {(r["concurrency"], r["metric"]): r for r in check_targets(run, APP_TARGETS)}
     assert rows[(1, "ttft_ms")]["met"] and rows[(1, "request_throughput")]["met"]
     assert not rows[(1, "audio_ttfp_ms")]["met"]
     assert rows[(1, "audio_ttfp_ms")]["gap"] == pytest.approx(260 / 250 - 1)
@@ -224,48 +140,18 @@ def test_targets_table():
 
 
 def test_gpu_e2e_app_args(tmp_path):
-    """The per-phase app args of bench.gpu_e2e: model, knob overrides and the media folder."""
-    from bench.gpu_e2e import app_args
+    """The app's args of bench.gpu_e2e: model, --set overrides and the media folder."""
+    from bench.gpu_e2e import app_args, parse_sets, stage_names
 
-    over = parse_knob("token2wav_cfm_cuda_graph=false,active_stream_window=1").overrides
-    args = app_args("serve_config.yaml", "random-full", over, media_dir=str(tmp_path))
-    assert args["model"] == "random-full" and args["active_stream_window"] == 1
-    assert args["code2wav"]["engine"]["token2wav_cfm_cuda_graph"] is False
-    # --set as bench.gpu_e2e and bench.realtime take it: repeated, each one or more pairs
-    sets = app_args("serve_config.yaml", None, parse_sets(
-        ["piecewise_graph_tokens=0", "active_stream_window=2,groups=1"]))
-    assert sets["thinker"]["engine"]["llm"]["piecewise_graph_tokens"] == 0
-    assert sets["active_stream_window"] == 2 and sets["groups"] == 1
-    assert parse_sets([]) == ()
+    args = app_args("serve_config.yaml", "random-full", parse_sets(["groups=1,request_timeout_s=9"]),
+                    media_dir=str(tmp_path))
+    assert args["model"] == "random-full" and args["groups"] == 1
+    assert args["request_timeout_s"] == 9
     assert args["allowed_local_media_path"] == str(tmp_path.resolve())
-    base = app_args("bench/baseline_config.yaml", None)
-    assert base["model"] is None and base["allowed_local_media_path"] is None
-    assert base["thinker"]["engine"]["llm"]["cuda_graphs"] is False
-
-
-def test_baseline_config_runs_the_plain_paths():
-    """The baseline stays the plain pipeline while the app's defaults move: the Code2Wav
-    fast-path knobs (the app's defaults) and the Thinker's caches and graphs are off in it."""
-    import dataclasses
-    from pathlib import Path
-
-    import yaml
-
-    from deployments.app import engine_configs
-    from deployments.config import AppConfig
-    from pipeline.code2wav.engine import Code2WavEngineConfig
-
-    root = Path(__file__).parents[1]
-    args = yaml.safe_load((root / "bench/baseline_config.yaml").read_text())
-    cfg = engine_configs(AppConfig.model_validate(args["applications"][0]["args"]))
-    plain = Code2WavEngineConfig()
-    fast = AppConfig().code2wav.engine
-    assert fast and all(v is True for v in fast.values())
-    for knob in fast:
-        assert getattr(cfg["code2wav"], knob) is False is getattr(plain, knob), knob
-    llm = cfg["thinker"].llm
-    assert not (llm.cuda_graphs or llm.enable_prefix_caching or llm.device_sampling)
-    assert dataclasses.is_dataclass(llm)
+    plain = app_args("serve_config.yaml", None)
+    assert plain["allowed_local_media_path"] != str(tmp_path.resolve())
+    assert stage_names("Code2Wav", 1) == ["Code2Wav"]
+    assert stage_names("Talker", 2) == ["Talker-g0", "Talker-g1"]
 
 
 def test_first_turn_reports_the_first_request_sent():
@@ -341,16 +227,3 @@ def test_attention_note_warns_when_a_gpu_thinker_runs_the_torch_backend():
     assert attention_note({"engine": {"flashinfer_attention": 0}}) == (
         "Thinker attention backend: torch")  # on CPU: the only one
     assert attention_note({}) == "Thinker attention backend: unknown"
-
-
-def test_start_note_says_each_gpu_stage_wait_and_build():
-    """Beside RUNNING, each GPU stage's start from its stats (`gpu_sharing.start_s`): what
-    `stage_start` changes; CPU stages report none."""
-    from bench.gpu_e2e import start_note
-
-    stats = {"Thinker": {"gpu_sharing": {"start_s": {"waited": 0.0, "built": 61.2}}},
-             "Talker": {"gpu_sharing": {"start_s": {"waited": 61.3, "built": 14.0}}},
-             "Code2Wav": {"gpu_sharing": None}}
-    assert start_note(stats) == ("stage starts: Thinker waited 0.0 s, built in 61.2 s; "
-                                 "Talker waited 61.3 s, built in 14.0 s")
-    assert start_note({"Thinker": {"gpu_sharing": None}}) == "stage starts: not reported (CPU)"

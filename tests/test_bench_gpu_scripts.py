@@ -1,63 +1,45 @@
-"""What the GPU scripts time is what ships: their `SHIPPED` configurations against
-serve_config.yaml (the scripts themselves need CUDA; these checks do not)."""
+"""The GPU scripts' pieces that need no GPU: the schedules they feed, how they compare PCM,
+codes and kernel timelines (the scripts themselves need CUDA)."""
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
-import yaml
-
-from deployments.config import AppConfig
-from deployments.stage import dataclass_from_dict
-
-ROOT = Path(__file__).resolve().parents[1]
+import numpy as np
+import pytest
 
 
-def _shipped_engine(stage: str, cls):
-    doc = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    cfg = AppConfig.model_validate(doc["applications"][0]["args"])
-    return dataclass_from_dict(cls, cfg.stages()[stage].engine, stage)
-
-
-def test_gpu_code2wav_times_the_shipped_code2wav_step():
-    from bench import gpu_code2wav
-    from pipeline.code2wav.engine import Code2WavEngineConfig
-
-    shipped = _shipped_engine("code2wav", Code2WavEngineConfig)
-    bench = gpu_code2wav.SHIPPED
-    # what shapes a step: every fast path and the precision (not the batching policy, the
-    # slot count or the waits, which the script sets per measurement)
-    step = [f.name for f in dataclasses.fields(Code2WavEngineConfig)
-            if f.name.startswith("token2wav_")]
-    assert {k: getattr(bench, k) for k in step} == {k: getattr(shipped, k) for k in step}
-
-
-def test_gpu_code2wav_flips_one_knob():
+def test_gpu_code2wav_schedule_feeds_each_stream_alone_in_the_same_rounds():
+    """`only=i` gives stream i's pieces in the rounds it has together with the others: the
+    same codes, the same boundaries, the same final piece."""
     from bench import gpu_code2wav
 
-    on = gpu_code2wav.flipped("token2wav_dit_adaln_table")
-    assert on.token2wav_dit_adaln_table is True
-    assert dataclasses.replace(on, token2wav_dit_adaln_table=False) == gpu_code2wav.SHIPPED
-    off = gpu_code2wav.flipped("token2wav_dit_pool_attention")
-    assert off.token2wav_dit_pool_attention is False
-    both = gpu_code2wav.flipped("token2wav_dit_adaln_table+token2wav_dit_pool_attention")
-    assert both == dataclasses.replace(off, token2wav_dit_adaln_table=True)
-    assert gpu_code2wav.flipped_name("token2wav_dit_adaln_table+token2wav_dit_pool_attention") \
-        == "shipped, token2wav_dit_adaln_table=True, token2wav_dit_pool_attention=False"
+    together = gpu_code2wav.schedule([20, 19, 30], seed=3)
+    assert [sum(len(p[1]) for r in together for p in r if p[0] == f"s{i}")
+            for i in range(3)] == [20, 19, 30]
+    assert [p[0] for p in together[0]] == ["s0"]  # stream i starts in round i
+    assert {p[0] for p in together[2]} == {"s0", "s1", "s2"}
+    for i in range(3):
+        alone = gpu_code2wav.schedule([20, 19, 30], seed=3, only=i)
+        assert len(alone) == len(together)
+        for r_all, r_one in zip(together, alone):
+            assert [p for p in r_all if p[0] == f"s{i}"] == r_one
+        pieces = [p for r in alone for p in r]
+        assert pieces[0][3] and pieces[-1][2] and not any(p[2] for p in pieces[:-1])
 
 
-def test_gpu_code2wav_says_whether_a_knob_gives_the_shipped_pcm():
-    import numpy as np
-
+def test_gpu_code2wav_compare_reports_the_largest_difference_and_lowest_snr(capsys):
     from bench import gpu_code2wav
 
-    shipped = {"s0": [np.arange(4, dtype=np.float32)], "s1": [np.zeros(3, np.float32)]}
-    same = {k: [c.copy() for c in v] for k, v in shipped.items()}
-    assert gpu_code2wav.same_as(shipped, same, "exact") == {"bitwise": True, "max_abs": 0.0}
-    other = {**same, "s1": [np.full(3, 2e-7, np.float32)]}
-    got = gpu_code2wav.same_as(shipped, other, "reordered")
-    assert not got["bitwise"] and abs(got["max_abs"] - 2e-7) < 1e-12
+    ref = {"s0": [np.ones(4, np.float32)], "s1": [np.full(3, 0.5, np.float32)]}
+    same = {k: [c.copy() for c in v] for k, v in ref.items()}
+    worst, low = gpu_code2wav.compare(ref, same, "same")
+    assert worst == 0.0 and low > 1000  # no error: the SNR of a 1e-300 floor
+    other = {**same, "s1": [np.full(3, 0.5 + 1e-3, np.float32)]}
+    worst, low = gpu_code2wav.compare(ref, other, "other")
+    assert worst == pytest.approx(1e-3, rel=1e-3)
+    assert low == pytest.approx(10 * np.log10(0.25 / 1e-6), abs=0.1)  # s1's 54 dB
+    with pytest.raises(ValueError):  # a chunk missing is an error, not a pass
+        gpu_code2wav.compare(ref, {**same, "s0": []}, "short")
+    assert "other: max abs 1.00e-03" in capsys.readouterr().out
 
 
 def test_gpu_code2wav_timeline_finds_where_no_kernel_runs():
@@ -72,38 +54,13 @@ def test_gpu_code2wav_timeline_finds_where_no_kernel_runs():
     assert gpu_code2wav.timeline([]) == {}
 
 
-def test_gpu_code2wav_ties_each_costly_kernel_to_the_ops_that_launch_it():
-    """`--profile-ops`' attribution, on stand-in profiler events: a kernel's GPU time summed
-    per launching op (its aten callers, its shapes, the innermost pipeline/ source line)."""
-    from types import SimpleNamespace as NS
+def test_gpu_talker_checks_codes_length_range_and_repeat():
+    from bench import gpu_talker
 
-    from bench import gpu_code2wav
-
-    def frame(name, parent=None):
-        return NS(name=name, cpu_parent=parent, kernels=[], input_shapes=None)
-
-    def op(name, parent, shapes, kernels):
-        return NS(name=name, cpu_parent=parent, input_shapes=shapes,
-                  kernels=[NS(name=k, duration=us) for k, us in kernels])
-
-    top = frame("pipeline/code2wav/engine.py(400): step")
-    conv = frame("pipeline/code2wav/causal_hift.py(92): conv", top)
-    attn = frame("pipeline/code2wav/dit.py(321): attend_slots", top)
-    reshape = frame("aten::reshape", attn)
-    clone = op("aten::clone", reshape, [[16, 656, 8, 64]], [])
-    events = [
-        op("aten::add", conv, [[8, 64, 4081], [64, 1]], [("legacy", 100.0)]),
-        op("aten::add", conv, [[8, 64, 4081], [64, 1]], [("legacy", 120.0)]),
-        op("aten::copy_", clone, [[16, 656, 8, 64]], [("legacy", 400.0)]),
-        op("aten::mm", conv, [[64, 704], [704, 4081]], [("gemm", 50.0), ("gemm", 30.0)]),
-        op("aten::fill_", None, [[4]], [("fill", 1.0)]),  # no pipeline/ caller
-        clone, reshape, conv, top,
-    ]
-    rows = gpu_code2wav.kernel_sources(events, top=2, per_kernel=2)
-    assert [(r["kernel"], r["ms"], r["n"]) for r in rows] == [("legacy", 0.62, 3), ("gemm", 0.08, 2)]
-    assert rows[0]["ops"] == [
-        {"op": "copy_<clone<reshape", "shapes": "[[16, 656, 8, 64]]", "ms": 0.4, "n": 1,
-         "site": "code2wav/dit.py(321): attend_slots"},
-        {"op": "add", "shapes": "[[8, 64, 4081], [64, 1]]", "ms": 0.22, "n": 2,
-         "site": "code2wav/causal_hift.py(92): conv"}]
-    assert gpu_code2wav.kernel_sources(events, top=3)[2]["ops"][0]["site"] == "?"
+    good = {1: {"codes": [[1, 2, 3]]}, 4: {"codes": [[4, 5, 6]] * 4}}
+    assert gpu_talker.check_codes(good, {"codes": [[4, 5, 6]] * 4}, eos=10, want=3) == []
+    bad = {1: {"codes": [[1, 2]]}, 4: {"codes": [[4, 5, 10]] * 4}}
+    got = gpu_talker.check_codes(bad, {"codes": [[4, 5, 7]] * 4}, eos=10, want=3)
+    assert got[0] == "batch 1 stream 0: 2 codes, max 2"
+    assert sum("batch 4 stream" in g for g in got) == 4  # the EOS code is not a speech code
+    assert got[-1] == "batch 4 run again: other codes for the same seeds"
