@@ -109,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         print("needs CUDA")
         return 2
     # fixed length: EOS masked for every draw (min_new > max_new) so timings compare
-    cfg = replace(TalkerConfig(), min_new_tokens=10**6, max_new_tokens=2048)
+    cfg = replace(TalkerConfig(), min_new_tokens=10**6, max_new_tokens=2048,
+                  max_position_embeddings=args.max_seq_len)
     model = build_model(cfg)
     t0 = time.perf_counter()
-    engine = TalkerEngine(model, TalkerEngineConfig(max_streams=max(BATCHES), mode="full_span",
-                                                    max_seq_len=args.max_seq_len))
+    engine = TalkerEngine(model, TalkerEngineConfig(max_streams=max(BATCHES), mode="full_span"))
     torch.cuda.synchronize()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, Talker "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params bf16; engine built "

@@ -115,5 +115,7 @@ def tiny_hf_config() -> dict[str, Any]:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
+        # random codes rarely draw EOS: a short cap keeps a spoken answer a few seconds
+        max_new_tokens=30,
     )
     return d

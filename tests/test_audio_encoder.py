@@ -257,7 +257,7 @@ def test_sdpa_without_cudnn_attention_matches_on_cuda(monkeypatch):
     are, at the released geometry."""
     from torch.nn.attention import SDPBackend
 
-    from bench.gpu_audio import build
+    from tests._full_size import audio_encoder as build
     from pipeline import sdpa
 
     enc = build(torch.device("cuda"))
@@ -324,7 +324,7 @@ def test_audio_graphs_match_the_eager_encoder_on_cuda():
     eager encoder: a clip per bucket, at its edge and inside it, each bucket captured once
     and replayed for every later length; the tokens within bf16 rounding of the eager ones
     (the kernels over the padded bucket may sum in another order)."""
-    from bench.gpu_audio import build
+    from tests._full_size import audio_encoder as build
     from pipeline.thinker.model import AudioGraphs
 
     enc = build(torch.device("cuda"))

@@ -47,11 +47,9 @@ def test_any_shape_leaves_cudnn_attention_out_then_restores(monkeypatch):
         assert b.cudnn_sdp_enabled()
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
-def test_talker_prefills_leave_cudnn_out_decodes_keep_sdpa_choice(calls, fused):
+def test_talker_prefills_leave_cudnn_out_decodes_keep_sdpa_choice(calls):
     cfg = tiny_cfg()
-    engine = TalkerEngine(make_talker(cfg, eos_bias=2.0),
-                          TalkerEngineConfig(max_streams=2, talker_fused=fused))
+    engine = TalkerEngine(make_talker(cfg, eos_bias=2.0), TalkerEngineConfig(max_streams=2))
     ids, hidden = spoken(23, cfg, seed=3)
     engine.open("s", TalkerSpec(mode="streaming", seed=5))
     engine.feed("s", SpokenChunk(ids, hidden, True))
@@ -86,23 +84,26 @@ def test_talker_prefill_without_cudnn_is_as_close_as_cudnn_on_cuda(monkeypatch):
     from torch.nn.attention import SDPBackend
 
     from pipeline.config import TalkerConfig
-    from pipeline.talker.model import TalkerModel
+    from pipeline.talker.fused import FusedTalker
+    from pipeline.talker.model import TalkerKVCache, TalkerModel
 
     torch.manual_seed(0)
-    ref = TalkerModel(TalkerConfig()).eval().cuda()
-    model = TalkerModel(TalkerConfig()).eval().cuda()
+    cfg = TalkerConfig()
+    ref = TalkerModel(cfg).eval().cuda()
+    model = TalkerModel(cfg).eval().cuda()
     model.load_state_dict(ref.state_dict())
-    config = TalkerEngineConfig(max_streams=1, cuda_graphs=False, talker_compile=False)
-    want_e = TalkerEngine(ref, config)
-    got_e = TalkerEngine(model.to(torch.bfloat16), config)
-    prompt = torch.randn(57, ref.cfg.hidden_size, device="cuda")
+    model = model.to(torch.bfloat16)
+    want_d, got_d = FusedTalker(ref, compile=False), FusedTalker(model, compile=False)
+    want_c = TalkerKVCache(cfg, 1, cfg.max_position_embeddings, torch.float32, "cuda")
+    got_c = TalkerKVCache(cfg, 1, cfg.max_position_embeddings, torch.bfloat16, "cuda")
+    prompt = torch.randn(57, cfg.hidden_size, device="cuda")
     with torch.no_grad():
-        want = want_e.decoder.prefill(want_e.cache, 0, prompt).float()
+        want = want_d.prefill(want_c, 0, prompt).float()
         with sdpa.any_shape():
-            shipped = got_e.decoder.prefill(got_e.cache, 0, prompt.bfloat16()).float()
+            shipped = got_d.prefill(got_c, 0, prompt.bfloat16()).float()
         monkeypatch.setattr(sdpa, "KERNELS", [SDPBackend.CUDNN_ATTENTION])
         with sdpa.any_shape():
-            cudnn = got_e.decoder.prefill(got_e.cache, 0, prompt.bfloat16()).float()
+            cudnn = got_d.prefill(got_c, 0, prompt.bfloat16()).float()
     err_shipped = (shipped - want).abs().mean().item()
     err_cudnn = (cudnn - want).abs().mean().item()
     assert err_shipped <= 1.5 * err_cudnn + 1e-4, (err_shipped, err_cudnn)

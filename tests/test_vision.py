@@ -244,10 +244,10 @@ def test_sdpa_without_cudnn_attention_matches_on_cuda(monkeypatch, sizes):
     eager and compiled."""
     from torch.nn.attention import SDPBackend
 
-    from bench.gpu_vision import build
+    from tests._full_size import vision_encoder
     from pipeline import sdpa
 
-    vpm, _ = build(torch.device("cuda"))
+    vpm = vision_encoder(torch.device("cuda"))
     ref = VisionEncoder.from_config(vpm.cfg, "eager").cuda().eval()
     ref.load_state_dict(vpm.state_dict())
     vpm = vpm.to(torch.bfloat16)
@@ -286,7 +286,7 @@ def test_bad_patch_mask_is_rejected(encoder):
 
 def test_compiled_layer_matches_eager():
     # a counting backend (runs Dynamo's graph as is, no codegen) keeps this fast; Inductor
-    # on CPU takes ~40 s for one tiny layer here, so bench/gpu_vision.py covers it on CUDA.
+    # on CPU takes ~40 s for one tiny layer here, so test_sdpa_without_cudnn_attention_matches_on_cuda covers it on CUDA.
     cfg = VisionConfig(
         hidden_size=32,
         intermediate_size=64,

@@ -514,7 +514,10 @@ class TalkerEngine:
             s.unit_final = True  # fixed-length mode: the stream is done
             self._end_unit(s)
             return
-        capped = s.mode == "streaming" and s.unit_draws >= STREAMING_CHUNK_MAX_CODES
+        # a text chunk's draws stop at generate_with_buffer's cap, or at the checkpoint's
+        # whole-answer cap where that is lower (the embedded tiny default's)
+        cap = min(STREAMING_CHUNK_MAX_CODES, self.cfg.max_new_tokens)
+        capped = s.mode == "streaming" and s.unit_draws >= cap
         if capped or s.position >= self.max_len:
             self._end_unit(s)
 
