@@ -27,7 +27,10 @@ from pipeline.talker.sampling import TalkerSamplingParams
 
 
 def tiny_cfg(**kw) -> TalkerConfig:
-    return replace(talker_config_from_hf(tiny_hf_config()), **kw)
+    # the released answer caps: the tiny default's short ones would end these runs early
+    caps = {"min_new_tokens": TalkerConfig.min_new_tokens,
+            "max_new_tokens": TalkerConfig.max_new_tokens}
+    return replace(talker_config_from_hf(tiny_hf_config()), **{**caps, **kw})
 
 
 def make_talker(

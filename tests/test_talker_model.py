@@ -26,7 +26,10 @@ CPU = torch.device("cpu")
 
 
 def tiny_cfg(**kw) -> TalkerConfig:
-    return replace(talker_config_from_hf(tiny_hf_config()), **kw)
+    # the released answer caps: the tiny default's short ones would end these runs early
+    caps = {"min_new_tokens": TalkerConfig.min_new_tokens,
+            "max_new_tokens": TalkerConfig.max_new_tokens}
+    return replace(talker_config_from_hf(tiny_hf_config()), **{**caps, **kw})
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
