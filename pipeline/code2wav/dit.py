@@ -12,9 +12,10 @@ Stages (per call, B = 2 x streams because of CFG):
                encoding; the conv branch is CausalConv1d -> LN -> Mish -> CausalConv1d
   4. final   : adaLN(shift, scale) -> LN -> Linear(D -> 80) -> (B,80,T)
 
-Streaming (`forward_chunk`): each block attends to [chunk || cache] (the cache is stored
-newest-first: new keys are concatenated *before* the old ones), no mask; the causal convs carry
-their last 2 input frames. Caches:
+Streaming (`forward_chunk`, which builds a voice's template; every later chunk runs
+`forward_slots` with the caches in the slot pool, slots.py): each block attends to
+[chunk || cache] (the cache is stored newest-first: new keys are concatenated *before* the old
+ones), no mask; the causal convs carry their last 2 input frames. Caches:
   cnn_cache (depth, B, 2D, 2)   = per block [conv1 input tail (D) || conv2 input tail (D)]
   att_cache (depth, B, H, L, 2*dh) = per block K || V along the last dim
 
@@ -430,8 +431,8 @@ class DiT(nn.Module):
         kernels (CUDA), the new keys and values written by `write_kv` (one launch instead
         of two `index_put_`, the same copies) and, for an fp32 estimator (a bf16 one has
         fast flash SDPA), the attention read in place from the pool. Call it after any
-        dtype change or load that replaces the parameters. The plain path (`forward`,
-        `forward_chunk`) is unchanged."""
+        dtype change or load that replaces the parameters. `forward_chunk` (the voice
+        templates) is unchanged."""
         weight = self.in_proj.weight
         fp32 = weight.dtype == torch.float32
         kernels = pool_attention.available(weight.device)

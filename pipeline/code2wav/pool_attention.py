@@ -6,7 +6,7 @@ attention needs two gathers that copy each row's window of K / V out of the pool
 kernel tiles 16 query rows, so a chunk is 64 blocks, and loads K / V straight from the pool
 at each row's (CFG half, slot): no gathered copies. It computes the same softmax(q k^T
 scale + mask) v in fp32 (products in IEEE fp32, no TF32; an online softmax over blocks of
-keys), so its outputs differ from the plain path's only in the order of float sums.
+keys), so its outputs differ from the gathers + SDPA's only in the order of float sums.
 
 `write_kv` writes a block's new keys and values into the pool in one launch where two
 `index_put_` took two: only copies. The DiT takes both on CUDA (`DiT.prepare_slot_path`).
