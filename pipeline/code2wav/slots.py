@@ -136,7 +136,7 @@ class FlowSlotPool:
         if prompt_frames > self.max_prompt_frames:
             raise ValueError(
                 f"voice prompt of {prompt_frames} mel frames is longer than the "
-                f"{self.max_prompt_frames} the slot pool holds (max_prompt_frames)"
+                f"{self.max_prompt_frames} a Code2Wav slot holds (slot_prompt_frames)"
             )
         slot = self.free.pop(0)
         p, lt, lm, le = self.pool, cache.token_att.shape[3], cache.mel_len, cache.est_len
