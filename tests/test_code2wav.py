@@ -12,10 +12,17 @@ import pytest
 import torch
 
 from pipeline.code2wav.assets import tiny_code2wav_config
-from pipeline.code2wav.flow import Flow, FlowCache
+from pipeline.code2wav.flow import Flow
 from pipeline.code2wav.hift import HiFTGenerator
-from pipeline.code2wav.stream import CodeCursor, Crossfade, initial_state, stream_step
+from pipeline.code2wav.stream import CodeCursor, Crossfade, initial_state
 from pipeline.config import Code2WavConfig, DiTConfig
+from tests._code2wav_plain import (
+    dit_offline,
+    encoder_offline,
+    flow_inference,
+    from_reference,
+    stream_step,
+)
 from tests._code2wav_ref import build_reference_flow, build_reference_hift, load_reference
 
 REF = load_reference()
@@ -83,13 +90,13 @@ def test_encoder_offline_and_chunk(tiny):
     x = torch.randn(1, 23, cfg.input_size, generator=g)
     with torch.inference_mode():
         a, _ = ref.encoder(x, torch.tensor([23]))
-        b = ours.encoder(x, torch.tensor([23]))
+        b = encoder_offline(ours.encoder, x, torch.tensor([23]))
         _close(b, a, "encoder offline")
         # chunk mode: prompt chunk then a 28-code chunk with cache
         ra, rcnn, ratt = ref.encoder.forward_chunk(x[:, :13], last_chunk=False)
         oa, new = ours.encoder.forward_chunk(x[:, :13], False, None)
         _close(oa, ra, "encoder chunk 1")
-        cache = FlowCache.from_reference(
+        cache = from_reference(
             {
                 "conformer_att_cache": ratt,
                 "conformer_cnn_cache": rcnn,
@@ -119,7 +126,7 @@ def test_dit_one_cfm_step(tiny):
     with torch.inference_mode():
         est_r, est_o = ref.decoder.estimator, ours.decoder.estimator
         v_ref = est_r(x, torch.ones(b, 1, t), mu, tt, spk, cond)
-        v_our = est_o(x, mu, est_o.time_embedding(tt), spk, cond, torch.ones(b, 1, t))
+        v_our = dit_offline(est_o, x, mu, est_o.time_embedding(tt), spk, cond, torch.ones(b, 1, t))
         _close(v_our, v_ref, "DiT offline step")
         # streaming step against an existing cache (newest-first)
         v1, cnn, att = est_o.forward_chunk(x, mu, est_o.time_embedding(tt), spk, cond)
@@ -139,7 +146,7 @@ def test_offline_decode(tiny):
     a = ref.inference(
         tok, torch.tensor([31]), pt, torch.tensor([9]), pm, torch.tensor([18]), spk, 10
     )
-    b = ours.inference(tok, pt, pm, spk)
+    b = flow_inference(ours, tok, pt, pm, spk)
     _close(b, a, "offline mel")
     assert b.shape == (1, 80, 62)
 
@@ -172,7 +179,7 @@ def test_single_final_chunk_equals_offline(tiny):
     spk = torch.randn(1, 192, generator=g)
     with torch.inference_mode():
         chunk, _ = ours._chunk(tok, spk, None, True, None)
-    offline = ours.inference(tok, tok[:, :0], torch.zeros(1, 0, 80), spk)
+    offline = flow_inference(ours, tok, tok[:, :0], torch.zeros(1, 0, 80), spk)
     _close(chunk, offline, "one final chunk vs offline", 1e-5)
 
 

@@ -23,8 +23,9 @@ from pipeline.code2wav.causal_hift import (
     vocode_chunk,
 )
 from pipeline.code2wav.hift import HiFTGenerator
-from pipeline.code2wav.stream import CodeCursor, Crossfade, initial_state, stream_step
+from pipeline.code2wav.stream import CodeCursor, Crossfade, initial_state
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
+from tests._code2wav_plain import stream_step
 from tests._code2wav_ref import (
     build_reference_flow,
     hift_kwargs,

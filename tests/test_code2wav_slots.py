@@ -1,17 +1,19 @@
-"""The slot pool (pipeline/code2wav/slots.py) against the plain per-stream path (CPU, fp32).
+"""The engine's one path (the slot pool, pipeline/code2wav/slots.py, and the DiT's and the
+vocoder's fast parts) against the plain per-stream path (tests/_code2wav_plain.py; CPU, fp32).
 
   * cache bookkeeping is exact: a template round-trips bitwise, and the pool's writes, gathers
     and trims applied to known frames give FlowCache's cat + trim bitwise;
-  * batched padded rows equal one stream at a time within the precision contract (PCM max abs
-    <= 1e-4, SNR >= 80 dB for every chunk, no growth over a 30-chunk stream), for 1, 3 and 8
-    streams of staggered phases, two voices and final chunks of odd lengths;
-  * aborting a stream in a batch frees only its slot; a voice too long for the pool runs on the
-    plain path; the graph runner's capture on padding rows writes nothing a stream reads.
+  * the shipped path (batched padded rows, the vocoder's convs as matmuls) equals the plain
+    path one stream at a time within the precision contract (PCM max abs <= 1e-4, SNR >= 80
+    dB for every chunk, no growth over a 30-chunk stream), for 1, 3 and 8 streams of
+    staggered phases, two voices and final chunks of odd lengths;
+  * aborting a stream in a batch frees only its slot; a turn beyond the slots and a voice too
+    long for one are refused at open; the graph runner's capture on padding rows writes
+    nothing a stream reads; the DiT's kernels and split products within the bound.
 """
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -19,15 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.code2wav.assets import load_code2wav
-from pipeline.code2wav.batching import ReadyChunk
 from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from pipeline.code2wav.flow import HISTORY_FRAMES, FlowCache
+from pipeline.code2wav.hift import fuse_snakes
 from pipeline.code2wav.slots import Row
 from pipeline.code2wav.voice import VoiceCache, VoicePrompt
 from pipeline.graphs import GraphRunner
 from pipeline.handoff import CodeChunk
-
-SLOTS = Code2WavEngineConfig(token2wav_slot_pool=True)
+from tests._code2wav_plain import PlainEngine, plain_convs, slot_cache, trimmed
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,12 @@ def _alternating(voices):
     return lambda sid: voices[int(sid[1:]) % 2]
 
 
+def _plain(flow, hift, cfg, rounds, voice_of, close_after=None):
+    """The plain path's PCM of a schedule: one stream at a time, torch's convs."""
+    with plain_convs():
+        return _play(PlainEngine(flow, hift, cfg), rounds, voice_of, close_after)
+
+
 def _play(engine, rounds, voice_of, close_after=None):
     """Run a schedule; returns {stream: [pcm chunk, ...]}. `close_after` = (stream, round)."""
     out: dict[str, list[np.ndarray]] = {}
@@ -117,12 +124,12 @@ def _compare(ref, got, label):
 
 def test_template_round_trips_bitwise(model, voices):
     flow, hift, cfg = model
-    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    eng = Code2WavEngine(flow, hift, cfg)
     for v in voices:
         tpl = eng.initial_state(v)
         pool = eng.pool
         slot = pool.admit(tpl.flow, tpl.prompt_frames)
-        back = pool.to_cache(slot)
+        back = slot_cache(pool, slot)
         assert all(torch.equal(a, b) for a, b in zip(back.tensors(), tpl.flow.tensors()))
         pool.release(slot)
 
@@ -133,7 +140,7 @@ def test_pool_writes_and_trims_equal_cat_and_trim_bitwise(model, voices):
     and read the slot back; it equals FlowCache's cat of [new || cache] (DiT, newest first) and
     [cache || new] (conformer), trimmed to the prompt + 100 frames, bit for bit."""
     flow, hift, cfg = model
-    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    eng = Code2WavEngine(flow, hift, cfg)
     tpl = eng.initial_state(voices[1])
     pool = eng.pool
     slot = pool.admit(tpl.flow, tpl.prompt_frames)
@@ -167,9 +174,9 @@ def test_pool_writes_and_trims_equal_cat_and_trim_bitwise(model, voices):
             pool_t[:, slot : slot + 1] = both.gather(3, idx)
             news[name] = torch.cat([getattr(ref, name), new], dim=3)
         pool.commit(plan)
-        ref = FlowCache(news["token_att"], news["mel_att"], ref.lookahead_cnn, ref.up_cnn,
-                        ref.est_cnn, est).trimmed(tpl.prompt_frames, HISTORY_FRAMES)
-        got = pool.to_cache(slot)
+        ref = trimmed(FlowCache(news["token_att"], news["mel_att"], ref.lookahead_cnn,
+                                ref.up_cnn, ref.est_cnn, est), tpl.prompt_frames, HISTORY_FRAMES)
+        got = slot_cache(pool, slot)
         for name in ("token_att", "mel_att", "est_att"):
             assert torch.equal(getattr(got, name), getattr(ref, name)), (chunk, name)
     assert ref.est_len == tpl.prompt_frames + HISTORY_FRAMES  # trimming was exercised
@@ -178,7 +185,7 @@ def test_pool_writes_and_trims_equal_cat_and_trim_bitwise(model, voices):
 def _pool_with(model, voices):
     """A slot-pool engine's pool with each voice's stream admitted: (pool, their slots)."""
     flow, hift, cfg = model
-    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    eng = Code2WavEngine(flow, hift, cfg)
     slots = [eng.pool.admit(eng.initial_state(v).flow, eng.initial_state(v).prompt_frames)
              for v in voices]
     return eng.pool, slots
@@ -243,8 +250,8 @@ def test_batched_rows_equal_one_stream_at_a_time(model, voices, n_streams):
 
     voice_of = _alternating(voices)
 
-    plain = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
-    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    plain = _plain(flow, hift, cfg, rounds, voice_of)
+    eng = Code2WavEngine(flow, hift, cfg)
     got = _play(eng, rounds, voice_of)
     worst = _compare(plain, got, f"B{n_streams}")
     print(f"B{n_streams} worst {worst:.2e}",
@@ -252,69 +259,6 @@ def test_batched_rows_equal_one_stream_at_a_time(model, voices, n_streams):
     if n_streams == 8:
         assert max(int(k[11:]) for k in eng.counters if k.startswith("batch_size_")) >= 4
     assert len(eng.pool.free) == eng.pool.slots and not eng.pool.state
-
-
-def test_first_chunks_first_defers_only_streams_with_audio_in_hand(model, voices):
-    """code2wav_first_chunks_first: a step holding a stream's first chunk leaves out the later
-    chunks of streams with more than the margin of audio in hand (emitted, not yet played at
-    real time), no stream runs dry, and every chunk is what the knob-off engine makes."""
-    from test_code2wav_engine import FakeClock
-
-    from pipeline.code2wav.engine import FIRST_CHUNKS_MARGIN_S
-
-    flow, hift, cfg = model
-    rounds = _schedule(6, [160, 120, 90, 75, 60, 57], seed=3, stagger=2)
-
-    voice_of = _alternating(voices)
-
-    def play(first_first):
-        clock = FakeClock()
-        eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
-            SLOTS, code2wav_first_chunks_first=first_first), clock=clock)
-        out, first_at, audio_s, mixed = {}, {}, {}, 0
-        for r, rnd in enumerate(rounds + [[]] * 12):
-            clock.t = 0.12 * r  # a Talker's chunk takes about this long to arrive
-            for sid, codes, final, first in rnd:
-                if first:
-                    eng.open(sid, voice_of(sid))
-                    out[sid] = []
-                eng.feed(sid, CodeChunk(sid, tuple(codes), final))
-            chunks = eng.step()
-            firsts = [c for c in chunks if c.request_id not in first_at]
-            for c in chunks:
-                sid = c.request_id
-                if sid in first_at:  # the audio it had in hand when this chunk came out
-                    in_hand = first_at[sid] + audio_s[sid] - clock.t
-                    assert in_hand >= 0, f"{sid} ran dry by {-in_hand:.2f} s"
-                    if firsts:  # a later chunk beside a first one
-                        mixed += 1
-                        assert not first_first or in_hand <= FIRST_CHUNKS_MARGIN_S, sid
-                out[sid].append(c.pcm)
-                if len(c.pcm):
-                    first_at.setdefault(sid, clock.t)
-                    audio_s[sid] = audio_s.get(sid, 0.0) + len(c.pcm) / cfg.sample_rate
-        assert not eng.has_work()
-        return out, eng.counters, mixed
-
-    plain, off, mixed_off = play(False)
-    got, on, mixed_on = play(True)
-    assert on["chunks_deferred"] > 0 and "chunks_deferred" not in off
-    assert on["chunks"] == off["chunks"] and mixed_on < mixed_off
-    print("deferred", on["chunks_deferred"], "later chunks beside first ones", mixed_off, "->",
-          mixed_on)
-    _compare(plain, got, "first chunks first")
-
-    # the rule itself: a stream at or under the margin rides with the first chunk
-    clock = FakeClock()
-    eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
-        SLOTS, code2wav_first_chunks_first=True), clock=clock)
-    for sid, first_at, audio_s in (("new", None, 0.0), ("low", 0.0, 2.0), ("full", 0.0, 3.0)):
-        eng.open(sid, voices[0])
-        eng.streams[sid].first_audio_at, eng.streams[sid].audio_s = first_at, audio_s
-    clock.t = 2.0 - FIRST_CHUNKS_MARGIN_S  # "low" has exactly the margin in hand
-    ready = [ReadyChunk(sid, ("slots",)) for sid in ("low", "full", "new")]
-    assert [r.stream_id for r in eng._first_chunks_first(ready)] == ["new", "low"]
-    assert eng._first_chunks_first(ready[:2]) == ready[:2]  # no first chunk: all of them
 
 
 def test_abort_frees_only_its_slot(model, voices):
@@ -325,8 +269,8 @@ def test_abort_frees_only_its_slot(model, voices):
 
     voice_of = _alternating(voices)
 
-    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of, close_after=("s1", 8))
-    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    ref = _plain(flow, hift, cfg, rounds, voice_of, close_after=("s1", 8))
+    eng = Code2WavEngine(flow, hift, cfg)
     slot_of = {}
     original_open = eng.open
 
@@ -342,15 +286,22 @@ def test_abort_frees_only_its_slot(model, voices):
     assert len(eng.pool.free) == eng.pool.slots
 
 
-def test_long_voice_runs_on_the_plain_path(model, voices):
+def test_turns_beyond_the_slots_and_long_voices_are_refused_at_open(model, voices):
+    """A turn beyond `max_streams` is refused (the engine's busy error) until a slot frees;
+    a voice prompt longer than a slot holds is refused; neither takes a slot."""
     flow, hift, cfg = model
     eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
-        token2wav_slot_pool=True, slot_prompt_frames=60))
-    rounds = _schedule(2, [80, 80], seed=5)
-    got = _play(eng, rounds, lambda sid: voices[int(sid[1:])])  # s1's prompt: 74 frames
-    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, lambda sid: voices[int(sid[1:])])
-    assert eng.counters["streams_unslotted"] == 1
-    _compare(ref, got, "long voice")
+        max_streams=2, slot_prompt_frames=60))
+    eng.open("a", voices[0])
+    with pytest.raises(ValueError, match="longer than"):
+        eng.open("long", voices[1])  # its prompt: 74 frames
+    eng.open("b", voices[0])
+    with pytest.raises(RuntimeError, match="slots are in use"):
+        eng.open("c", voices[0])
+    assert set(eng.streams) == {"a", "b"} and eng.stats()["free_slots"] == 0
+    eng.abort("a")
+    eng.open("c", voices[0])
+    assert eng.stats()["capacity"] == 2
 
 
 class _EagerGraphs:
@@ -382,12 +333,11 @@ def test_capture_on_padding_rows_changes_nothing(model, voices):
 
     voice_of = _alternating(voices)
 
-    ref = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
-    eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
-        token2wav_slot_pool=True, graph_batch_sizes=(2, 4, 8)))
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    eng = Code2WavEngine(flow, hift, cfg)
     eng.graphs = runner = _EagerGraphs()
     got = _play(eng, rounds, voice_of)
-    assert runner.captures >= 2 and all(b in (2, 4, 8) for b, _ in runner.keys)
+    assert runner.captures >= 2 and {b for b, _ in runner.keys} >= {2, 3}
     _compare(ref, got, "captured")  # a write into a stream's frames would be far off
 
 
@@ -403,8 +353,8 @@ def test_causal_vocoder_graph_wrapper_computes_vocode_chunk(model, voices):
 
     voice_of = _alternating(voices)
 
-    ref = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
-    eng = Code2WavEngine(flow, hift, cfg, SLOTS)
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    eng = Code2WavEngine(flow, hift, cfg)
     runner = CausalVocoderGraphs(hift, (1, 2, 3))
     runner._eligible = lambda mel, states: True
     keys = []
@@ -414,21 +364,6 @@ def test_causal_vocoder_graph_wrapper_computes_vocode_chunk(model, voices):
     assert keys and any(k[0] > 1 for k in keys)
     for sid in ref:
         assert all(np.array_equal(a, b) for a, b in zip(ref[sid], got[sid], strict=True)), sid
-
-
-def test_vocoder_convs_as_matmuls_within_the_bound(model, voices):
-    """`token2wav_vocoder_gemm_convs` (the causal vocoder's convs as matmuls) against the
-    plain path: the same products in another order, within the precision contract."""
-    flow, hift, cfg = model
-    rounds = _schedule(3, [300, 60, 33], seed=9)
-
-    voice_of = _alternating(voices)
-
-    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
-    got = _play(Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
-        token2wav_slot_pool=True, token2wav_vocoder_gemm_convs=True)), rounds, voice_of)
-    Code2WavEngine(flow, hift, cfg)  # back to cuDNN convs for the module-scoped vocoder
-    _compare(ref, got, "gemm convs")
 
 
 def test_compiled_snake_is_snake_for_any_shape():
@@ -451,18 +386,20 @@ def test_compiled_snake_is_snake_for_any_shape():
 
 
 def test_vocoder_fused_snakes_within_the_bound(model, voices):
-    """`token2wav_vocoder_fused_snakes` against the same engine with eager Snakes over a long
-    stream and two short ones: within the precision contract, no drift."""
+    """The vocoder's compiled Snakes (the engine's on CUDA) against the same engine with eager
+    Snakes over a long stream and two short ones: within the precision contract, no drift."""
     flow, hift, cfg = model
     rounds = _schedule(3, [300, 60, 33], seed=13)
 
     voice_of = _alternating(voices)
 
-    base = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_vocoder_gemm_convs=True)
-    ref = _play(Code2WavEngine(flow, hift, cfg, base), rounds, voice_of)
-    got = _play(Code2WavEngine(flow, hift, cfg, dataclasses.replace(
-        base, token2wav_vocoder_fused_snakes=True)), rounds, voice_of)
-    Code2WavEngine(flow, hift, cfg)  # eager Snakes and cuDNN convs for the module-scoped vocoder
+    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    eng = Code2WavEngine(flow, hift, cfg)
+    fuse_snakes(hift, True)
+    try:
+        got = _play(eng, rounds, voice_of)
+    finally:
+        fuse_snakes(hift, False)  # eager Snakes for the module-scoped vocoder, as on CPU
     _compare(ref, got, "fused snakes")
 
 
@@ -488,10 +425,10 @@ def test_linear_split_k_is_the_same_product_summed_in_another_order():
     assert torch.equal(linear_split_k(many, w, b, 8), torch.nn.functional.linear(many, w, b))
 
 
-def test_dit_split_matmuls_within_the_bound(model, voices):
-    """`token2wav_dit_split_matmuls` (the slot path's q|k|v as one product, its large-K
-    products split over K) against the plain path, over a 12-chunk stream (no drift), and
-    against the slot path without it. The tiny DiT's products are below the split size, so
+def test_dit_split_matmuls_within_the_bound(model, voices, monkeypatch):
+    """The slot path's q|k|v as one product (views of one joined weight) and its large-K
+    products split over K, against the plain path over a 12-chunk stream (no drift), and
+    not bitwise the whole products. The tiny DiT's products are below the split size, so
     SPLIT_MIN_K is lowered here to split them as the full-size ones are."""
     from pipeline.code2wav import dit
 
@@ -500,26 +437,19 @@ def test_dit_split_matmuls_within_the_bound(model, voices):
 
     voice_of = _alternating(voices)
 
-    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
-    base = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
-    old = dit.SPLIT_MIN_K
-    dit.SPLIT_MIN_K = 1
-    try:
-        eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
-            token2wav_slot_pool=True, token2wav_dit_split_matmuls=True))
-        estimator = flow.decoder.estimator
-        assert all(b.split_k == dit.SPLIT_K and b.attn.qkv_weight is not None
-                   for b in estimator.blocks)
-        attn = estimator.blocks[0].attn
-        inner = attn.num_heads * attn.head_dim
-        assert attn.to_k.weight.data_ptr() == attn.qkv_weight[inner:].data_ptr()
-        got = _play(eng, rounds, voice_of)
-    finally:
-        dit.SPLIT_MIN_K = old
-        Code2WavEngine(flow, hift, cfg)  # the module-scoped estimator back to plain matmuls
-    assert all(b.split_k == 1 and b.attn.qkv_weight is None for b in flow.decoder.estimator.blocks)
+    ref = _plain(flow, hift, cfg, rounds, voice_of)
+    whole = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    monkeypatch.setattr(dit, "SPLIT_MIN_K", 1)
+    eng = Code2WavEngine(flow, hift, cfg)
+    estimator = flow.decoder.estimator
+    assert all(b.split_k == dit.SPLIT_K and b.attn.qkv_weight is not None
+               for b in estimator.blocks)
+    attn = estimator.blocks[0].attn
+    inner = attn.num_heads * attn.head_dim
+    assert attn.to_k.weight.data_ptr() == attn.qkv_weight[inner:].data_ptr()
+    got = _play(eng, rounds, voice_of)
     _compare(ref, got, "split matmuls")
-    assert any(not np.array_equal(a, c) for s in base for a, c in zip(base[s], got[s]))
+    assert any(not np.array_equal(a, c) for s in whole for a, c in zip(whole[s], got[s]))
 
 
 @pytest.mark.parametrize("t,w", [(7, 90), (56, 130), (16, 64)])
@@ -556,14 +486,21 @@ def test_pool_attention_kernel_is_sdpa_over_the_gathered_window(t, w):
                                rtol=0, atol=2e-6)
 
 
-def test_dit_pool_attention_within_the_bound(model, voices, monkeypatch):
-    """`token2wav_dit_pool_attention` (the slot path's attention read in place from the pool by
-    one kernel, up to MAX_ROWS estimator rows) against the plain path over a 12-chunk stream
-    (no drift), and not bitwise the slot path without it (the kernel ran)."""
+def test_dit_pool_attention_within_the_bound(ckpt, voices, monkeypatch):
+    """The slot path's attention read in place from the pool by one kernel (CUDA; Triton's
+    interpreter here), up to MAX_ROWS estimator rows, against the plain path over a 12-chunk
+    stream (no drift), and not bitwise the gathers + SDPA (the kernel ran)."""
     from pipeline.code2wav import pool_attention as pa
 
     if not pa.runs_here(torch.device("cpu")):
         pytest.skip("needs Triton (its interpreter on CPU)")
+    flow, hift, cfg = load_code2wav(ckpt, "cpu", torch.float32)  # its own: the kernels stay on
+    rounds = _schedule(2, [300, 45], seed=11)
+
+    voice_of = _alternating(voices)
+
+    ref = _plain(flow, hift, cfg, rounds, voice_of)
+    base = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
     monkeypatch.setattr(pa, "available", lambda device: True)  # the engine takes it on CPU here
     # one stream's rows take the kernel, two streams' the gathers + SDPA: both paths in a run
     monkeypatch.setattr(pa, "MAX_ROWS", 2)
@@ -575,22 +512,9 @@ def test_dit_pool_attention_within_the_bound(model, voices, monkeypatch):
 
     pool_kernel = pa.pool_attention
     monkeypatch.setattr(pa, "pool_attention", counted)
-    flow, hift, cfg = model
-    rounds = _schedule(2, [300, 45], seed=11)
-
-    voice_of = _alternating(voices)
-
-    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
-    base = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
-    try:
-        eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
-            token2wav_slot_pool=True, token2wav_dit_pool_attention=True))
-        assert eng.pool_attention
-        assert all(b.attn.pool_kernel for b in flow.decoder.estimator.blocks)
-        got = _play(eng, rounds, voice_of)
-    finally:
-        Code2WavEngine(flow, hift, cfg)  # the module-scoped estimator back to SDPA
-    assert not any(b.attn.pool_kernel for b in flow.decoder.estimator.blocks)
+    eng = Code2WavEngine(flow, hift, cfg)
+    assert all(b.attn.pool_kernel and b.attn.kv_kernel for b in flow.decoder.estimator.blocks)
+    got = _play(eng, rounds, voice_of)
     assert kernel_rows and set(kernel_rows) == {2}
     _compare(ref, got, "pool attention")
     assert any(not np.array_equal(a, c) for s in base for a, c in zip(base[s], got[s]))
@@ -620,135 +544,45 @@ def test_write_kv_is_the_two_index_puts(dtype):
         pa.write_kv(k.transpose(2, 3), v, *pools, at)
 
 
-def test_dit_kv_write_kernel_gives_the_same_pcm(model, voices, monkeypatch):
-    """`token2wav_dit_kv_write_kernel`: the slot path with its new keys and values written by
-    `write_kv` gives the PCM of the slot path without it, bit for bit (two staggered streams)."""
+def test_dit_kv_write_kernel_gives_the_same_pcm(ckpt, voices, monkeypatch):
+    """The slot path's new keys and values written by `write_kv` (CUDA; Triton's interpreter
+    here) give the PCM of the two `index_put_`, bit for bit (two staggered streams)."""
     from pipeline.code2wav import pool_attention as pa
 
     if not pa.runs_here(torch.device("cpu")):
         pytest.skip("needs Triton (its interpreter on CPU)")
-    monkeypatch.setattr(pa, "available", lambda device: True)  # the engine takes it on CPU
-    flow, hift, cfg = model
+    flow, hift, cfg = load_code2wav(ckpt, "cpu", torch.float32)  # its own: the kernels stay on
     rounds = _schedule(2, [120, 45], seed=5)
 
     voice_of = _alternating(voices)
 
-    base = _play(Code2WavEngine(flow, hift, cfg, SLOTS), rounds, voice_of)
-    try:
-        eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(
-            token2wav_slot_pool=True, token2wav_dit_kv_write_kernel=True))
-        assert eng.kv_write_kernel
-        assert all(b.attn.kv_kernel for b in flow.decoder.estimator.blocks)
-        got = _play(eng, rounds, voice_of)
-    finally:
-        Code2WavEngine(flow, hift, cfg)  # the module-scoped estimator back to index_put_
-    assert not any(b.attn.kv_kernel for b in flow.decoder.estimator.blocks)
+    base = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    monkeypatch.setattr(pa, "available", lambda device: True)  # the engine takes it on CPU
+    monkeypatch.setattr(pa, "MAX_ROWS", 0)  # the attention stays the gathers + SDPA
+    eng = Code2WavEngine(flow, hift, cfg)
+    assert all(b.attn.kv_kernel for b in flow.decoder.estimator.blocks)
+    got = _play(eng, rounds, voice_of)
     for sid in base:
         assert len(base[sid]) == len(got[sid])
         assert all(np.array_equal(a, c) for a, c in zip(base[sid], got[sid], strict=True))
 
 
-def test_adaln_table_is_each_steps_modulations(model):
-    """`DiT.adaln_table` (token2wav_dit_adaln_table): each block's and the final layer's
-    modulations at each Euler step, as one product over the steps' rows, equal the slot path's
-    per-step products over 1, 3 and 8 streams' rows within a few ulps of the largest one: the
-    same dot products, which a BLAS may sum in another order at another row count (this CPU:
-    up to ~3 ulps at one stream's 2 rows, bitwise at more). `slot_pre` hands them on in the
-    layout the per-step product has (shapes, strides, offsets), so `slot_post` sees the same
-    inputs. The engine builds the table after its bf16 conversion, in bf16."""
-    import copy
-
-    flow, hift, cfg = model
-    est = flow.decoder.estimator
-    t_emb, _ = flow.decoder.time_table(torch.device("cpu"), torch.float32)
-    eps = torch.finfo(torch.float32).eps
-    with torch.no_grad():
-        table = est.adaln_table(t_emb)
-        assert table.blocks.shape == (len(est.blocks), len(t_emb), 9 * est.cfg.hidden_size)
-        bitwise = True
-        for rows in (2, 6, 16):
-            for step in range(len(t_emb)):
-                c = t_emb[step].expand(rows, -1)[:, None]  # as CausalCFM.forward_slots passes it
-                layers = [(b.adaLN_modulation, table.blocks[i, step])
-                          for i, b in enumerate(est.blocks)]
-                for modulation, row in layers + [(est.final_layer.adaLN_modulation,
-                                                  table.final[step])]:
-                    want = modulation(c)
-                    err = (row - want).abs().max()
-                    assert err <= 8 * eps * want.abs().max(), (rows, step, float(err))
-                    bitwise &= bool(err == 0)
-        print("adaLN table bitwise the per-step products:", bitwise)
-        block, step = est.blocks[1], 3
-        x = torch.randn(6, 7, est.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
-        c = t_emb[step].expand(6, -1)[:, None]
-        off, on = block.slot_pre(x, c)[3:], block.slot_pre(x, c, table.blocks[1, step])[3:]
-        assert len(on) == 9
-        for a, b in zip(off, on):
-            assert (a.shape, a.stride(), a.storage_offset(), a.dtype) == (
-                b.shape, b.stride(), b.storage_offset(), b.dtype)
-            assert (a - b).abs().max() <= 8 * eps * a.abs().max()
-    on = Code2WavEngineConfig(token2wav_slot_pool=True, token2wav_dit_adaln_table=True)
-    assert Code2WavEngine(flow, hift, cfg, on).adaln_table is not None
-    assert Code2WavEngine(flow, hift, cfg, dataclasses.replace(
-        on, token2wav_slot_pool=False)).adaln_table is None  # a slot-path knob
-    bf16 = copy.deepcopy(flow)
-    eng = Code2WavEngine(bf16, hift, cfg, dataclasses.replace(on, token2wav_precision="bf16"))
-    assert eng.adaln_table.blocks.dtype == eng.adaln_table.final.dtype == torch.bfloat16
-    with torch.no_grad():
-        want = bf16.decoder.estimator.adaln_table(eng.time_table[0])
-    assert torch.equal(eng.adaln_table.blocks, want.blocks)
-
-
-def test_dit_adaln_table_within_the_bound(model, voices):
-    """`token2wav_dit_adaln_table` (the slot path's modulations read from the engine's table)
-    against the plain path over a 12-chunk stream and two staggered ones: within the precision
-    contract, no drift, and no adaLN product left in the slot steps."""
-    flow, hift, cfg = model
-    rounds = _schedule(3, [300, 60, 33], seed=9)
-
-    voice_of = _alternating(voices)
-
-    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
-    eng = Code2WavEngine(flow, hift, cfg, dataclasses.replace(
-        SLOTS, token2wav_dit_adaln_table=True))
-    for v in voices:
-        eng.initial_state(v)  # the voices' templates (the plain path, its own products) first
-    est = flow.decoder.estimator
-    products = []
-    hooks = [m.register_forward_hook(lambda *_: products.append(1))
-             for m in [b.adaLN_modulation for b in est.blocks] + [est.final_layer.adaLN_modulation]]
-    try:
-        got = _play(eng, rounds, voice_of)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert not products and eng.counters["batches"] > 12
-    assert max(int(k[11:]) for k in eng.counters if k.startswith("batch_size_")) >= 2
-    _compare(ref, got, "adaLN table")
-
-
-def test_a_bf16_dit_keeps_sdpa(monkeypatch):
-    """A bf16 estimator has flash SDPA: the fp32 kernel is not switched on for it."""
+def test_a_bf16_dit_keeps_sdpa_and_whole_products(monkeypatch):
+    """A bf16 estimator has flash SDPA: the fp32 attention kernel is not taken for it (the
+    K / V write is); split products would round each partial sum to bf16, so it only joins
+    q|k|v (the same products as the three linears)."""
     from pipeline.code2wav import pool_attention as pa
     from pipeline.code2wav.dit import DiT, DiTConfig
 
     est = DiT(DiTConfig(hidden_size=64, depth=1, num_heads=4, head_dim=16)).to(torch.bfloat16)
     monkeypatch.setattr(pa, "available", lambda device: True)
-    assert not est.use_pool_attention(True)
-    assert not est.blocks[0].attn.pool_kernel
-
-
-def test_a_bf16_dit_joins_qkv_but_keeps_its_products_whole():
-    """Split products would round each partial sum to bf16: a bf16 estimator only joins."""
-    from pipeline.code2wav.dit import DiT, DiTConfig
-
-    est = DiT(DiTConfig(hidden_size=64, depth=1, num_heads=4, head_dim=16)).to(torch.bfloat16)
-    est.split_matmuls(True)
+    est.prepare_slot_path()
     block = est.blocks[0]
+    assert not block.attn.pool_kernel and block.attn.kv_kernel
     assert block.split_k == 1 and block.attn.qkv_weight.dtype == torch.bfloat16
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
     q, k, v = block.attn.qkv(x)
-    est.split_matmuls(False)
+    block.attn.qkv_weight = block.attn.qkv_bias = None
     q0, k0, v0 = block.attn.qkv(x)
     for a, b in ((q, q0), (k, k0), (v, v0)):
         torch.testing.assert_close(a, b)
@@ -759,8 +593,7 @@ def _snr_db(a: np.ndarray, b: np.ndarray) -> float:
                                / max(((a - b).astype(np.float64) ** 2).sum(), 1e-300)))
 
 
-@pytest.mark.parametrize("slot_pool", [False, True])
-def test_bf16_estimator_stays_close_to_fp32_without_drift(model, voices, slot_pool):
+def test_bf16_estimator_stays_close_to_fp32_without_drift(model, voices):
     """`token2wav_precision: bf16` (opt-in) runs the DiT in bf16 with its caches in bf16 and
     everything else in fp32. It changes the audio, so the bound is an SNR against the fp32
     path (the tiny model measures 66-70 dB a chunk), held over a 12-chunk stream: bf16
@@ -772,19 +605,17 @@ def test_bf16_estimator_stays_close_to_fp32_without_drift(model, voices, slot_po
 
     voice_of = _alternating(voices)
 
-    ref = _play(Code2WavEngine(flow, hift, cfg), rounds, voice_of)
+    ref = _plain(flow, hift, cfg, rounds, voice_of)
     bf16_flow = copy.deepcopy(flow)  # the engine converts the estimator in place
-    eng = Code2WavEngine(bf16_flow, hift, cfg, Code2WavEngineConfig(
-        token2wav_precision="bf16", token2wav_slot_pool=slot_pool))
+    eng = Code2WavEngine(bf16_flow, hift, cfg, Code2WavEngineConfig(token2wav_precision="bf16"))
     assert bf16_flow.decoder.estimator.in_proj.weight.dtype == torch.bfloat16
     assert bf16_flow.encoder is not None and next(bf16_flow.encoder.parameters()).dtype == torch.float32
-    if slot_pool:
-        assert eng.pool.pool.dit.k.dtype == torch.bfloat16
+    assert eng.pool.pool.dit.k.dtype == torch.bfloat16
     got = _play(eng, rounds, voice_of)
     for sid in ref:
         assert [a.shape for a in ref[sid]] == [b.shape for b in got[sid]]
         snrs = [_snr_db(a, b) for a, b in zip(ref[sid], got[sid])]
-        print("bf16", "slots" if slot_pool else "plain", sid, " ".join(f"{s:.1f}" for s in snrs))
+        print("bf16", sid, " ".join(f"{s:.1f}" for s in snrs))
         assert min(snrs) >= 55, f"{sid}: {min(snrs):.1f} dB"
         half = len(snrs) // 2
         if half >= 3:

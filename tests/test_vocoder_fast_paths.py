@@ -70,40 +70,20 @@ def test_frozen_weight_norms_give_the_same_speech_bit_for_bit(layout):
         assert torch.equal(a, b)
 
 
-def test_the_engine_freezes_weight_norms_and_takes_the_vocoder_knobs(monkeypatch):
+def test_the_engine_freezes_weight_norms_and_picks_the_portable_path_on_cpu():
+    """The engine freezes the vocoder's weight norms; on CPU its Snakes stay eager (compiled
+    on CUDA only) and its convs build their windows with torch's ops (the kernel: CUDA)."""
     from pipeline.code2wav.assets import random_code2wav
-    from pipeline.code2wav.causal_hift import _Conv
-    from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+    from pipeline.code2wav.engine import Code2WavEngine
+    from pipeline.code2wav.hift import Snake
 
     cfg = tiny_code2wav_config()
     flow, _ = random_code2wav(cfg, 0)
     vocoder = random_vocoder(cfg, 0, CAUSAL)
     Code2WavEngine(flow, vocoder, cfg)
     assert _weight_normed(vocoder) == 0
-    convs = [m for m in vocoder.modules() if isinstance(m, _Conv)]
-    assert not any(m.windows for m in convs)
-    Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(
-        token2wav_vocoder_gemm_convs=True, token2wav_vocoder_window_kernel=True))
-    assert all(m.gemm for m in convs) and not any(m.windows for m in convs)  # CUDA only
-    if conv_windows.runs_here(torch.device("cpu")):  # Triton's interpreter, taken as a GPU
-        monkeypatch.setattr(conv_windows, "available", lambda device: True)
-        Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(
-            token2wav_vocoder_gemm_convs=True, token2wav_vocoder_window_kernel=True))
-        assert all(m.windows and m.gemm for m in convs)
-    assert not any(m.frame_major for m in convs)
-    Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(token2wav_vocoder_frame_major=True))
-    assert not any(m.frame_major for m in convs)  # needs the matmuls
-    Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(
-        token2wav_vocoder_gemm_convs=True, token2wav_vocoder_frame_major=True))
-    assert all(m.frame_major and m.gemm for m in convs)
-    blocks = [m for m in vocoder.modules() if isinstance(m, CausalResBlock)]
-    assert not any(b.fused_biases for b in blocks)  # the Snakes were not fused
-    Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(
-        token2wav_vocoder_gemm_convs=True, token2wav_vocoder_fused_snakes=True,
-        token2wav_vocoder_fused_biases=True))
-    assert blocks and all(b.fused_biases for b in blocks)
-    Code2WavEngine(flow, vocoder, cfg)
-    assert not any(b.fused_biases for b in blocks)
+    assert not any(m.fused for m in vocoder.modules() if isinstance(m, Snake))
+    assert not conv_windows.available(torch.device("cpu"))
 
 
 # -- the conv windows kernel (Triton's interpreter on CPU) ----------------------------------
@@ -154,54 +134,57 @@ def test_conv_windows_refuses_a_window_longer_than_its_input():
         conv_windows.conv_windows(torch.zeros(1, 2, 3), 7)
 
 
+def _matmul_conv(self, x, left=0, right=0, up=1, bias=True):
+    """A conv as `torch.matmul(weight, windows)` over its (B, C k, T) windows."""
+    from pipeline.code2wav.causal_hift import _padded
+
+    (k,), (d,), (st,) = self.kernel_size, self.dilation, self.stride
+    win = _padded(x, left, right, up).unfold(2, d * (k - 1) + 1, st)[..., ::d]
+    b, c, t, _ = win.shape
+    out = torch.matmul(self.weight.reshape(self.weight.shape[0], -1),
+                       win.transpose(2, 3).reshape(b, c * k, t))
+    return out + self.bias[:, None] if bias and self.bias is not None else out
+
+
 @needs_kernel
 def test_the_window_kernel_gives_the_same_speech_bit_for_bit(monkeypatch):
-    """The causal vocoder with its convs as matmuls: windows from the kernel against the
-    torch ops, over a stream's first, steady and flushing chunks (one row: the interpreter
-    takes ~20 ms a launch; the batch rows are the test above's)."""
+    """The causal vocoder's convs with their windows from the kernel (CUDA; Triton's
+    interpreter here) against torch's ops, over a stream's first, steady and flushing chunks
+    (one row: the interpreter takes ~20 ms a launch; the batch rows are the test above's)."""
     vocoder = random_vocoder(tiny_code2wav_config(), 0, CAUSAL)
     freeze_weight_norms(vocoder)
     mel, sizes = _mel(49, 3, batch=1), [24, 16, 9]
-    vocoder.gemm_convs(True)
-    assert vocoder.window_kernel(True) is False  # CUDA only: not on the CPU ...
-    monkeypatch.setattr(conv_windows, "available", lambda device: True)  # ... but here
-    assert vocoder.window_kernel(False) is False
     plain = _stream(vocoder, mel, sizes)
-    assert vocoder.window_kernel(True) is True
+    monkeypatch.setattr(conv_windows, "available", lambda device: True)
     fast = _stream(vocoder, mel, sizes)
     for a, b in zip(plain, fast, strict=True):
-        assert torch.equal(a, b)
-    # without gemm_convs the convs are torch's (cuDNN's on a GPU), kernel or not
-    vocoder.gemm_convs(False)
-    convs = _stream(vocoder, mel, sizes)
-    vocoder.window_kernel(False)
-    for a, b in zip(convs, _stream(vocoder, mel, sizes), strict=True):
         assert torch.equal(a, b)
 
 
 def test_frame_major_windows_give_the_same_speech_bit_for_bit(monkeypatch):
-    """`frame_major_windows`: each conv's windows built (B, T, C k) and multiplied by one mm,
-    against `torch.matmul` over the (B, C k, T) windows, which (the weights requiring grad)
-    folds into that mm after copying them into that order: the same speech bit for bit, over
-    a stream of two rows (the torch windows) and with the window kernel (Triton's
-    interpreter); one row keeps matmul (its fold copies nothing there)."""
+    """With more than one batch row each conv's windows are built (B, T, C k) and multiplied
+    by one mm: against `torch.matmul` over the (B, C k, T) windows, which (the weights
+    requiring grad) folds into that mm after copying them into that order, the same speech
+    bit for bit over a stream of two rows (the torch windows, and the kernel's in Triton's
+    interpreter)."""
+    from pipeline.code2wav.causal_hift import _Conv
+
     vocoder = random_vocoder(tiny_code2wav_config(), 0, CAUSAL)
     freeze_weight_norms(vocoder)
     assert all(p.requires_grad for p in vocoder.parameters())  # what makes matmul fold
-    assert vocoder.frame_major_windows(True) is False  # needs the convs as matmuls
-    vocoder.gemm_convs(True)
     mel, sizes = _mel(49, 3), [24, 16, 9]
-    plain = _stream(vocoder, mel, sizes)
-    assert vocoder.frame_major_windows(True) is True
-    for a, b in zip(plain, _stream(vocoder, mel, sizes), strict=True):
+    shipped = _stream(vocoder, mel, sizes)
+    with monkeypatch.context() as m:
+        m.setattr(_Conv, "conv", _matmul_conv)
+        matmul = _stream(vocoder, mel, sizes)
+    for a, b in zip(matmul, shipped, strict=True):
         assert torch.equal(a, b)
     if not conv_windows.runs_here(torch.device("cpu")):
         return
     monkeypatch.setattr(conv_windows, "available", lambda device: True)
-    assert vocoder.window_kernel(True) is True
     two = _mel(37, 4)
     fast = _stream(vocoder, two, [21, 16])
-    vocoder.frame_major_windows(False)
+    monkeypatch.setattr(_Conv, "conv", _matmul_conv)
     for a, b in zip(_stream(vocoder, two, [21, 16]), fast, strict=True):
         assert torch.equal(a, b)
 
@@ -211,23 +194,20 @@ needs_inductor = pytest.mark.skipif(
     reason="Inductor on CPU needs a C++ compiler")
 
 
-@needs_inductor
-def test_fused_biases_give_the_same_speech_bit_for_bit():
-    """`fuse_biases`: the residual blocks' conv biases added inside the compiled Snake or
-    residual add after each conv, against the shipped path (convs as matmuls, compiled
-    Snakes) over a stream of two rows: the same adds, the same speech bit for bit."""
-    from pipeline.code2wav.hift import fuse_snakes
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_inductor)])
+def test_biases_added_by_the_next_op_give_the_same_speech_bit_for_bit(compiled, monkeypatch):
+    """The residual blocks' conv biases added by the Snake or residual add after each conv
+    (compiled on CUDA, `fuse_snakes`), against each conv adding its own (hift.py's ResBlock
+    forward): the same adds, the same speech bit for bit, over a stream of two rows."""
+    from pipeline.code2wav.hift import ResBlock, fuse_snakes
 
     torch._dynamo.reset()
     vocoder = random_vocoder(tiny_code2wav_config(), 0, CAUSAL)
     freeze_weight_norms(vocoder)
-    assert vocoder.fuse_biases(True) is False  # needs the matmuls and the compiled Snakes
-    vocoder.gemm_convs(True)
-    fuse_snakes(vocoder, True)
+    fuse_snakes(vocoder, compiled)
     mel, sizes = _mel(49, 3), [24, 16, 9]
     shipped = _stream(vocoder, mel, sizes)
-    assert vocoder.fuse_biases(True) is True
-    fused = _stream(vocoder, mel, sizes)
-    for a, b in zip(shipped, fused, strict=True):
+    monkeypatch.setattr(CausalResBlock, "forward", ResBlock.forward)
+    for a, b in zip(shipped, _stream(vocoder, mel, sizes), strict=True):
         assert torch.equal(a, b)
     torch._dynamo.reset()

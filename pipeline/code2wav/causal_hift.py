@@ -62,45 +62,32 @@ def _padded(x: torch.Tensor, left: int, right: int, up: int) -> torch.Tensor:
 
 
 class _Conv(nn.Conv1d):
-    """Conv1d over its input upsampled (nearest) and zero-padded on either side, that can run
-    as one matmul over its unfolded windows (`gemm`, off by default: `CausalHiFT.gemm_convs`).
-    On the GPU, fp32 and float64 cuDNN convs of these sizes are several times slower than the
-    GEMM; only the order of the sums changes. With `windows` too (`CausalHiFT.window_kernel`)
-    one Triton kernel builds the windows from the input, the padding and upsampling included
-    (conv_windows.py: the same windows bit for bit).
+    """Conv1d over its input upsampled (nearest) and zero-padded on either side, run as one
+    matmul over its unfolded windows: fp32 and float64 cuDNN convs of these sizes are several
+    times slower than the GEMM, and only the order of the sums changes. On CUDA one Triton
+    kernel builds the windows from the input, the padding and upsampling included
+    (conv_windows.py: the same windows bit for bit); elsewhere torch's pad and unfold do.
 
-    `frame_major` (`CausalHiFT.frame_major_windows`): the windows are built (B, T, C k) and
-    multiplied by one `torch.mm`. That is the product `torch.matmul(weight, windows)` computes
-    here: the weight requires grad, so matmul folds the batch into one mm over the windows'
-    transpose (B T, C k), which it first copies out of their (B, C k, T) order, a strided
-    copy of every window of the chunk (the largest of a step's copies). Built in that order,
-    they go to the same mm with nothing copied: the same product bit for bit. (One batch row
-    folds without a copy, the mm reading the windows transposed: it stays as it is.)"""
-
-    gemm = False
-    windows = False
-    frame_major = False
+    With more than one batch row the windows are built (B, T, C k) and multiplied by one
+    `torch.mm`: the product `torch.matmul(weight, windows)` would compute (the weight requires
+    grad, so matmul folds the batch into one mm over the windows' transpose, after copying
+    them out of their (B, C k, T) order), without that copy: the same product bit for bit.
+    One batch row folds without a copy, the mm reading the windows transposed: it keeps
+    matmul."""
 
     def conv(self, x: torch.Tensor, left: int = 0, right: int = 0, up: int = 1,
              bias: bool = True) -> torch.Tensor:
-        """The conv; without its bias (`bias` False: the op after it adds it) only as a
-        matmul."""
+        """The conv; without its bias when `bias` is False (the op after it adds it)."""
         (k,), (d,), (st,) = self.kernel_size, self.dilation, self.stride
-        if not (bias or self.gemm):
-            raise ValueError("a conv leaves its bias out only as a matmul (gemm_convs)")
-        # one batch row: matmul's fold is a view of the windows, no copy to save
-        frame_major = self.gemm and self.frame_major and x.shape[0] > 1
-        if self.gemm and self.windows:
+        frame_major = x.shape[0] > 1
+        if conv_windows.available(x.device):
             cols = conv_windows.conv_windows(x, k, d, st, left, right, up, frame_major)
         else:
             x = _padded(x, left, right, up)
-            if not self.gemm:
-                return nn.Conv1d.forward(self, x)
             win = x.unfold(2, d * (k - 1) + 1, st)[..., ::d]  # (B, C, T, k)
             b, c, t, _ = win.shape
-            # Windows as (B, C k, T), frames innermost like x: the copy reads and writes along
-            # the frames, and the product lands in the conv's own (B, C_out, T) layout (matmul
-            # copies it there: see `frame_major`), so the ops after it read it contiguously.
+            # (B, C k, T): frames innermost like x, so the product lands in the conv's own
+            # (B, C_out, T) layout and the ops after it read it contiguously
             cols = (win.permute(0, 2, 1, 3).reshape(b, t, c * k) if frame_major
                     else win.transpose(2, 3).reshape(b, c * k, t))
         weight = self.weight.reshape(self.weight.shape[0], -1)
@@ -151,9 +138,8 @@ class CausalDownsample(_Conv):
 
 class CausalResBlock(ResBlock):
     """hift.py's ResBlock with left-causal convs; `history` = the frames of left context its
-    convs read."""
-
-    fused_biases = False  # CausalHiFT.fuse_biases: each conv's bias added by the op after it
+    convs read. Each conv's bias is added by the op after it, the next Snake or the residual
+    add (compiled on CUDA, `fuse_snakes`: one launch fewer a conv), the same adds."""
 
     def __init__(self, channels: int, kernel: int, dilations: Sequence[int]):
         super().__init__(channels, kernel, dilations)
@@ -164,9 +150,7 @@ class CausalResBlock(ResBlock):
         return CausalConv1d(channels, channels, kernel, dilation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fused_biases:
-            return super().forward(x)
-        residual = compiled(biased_residual)
+        residual = compiled(biased_residual) if self.activations1[0].fused else biased_residual
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
             h = a2(c1(a1(x), bias=False), bias=c1.bias[:, None])
             x = residual(c2(h, bias=False), c2.bias[:, None], x)
@@ -249,47 +233,6 @@ class CausalHiFT(nn.Module):
         # State capacities: [MU7] BoundedVocoder.limits' mel / source cache bounds.
         self.mel_capacity = max(self.history, self.f0_left - self.decoder_right) + self.delay
         self.source_capacity = self.history + self.decoder_right
-
-    def gemm_convs(self, on: bool = True) -> CausalHiFT:
-        """Run every conv as one matmul over its unfolded windows (a fast path: the same
-        products, summed in another order)."""
-        for m in self.modules():
-            if isinstance(m, _Conv):
-                m.gemm = on
-        return self
-
-    def fuse_biases(self, on: bool = True) -> bool:
-        """In the residual blocks (most of the convs), each conv's bias added by the compiled
-        op after it, the next Snake or the residual add, instead of by a launch of its own:
-        the same adds. Needs `gemm_convs` and fused Snakes (hift.py `fuse_snakes`); returns
-        whether it is on."""
-        blocks = [m for m in self.modules() if isinstance(m, CausalResBlock)]
-        convs = [c for b in blocks for c in (*b.convs1, *b.convs2)]
-        snakes = [a for b in blocks for a in (*b.activations1, *b.activations2)]
-        on = on and all(c.gemm for c in convs) and all(a.inv_alpha is not None for a in snakes)
-        for b in blocks:
-            b.fused_biases = on
-        return on
-
-    def frame_major_windows(self, on: bool = True) -> bool:
-        """Under `gemm_convs`, build every conv's windows in the order its product reads them
-        and multiply them by `torch.mm` (`_Conv`: the same product bit for bit, without
-        matmul's copy of them). Returns whether it is on."""
-        convs = [m for m in self.modules() if isinstance(m, _Conv)]
-        on = on and all(m.gemm for m in convs)
-        for m in convs:
-            m.frame_major = on
-        return on
-
-    def window_kernel(self, on: bool = True) -> bool:
-        """Under `gemm_convs`, build every conv's windows with conv_windows.py's kernel on
-        CUDA (the same windows; on CPU only Triton's interpreter would run it: tests patch
-        `available`). Returns whether it is on."""
-        on = on and conv_windows.available(self.stft_window.device)
-        for m in self.modules():
-            if isinstance(m, _Conv):
-                m.windows = on
-        return on
 
     def _history(self) -> int:
         """Mel frames of left context a decode window keeps ([MU7] `context_sizes`: the

@@ -1,12 +1,11 @@
 """The causal vocoder's conv windows built by one Triton kernel: zero padding, nearest
 upsampling and the window copy in one pass.
 
-Why: under `token2wav_vocoder_gemm_convs` each of the vocoder's convs is one matmul over its
-input's windows laid out (B, C k, T). Building them takes `F.pad` (a zero fill and a copy),
+Why: each of the causal vocoder's convs is one matmul over its input's windows laid out
+(B, C k, T) (causal_hift.py `_Conv`). Building them takes `F.pad` (a zero fill and a copy),
 then the window copy, and for an upsampling conv `F.interpolate` before both: three or four
-launches for each of a chunk's ~180 convs, and at eight chunks these copies were 13.2 ms of
-a 133 ms step on the H200 (docs/performance.md, eighteenth session). This kernel writes the
-windows straight from the conv's input: row c k + j, frame t of a batch row holds input
+launches for each of a chunk's ~180 convs. This kernel writes the windows straight from the
+conv's input: row c k + j, frame t of a batch row holds input
 frame (t stride + j dilation - left) // up, or zero where that falls in the padding.
 
 Only copies: the windows are bit for bit the torch path's, and so is every product over

@@ -12,17 +12,17 @@ Stages (per call, B = 2 x streams because of CFG):
                encoding; the conv branch is CausalConv1d -> LN -> Mish -> CausalConv1d
   4. final   : adaLN(shift, scale) -> LN -> Linear(D -> 80) -> (B,80,T)
 
-Streaming (`forward_chunk`): each block attends to [chunk || cache] (the cache is stored
-newest-first: new keys are concatenated *before* the old ones), no mask; the causal convs carry
-their last 2 input frames. Caches:
+Streaming (`forward_chunk`, which builds a voice's template; every later chunk runs
+`forward_slots` with the caches in the slot pool, slots.py): each block attends to
+[chunk || cache] (the cache is stored newest-first: new keys are concatenated *before* the old
+ones), no mask; the causal convs carry their last 2 input frames. Caches:
   cnn_cache (depth, B, 2D, 2)   = per block [conv1 input tail (D) || conv2 input tail (D)]
   att_cache (depth, B, H, L, 2*dh) = per block K || V along the last dim
 
 `compile_dit_blocks(dit)` applies regional torch.compile from outside (one compiled block
 forward shared by all blocks); see its docstring for the dynamic-shape policy.
-`dit.split_matmuls(True)` shapes the slot path's matmuls for small batches (`linear_split_k`).
-`dit.adaln_table(t_emb)` precomputes the slot path's adaLN modulations of every Euler step
-(`AdaLNTable`), which `forward_slots` then reads instead of computing them per step.
+`dit.prepare_slot_path()` shapes the slot path's matmuls for small batches (`linear_split_k`)
+and picks its Triton kernels where the device runs them (pool_attention.py).
 """
 
 from __future__ import annotations
@@ -40,12 +40,9 @@ from pipeline.config import DiTConfig
 from pipeline.utils import fuse_into_views
 
 # The slot path's matmuls have 112 rows a chunk (2 CFG rows x 56 frames). cuBLAS's fp32 (SIMT)
-# kernels tile such an output in a handful of blocks, so most SMs idle: on the H200 a 112 x 512
-# x 512 product takes 20 us (3 TFLOP/s). Products over K = 1536 / 2048 (the conv branch's
-# windows, fc2) run as SPLIT_K products over slices of K, summed: 17 / 20 against 30 / 35 us at
-# one chunk alone (bench/gpu_gemm_fp32.py --split-k). In the graphed step it pays up to two
-# chunks (224 rows) and costs beyond (the partial sums' traffic: +5 ms a step at 8 chunks), so
-# larger batches keep whole products; at K = 512 a split pays at one chunk only.
+# kernels tile such an output in a handful of blocks, so most SMs idle. Products over K = 1536
+# / 2048 (the conv branch's windows, fc2) run as SPLIT_K products over slices of K, summed, up
+# to two chunks' rows (beyond, the partial sums' traffic costs more than the split saves).
 SPLIT_K = 8
 SPLIT_MIN_K = 1536
 SPLIT_MAX_ROWS = 224
@@ -138,23 +135,6 @@ class DiTPool:
     k: torch.Tensor
     v: torch.Tensor
     cnn: torch.Tensor
-
-
-@dataclass
-class AdaLNTable:
-    """Every adaLN modulation of the DiT for each Euler step (`DiT.adaln_table`).
-
-    A modulation depends on the time embedding alone, and every row of a slot step is at the
-    same Euler step (CausalCFM.forward_slots passes step i's embedding to all of them), so a
-    step needs one row of this table instead of a SiLU + Linear(D -> 9D) per block and step
-    (170 products a chunk at full size: 16 blocks x 10 steps and the final layer's 10), each
-    reading a whole D x 9D weight for a handful of equal rows.
-
-    blocks : (depth, S, 9D)  each block's 9 modulations, in `DiTBlock.forward`'s order
-    final  : (S, 2D)         the final layer's shift and scale"""
-
-    blocks: torch.Tensor
-    final: torch.Tensor
 
 
 class TimestepEmbedder(nn.Module):
@@ -260,14 +240,13 @@ class Attention(nn.Module):
         self.proj = nn.Linear(inner, dim)
         self.qkv_weight: torch.Tensor | None = None  # joined q|k|v (join_qkv), slot path only
         self.qkv_bias: torch.Tensor | None = None
-        self.pool_kernel = False  # attend_slots through pool_attention (DiT.use_pool_attention)
-        self.kv_kernel = False  # attend_slots writes K / V by write_kv (DiT.use_kv_write_kernel)
+        self.pool_kernel = False  # attend_slots through pool_attention (DiT.prepare_slot_path)
+        self.kv_kernel = False  # attend_slots writes K / V by write_kv (DiT.prepare_slot_path)
 
     def join_qkv(self) -> None:
         """q|k|v weights and biases as views of one joined tensor each, for `qkv`: one 1536-wide
-        product instead of three (4x faster at one chunk on the H200; the same dot products,
-        which cuBLAS sums in another order at one chunk's rows). Join after any dtype change
-        or load that replaces the parameters."""
+        product instead of three (the same dot products, which cuBLAS may sum in another order).
+        Join after any dtype change or load that replaces the parameters."""
         linears = [self.to_q, self.to_k, self.to_v]
         self.qkv_weight = fuse_into_views(linears, "weight")
         self.qkv_bias = fuse_into_views(linears, "bias")
@@ -345,8 +324,7 @@ class DiTBlock(nn.Module):
         self.norm3 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
         self.conv = ConvBranch(d, 3)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 9 * d))
-        self.split_k = 1  # the slot path's large-K products (DiT.split_matmuls)
-        self.tails_in_post = False  # the conv tails gathered inside slot_post (DiT.gather_tails_in_post)
+        self.split_k = 1  # the slot path's large-K products (DiT.prepare_slot_path)
 
     def forward(
         self,
@@ -377,26 +355,18 @@ class DiTBlock(nn.Module):
 
     # The slot-pool path in three parts, so that the two without pool reads or writes can be
     # compiled (compile_slot_blocks) and the pool stays in eager ops, updated in place.
-    def slot_pre(self, x: torch.Tensor, c: torch.Tensor, mod_row: torch.Tensor | None = None):
+    def slot_pre(self, x: torch.Tensor, c: torch.Tensor):
         """The 9 modulations and the attention's q, k, v. c (B, 1, D): the step's time
-        embedding per row; or `mod_row` (9D,): the step's row of the AdaLNTable (c unused).
-        The row is copied out per row into a (B, 1, 9D) buffer, what `adaLN_modulation(c)`
-        returns, so `slot_post` gets modulations of the same shapes and strides either way and
-        compiles to the same kernels (handed a broadcast (1, 1, 9D) row instead, Inductor fused
-        the conv branch's split-K sum with the gate and residual into a 15x slower kernel)."""
-        if mod_row is None:
-            mod = self.adaLN_modulation(c)
-        else:
-            mod = mod_row.expand(x.shape[0], 1, -1).contiguous()
-        mod = mod.chunk(9, dim=-1)
+        embedding per row."""
+        mod = self.adaLN_modulation(c).chunk(9, dim=-1)
         return (*self.attn.qkv(_modulate(self.norm1(x), mod[0], mod[1])), *mod)
 
-    def slot_post(self, x, attn_out, mod, cnn_cache, tail, cnn_at=None):
-        """Everything after attention; returns x and the conv branch's new tails. cnn_cache:
-        the rows' conv tails (B, 2D, 2), or with `cnn_at` the pool they are gathered from
-        (`tails_in_post`)."""
-        if cnn_at is not None:
-            cnn_cache = cnn_cache.index_select(0, cnn_at)
+    def slot_post(self, x, attn_out, mod, cnn_pool, tail, cnn_at):
+        """Everything after attention; returns x and the conv branch's new tails. The rows'
+        conv tails are gathered here from `cnn_pool` (2 slots, 2D, 2) at `cnn_at`: compiled,
+        the gather becomes a load of the kernel that builds the first conv's windows instead
+        of a launch of its own."""
+        cnn_cache = cnn_pool.index_select(0, cnn_at)
         _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_conv, scale_conv, gate_conv = mod
         x = x + gate_msa * self.attn.proj(attn_out)
         h, new_cnn = self.conv.forward_slots(
@@ -415,26 +385,21 @@ class DiTBlock(nn.Module):
         v_pool: torch.Tensor,
         cnn_pool: torch.Tensor,
         ix: DiTSlots,
-        mod_row: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` on padded rows with the caches in the slot pool (read and written in
-        place). cnn_pool (2, slots, 2D, 2) of this step and block; mod_row: see `slot_pre`."""
+        place). cnn_pool (2, slots, 2D, 2) of this step and block."""
         cnn_pool = cnn_pool.flatten(0, 1)  # (2 slots, 2D, 2)
-        q, k, v, *mod = self._slot_pre(x, c, mod_row)
+        q, k, v, *mod = self._slot_pre(x, c)
         out = self.attn.attend_slots(q, k, v, k_pool, v_pool, ix)
-        if self.tails_in_post:  # compiled, the gather is a load of the conv windows' kernel
-            x, new_cnn = self._slot_post(x, out, mod, cnn_pool, ix.conv_tail, ix.cnn_at)
-        else:
-            cnn = cnn_pool.index_select(0, ix.cnn_at)
-            x, new_cnn = self._slot_post(x, out, mod, cnn, ix.conv_tail)
+        x, new_cnn = self._slot_post(x, out, mod, cnn_pool, ix.conv_tail, ix.cnn_at)
         cnn_pool.index_put_((ix.cnn_at,), new_cnn)
         return x
 
-    def _slot_pre(self, x, c, mod_row=None):  # replaced by a compiled one in compile_slot_blocks
-        return self.slot_pre(x, c, mod_row)
+    def _slot_pre(self, x, c):  # replaced by a compiled one in compile_slot_blocks
+        return self.slot_pre(x, c)
 
-    def _slot_post(self, x, attn_out, mod, cnn_cache, tail, cnn_at=None):
-        return self.slot_post(x, attn_out, mod, cnn_cache, tail, cnn_at)
+    def _slot_post(self, x, attn_out, mod, cnn_pool, tail, cnn_at):
+        return self.slot_post(x, attn_out, mod, cnn_pool, tail, cnn_at)
 
 
 class FinalLayer(nn.Module):
@@ -444,12 +409,8 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(hidden, out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
 
-    def forward(
-        self, x: torch.Tensor, c: torch.Tensor, mod: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        # mod (2D,): the step's row of AdaLNTable.final instead of c's product (eager: a
-        # broadcast row gives the same elementwise results as one copied out per row)
-        shift, scale = (self.adaLN_modulation(c) if mod is None else mod).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
         return self.linear(_modulate(self.norm_final(x), shift, scale))
 
 
@@ -463,85 +424,33 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.depth)])
         self.final_layer = FinalLayer(cfg.hidden_size, cfg.out_channels)
 
-    def split_matmuls(self, on: bool) -> None:
+    def prepare_slot_path(self) -> None:
         """The slot path's matmuls shaped for small batches: q|k|v joined, and in fp32 the
         large-K products split over K (SPLIT_K; bf16 partial sums would round each part, so
-        a bf16 estimator keeps them whole). The plain path (`forward`, `forward_chunk`) is
-        unchanged either way."""
-        fp32 = self.in_proj.weight.dtype == torch.float32
-        for block in self.blocks:
-            if on:  # joined afresh: a dtype change since the last join broke its views
-                block.attn.join_qkv()
-            else:
-                block.attn.qkv_weight = block.attn.qkv_bias = None
-            block.split_k = SPLIT_K if on and fp32 else 1
-
-    def gather_tails_in_post(self, on: bool) -> None:
-        """The slot path's conv tails gathered from the pool inside `slot_post` rather than
-        before it: compiled (`compile_slot_blocks`), the gather becomes a load of the kernel
-        that builds the first conv's windows instead of a launch of its own a block (160 a
-        chunk). The same values; eager, the same op in another place."""
-        for block in self.blocks:
-            block.tails_in_post = on
-
-    def use_kv_write_kernel(self, on: bool) -> bool:
-        """The slot path's new keys and values written into the pool by `write_kv`'s kernel
-        (one launch a block and Euler step instead of two `index_put_`: 160 fewer a chunk)
-        on CUDA (on CPU only Triton's interpreter would run it: tests patch `available`). The
-        same copies. Returns whether it is on."""
-        on = on and pool_attention.available(self.in_proj.weight.device)
-        for block in self.blocks:
-            block.attn.kv_kernel = on
-        return on
-
-    def use_pool_attention(self, on: bool) -> bool:
-        """The slot path's attention as `pool_attention`'s kernel (K / V read in place from
-        the pool, 16 query rows a thread block) where it can run: an fp32 estimator (a bf16
-        one has fast flash SDPA) on a device the kernel supports. Returns whether it is on."""
+        a bf16 estimator keeps them whole); and where the device runs pool_attention.py's
+        kernels (CUDA), the new keys and values written by `write_kv` (one launch instead
+        of two `index_put_`, the same copies) and, for an fp32 estimator (a bf16 one has
+        fast flash SDPA), the attention read in place from the pool. Call it after any
+        dtype change or load that replaces the parameters. `forward_chunk` (the voice
+        templates) is unchanged."""
         weight = self.in_proj.weight
-        on = on and weight.dtype == torch.float32 and pool_attention.available(weight.device)
+        fp32 = weight.dtype == torch.float32
+        kernels = pool_attention.available(weight.device)
         for block in self.blocks:
-            block.attn.pool_kernel = on
-        return on
+            block.attn.join_qkv()
+            block.split_k = SPLIT_K if fp32 else 1
+            block.attn.kv_kernel = kernels
+            block.attn.pool_kernel = kernels and fp32
 
     def time_embedding(self, t: torch.Tensor) -> torch.Tensor:
         """t (N,) -> (N, D). Constant per Euler step, so the CFM computes it once per schedule."""
         return self.t_embedder(t)
-
-    def adaln_table(self, t_emb: torch.Tensor) -> AdaLNTable:
-        """t_emb (S, D), the CFM's time table -> every block's and the final layer's
-        modulations at each Euler step, one product per block over the S rows (in the weights'
-        dtype: build it after any dtype change or load). The same dot products as each step's
-        `adaLN_modulation(c)`, which a BLAS may sum in another order at another row count."""
-        return AdaLNTable(
-            blocks=torch.stack([block.adaLN_modulation(t_emb) for block in self.blocks]),
-            final=self.final_layer.adaLN_modulation(t_emb),
-        )
 
     def _inputs(self, x, mu, spks, cond) -> torch.Tensor:
         # (B,80,T) x3 + (B,80) -> (B, T, 320), in the weights' dtype: a bf16 estimator
         # (token2wav_precision bf16) takes the fp32 flow's inputs and returns v in fp32.
         spk = spks[:, :, None].expand(-1, -1, x.shape[-1])
         return torch.cat([x, mu, spk, cond], dim=1).transpose(1, 2).to(self.in_proj.weight.dtype)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        mu: torch.Tensor,
-        t_emb: torch.Tensor,
-        spks: torch.Tensor,
-        cond: torch.Tensor,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Offline: full bidirectional attention. mask: (B, 1, T) valid-frame mask or None.
-        Returns v (B, 80, T)."""
-        attn_mask = None if mask is None else mask.bool()[:, None]  # (B, 1, 1, T)
-        c = t_emb[:, None]  # (B, 1, D)
-        h = self.in_proj(self._inputs(x, mu, spks, cond))
-        for block in self.blocks:
-            _mark_dynamic_dims(h, c, mask=attn_mask)
-            h, _, _ = block(h, c, mask=attn_mask)
-        return self.final_layer(h, c).transpose(1, 2).to(x.dtype)
 
     def forward_chunk(
         self,
@@ -577,21 +486,15 @@ class DiT(nn.Module):
         pool: DiTPool,
         step: int,
         ix: DiTSlots,
-        adaln: AdaLNTable | None = None,
     ) -> torch.Tensor:
         """`forward_chunk` for padded rows whose caches live in `pool` (Euler step `step`);
-        returns v (2B, 80, T). Valid frames are a prefix of each row. With `adaln` (the
-        `adaln_table` of the time table whose row `step` t_emb is) the modulations are read
-        from its rows of `step` instead of computed."""
+        returns v (2B, 80, T). Valid frames are a prefix of each row."""
         c = t_emb[:, None]
         h = self.in_proj(self._inputs(x, mu, spks, cond))
         ix = ix.at(pool)
         for i, block in enumerate(self.blocks):
-            row = None if adaln is None else adaln.blocks[i, step]
-            h = block.forward_slots(h, c, pool.k[step, i], pool.v[step, i], pool.cnn[step, i], ix,
-                                    row)
-        final = None if adaln is None else adaln.final[step]
-        return self.final_layer(h, c, final).transpose(1, 2).to(x.dtype)
+            h = block.forward_slots(h, c, pool.k[step, i], pool.v[step, i], pool.cnn[step, i], ix)
+        return self.final_layer(h, c).transpose(1, 2).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -604,9 +507,8 @@ def compile_slot_blocks(dit: DiT, *, backend: str = "inductor") -> DiT:
     Inductor fuses the adaLN modulate, gates, residuals, LayerNorms, Mish and GELU between the
     matmuls, which stay aten (cuBLAS) in the weights' dtype: only the summation order inside
     fused norms changes. Only the rows are dynamic (every other shape is fixed by the padded
-    chunk), so one graph serves every batch size (`slot_pre` has a second one that reads an
-    AdaLNTable row; `slot_post`'s inputs keep their layout with it, so it keeps one). Nothing
-    in it syncs with the host: the engine's graph runner compiles in its warm-up calls, then
+    chunk), so one graph serves every batch size (`slot_post` has two: with its large-K
+    products split and whole, `linear_split_k`'s row guard). Nothing in it syncs with the host: the engine's graph runner compiles in its warm-up calls, then
     captures."""
     pre = torch.compile(DiTBlock.slot_pre, backend=backend)
     post = torch.compile(DiTBlock.slot_post, backend=backend)
@@ -615,14 +517,14 @@ def compile_slot_blocks(dit: DiT, *, backend: str = "inductor") -> DiT:
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
-    def compiled_pre(block, x, c, mod_row=None):
+    def compiled_pre(block, x, c):
         rows_dynamic(x, c)
-        return pre(block, x, c, mod_row)
+        return pre(block, x, c)
 
-    def compiled_post(block, x, attn_out, mod, cnn_cache, tail, cnn_at=None):
-        # the rows' tails (B, 2D, 2), or the pool (2 slots, 2D, 2, fixed) and the rows' index
-        rows_dynamic(x, attn_out, *mod, tail, cnn_cache if cnn_at is None else cnn_at)
-        return post(block, x, attn_out, mod, cnn_cache, tail, cnn_at)
+    def compiled_post(block, x, attn_out, mod, cnn_pool, tail, cnn_at):
+        # the pool (2 slots, 2D, 2) is fixed; the rows' index varies
+        rows_dynamic(x, attn_out, *mod, tail, cnn_at)
+        return post(block, x, attn_out, mod, cnn_pool, tail, cnn_at)
 
     for block in dit.blocks:
         block._slot_pre = functools.partial(compiled_pre, block)
@@ -631,41 +533,23 @@ def compile_slot_blocks(dit: DiT, *, backend: str = "inductor") -> DiT:
 
 
 def compile_dit_blocks(dit: DiT, *, dynamic: bool | None = None, backend: str = "inductor") -> DiT:
-    """Regional torch.compile: compile each DiTBlock's forward in place.
+    """Regional torch.compile: compile each DiTBlock's forward in place (the engine's
+    voice templates, `setup_cache`, run through it on CUDA).
 
     All blocks share one code object and Dynamo treats their parameters as inputs, so one
     compiled graph serves all `depth` blocks and compile time is that of one block. Inductor
-    fuses the elementwise work between the matmuls (adaLN modulate, gates, residual adds,
-    LayerNorms, Mish, GELU, the K/V cache cats); the matmuls stay aten (cuBLAS) calls in the
-    weights' dtype and attention stays SDPA, so only the summation order inside the fused
-    LayerNorms differs from eager (~1e-6 in fp32). Default mode on purpose: "reduce-overhead"
-    would add Inductor's own CUDA graphs inside the one `CFMGraphRunner` captures around the
-    whole CFM. The FinalLayer stays eager: ~7 kernels per DiT call against ~45 in each of
-    the `depth` blocks, not worth a compiled graph (and its compile time) of its own.
+    fuses the elementwise work between the matmuls; the matmuls stay aten (cuBLAS) calls in
+    the weights' dtype and attention stays SDPA, so only the summation order inside the fused
+    LayerNorms differs from eager. The FinalLayer stays eager (a few kernels a call).
 
-    Shapes. Rows B (2 x streams), chunk frames T (50; the prompt in setup_cache; anything on
-    a final chunk) and cache frames L (grows over the first chunks, then fixed by trimming;
-    depends on the voice's prompt) vary. The DiT marks exactly those dims dynamic at every
-    block call (`_mark_dynamic_dims`), so the first trace is already symbolic in B, T and L
-    and new sizes do not recompile; every other dim stays static. Not `dynamic=True`: it
-    makes every dim symbolic and gives dims of equal size one symbol ("duck sizing"), so
-    coincidences at the first call pin a graph: rows 2 == the conv tail's 2 frames, rows ==
-    heads, L == T == 50 after a 25-code prompt, each one recompile later. Nor a plain None
-    without marks: each dim's first change would recompile, and past Dynamo's limit of 8
-    graphs per code object (shared by all blocks) new shapes run eagerly with only a logged
-    warning.
-
-    What remains is one graph per kind of input, not per size:
-      * no cache (setup_cache, offline) / cache (streaming chunks) / offline with a mask;
-      * inference / normal tensors (Dynamo guards on the dispatch keys): an eager engine's
-        single-stream first chunk passes a template clone made outside inference mode; the
-        CUDA-graph runner always passes its own inference-mode buffers.
-    So 2 graphs under `CFMGraphRunner`, 3 in an eager engine (counted in
-    tests/test_code2wav_compile.py), well under the limit. Size guards that remain come from
-    kernel choices (on CPU the conv backend guards B <= 15 rows).
-
-    Nothing in the compiled code syncs with the host, so the blocks can be captured by
-    `CFMGraphRunner`: compilation happens in its warm-up calls, before the capture."""
+    Shapes: rows B, chunk frames T and cache frames L vary. The DiT marks exactly those dims
+    dynamic at every block call (`_mark_dynamic_dims`), so the first trace is already
+    symbolic in them and new sizes do not recompile. Not `dynamic=True`: it gives dims of
+    equal size one symbol ("duck sizing"), so coincidences at the first call pin a graph
+    (rows 2 == the conv tail's 2 frames, L == T); nor None without marks: each dim's first
+    change would recompile, and past Dynamo's limit of 8 graphs per code object (shared by
+    all blocks) new shapes run eagerly. What remains is one graph per kind of input (no
+    cache / a cache / a mask), counted in tests/test_code2wav_compile.py."""
     for block in dit.blocks:
         block.compile(dynamic=dynamic, backend=backend)
     return dit

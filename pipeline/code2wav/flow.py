@@ -11,21 +11,22 @@
   5. decoder           : CausalCFM, 10 cosine-scheduled Euler steps of the DiT with CFG
                          v = (1+r) v_cond - r v_uncond, noise from a fixed `rand_noise` buffer.
 
-Offline (`inference`) decodes prompt ++ codes in one pass with `cond = prompt_mel` on the prompt
-frames. Streaming (`setup_cache` / `inference_chunk`) carries a `FlowCache`; see stream.py for
+Streaming only (the offline decode of a whole utterance is the tests' reference,
+tests/_code2wav_plain.py): `setup_cache` builds a voice's `FlowCache` (`_chunk`, one chunk with caches),
+then every stream's chunks run in the slot pool (`forward_slots`, slots.py); see stream.py for
 the per-turn protocol (spec section 3.4).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.code2wav.dit import AdaLNTable, DiT, DiTPool, DiTSlots
+from pipeline.code2wav.dit import DiT, DiTPool, DiTSlots
 from pipeline.config import Code2WavConfig, DiTConfig, FlowEncoderConfig
 
 NOISE_FRAMES = 30000  # 600 s of 50 Hz mel: the reference's rand_noise length
@@ -49,7 +50,8 @@ class FlowCache:
     est_att   : (S, depth, 2B, H, L, 2dh)   DiT K||V per Euler step, newest-first
 
     The reference packs token_att duplicated along time next to mel_att ("[c,c]"); we keep the
-    two apart (no duplication); `to_reference` / `from_reference` convert for tests."""
+    two apart (no duplication). Streams advance it in the slot pool (slots.py), which keeps
+    the reference's trimming ([MU7]: prompt + the newest HISTORY_FRAMES frames)."""
 
     token_att: torch.Tensor
     mel_att: torch.Tensor
@@ -76,92 +78,6 @@ class FlowCache:
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
-
-    @staticmethod
-    def cat(caches: list[FlowCache]) -> FlowCache:
-        """Stack single streams into one batch (shapes must agree except the batch)."""
-
-        def est(name):  # CFG rows: all conds first, then all unconds
-            parts = [getattr(c, name) for c in caches]
-            conds = [p[:, :, : p.shape[2] // 2] for p in parts]
-            unconds = [p[:, :, p.shape[2] // 2 :] for p in parts]
-            return torch.cat(conds + unconds, dim=2)
-
-        return FlowCache(
-            token_att=torch.cat([c.token_att for c in caches], dim=1),
-            mel_att=torch.cat([c.mel_att for c in caches], dim=1),
-            lookahead_cnn=torch.cat([c.lookahead_cnn for c in caches], dim=0),
-            up_cnn=torch.cat([c.up_cnn for c in caches], dim=0),
-            est_cnn=est("est_cnn"),
-            est_att=est("est_att"),
-        )
-
-    def split(self) -> list[FlowCache]:
-        """Inverse of `cat`: one FlowCache per stream (views; clone if they must outlive)."""
-        b = self.batch
-        return [
-            FlowCache(
-                token_att=self.token_att[:, i : i + 1],
-                mel_att=self.mel_att[:, i : i + 1],
-                lookahead_cnn=self.lookahead_cnn[i : i + 1],
-                up_cnn=self.up_cnn[i : i + 1],
-                est_cnn=self.est_cnn[:, :, [i, b + i]],
-                est_att=self.est_att[:, :, [i, b + i]],
-            )
-            for i in range(b)
-        ]
-
-    def trimmed(self, prompt_frames: int, history_frames: int = HISTORY_FRAMES) -> FlowCache:
-        """Bound the caches after a chunk ([MU7] semantics): once a cache holds more than
-        prompt + history mel frames keep the prompt part plus the `history_frames` most recent.
-
-        DiT cache is newest-first, so (like the reference) `[:P] ++ [-100:]` keeps the newest P
-        frames plus the oldest 100; the conformer caches are oldest-first and keep prompt + the
-        newest history. Token-rate layers are trimmed at half rate ([SA] instead slices the packed
-        duplicated tensor, which scrambles those layers; [MU7] fixed that)."""
-        out = self
-        if self.est_len > prompt_frames + history_frames:
-            a = self.est_att
-            out = replace(
-                out,
-                est_att=torch.cat([a[..., :prompt_frames, :], a[..., -history_frames:, :]], dim=4),
-            )
-        if self.mel_len > prompt_frames + history_frames:
-            t, m = self.token_att, self.mel_att
-            ph, hh = prompt_frames // 2, history_frames // 2
-            out = replace(
-                out,
-                token_att=torch.cat([t[:, :, :, :ph], t[:, :, :, t.shape[3] - hh :]], dim=3),
-                mel_att=torch.cat(
-                    [m[:, :, :, :prompt_frames], m[:, :, :, m.shape[3] - history_frames :]], dim=3
-                ),
-            )
-        return out
-
-    # Reference layout (tests, interop with the PyPI Token2wav).
-    def to_reference(self) -> dict[str, torch.Tensor]:
-        return {
-            "conformer_cnn_cache": torch.cat([self.lookahead_cnn, self.up_cnn], dim=2),
-            "conformer_att_cache": torch.cat(
-                [self.token_att.repeat(1, 1, 1, 2, 1), self.mel_att], dim=0
-            ),
-            "estimator_cnn_cache": self.est_cnn,
-            "estimator_att_cache": self.est_att,
-        }
-
-    @staticmethod
-    def from_reference(
-        d: dict[str, torch.Tensor], n_blocks: int, n_steps: int, depth: int
-    ) -> FlowCache:
-        att, cnn = d["conformer_att_cache"], d["conformer_cnn_cache"]
-        return FlowCache(
-            token_att=att[:n_blocks, :, :, : att.shape[3] // 2],
-            mel_att=att[n_blocks:],
-            lookahead_cnn=cnn[:, :, :2],
-            up_cnn=cnn[:, :, 2:],
-            est_cnn=d["estimator_cnn_cache"][:n_steps, :depth],
-            est_att=d["estimator_att_cache"][:n_steps, :depth],
-        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,12 +284,6 @@ class PreLookaheadLayer(nn.Module):
         self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
         self.conv2 = nn.Conv1d(channels, channels, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # offline: zero right pad for the lookahead, zero left pad for conv2; x (B,T,C)
-        h = F.pad(x.transpose(1, 2), (0, self.lookahead))
-        h = F.pad(F.leaky_relu(self.conv1(h)), (2, 0))
-        return self.conv2(h).transpose(1, 2) + x
-
     def forward_chunk(
         self, x: torch.Tensor, cache: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,26 +352,6 @@ class UpsampleConformerEncoder(nn.Module):
             self.pe = _rel_positions(size, self.cfg.output_size).to(self.pe.device)
         mid = self.pe.shape[1] // 2
         return self.pe[:, mid - size + 1 : mid + size].to(like.dtype)
-
-    def forward(self, xs: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """Offline: xs (B,T,C) -> (B, stride*T, C); bidirectional within each valid length."""
-        t = xs.shape[1]
-        mask = (torch.arange(t, device=xs.device)[None] < lens[:, None])[:, None]  # (B,1,T)
-        xs = self.pre_lookahead_layer(self.embed(xs))
-        pos = self._pos(t, xs)
-        for layer in self.encoders:
-            xs, _ = layer(xs, pos, mask=mask)
-        xs, _ = self.up_layer(xs.transpose(1, 2))
-        xs = xs.transpose(1, 2)
-        t2 = xs.shape[1]
-        mask = (torch.arange(t2, device=xs.device)[None] < (lens * self.up_layer.stride)[:, None])[
-            :, None
-        ]
-        xs = self.up_embed(xs)
-        pos = self._pos(t2, xs)
-        for layer in self.up_encoders:
-            xs, _ = layer(xs, pos, mask=mask)
-        return self.after_norm(xs)
 
     def forward_chunk(
         self, xs: torch.Tensor, last_chunk: bool, cache: FlowCache | None
@@ -571,23 +461,6 @@ class CausalCFM(nn.Module):
         v_c, v_u = torch.split(v, [b, b], dim=0)
         return (1.0 + r) * v_c - r * v_u
 
-    @torch.inference_mode()
-    def forward(self, mu, spks, cond, mask=None) -> torch.Tensor:
-        """Offline. mu/cond (B,80,T), spks (B,80), mask (B,1,T) -> mel (B,80,T)."""
-        b, _, t = mu.shape
-        x = self.rand_noise[:, :, :t].to(mu.dtype).expand(b, -1, -1)
-        t_emb, dt = self.time_table(mu.device, mu.dtype)
-        mu_in = torch.cat([mu, torch.zeros_like(mu)])
-        spk_in = torch.cat([spks, torch.zeros_like(spks)])
-        cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        mask_in = None if mask is None else torch.cat([mask, mask])
-        for i in range(self.n_timesteps):
-            v = self.estimator(
-                torch.cat([x, x]), mu_in, t_emb[i].expand(2 * b, -1), spk_in, cond_in, mask_in
-            )
-            x = x + dt[i] * self._guide(v, b)
-        return x
-
     def forward_chunk(
         self,
         mu: torch.Tensor,
@@ -623,11 +496,9 @@ class CausalCFM(nn.Module):
             att_out.append(att)
         return x, torch.stack(cnn_out), torch.stack(att_out)
 
-    def forward_slots(self, mu, spks, cond, pool: DiTPool, ix: FlowSlots, time_table,
-                      adaln: AdaLNTable | None = None):
+    def forward_slots(self, mu, spks, cond, pool: DiTPool, ix: FlowSlots, time_table):
         """`forward_chunk` for padded rows with the DiT caches in `pool`; each row's noise
-        starts at its own DiT cache length (`ix.noise`). `adaln`: the DiT's modulations of
-        every step, from `time_table` (DiT.adaln_table), read instead of computed."""
+        starts at its own DiT cache length (`ix.noise`)."""
         b = mu.shape[0]
         x = self.rand_noise[0][:, ix.noise].to(mu.dtype).transpose(0, 1)  # (B, 80, T)
         t_emb, dt = time_table
@@ -636,10 +507,9 @@ class CausalCFM(nn.Module):
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
         dit = ix.dit.at(pool)  # the pools' flat indices, once for the 10 steps
         for i in range(self.n_timesteps):
-            # every row at Euler step i: one time embedding for all (the adaLN table's premise)
             v = self.estimator.forward_slots(
                 torch.cat([x, x]), mu_in, t_emb[i].expand(2 * b, -1), spk_in, cond_in, pool, i,
-                dit, adaln,
+                dit,
             )
             x = x + dt[i] * self._guide(v, b)
         return x
@@ -669,40 +539,12 @@ class Flow(nn.Module):
         """x-vector (B,192) -> (B,80)."""
         return self.spk_embed_affine_layer(F.normalize(spk, dim=1))
 
-    @torch.inference_mode()
-    def inference(
-        self,
-        tokens: torch.Tensor,
-        prompt_tokens: torch.Tensor,
-        prompt_mel: torch.Tensor,
-        spk: torch.Tensor,
-    ) -> torch.Tensor:
-        """Offline decode of one utterance. tokens (1,T), prompt_tokens (1,P), prompt_mel
-        (1, 2P, 80), spk (1,192) -> mel (1, 80, 2T) (prompt frames sliced off)."""
-        if tokens.shape[0] != 1:
-            raise ValueError("offline inference decodes one utterance at a time")
-        spk = self.speaker(spk)
-        all_tokens = torch.cat([prompt_tokens, tokens], dim=1)
-        lens = torch.tensor([all_tokens.shape[1]], device=tokens.device)
-        h = self.encoder_proj(
-            self.encoder(self.input_embedding(torch.clamp(all_tokens, min=0)), lens)
-        )
-        p = prompt_mel.shape[1]
-        cond = torch.zeros_like(h)
-        cond[:, :p] = prompt_mel
-        mask = torch.ones(1, 1, h.shape[1], device=h.device, dtype=h.dtype)
-        mel = self.decoder(
-            h.transpose(1, 2).contiguous(), spk, cond.transpose(1, 2).contiguous(), mask
-        )
-        return mel[:, :, p:]
-
-    def _chunk(self, tokens, spk, cache, last_chunk, cond_mel, time_table=None, cfm=None):
+    def _chunk(self, tokens, spk, cache, last_chunk, cond_mel, time_table=None):
         spk = self.speaker(spk)
         h, enc = self.encoder.forward_chunk(self.input_embedding(tokens), last_chunk, cache)
         mu = self.encoder_proj(h).transpose(1, 2).contiguous()  # (B,80,T)
         cond = torch.zeros_like(mu) if cond_mel is None else cond_mel.transpose(1, 2).contiguous()
-        run = cfm or self.decoder.forward_chunk
-        mel, est_cnn, est_att = run(
+        mel, est_cnn, est_att = self.decoder.forward_chunk(
             mu,
             spk,
             cond,
@@ -727,21 +569,6 @@ class Flow(nn.Module):
         return cache
 
     @torch.inference_mode()
-    def inference_chunk(
-        self,
-        tokens: torch.Tensor,
-        spk: torch.Tensor,
-        cache: FlowCache,
-        last_chunk: bool,
-        time_table=None,
-        cfm=None,
-    ) -> tuple[torch.Tensor, FlowCache]:
-        """One streaming chunk. tokens (B, T) including the lookahead codes unless `last_chunk`
-        -> mel (B, 80, 2*(T-lookahead)) or (B, 80, 2T) when last; new (untrimmed) cache.
-        `cfm` swaps in a CUDA-graph replay of `decoder.forward_chunk` (graphs.py)."""
-        return self._chunk(tokens, spk, cache, last_chunk, None, time_table, cfm)
-
-    @torch.inference_mode()
     def forward_slots(
         self,
         tokens: torch.Tensor,
@@ -749,13 +576,11 @@ class Flow(nn.Module):
         pool: FlowPool,
         ix: FlowSlots,
         time_table,
-        adaln: AdaLNTable | None = None,
     ) -> torch.Tensor:
         """One chunk for a batch of padded rows whose caches live in `pool` (slots.py):
-        tokens (B, T + lookahead), spk (B, 192) -> mel (B, 80, stride*T), valid prefixes.
-        `adaln`: see CausalCFM.forward_slots."""
+        tokens (B, T + lookahead), spk (B, 192) -> mel (B, 80, stride*T), valid prefixes."""
         h = self.encoder.forward_slots(self.input_embedding(tokens), pool, ix)
         mu = self.encoder_proj(h).transpose(1, 2).contiguous()
         return self.decoder.forward_slots(
-            mu, self.speaker(spk), torch.zeros_like(mu), pool.dit, ix, time_table, adaln
+            mu, self.speaker(spk), torch.zeros_like(mu), pool.dit, ix, time_table
         )

@@ -51,8 +51,8 @@ class CausalVocoderGraphs(GraphRunner):
     A stream's last chunk has any length up to a full window, so last chunks come in many
     keys, each seen once a turn: with `capture_last` off (the engine's default once it has
     captured the common ones at warm-up) a last chunk whose key is not captured runs eagerly
-    (35-60 ms more than a replay on an H200) instead of capturing (~150 ms, for every stream
-    of the step)."""
+    (slower than a replay, but far faster than a capture, which every stream of the step
+    would wait for)."""
 
     def __init__(self, vocoder, batch_sizes: Sequence[int], max_graphs: int = 32):
         super().__init__(max_graphs)

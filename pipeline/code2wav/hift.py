@@ -70,22 +70,26 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(channels))
         self.inv_alpha: torch.Tensor | None = None  # set by fuse_snakes: the compiled path
 
+    @property
+    def fused(self) -> bool:
+        return self.inv_alpha is not None
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Snake of x, or of x + bias (B, C, T) + (C, 1) on the compiled path only."""
+        """Snake of x, or of x + bias (B, C, T) + (C, 1)."""
         alpha = self.alpha[None, :, None]
-        if bias is not None:
-            if self.inv_alpha is None:
-                raise ValueError("a Snake adds a bias only on its compiled path (fuse_snakes)")
-            return compiled(biased_snake)(x, bias, alpha, self.inv_alpha)
         if self.inv_alpha is not None:
+            if bias is not None:
+                return compiled(biased_snake)(x, bias, alpha, self.inv_alpha)
             return compiled(snake)(x, alpha, self.inv_alpha)
+        if bias is not None:
+            x = x + bias
         return x + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
 
 
 def fuse_snakes(vocoder: nn.Module, on: bool) -> None:
-    """Every Snake of `vocoder` as `compiled(snake)` (on) or its eager operations (off). Its
-    1 / (alpha + 1e-9) is computed here, once, by the same operations as each eager call:
-    fuse after the weights are loaded and on their device."""
+    """Every Snake of `vocoder` as `compiled(snake)` (on: the engine's choice on CUDA) or its
+    eager operations (off). Its 1 / (alpha + 1e-9) is computed here, once, by the same
+    operations as each eager call: fuse after the weights are loaded and on their device."""
     for m in vocoder.modules():
         if isinstance(m, Snake):
             m.inv_alpha = (1.0 / (m.alpha.detach()[None, :, None] + 1e-9)) if on else None

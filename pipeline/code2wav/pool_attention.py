@@ -1,15 +1,15 @@
 """The DiT's slot-path attention as one Triton kernel that reads K / V from the slot pool.
 
-Why: at one or two chunks the slot path's attention is ~40 us a call on the H200 (PyTorch's
-fp32 memory-efficient kernel tiles 64 query rows per (row, head): 16 thread blocks for 132
-SMs), plus two gathers that copy each row's window of K / V out of the pool first. This
+Why: at one or two chunks PyTorch's fp32 memory-efficient kernel leaves most SMs idle (it
+tiles 64 query rows per (row, head): a chunk is 16 thread blocks), and the slot path's
+attention needs two gathers that copy each row's window of K / V out of the pool first. This
 kernel tiles 16 query rows, so a chunk is 64 blocks, and loads K / V straight from the pool
 at each row's (CFG half, slot): no gathered copies. It computes the same softmax(q k^T
 scale + mask) v in fp32 (products in IEEE fp32, no TF32; an online softmax over blocks of
-keys), so its outputs differ from the plain path's only in the order of float sums.
+keys), so its outputs differ from the gathers + SDPA's only in the order of float sums.
 
-`write_kv` (`token2wav_dit_kv_write_kernel`) writes a block's new keys and values into the
-pool in one launch where two `index_put_` took two: only copies.
+`write_kv` writes a block's new keys and values into the pool in one launch where two
+`index_put_` took two: only copies. The DiT takes both on CUDA (`DiT.prepare_slot_path`).
 
 On CPU it runs only in Triton's interpreter, in the tests (pipeline/triton_kernels.py).
 """
@@ -29,8 +29,8 @@ __all__ = ["MAX_ROWS", "available", "pool_attention", "runs_here", "write_kv"]
 # larger ones: a row's sums do not depend on the rows beside it), and keys an iteration.
 BLOCK_M = 64 if INTERPRET else 16
 BLOCK_N = 64
-# Estimator rows (2 a chunk) up to which the kernel runs: 13-29 us against 35-51 us for the
-# gathers + SDPA up to 4 chunks; at 8 chunks SDPA's larger tiles win (50 against 55 us).
+# Estimator rows (2 a chunk) up to which the kernel runs: beyond 4 chunks the gathers + SDPA,
+# with its larger tiles, are faster (docs/performance.md).
 MAX_ROWS = 8
 
 

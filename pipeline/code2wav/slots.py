@@ -79,7 +79,7 @@ def _round_up(n: int, k: int) -> int:
 
 
 def _trim(seq: list, first: int, last: int) -> list:
-    """FlowCache.trimmed's rule on a list of frames: the first `first` and the last `last`."""
+    """The reference's cache trimming on a list of frames: the first `first`, the last `last`."""
     return seq[:first] + seq[len(seq) - last :]
 
 
@@ -136,7 +136,7 @@ class FlowSlotPool:
         if prompt_frames > self.max_prompt_frames:
             raise ValueError(
                 f"voice prompt of {prompt_frames} mel frames is longer than the "
-                f"{self.max_prompt_frames} the slot pool holds (max_prompt_frames)"
+                f"{self.max_prompt_frames} a Code2Wav slot holds (slot_prompt_frames)"
             )
         slot = self.free.pop(0)
         p, lt, lm, le = self.pool, cache.token_att.shape[3], cache.mel_len, cache.est_len
@@ -156,21 +156,6 @@ class FlowSlotPool:
         if self.state.pop(slot, None) is not None:
             self.free.append(slot)
             self.free.sort()
-
-    def to_cache(self, slot: int) -> FlowCache:
-        """The slot's caches in FlowCache's layout (batch 1), for tests and inspection."""
-        p, st = self.pool, self.state[slot]
-        pos = torch.tensor(st.est_pos, device=self.device, dtype=torch.long)
-        k = p.dit.k[:, :, :, slot].index_select(3, pos)
-        v = p.dit.v[:, :, :, slot].index_select(3, pos)
-        return FlowCache(
-            token_att=p.token[:, slot : slot + 1, :, : st.token_len].clone(),
-            mel_att=p.mel[:, slot : slot + 1, :, : st.mel_len].clone(),
-            lookahead_cnn=p.lookahead[slot : slot + 1].clone(),
-            up_cnn=p.up[slot : slot + 1].clone(),
-            est_cnn=p.dit.cnn[:, :, :, slot].clone(),
-            est_att=torch.cat([k, v], dim=-1).transpose(3, 4).contiguous(),
-        )
 
     # -- planning ------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ Per turn:
   2. its code buffer starts with 3 silence codes; every chunk passes 28 codes (25 decoded +
      3 lookahead) and the buffer advances by 25; the final chunk passes the remainder with
      `last=True` (the encoder zero-pads the lookahead) (`CodeCursor`);
-  3. per chunk (`stream_step`): flow chunk -> 50 mel frames; cache trimming; the vocoder
-     (`vocode`), which is the one the assets hold:
+  3. per chunk: flow chunk -> 50 mel frames and cache trimming (the slot pool's step, slots.py);
+     the vocoder (`vocode`), which is the one the assets hold:
        * CosyVoice2 HiFT (hift.py) on [8 cached mel frames || new frames] with the cached
          3840-sample source; the first 3840 samples are cross-faded (hamming 7680) with the
          held-back tail of the previous chunk; the last 3840 samples are held back unless `last`;
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from pipeline.code2wav.causal_hift import CausalHiFT, CausalVocoderState, vocode_chunk
-from pipeline.code2wav.flow import HISTORY_FRAMES, Flow, FlowCache
+from pipeline.code2wav.flow import Flow, FlowCache
 from pipeline.code2wav.graphs import CausalVocoderGraphs
 from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.config import Code2WavConfig
@@ -82,7 +82,7 @@ class VocoderCache:
 class StreamState:
     """Everything one stream carries between chunks (batch 1 tensors)."""
 
-    flow: FlowCache
+    flow: FlowCache | None  # a voice template's; None in the engine (the caches are in a slot)
     vocoder: VocoderCache | CausalVocoderState  # the kind of the vocoder that decodes it
     spk: torch.Tensor  # (1, 192) x-vector of the voice
     prompt_frames: int  # mel frames of the voice prompt (trimming keeps them)
@@ -91,7 +91,8 @@ class StreamState:
     leading_silence: int = 0  # zeros to put before the first audio ([MU7] 3840, [SA] 0)
 
     def clone(self) -> StreamState:
-        return replace(self, flow=self.flow.clone(), vocoder=self.vocoder.clone())
+        flow = None if self.flow is None else self.flow.clone()
+        return replace(self, flow=flow, vocoder=self.vocoder.clone())
 
     def vocoder_key(self, last: bool) -> tuple:
         """Streams whose next vocoder calls share this key (and mel length) batch together."""
@@ -102,15 +103,6 @@ class StreamState:
             else (v.mel.shape[2], v.speech.shape[1])
         )
         return (*shape, last, self.leading_silence > 0)
-
-    def shape_key(self, n_tokens: int, last: bool) -> tuple:
-        """Streams whose next chunks share this key run in one batch with no padding."""
-        return (
-            n_tokens,
-            self.flow.token_att.shape[3],
-            self.flow.est_len,
-            *self.vocoder_key(last),
-        )
 
 
 @dataclass
@@ -148,9 +140,6 @@ class CodeCursor:
             self.pending, self.done = [], True
         else:
             self.pending = self.pending[cfg.chunk_size :]
-
-    def codes_missing(self, cfg: Code2WavConfig) -> int:
-        return max(0, cfg.chunk_size + cfg.pre_lookahead - len(self.pending))
 
 
 def initial_state(
@@ -213,42 +202,6 @@ class Crossfade:
         out = speech.clone()
         out[..., :n] = speech[..., :n] * self.window[:n] + tail[..., -n:] * self.window[n:]
         return out
-
-
-@torch.inference_mode()
-def stream_step(
-    flow: Flow,
-    hift: HiFTGenerator | CausalHiFT,
-    cfg: Code2WavConfig,
-    states: list[StreamState],
-    tokens: torch.Tensor,
-    last: bool,
-    crossfade: Crossfade,
-    cfm=None,
-    time_table=None,
-) -> tuple[torch.Tensor, list[StreamState]]:
-    """Decode one chunk for B streams with equal `shape_key`. tokens (B, T) -> speech (B, N)
-    float32 on the model device, and the new states (inputs are not modified). `hift` is the
-    loaded vocoder (or a drop-in for the CosyVoice2 one, e.g. graphs.HiFTGraphRunner)."""
-    b = len(states)
-    if tokens.shape[1] == 0:  # final flush with nothing left to decode (flow not advanced)
-        mel = torch.zeros(b, cfg.output_size, 0, device=states[0].spk.device)
-        speech, out = vocode(hift, cfg, states, mel, True, crossfade)
-        return speech, [replace(s, chunks=s.chunks + 1) for s in out]
-    flow_cache = states[0].flow if b == 1 else FlowCache.cat([s.flow for s in states])
-    spk = torch.cat([s.spk for s in states])
-    mel, new_flow = flow.inference_chunk(
-        tokens, spk, flow_cache, last, time_table=time_table, cfm=cfm
-    )
-    speech, voiced = vocode(hift, cfg, states, mel, last, crossfade)
-    flows = [new_flow] if b == 1 else new_flow.split()
-    out = []
-    for s, f in zip(voiced, flows):
-        f = f.trimmed(s.prompt_frames, HISTORY_FRAMES)
-        if b > 1:  # own the memory: a stream's state must not alias its batch-mates'
-            f = f.clone()
-        out.append(replace(s, flow=f, chunks=s.chunks + 1))
-    return speech, out
 
 
 @torch.inference_mode()
