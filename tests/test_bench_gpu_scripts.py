@@ -8,8 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.config import AppConfig
-from deployments.stage import dataclass_from_dict
+from deployments.config import AppConfig, dataclass_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 

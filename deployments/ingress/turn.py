@@ -10,7 +10,7 @@
     4. merge the streams into events as they come; free the slot on the last audio piece
        (text-only: on the last text); with `hold_rows`, the first audio piece resumes the
        Thinker and the Talker, which held the turn's later work so the first audio came
-       sooner (AppConfig.hold_for_first_audio)
+       sooner (streaming talker_mode)
     5. end with exactly one terminal event: Done, or Error (bad input the engine refused,
        a stage failure, a stage that died or stopped answering, the request timeout)
 
@@ -35,12 +35,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deployments.config import TimeoutSettings
-from deployments.loop import StageFailure
+from deployments.ingress.window import ActiveStreamWindow
 from deployments.metrics import AppMetrics
-from deployments.schemas import SAMPLE_RATE, AudioChunk, Done, Error, Event, TextDelta, Usage
-from deployments.stage import Heartbeat, NamedVoice, Opened, error_line, via
-from deployments.window import ActiveStreamWindow
-from pipeline.handoff import TextWanted
+from deployments.wire import SAMPLE_RATE, AudioChunk, Done, Error, Event, TextDelta, Usage, Heartbeat, NamedVoice, Opened, error_line, via
+from pipeline.handoff import StageFailure, TextWanted
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +49,7 @@ _STAGE = {"text": "thinker", "talker": "talker", "audio": "code2wav"}
 
 @dataclass
 class Stages:
-    """Handles (DeploymentHandle, or deployments.testing.LocalHandle in-process). `grpc`:
+    """Handles (DeploymentHandle, or tests/fakes.py LocalHandle in-process). `grpc`:
     a turn's own calls go over Serve's gRPC data plane (AppConfig.stage_transport)."""
 
     thinker: Any
@@ -141,7 +139,7 @@ class TurnRunner:
         self.timeouts = timeouts or TimeoutSettings()
         # > 0: a speech turn's Thinker holds after this many spoken rows (the Talker's first
         # text chunk) and its Talker after its first chunk, until the first audio is out
-        # (AppConfig.hold_for_first_audio)
+        # (streaming talker_mode; the same outputs)
         self.hold_rows = hold_rows
         self._background: set[asyncio.Task] = set()
         self.in_flight: dict[str, bool] = {}  # request id -> speech

@@ -13,7 +13,7 @@ Formats (FFmpeg through PyAV for the compressed ones; each reads `frame_size` fr
 codec, buffers leftover samples between encode() calls and hands only the last, short frame
 to the encoder in finish(), where FFmpeg pads it with silence):
 
-  wav    16-bit PCM mono WAV (deployments.media.wav_bytes_int16 / float_to_int16).
+  wav    16-bit PCM mono WAV (deployments.ingress.media.wav_bytes_int16 / float_to_int16).
   pcm16  raw little-endian int16 mono, same quantisation (alias: pcm).
   mp3    libmp3lame, 64 kb/s CBR, raw MPEG audio frames (no ID3 tag). 24 kHz is MPEG-2
          Layer III: 576 samples a frame. Streamed, there is no Xing/LAME header (it is only
@@ -58,7 +58,7 @@ from typing import Any
 import av
 import numpy as np
 
-from deployments.media import float_to_int16, wav_bytes_int16
+from deployments.ingress.media import float_to_int16, wav_bytes_int16
 
 DEFAULT_SAMPLE_RATE = 24000
 
