@@ -1,9 +1,11 @@
 """The application's settings: what `serve_config.yaml` passes as `args` to `build_app`.
 
 Three layers (ARCHITECTURE.md): the checkpoint's config.json is read by the stages
-themselves; each stage's `engine:` dict is validated against that stage's frozen engine
-config when the stage starts; this module holds the Serve concerns (GPU fractions, memory
-caps, replicas, concurrency) and the app-wide knobs, validated here with clear errors.
+themselves; each stage's `engine:` dict holds fields of that stage's frozen engine config
+over its defaults (which are the shipped path), validated when the app is built and again
+when the stage starts; this module holds the Serve concerns (GPU fractions, memory caps,
+replicas, capacity) and the app-wide settings, each default in one place, validated here
+with clear errors. serve_config.yaml lists the ones an operator tunes, at these defaults.
 """
 
 from __future__ import annotations
@@ -190,10 +192,11 @@ class AppConfig(_Settings):
     cuda_context_gib: float = Field(0.7, ge=0.0, description="per-process CUDA context estimate")
     stage_transport: Literal["grpc", "ray"] = Field("grpc", description=(
         "how a turn's calls between the ingress and the stages, and between the stages, "
-        "travel: grpc = Serve's gRPC data plane between replicas (a small call or streamed "
-        "item faster); ray = Ray actor calls (Serve's default). Calls "
-        "carrying media or other arrays over 2 MiB go as actor calls either way (the object "
-        "store hands them over without a copy; a replica's gRPC messages stop at 4 MiB)"))
+        "travel: grpc = Serve's gRPC data plane between replicas (no Ray task, no object "
+        "store: a small call or streamed item is faster); ray = Ray actor calls (Serve's "
+        "default). Calls carrying media or other arrays over 2 MiB go as actor calls either "
+        "way (the object store hands them over without a copy; a replica's gRPC messages "
+        "stop at 4 MiB)"))
     limits: LimitSettings = Field(default_factory=LimitSettings)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)

@@ -181,7 +181,7 @@ def test_stages_on_cpu_report_no_gpu_and_their_capacity():
     events, stats = asyncio.run(main())
     assert isinstance(events[-1], Done)
     for s in stats:
-        assert s["gpu"] is None and s["health"] is None and s["capacity"] == 2, s
+        assert s["gpu_sharing"] is None and s["health"] is None and s["capacity"] == 2, s
 
 
 @needs_cuda

@@ -1,6 +1,6 @@
 """The realtime voice page (deployments/realtime/page.html) in headless Chromium, its fake mic fed
 from a WAV file, against the ingress's own routes and realtime session (server VAD included)
-served by uvicorn in this process over the fake stage engines (deployments/testing.py), paced
+served by uvicorn in this process over the fake stage engines (tests/fakes.py), paced
 so that a reply is still being made while its first second plays.
 
 A spoken turn is answered with audio and a transcript, a response in progress can be

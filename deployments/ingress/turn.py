@@ -264,7 +264,7 @@ class TurnRunner:
                 slot = await self._bounded(window.acquire(rid), deadline)
                 self._window_metrics()
             # The Thinker's call first: its prefill is what the first token waits for, and
-            # each call the ingress submits before it delays its start (~1 ms a call). The
+            # each call the ingress submits before it delays its start. The
             # speech opens follow at once and their round trips overlap the prefill (the
             # Talker waits for its session should the span come first).
             request = turn.thinker_request

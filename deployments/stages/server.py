@@ -345,8 +345,8 @@ def stage_stats(
     """What every stage's `stats()` reports: its open streams, the engine's stats, and the
     invariants: `idle` (no stream open and the engine holds nothing: `held` == 0), `leaks`
     (accounting that does not add up: `leaks` from the stage, plus an engine holding more
-    than is open), `health` (None, or why the loop is unhealthy); `gpu` is what the stage found
-    at start on its GPU (None on CPU)."""
+    than is open), `health` (None, or why the loop is unhealthy); `gpu_sharing` is what the
+    stage found at start on its GPU: sharing, memory, start times (None on CPU)."""
     open_ = len(loop.open_keys)
     if held > open_:
         leaks = [f"engine holds {held} streams but {open_} are open", *leaks]
@@ -360,7 +360,7 @@ def stage_stats(
         "leaks": leaks,
         "health": loop.health(wedge_s),
         "pid": os.getpid(),
-        "gpu": started(loop.name),
+        "gpu_sharing": started(loop.name),
         "gc": gc_watch().stats(),
         **device_memory(),
     }
