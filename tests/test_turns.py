@@ -19,7 +19,7 @@ import pytest
 from test_api import light_source, user
 
 from deployments.stages.loop import EngineLoop
-from deployments.wire import AudioChunk, Done, Error, TextDelta, Opened
+from deployments.wire import AudioChunk, Done, Error, Opened, TextDelta
 from fakes import FakeThinkerEngine, LocalHandle, build_local_app
 from pipeline.handoff import TextWanted
 

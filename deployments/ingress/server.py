@@ -34,7 +34,6 @@ from pydantic import ValidationError
 from deployments.config import AppConfig
 from deployments.ingress.formats import ChunkWriter, completion_body, error_body
 from deployments.ingress.media import MediaLoader, b64decode, pcm16_to_wav
-from deployments.metrics import AppMetrics
 from deployments.ingress.schemas import (
     DEFAULT_VOICES,
     ApiError,
@@ -44,7 +43,8 @@ from deployments.ingress.schemas import (
 from deployments.ingress.turn import Group, PreparedTurn, Stages, TurnRunner
 from deployments.ingress.voices import VoiceInfo, VoiceStore
 from deployments.ingress.window import ActiveStreamWindow
-from deployments.wire import AudioChunk, Done, Error, Event, TextDelta, NamedVoice, error_line
+from deployments.metrics import AppMetrics
+from deployments.wire import AudioChunk, Done, Error, Event, NamedVoice, TextDelta, error_line
 
 log = logging.getLogger(__name__)
 _MEDIA_KIND = {"image_url": "image", "video_url": "video", "audio_url": "audio"}

@@ -37,7 +37,20 @@ from typing import Any
 from deployments.config import TimeoutSettings
 from deployments.ingress.window import ActiveStreamWindow
 from deployments.metrics import AppMetrics
-from deployments.wire import SAMPLE_RATE, AudioChunk, Done, Error, Event, TextDelta, Usage, Heartbeat, NamedVoice, Opened, error_line, via
+from deployments.wire import (
+    SAMPLE_RATE,
+    AudioChunk,
+    Done,
+    Error,
+    Event,
+    Heartbeat,
+    NamedVoice,
+    Opened,
+    TextDelta,
+    Usage,
+    error_line,
+    via,
+)
 from pipeline.handoff import StageFailure, TextWanted
 
 log = logging.getLogger(__name__)
