@@ -290,20 +290,32 @@ class StageServer:
         return {"stage": self.loop.name, "steps": prof.done.result()}
 
     async def stats(self) -> dict[str, Any]:
+        """Its open streams, capacity and engine stats, and the invariants: `idle` (no stream
+        open and the engine holds nothing), `leaks` (accounting that does not add up),
+        `health` (None, or why the loop is unhealthy); `gpu_sharing` is what the stage found
+        at start on its GPU: sharing, memory, start times (None on CPU)."""
         engine = await self.loop.call(lambda e: e.stats())
-        open_ = len(self.loop.open_keys)
+        loop, open_, held = self.loop, len(self.loop.open_keys), int(engine["open_streams"])
         leaks = self._leaks(engine)
         extra = self._extra_stats()
         if self.next_stage is not None:
             if len(self._forwarders) > open_:
                 leaks.insert(0, f"{len(self._forwarders)} forwarders for {open_} open calls")
             extra = {"forwarders": len(self._forwarders), **extra}
-        held = int(engine["open_streams"])
-        return stage_stats(self.loop, self.timeouts.wedge_s, engine, held, leaks,
-                           capacity=self.cfg.capacity, **extra)
+        if held > open_:
+            leaks.insert(0, f"engine holds {held} streams but {open_} are open")
+        return {"open": open_, "capacity": self.cfg.capacity, **extra, "steps": loop.steps,
+                "failures": loop.failures, "engine": engine, "idle": open_ == 0 and held == 0,
+                "leaks": leaks, "health": loop.health(self.timeouts.wedge_s),
+                "pid": os.getpid(), "gpu_sharing": started(loop.name),
+                "gc": gc_watch().stats(), **device_memory()}
 
     def check_health(self) -> None:
-        check_loop_health(self.loop, self.timeouts.wedge_s)
+        """Serve's `check_health`: raise while the engine loop is dead or wedged (Serve then
+        replaces the replica, which ends its turns at once)."""
+        problem = self.loop.health(self.timeouts.wedge_s)
+        if problem:
+            raise RuntimeError(problem)
 
 
 async def next_item(
@@ -336,39 +348,3 @@ def build_engine(
         else dataclass_from_dict(config_cls, engine_kwargs, engine_cls.__name__)
     )
     return engine_cls.from_source(source, config, device)
-
-
-
-def stage_stats(
-    loop: Any, wedge_s: float, engine: dict[str, Any], held: int, leaks: list[str], **extra: Any
-) -> dict[str, Any]:
-    """What every stage's `stats()` reports: its open streams, the engine's stats, and the
-    invariants: `idle` (no stream open and the engine holds nothing: `held` == 0), `leaks`
-    (accounting that does not add up: `leaks` from the stage, plus an engine holding more
-    than is open), `health` (None, or why the loop is unhealthy); `gpu_sharing` is what the
-    stage found at start on its GPU: sharing, memory, start times (None on CPU)."""
-    open_ = len(loop.open_keys)
-    if held > open_:
-        leaks = [f"engine holds {held} streams but {open_} are open", *leaks]
-    return {
-        "open": open_,
-        **extra,
-        "steps": loop.steps,
-        "failures": loop.failures,
-        "engine": engine,
-        "idle": open_ == 0 and held == 0,
-        "leaks": leaks,
-        "health": loop.health(wedge_s),
-        "pid": os.getpid(),
-        "gpu_sharing": started(loop.name),
-        "gc": gc_watch().stats(),
-        **device_memory(),
-    }
-
-
-def check_loop_health(loop: Any, wedge_s: float) -> None:
-    """Serve's `check_health`: raise while the engine loop is dead or wedged (Serve then
-    replaces the replica, which ends its turns at once)."""
-    problem = loop.health(wedge_s)
-    if problem:
-        raise RuntimeError(problem)
