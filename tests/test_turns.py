@@ -637,3 +637,36 @@ def test_the_thinker_sends_the_talker_whole_text_chunks(app_cfg, source):
     assert len(feeds) <= sum(rows) // chunk + 1 and sum(rows) > chunk, feeds
     assert sum(rows) == done.usage.completion_tokens  # the fake speaks every token
     assert_clean(st)
+
+
+def test_a_failed_turns_slot_comes_back_once_its_stages_freed_theirs(app_cfg, source):
+    """Capacity is the window and every stage's slot count: a turn that ends early (here the
+    client goes away) keeps its window slot until its stages' aborts landed, so the turn the
+    window admits next never finds a stage slot still held by it."""
+    async def main():
+        local = build_local_app({**app_cfg, "capacity": 1}, source)
+        real_abort, landed = local.talker.abort, asyncio.Event()
+
+        async def slow_abort(rid):
+            await asyncio.sleep(0.3)
+            await real_abort(rid)
+            landed.set()
+
+        local.talker.abort = slow_abort
+        agen = local.ingress.chat(SPEECH)
+        async for ev in agen:
+            if isinstance(ev, TextDelta):
+                break
+        await agen.aclose()  # what Serve does when the HTTP client goes away
+        await asyncio.sleep(0.1)
+        held = local.ingress.groups[0].window.stats()["active"]
+        await asyncio.wait_for(landed.wait(), 3)
+        await asyncio.sleep(0.05)
+        freed = local.ingress.groups[0].window.stats()["active"]
+        second = one_terminal(await collect(local.ingress, SPEECH))
+        return held, freed, second, await settled(local)
+
+    held, freed, second, st = asyncio.run(main())
+    assert (held, freed) == (1, 0)
+    assert isinstance(second, Done) and second.audio_seconds > 0
+    assert_clean(st)

@@ -354,14 +354,16 @@ class TurnRunner:
             yield Error(504, f"turn exceeded the {self.timeout_s:g} s request timeout", "timeout")
         finally:
             self.in_flight.pop(rid, None)
-            if slot is not None:
-                slot.release()
             for p in pumps:
                 p.cancel()
             for s in streams.values():
                 _cancel(s)
             if outcome != "ok":
-                self._abort(rid, stages, speech=turn.speech)
+                # The slot comes back once the stages freed the turn's own slots, so the
+                # turn it admits next never finds them still held.
+                self._abort(rid, stages, turn.speech, then=slot and slot.release)
+            elif slot is not None:
+                slot.release()
             if self.metrics is not None:
                 self.metrics.outcome(outcome, reason)
             self._window_metrics()
@@ -483,20 +485,25 @@ class TurnRunner:
             out.put_nowait((src, e))
         out.put_nowait((src, _END))
 
-    def _abort(self, rid: str, group: Stages, speech: bool) -> None:
+    def _abort(self, rid: str, group: Stages, speech: bool, then: Any = None) -> None:
         names = ("thinker", "talker", "code2wav") if speech else ("thinker",)
-        self._tell(rid, [group.via(name) for name in names], "abort")
+        self._tell(rid, [group.via(name) for name in names], "abort", then)
 
-    def _tell(self, rid: str, stages: list[Any], method: str) -> None:
+    def _tell(self, rid: str, stages: list[Any], method: str, then: Any = None) -> None:
         """Call `method(rid)` on each stage, fire-and-forget: the caller may already be
-        cancelled, so this runs on its own."""
+        cancelled, so this runs on its own; `then()` once every call returned or timed out."""
 
         async def tell() -> None:
             calls = [asyncio.wait_for(getattr(s, method).remote(rid), self.timeouts.abort_s)
                      for s in stages]
-            for r in await asyncio.gather(*calls, return_exceptions=True):
-                if isinstance(r, BaseException):
-                    log.info("%s of %s did not land: %s", method, rid, error_line(r))
+            try:
+                for r in await asyncio.gather(*calls, return_exceptions=True):
+                    if isinstance(r, BaseException):
+                        log.info("%s of %s did not land: %s", method, rid, error_line(r))
+            finally:
+                if then is not None:
+                    then()
+                    self._window_metrics()
 
         self.in_background(tell())
 
