@@ -10,25 +10,24 @@ stays in the group that holds its stream state; the ingress picks a group per tu
 The server classes are plain (undecorated); this module turns them into deployments.
 GPU fractions are applied only when the cluster has GPUs, so the same config runs on a
 CPU-only machine. Engine classes can be injected (tests use small fakes), as in Ray
-Serve LLM's builders. With `gpu_sharing: mps`, each GPU stage's replica starts with its MPS
-client settings in its environment (`runtime_env.env_vars`).
+Serve LLM's builders. One `capacity` sizes each group: the ingress's window and every
+stage's slot count (AppConfig.engine_settings).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
-from deployments.code2wav import Code2WavServer
-from deployments.config import AppConfig, StageSettings
-from deployments.ingress import IngressServer
-from deployments.talker import TalkerServer
-from deployments.thinker import ThinkerServer
+from deployments.config import AppConfig, StageSettings, dataclass_from_dict
+from deployments.ingress.server import IngressServer
+from deployments.stages.code2wav import Code2WavServer
+from deployments.stages.talker import TalkerServer
+from deployments.stages.thinker import ThinkerServer
 
 log = logging.getLogger(__name__)
 
@@ -41,34 +40,11 @@ def cluster_has_gpu() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-# MPS client settings an operator may have set where the app is built; every client must
-# use the daemon's pipe directory, so they travel to the replicas unchanged.
-MPS_PASSTHROUGH = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
-
-
-def mps_env_vars(cfg: AppConfig, s: StageSettings,
-                 environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The MPS client environment of one GPU stage's replica (empty unless gpu_sharing is mps).
-
-    The CUDA driver reads these when the process creates its context; Ray puts runtime_env
-    env_vars in the worker process's environment before the process starts, so they are in
-    place before any import touches CUDA."""
-    if cfg.gpu_sharing != "mps":
-        return {}
-    env = {k: environ[k] for k in MPS_PASSTHROUGH if environ.get(k)}
-    if s.mps_thread_percentage is not None:
-        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(s.mps_thread_percentage)
-    return env
-
-
-def _options(name: str, s: StageSettings, gpu: bool, cfg: AppConfig,
+def _options(name: str, s: StageSettings, gpu: bool,
              extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": s.num_cpus}
-    if gpu and s.num_gpus > 0:  # a replica without a GPU share is not an MPS client
+    if gpu and s.num_gpus > 0:
         actor["num_gpus"] = s.num_gpus
-        env = mps_env_vars(cfg, s)
-        if env:  # Serve merges these into the application's runtime_env
-            actor["runtime_env"] = {"env_vars": env}
     actor.update(extra or {})
     return {"name": name, "num_replicas": s.num_replicas,
             "max_ongoing_requests": s.max_ongoing_requests, "ray_actor_options": actor,
@@ -79,7 +55,7 @@ def _options(name: str, s: StageSettings, gpu: bool, cfg: AppConfig,
 def num_groups(cfg: AppConfig, gpu: bool) -> int:
     """The groups the app binds: `groups`, or `max_groups` when autoscaled; auto = one per
     whole GPU in the cluster (1 without GPUs). With GPUs, each group needs a GPU of its own."""
-    from deployments.placement import PlacementError, resolve_groups
+    from deployments.stages.placement import PlacementError, resolve_groups
 
     n = resolve_groups(cfg.max_groups if cfg.autoscaled else cfg.groups, None if gpu else {})
     if cfg.autoscaled and cfg.min_groups > n:
@@ -113,14 +89,14 @@ def engine_configs(cfg: AppConfig, stages: tuple[str, ...] = ("thinker", "talker
                    ) -> dict[str, Any]:
     """Each stage's `engine:` section as its real engine's frozen config, so a bad key or
     value fails here, before any actor starts (the stages validate it again at start)."""
-    from deployments.stage import dataclass_from_dict
+    from deployments.config import dataclass_from_dict
     from pipeline.code2wav.engine import Code2WavEngineConfig
     from pipeline.talker.engine import TalkerEngineConfig
     from pipeline.thinker.engine import ThinkerEngineConfig
 
     classes = {"thinker": ThinkerEngineConfig, "talker": TalkerEngineConfig,
                "code2wav": Code2WavEngineConfig}
-    return {stage: dataclass_from_dict(classes[stage], dict(cfg.stages()[stage].engine),
+    return {stage: dataclass_from_dict(classes[stage], cfg.engine_settings(stage),
                                        f"{stage}.engine") for stage in stages}
 
 
@@ -136,8 +112,8 @@ def build_omni_app(cfg: AppConfig | dict | None = None, *, thinker_engine_cls: A
                    use_gpu: bool | None = None) -> Application:
     """Bind the ingress and each group's three stage deployments. `use_gpu=None` asks the
     cluster. With several groups on GPUs, each group reserves a whole GPU (a placement group,
-    deployments/placement.py) and its replicas take their fractions of that GPU."""
-    from deployments.placement import group_placement
+    deployments/stages/placement.py) and its replicas take their fractions of that GPU."""
+    from deployments.stages.placement import group_placement
 
     cfg = AppConfig.model_validate(cfg or {})
     # the real engines' sections (fakes take their settings as they are)
@@ -150,15 +126,15 @@ def build_omni_app(cfg: AppConfig | dict | None = None, *, thinker_engine_cls: A
     # One group keeps plain fractions of the one GPU (nothing to pin it to).
     extras = group_placement(n, fractions, prefix=cfg.name, gpu=gpu and n > 1)
     args = cfg.model_dump()
-    log.info("omniray: building app (%d group(s), GPU fractions %s, gpu_sharing %s)", n,
-             "on" if gpu else "off", cfg.gpu_sharing)
+    log.info("omniray: building app (%d group(s) of capacity %d, %d per ingress replica; GPU "
+             "fractions %s)", n, cfg.capacity, cfg.window_per_ingress(), "on" if gpu else "off")
     thinkers, talkers, code2wavs = [], [], []
     for g in range(n):
         names = stage_names(g, n)
         extra = extras[g]
 
         def opts(stage: str, names=names, extra=extra, g=g) -> dict[str, Any]:
-            return {**_options(names[stage], cfg.stages()[stage], gpu, cfg, extra.get(stage)),
+            return {**_options(names[stage], cfg.stages()[stage], gpu, extra.get(stage)),
                     **scaling_options(cfg, g)}
 
         code2wav = serve.deployment(Code2WavServer, **opts("code2wav")).bind(

@@ -1,14 +1,17 @@
 """The application's settings: what `serve_config.yaml` passes as `args` to `build_app`.
 
 Three layers (ARCHITECTURE.md): the checkpoint's config.json is read by the stages
-themselves; each stage's `engine:` dict is validated against that stage's frozen engine
-config when the stage starts; this module holds the Serve concerns (GPU fractions, memory
-caps, replicas, concurrency) and the app-wide knobs, validated here with clear errors.
+themselves; each stage's `engine:` dict holds fields of that stage's frozen engine config
+over its defaults (which are the shipped path), validated when the app is built and again
+when the stage starts; this module holds the Serve concerns (GPU fractions, memory caps,
+replicas, capacity) and the app-wide settings, each default in one place, validated here
+with clear errors. serve_config.yaml lists the ones an operator tunes, at these defaults.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -18,14 +21,6 @@ GIB = 1024**3
 
 class _Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _switch_interval(why: str) -> Any:
-    return Field(None, gt=0.0, le=100.0, description=(
-        "the replica's GIL switch interval (sys.setswitchinterval; null = Python's 5 ms): a "
-        "thread that gave the GIL up (to FFmpeg, to a GPU wait) waits up to one interval to "
-        f"take it back while another thread runs Python; {why}. Thread scheduling only: the "
-        "same outputs"))
 
 
 class StageSettings(_Settings):
@@ -52,40 +47,14 @@ class StageSettings(_Settings):
         "how often Serve calls the stage's check_health (a wedged engine loop fails it)"))
     health_check_timeout_s: float = Field(30.0, gt=0)
     engine: dict[str, Any] = Field(default_factory=dict, description=(
-        "fields of the stage's frozen engine config (batch limits, knobs); unknown keys "
-        "fail the stage at startup"))
-    mps_thread_percentage: int | None = Field(None, ge=1, le=100, strict=True, description=(
-        "gpu_sharing: mps only: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of this stage's replica "
-        "(a cap on its share of the SMs; caps may add up to more than 100); null = the MPS "
-        "daemon's default"))
-    cuda_stream_priority: Literal["default", "high"] = Field("default", description=(
-        "high: the engine thread's commands and steps, and the CUDA graphs it captures, run "
-        "on a high-priority CUDA stream (the same kernels in the same order, so the same "
-        "output); priorities order work the GPU runs at the same time, which between "
-        "processes happens only under MPS; ignored on CPU"))
-    switch_interval_ms: float | None = _switch_interval(
-        "its engine thread takes it back after each wait for the GPU, beside the event loop "
-        "that forwards the engine's outputs")
+        "fields of the stage's frozen engine config over its defaults; unknown keys fail "
+        "the app at build (its slot count comes from `capacity`)"))
 
 
 class IngressSettings(_Settings):
     num_cpus: float = Field(0.0, ge=0.0)
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
-    prefetch_frames: bool = Field(True, description=(
-        "a video's frames go to the Thinker's vision encoder as they are decoded, before the "
-        "request is built (same output; with several groups, to the group a turn would be "
-        "routed to at that moment): 8 at a time while the video still decodes when this "
-        "replica builds no other request, else all at once while the request's audio (its "
-        "track or another part) still decodes; an audio part's clip goes to the audio "
-        "encoder the same way, while another part still decodes. On an H200 at c=1, 30 s "
-        "clips with their audio as a part of their own: TTFT 259 against 300 ms, first "
-        "audio 484 against 530 (frames only); clips with their own audio track: TTFT 266 "
-        "against 331"))
-    switch_interval_ms: float | None = _switch_interval(
-        "its media decode threads take the GIL back after every FFmpeg call: on the "
-        "development box a 30 s clip's decode beside a busy Python thread takes 2.1 s at "
-        "5 ms, 0.28 s at 0.5 ms, 63 ms alone (`python -m bench.gil_decode`)")
 
 
 class RealtimeSettings(_Settings):
@@ -153,45 +122,26 @@ class TimeoutSettings(_Settings):
         return self
 
 
-# The single-GPU split, per stage (memory fractions that fit an 80 GB GPU as well as the
-# H200: Code2Wav's engine alone peaked at 19.3 GiB at 8 chunks a step, its slot pool 8.5, and
-# ran out of the 14.3 GiB that 0.18 of an H100 gave it while warming up).
+# Each stage's Serve side on one GPU: its share of the GPU, its memory cap (fractions that
+# fit an 80 GB GPU with one CUDA context each and the graph reserves), and for the Thinker
+# its KV budget. A stage section in the YAML overrides these key by key.
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
-    # The engine configs' own defaults are the plain reference path (what the parity tests
-    # compare against); the app ships the fast paths on top (serve_config.yaml says the
-    # same, and a test holds the two equal). The Thinker's piecewise and prefill graphs (CUDA
-    # only; bitwise the eager hidden rows at full size) and audio graphs (bf16 rounding), and
-    # the Talker's fused forward and padded prefills reorder bf16 sums (same greedy tokens at
-    # full size; the Talker ~1.5 ulps of the logits, flat over 300 codes; compiled only on CUDA).
-    "thinker": {"num_gpus": 0.55, "memory_fraction": 0.5, "engine": {
-        "audio_cuda_graphs": True, "fused_qk_rope_kv": True,
-        "llm": {"piecewise_graph_tokens": 512, "prefill_graph_tokens": 512}}},
-    "talker": {"num_gpus": 0.15, "memory_fraction": 0.1, "engine": {
-        "talker_fused": True, "talker_compile": True, "prefill_graphs": True,
-        "talker_rope_kernel": True}},
-    "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.28, "engine": {
-        "token2wav_slot_pool": True, "token2wav_cfm_cuda_graph": True,
-        "token2wav_compile_estimator": True, "token2wav_hift_cuda_graph": True,
-        "token2wav_vocoder_gemm_convs": True, "token2wav_dit_split_matmuls": True,
-        "token2wav_dit_pool_attention": True, "token2wav_vocoder_fused_snakes": True,
-        "token2wav_vocoder_window_kernel": True, "token2wav_dit_tails_in_post": True,
-        "token2wav_dit_kv_write_kernel": True, "token2wav_vocoder_fused_biases": True,
-        "token2wav_vocoder_frame_major": True}},
+    "thinker": {"num_gpus": 0.55, "memory_fraction": 0.5, "graph_reserve_gib": 2.0,
+                "kv_cache_gib": 16.0},
+    "talker": {"num_gpus": 0.15, "memory_fraction": 0.1, "graph_reserve_gib": 1.0,
+               "max_ongoing_requests": 1024},
+    "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.28, "graph_reserve_gib": 1.0,
+                 "max_ongoing_requests": 1024},
 }
+
+# Where each stage's engine config takes its slot count from `capacity`.
+CAPACITY_KEYS: dict[str, tuple[str, ...]] = {
+    "thinker": ("llm", "max_num_seqs"), "talker": ("max_streams",),
+    "code2wav": ("max_streams",)}
 
 
 def _stage_defaults(stage: str) -> StageSettings:
-    """A stage's settings with nothing given: its own copy of the nested defaults."""
-    return StageSettings(**copy.deepcopy(STAGE_DEFAULTS[stage]))
-
-
-def _merged(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """`given` over `defaults`, nested dicts merged key by key (a partial `engine:` keeps
-    the other defaults)."""
-    out = copy.deepcopy(defaults)
-    for k, v in given.items():
-        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+    return StageSettings(**STAGE_DEFAULTS[stage])
 
 
 class AppConfig(_Settings):
@@ -202,8 +152,11 @@ class AppConfig(_Settings):
         "checkpoint directory; null or 'tiny' = the embedded tiny default, "
         "'random-full' = full-size random weights"))
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    active_stream_window: int = Field(4, ge=0, description=(
-        "K turns in one group's GPU stages; 0 = no limit"))
+    capacity: int = Field(8, ge=1, description=(
+        "turns one group runs at once: the ingress's window (split over its replicas) and "
+        "every stage's slot count (Thinker max_num_seqs, Talker and Code2Wav max_streams) "
+        "follow from it; a turn beyond it waits for a slot. A stage whose memory cannot "
+        "hold it refuses to start"))
     groups: int | Literal["auto"] = Field(1, description=(
         "stage groups: one replica of each stage on one GPU, every hop of a turn inside its "
         "group; auto = one per GPU in the cluster (1 without GPUs)"))
@@ -218,11 +171,6 @@ class AppConfig(_Settings):
     talker_mode: Literal["streaming", "full_span"] = Field("streaming", description=(
         "streaming: the Talker starts on the first spoken chunk; full_span: it waits for "
         "the whole spoken span (the offline reference behaviour)"))
-    hold_for_first_audio: bool = Field(True, description=(
-        "a speech turn's Thinker decode (once the Talker has its first text chunk) and Talker "
-        "decode (once its first code chunk is out) run only beside other work until the "
-        "turn's first audio is out (at most 0.25 s): on the GPU the stages share, they would "
-        "slow the stages making it; the same outputs (streaming talker_mode only)"))
     request_timeout_s: float = Field(600.0, gt=0)
     allowed_local_media_path: str | None = Field(None, description=(
         "file:// media is read only under this folder; null = no local files"))
@@ -242,24 +190,13 @@ class AppConfig(_Settings):
         "where uploaded voices (POST /v1/audio/voices) are kept and restored from at start; "
         "null = <OMNIRAY_CACHE, default ~/.cache/omniray>/voices"))
     cuda_context_gib: float = Field(0.7, ge=0.0, description="per-process CUDA context estimate")
-    gpu_sharing: Literal["timeslice", "mps"] = Field("timeslice", description=(
-        "how the stages' processes share a GPU: timeslice = the driver's default (one "
-        "process's kernels at a time); mps = through an MPS daemon the operator started "
-        "(kernels of several stages at once), with each stage's mps_thread_percentage; "
-        "each GPU stage reports at start what it actually found"))
-    stage_start: Literal["serial", "parallel"] = Field("parallel", description=(
-        "how a GPU's stages start: parallel = a per-GPU lock held for each stage's memory "
-        "check and cap alone, the builds and warm-ups (compiles, CUDA graph captures, "
-        "FlashInfer's JIT) side by side (a check may then read memory another stage is "
-        "still filling; each stage stays under its cap either way); serial = one at a "
-        "time, each built and warmed up under the lock, so each memory check reads the "
-        "GPU with the stages before it done (a longer start: 78 against 48.5 s on an H100)"))
     stage_transport: Literal["grpc", "ray"] = Field("grpc", description=(
         "how a turn's calls between the ingress and the stages, and between the stages, "
-        "travel: grpc = Serve's gRPC data plane between replicas (a small call or streamed "
-        "item in about half the time); ray = Ray actor calls (Serve's default). Calls "
-        "carrying media or other arrays over 2 MiB go as actor calls either way (the object "
-        "store hands them over without a copy; a replica's gRPC messages stop at 4 MiB)"))
+        "travel: grpc = Serve's gRPC data plane between replicas (no Ray task, no object "
+        "store: a small call or streamed item is faster); ray = Ray actor calls (Serve's "
+        "default). Calls carrying media or other arrays over 2 MiB go as actor calls either "
+        "way (the object store hands them over without a copy; a replica's gRPC messages "
+        "stop at 4 MiB)"))
     limits: LimitSettings = Field(default_factory=LimitSettings)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
@@ -277,7 +214,7 @@ class AppConfig(_Settings):
             data = dict(data)
             for name, defaults in STAGE_DEFAULTS.items():
                 if isinstance(data.get(name), dict):
-                    data[name] = _merged(defaults, data[name])
+                    data[name] = {**defaults, **data[name]}
         return data
 
     @model_validator(mode="after")
@@ -291,10 +228,17 @@ class AppConfig(_Settings):
                 raise ValueError(f"max_groups ({self.max_groups}) must be at least "
                                  f"min_groups ({self.min_groups})")
         n = self.ingress.num_replicas
-        if 0 < self.active_stream_window < n:
-            raise ValueError(f"active_stream_window ({self.active_stream_window}) must be at "
-                             f"least ingress.num_replicas ({n}): each ingress replica admits "
-                             f"its share of every group's window")
+        if self.capacity < n:
+            raise ValueError(f"capacity ({self.capacity}) must be at least "
+                             f"ingress.num_replicas ({n}): each ingress replica admits its "
+                             f"share of every group's window")
+        for stage, keys in CAPACITY_KEYS.items():
+            section = self.stages()[stage].engine
+            for k in keys[:-1]:
+                section = section.get(k) or {}
+            if keys[-1] in section:
+                raise ValueError(f"{stage}.engine.{'.'.join(keys)} follows from capacity: "
+                                 f"set capacity instead")
         return self
 
     @property
@@ -303,8 +247,18 @@ class AppConfig(_Settings):
 
     def window_per_ingress(self) -> int:
         """One ingress replica's share of each group's window, so that all replicas together
-        never put more than `active_stream_window` turns in a group (0 = no limit)."""
-        return self.active_stream_window // self.ingress.num_replicas
+        never put more than `capacity` turns in a group."""
+        return self.capacity // self.ingress.num_replicas
+
+    def engine_settings(self, stage: str) -> dict[str, Any]:
+        """`stage`'s `engine:` section with its slot count from `capacity`."""
+        engine = copy.deepcopy(self.stages()[stage].engine)
+        *path, key = CAPACITY_KEYS[stage]
+        section = engine
+        for k in path:
+            section = section.setdefault(k, {})
+        section[key] = self.capacity
+        return engine
 
     @model_validator(mode="after")
     def _fractions_fit(self) -> AppConfig:
@@ -314,13 +268,6 @@ class AppConfig(_Settings):
         caps = [s.memory_fraction or 0.0 for s in self.stages().values()]
         if sum(caps) > 1.0:
             raise ValueError(f"stage memory_fraction values add up to {sum(caps):.2f} > 1.0")
-        if self.gpu_sharing != "mps":
-            for name, s in self.stages().items():
-                if s.mps_thread_percentage is not None:
-                    raise ValueError(
-                        f"{name}.mps_thread_percentage is {s.mps_thread_percentage} but "
-                        f"gpu_sharing is {self.gpu_sharing!r}; set gpu_sharing: mps or leave "
-                        f"the percentage out")
         return self
 
     def stages(self) -> dict[str, StageSettings]:
@@ -336,9 +283,8 @@ def check_memory_budget(cfg: AppConfig, total_bytes: int, *, free_bytes: int | N
     """Prove that every stage's cap + one CUDA context each + graph reserves fit the device.
 
     When `stage` and `free_bytes` are given, also check that this stage's own cap fits in
-    what is free right now (one stage's check at a time: with `stage_start: serial` the
-    stages before it are built; in parallel another may still be filling its cap, which the
-    plan above leaves room for).
+    what is free right now (one stage's check at a time; another stage may still be filling
+    its cap, which the plan above leaves room for).
     Returns the plan in GiB; raises MemoryBudgetError with the numbers otherwise.
     """
     total = total_bytes / GIB
@@ -361,3 +307,22 @@ def check_memory_budget(cfg: AppConfig, total_bytes: int, *, free_bytes: int | N
                 f"{cfg.stages()[stage].graph_reserve_gib:.2f}) but only {free:.2f} GiB of "
                 f"{total:.2f} GiB is free")
     return {**plan, "contexts": contexts, "graphs": graphs, "total": total, "need": need}
+
+
+def dataclass_from_dict(cls: Any, values: dict[str, Any], where: str) -> Any:
+    """A frozen config dataclass from YAML values: nested configs from nested dicts,
+    lists as tuples, unknown keys refused with the known ones listed."""
+    defaults = cls()
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown engine settings {unknown}; known: {sorted(names)}")
+    kwargs = {}
+    for k, v in values.items():
+        current = getattr(defaults, k)
+        if isinstance(v, dict) and dataclasses.is_dataclass(current):
+            v = dataclass_from_dict(type(current), v, f"{where}.{k}")
+        elif isinstance(v, list):
+            v = tuple(v)
+        kwargs[k] = v
+    return cls(**kwargs)

@@ -12,12 +12,10 @@ MEDIA_DIR = tempfile.mkdtemp(prefix="omniray-serve-media-")
 VOICES_DIR = tempfile.mkdtemp(prefix="omniray-serve-voices-")
 # Small Talker units so the random tiny model's speech stays short on 2 CPU cores.
 APP_CONFIG = {
-    "active_stream_window": WINDOW,
+    "capacity": WINDOW,
     "request_timeout_s": 120,
     "allowed_local_media_path": MEDIA_DIR,
     "voices_dir": VOICES_DIR,
     "limits": {"max_tokens": 64, "default_max_tokens": 12, "max_images": 4},
-    "thinker": {"engine": {"llm": {"max_num_seqs": 4}}},
-    "talker": {"engine": {"max_streams": 8, "streaming_chunk_max_codes": 30,
-                          "max_seq_len": 256}},
+    "talker": {"engine": {"streaming_chunk_max_codes": 30, "max_seq_len": 256}},
 }

@@ -1,5 +1,5 @@
 """The ingress API in-process (no Ray): the four servers wired with LocalHandles over fake
-engines (deployments.testing), the real Processor, HTTP through Starlette's TestClient.
+engines (tests/fakes.py), the real Processor, HTTP through Starlette's TestClient.
 
 Covers: the SSE and non-streamed shapes, audio formats, the active stream window, the
 engine loop's batching, a stage fault, and the config checks. The bad-input table lives in
@@ -26,10 +26,10 @@ from PIL import Image
 from starlette.testclient import TestClient
 
 from deployments.config import AppConfig, MemoryBudgetError, check_memory_budget
-from deployments.loop import EngineLoop
-from deployments.schemas import AudioChunk, Done, Error, TextDelta
-from deployments.testing import FakeCode2WavEngine, FakeThinkerEngine, build_local_app
-from deployments.window import ActiveStreamWindow
+from deployments.ingress.window import ActiveStreamWindow
+from deployments.stages.loop import EngineLoop
+from deployments.wire import AudioChunk, Done, Error, TextDelta
+from fakes import FakeCode2WavEngine, FakeThinkerEngine, build_local_app
 from pipeline.handoff import SamplingParams, ThinkerRequest
 
 URL = "/v1/chat/completions"
@@ -119,7 +119,7 @@ def allowed_dir():
 
 @pytest.fixture(scope="module")
 def app_cfg(allowed_dir):
-    return {"active_stream_window": 2, "allowed_local_media_path": str(allowed_dir),
+    return {"capacity": 2, "allowed_local_media_path": str(allowed_dir),
             "limits": {"max_images": 4, "max_tokens": 64},
             "code2wav": {"engine": {"step_delay_s": 0.005}}}
 
@@ -316,7 +316,7 @@ def test_a_fault_mid_stream_ends_the_sse_with_an_error_and_frees_the_stages(
     """A fault of ours after the stream's headers are out (here the audio encoder): the client
     gets an error event of type server_error and [DONE], not a stream cut off, and the turn
     is ended in every stage and the window."""
-    from deployments import formats
+    from deployments.ingress import formats
 
     def broken(self, ev):
         raise ValueError("encoder broke")
@@ -379,13 +379,14 @@ def test_timeout_is_one_504_and_frees_the_stages(app_cfg, source):
 
 
 def test_timeout_while_waiting_for_the_window(app_cfg, source):
-    cfg = {**app_cfg, "active_stream_window": 1, "request_timeout_s": 0.3,
+    cfg = {**app_cfg, "capacity": 1, "request_timeout_s": 0.3,
            "thinker": {"engine": {"step_delay_s": 0.05}}}
 
     async def main():
         local = build_local_app(cfg, source)
         body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
         runs = await asyncio.gather(_collect(local.ingress, body), _collect(local.ingress, body))
+        await asyncio.sleep(0.2)  # the timed-out turn's slot comes back once its aborts land
         return runs, local.ingress.groups[0].window.stats()
 
     runs, window = asyncio.run(main())
@@ -491,7 +492,7 @@ def test_a_stage_builds_its_engine_on_the_thread_that_serves_it():
     request. A build that fails raises from the stage's constructor and leaves no thread."""
     import threading
 
-    from deployments.code2wav import Code2WavServer
+    from deployments.stages.code2wav import Code2WavServer
 
     class Recording(FakeCode2WavEngine):
         @classmethod
@@ -629,7 +630,7 @@ def test_memory_budget_check_names_the_numbers():
 def test_shipped_serve_config_is_valid_for_the_real_engines():
     import yaml
 
-    from deployments.stage import dataclass_from_dict
+    from deployments.config import dataclass_from_dict
     from pipeline.code2wav.engine import Code2WavEngineConfig
     from pipeline.talker.engine import TalkerEngineConfig
     from pipeline.thinker.engine import ThinkerEngineConfig
@@ -653,7 +654,7 @@ def test_config_is_validated():
                                   "talker": {"memory_fraction": 0.2}})
     with pytest.raises(ValueError):
         AppConfig.model_validate({"no_such_knob": 1})
-    from deployments.stage import build_engine
+    from deployments.stages.server import build_engine
     from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
 
     with pytest.raises(ValueError, match="unknown engine settings"):

@@ -1,4 +1,4 @@
-"""deployments.audio_encoding: streamed/one-shot output audio in the OpenAI formats (CPU).
+"""deployments.ingress.audio_encoding: streamed/one-shot output audio in the OpenAI formats (CPU).
 
 - every format: 5 uneven pieces streamed, the concatenation decoded (PyAV; soundfile/wave for
   wav): rate, mono, duration vs the codec's priming/padding, correlation with the input
@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from deployments.audio_encoding import (
+from deployments.ingress.audio_encoding import (
     AUDIO_FORMATS,
     MIME_TYPES,
     StreamEncoder,
     canonical_format,
     encode_whole,
 )
-from deployments.media import float_to_int16
+from deployments.ingress.media import float_to_int16
 
 SR = 24000
 PIECES = [24000, 23000, 25000, 12000, 7]
@@ -135,7 +135,7 @@ def test_unknown_format(bad):
 
 
 def test_no_torch_or_ray():
-    code = ("import sys, deployments.audio_encoding; "
+    code = ("import sys, deployments.ingress.audio_encoding; "
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

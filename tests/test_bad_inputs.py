@@ -2,7 +2,7 @@
 shape, for the right reason (a fragment of its message), quickly; nothing a client sends
 gets a 5xx, a 200 it should not, or a hang.
 
-The servers run in-process (deployments.testing: the four servers over fake engines with
+The servers run in-process (tests/fakes.py: the four servers over fake engines with
 the real Processor, HTTP through Starlette's TestClient), as in test_api.py.
 
 Tables (one tuple per case; EXPECT holds each refusal's message fragment):
@@ -49,9 +49,9 @@ from starlette.testclient import TestClient
 from test_api import data_uri, light_source, png_bytes, user, wav_bytes
 from test_media_fetch import FakeDNS, Server, Victim
 
-from deployments import media as media_module
-from deployments.routes import json_depth
-from deployments.testing import build_local_app
+from deployments.ingress import media as media_module
+from deployments.ingress.routes import json_depth
+from fakes import build_local_app
 
 URL = "/v1/chat/completions"
 MAX_SECONDS = 5.0  # no case may take longer than this (the 5 MB text gets 2 s)
@@ -874,7 +874,7 @@ def allowed_dir():
 
 
 def _app_cfg(allowed_dir: Path, **extra: Any) -> dict:
-    return {"active_stream_window": 2, "allowed_local_media_path": str(allowed_dir),
+    return {"capacity": 2, "allowed_local_media_path": str(allowed_dir),
             "voices_dir": tempfile.mkdtemp(prefix="omniray-bad-voices-"),
             "limits": {"max_images": 4, "max_tokens": 64},
             "code2wav": {"engine": {"step_delay_s": 0.005}}, **extra}
@@ -1126,7 +1126,7 @@ def test_sampling_edges_never_fail_the_thinker_step(tiny_source):
     """The real Thinker (tiny checkpoint, CPU) behind the ingress, fake speech stages: every
     edge value is either refused with a 4xx or runs, and a plain request batched with it
     always finishes (a failed engine step fails every request in it)."""
-    from deployments.schemas import Done, Error
+    from deployments.wire import Done, Error
 
     async def collect(ingress, body):
         return [ev async for ev in ingress.chat(body)]

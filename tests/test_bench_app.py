@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-testing = pytest.importorskip("deployments.testing")
+testing = pytest.importorskip("fakes")
 uvicorn = pytest.importorskip("uvicorn")
 
 from bench.cli import main as cli_main  # noqa: E402

@@ -10,7 +10,7 @@ from test_api import light_source
 from test_realtime_page import APP_CFG, serve_asgi
 
 from bench.realtime import measure, summary
-from deployments.testing import build_local_app
+from fakes import build_local_app
 
 
 def test_onset_and_barge_in_are_measured():

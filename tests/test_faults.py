@@ -25,12 +25,10 @@ from deployments.app import build_omni_app
 
 APP = "faults"
 CONFIG = {
-    "active_stream_window": 4,
+    "capacity": 4,
     "request_timeout_s": 120,
     "limits": {"max_tokens": 400, "default_max_tokens": 12},
-    "thinker": {"engine": {"llm": {"max_num_seqs": 4}}},
-    "talker": {"engine": {"max_streams": 8, "streaming_chunk_max_codes": 30,
-                          "max_seq_len": 256}},
+    "talker": {"engine": {"streaming_chunk_max_codes": 30, "max_seq_len": 256}},
 }
 # Long enough that every stage is still busy when the kill lands: ~400 text tokens at a
 # few ms each on the tiny model, and the speech that follows them.

@@ -15,19 +15,14 @@ from test_api import light_source, user
 from test_turns import FAST, DyingStream, collect, one_terminal, settled
 
 from deployments.app import num_groups, scaling_options, stage_names
-from deployments.code2wav import Code2WavServer
 from deployments.config import AppConfig
-from deployments.ingress import IngressServer
-from deployments.placement import PlacementError
-from deployments.schemas import AudioChunk, Done, Error
-from deployments.talker import TalkerServer
-from deployments.testing import (
-    FakeCode2WavEngine,
-    FakeTalkerEngine,
-    FakeThinkerEngine,
-    LocalHandle,
-)
-from deployments.thinker import ThinkerServer
+from deployments.ingress.server import IngressServer
+from deployments.stages.code2wav import Code2WavServer
+from deployments.stages.placement import PlacementError
+from deployments.stages.talker import TalkerServer
+from deployments.stages.thinker import ThinkerServer
+from deployments.wire import AudioChunk, Done, Error
+from fakes import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine, LocalHandle
 
 SPEECH = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 16}
 TEXT = {"messages": user("hi"), "max_tokens": 6}
@@ -52,7 +47,7 @@ def two_groups(cfg: dict, source) -> tuple[IngressServer, list[dict[str, object]
 
 
 def test_turns_spread_over_groups_and_stay_in_their_group(source):
-    cfg = {"active_stream_window": 2, "limits": {"max_tokens": 64},
+    cfg = {"capacity": 2, "limits": {"max_tokens": 64},
            "thinker": {"engine": {"step_delay_s": 0.01}}}
 
     async def main():
@@ -96,9 +91,9 @@ def test_a_burst_of_turns_routes_on_what_each_group_was_given(source):
     its group's window in the same step as its routing, so the next routing decision sees
     it, and the burst splits 4/4 instead of piling onto the group whose window looked
     empty."""
-    from deployments.schemas import ChatCompletionRequest
+    from deployments.ingress.schemas import ChatCompletionRequest
 
-    cfg = {"active_stream_window": 4, "limits": {"max_tokens": 64},
+    cfg = {"capacity": 4, "limits": {"max_tokens": 64},
            "thinker": {"engine": {"step_delay_s": 0.01}}}
 
     async def main():
@@ -149,7 +144,7 @@ class DeadTalker(DyingStream):
 
 
 def test_a_group_whose_stage_died_gets_no_turns_until_it_answers(source):
-    cfg = {"active_stream_window": 2, "limits": {"max_tokens": 64}, "timeouts": FAST,
+    cfg = {"capacity": 2, "limits": {"max_tokens": 64}, "timeouts": FAST,
            "thinker": {"engine": {"step_delay_s": 0.01}}}
 
     async def main():
@@ -201,8 +196,8 @@ def test_the_builder_pins_each_groups_stages_to_its_reserved_gpu(monkeypatch):
     """build_omni_app with 2 groups on GPUs: each group's three deployments take their
     fractions of that group's placement-group GPU (tests/test_placement.py proves on a Ray
     cluster with 2 logical GPUs that such replicas share one GPU id)."""
-    from deployments import placement
     from deployments.app import build_omni_app
+    from deployments.stages import placement
 
     calls = []
 
@@ -232,11 +227,9 @@ def test_the_builder_pins_each_groups_stages_to_its_reserved_gpu(monkeypatch):
     assert one[1]._bound_deployment.ray_actor_options["num_gpus"] == 0.55
 
 
-def test_engine_sections_fail_in_the_builder_and_ship_the_code_defaults():
-    """A bad engine key fails build_omni_app (before any actor starts), and every engine
-    value serve_config.yaml ships equals what the app runs with no config at all (the
-    engine configs' defaults, with the app's fast-path defaults on top)."""
-    import dataclasses
+def test_engine_sections_fail_in_the_builder_and_the_yaml_ships_the_code_defaults():
+    """A bad engine key fails build_omni_app (before any actor starts), and serve_config.yaml
+    ships what the app runs with no config at all: its settings and its engine configs."""
     from pathlib import Path
 
     import yaml
@@ -249,41 +242,46 @@ def test_engine_sections_fail_in_the_builder_and_ship_the_code_defaults():
         build_omni_app({"talker": {"engine": {"no_such_knob": 1}}}, use_gpu=False)
 
     shipped = yaml.safe_load(Path(__file__).parents[1].joinpath("serve_config.yaml").read_text())
-    args = shipped["applications"][0]["args"]
-    configs = engine_configs(AppConfig.model_validate(args))
-    bare = engine_configs(AppConfig())
+    cfg = AppConfig.model_validate(shipped["applications"][0]["args"])
+    bare = AppConfig()
+    assert engine_configs(cfg) == engine_configs(bare)
+    strip = {s: {"engine"} for s in ("thinker", "talker", "code2wav")}
+    assert cfg.model_dump(exclude=strip) == bare.model_dump(exclude=strip)
+    # a partial stage section keeps the stage's other defaults
+    partial = AppConfig.model_validate({"code2wav": {"engine": {"slot_prompt_frames": 400}}})
+    assert partial.code2wav.engine == {"slot_prompt_frames": 400}
+    assert partial.code2wav.num_gpus == 0.2 and partial.code2wav.memory_fraction == 0.28
 
-    def same(section: dict, config: object, default: object, where: str) -> None:
-        for key, value in section.items():
-            got, want = getattr(config, key), getattr(default, key)
-            if dataclasses.is_dataclass(want):
-                same(value, got, want, f"{where}.{key}")
-            else:
-                assert got == want, (f"{where}.{key}", value, want)
 
-    for stage, config in configs.items():
-        same(args[stage]["engine"], config, bare[stage], stage)
-    # a partial engine section keeps the other defaults
-    partial = AppConfig.model_validate({"code2wav": {"engine": {"max_batch_size": 4}}})
-    assert partial.code2wav.engine == {**AppConfig().code2wav.engine, "max_batch_size": 4}
-    assert partial.code2wav.num_gpus == 0.2
+def test_capacity_sets_every_stages_slots_and_only_there():
+    from deployments.app import engine_configs
+
+    configs = engine_configs(AppConfig.model_validate({"capacity": 3}))
+    assert configs["thinker"].llm.max_num_seqs == 3
+    assert configs["talker"].max_streams == 3 and configs["code2wav"].max_streams == 3
+    assert AppConfig().capacity == 8
+    for args in ({"thinker": {"engine": {"llm": {"max_num_seqs": 4}}}},
+                 {"talker": {"engine": {"max_streams": 4}}},
+                 {"code2wav": {"engine": {"max_streams": 4}}}):
+        with pytest.raises(ValueError, match="follows from capacity"):
+            AppConfig.model_validate(args)
+    with pytest.raises(ValueError, match="capacity"):
+        AppConfig.model_validate({"capacity": 0})
 
 
 def test_ingress_replicas_split_each_groups_window(source):
     """Several ingress replicas never overfill a group: each admits its share of the window."""
-    cfg = AppConfig.model_validate({"active_stream_window": 8, "ingress": {"num_replicas": 3}})
+    cfg = AppConfig.model_validate({"capacity": 8, "ingress": {"num_replicas": 3}})
     assert cfg.window_per_ingress() == 2  # 3 x 2 <= 8
-    assert AppConfig.model_validate({"active_stream_window": 0,
-                                     "ingress": {"num_replicas": 3}}).window_per_ingress() == 0
     with pytest.raises(ValueError, match="at least ingress.num_replicas"):
-        AppConfig.model_validate({"active_stream_window": 2, "ingress": {"num_replicas": 3}})
-    ingress, _ = two_groups({"active_stream_window": 8, "ingress": {"num_replicas": 2}}, source)
+        AppConfig.model_validate({"capacity": 2, "ingress": {"num_replicas": 3}})
+    ingress, _ = two_groups({"capacity": 8, "ingress": {"num_replicas": 2}}, source)
     assert [g.window.size for g in ingress.groups] == [4, 4]
 
 
 def test_an_autoscaled_group_wakes_when_the_windows_fill_and_sleeps_when_idle(source):
     cfg = {
-        "active_stream_window": 2,
+        "capacity": 2,
         "limits": {"max_tokens": 64},
         "max_groups": 2,
         "min_groups": 1,

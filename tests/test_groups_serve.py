@@ -149,7 +149,7 @@ def test_an_autoscaled_group_starts_from_zero_and_stops_when_idle(ray_http, monk
     """Serve's own autoscaler scales group g1 from no replicas when the ingress wakes it
     (every awake window full), and back to none after group_idle_s without turns."""
     import deployments.app as app_module
-    from deployments.testing import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine
+    from fakes import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine
 
     # Serve's downscale delay is group_idle_s + this margin (30 s as shipped, for turns routed
     # just before the ingress's cut-off); nothing is in flight here when g1 goes idle.
@@ -157,7 +157,7 @@ def test_an_autoscaled_group_starts_from_zero_and_stops_when_idle(ray_http, monk
 
     app = "autogroups"
     cfg = {
-        "active_stream_window": 1,
+        "capacity": 1,
         "max_groups": 2,
         "min_groups": 1,
         "group_idle_s": 3,

@@ -338,7 +338,7 @@ def _body() -> dict:
 
 @pytest.mark.parametrize("size", [None, 0])
 def test_ingress_stats_and_metrics_show_hits(size):
-    from deployments.testing import build_local_app
+    from fakes import build_local_app
 
     cfg = {} if size is None else {"limits": {"media_cache_bytes": size}}
     ingress = build_local_app(cfg, light_source()).ingress

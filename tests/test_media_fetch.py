@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from deployments import media
-from deployments.media import MediaLoader
-from deployments.schemas import ApiError
+from deployments.ingress import media
+from deployments.ingress.media import MediaLoader
+from deployments.ingress.schemas import ApiError
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4  # not decoded here; just bytes
 _real_getaddrinfo = socket.getaddrinfo

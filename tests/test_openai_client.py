@@ -22,7 +22,7 @@ from ray import serve
 from test_api import wav_bytes
 
 from deployments.app import build_omni_app
-from deployments.testing import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine
+from fakes import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine
 
 APP = apps.APP
 CODES = 30  # fixed-length speech: 3 silence codes + 30 codes of 960 samples each, after
@@ -146,7 +146,7 @@ def test_voices_refused_without_a_voice_front_end(client):
 def fake_voice_app(ray_http):
     """The app over fake engines (their Code2Wav accepts reference voices)."""
     cfg = {"voices_dir": tempfile.mkdtemp(prefix="omniray-fake-voices-"),
-           "active_stream_window": 4}
+           "capacity": 4}
     serve.run(build_omni_app(cfg, thinker_engine_cls=FakeThinkerEngine,
                              talker_engine_cls=FakeTalkerEngine,
                              code2wav_engine_cls=FakeCode2WavEngine, use_gpu=False),

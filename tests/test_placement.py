@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from deployments.placement import (
+from deployments.stages.placement import (
     GroupPlacement,
     PlacementError,
     gpu_count,
@@ -90,7 +90,7 @@ def _probe() -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from deployments.placement import ensure_group_placements, remove_group_placements
+    from deployments.stages.placement import ensure_group_placements, remove_group_placements
 
     ray.init(
         address="local",

@@ -17,13 +17,11 @@ from test_api import data_uri, light_source, user
 from test_processing_prompt import ByteTokenizer
 from test_processing_video import encode_clip, make_mp4
 
-from deployments.schemas import Done
-from deployments.testing import build_local_app
+from deployments.wire import Done
+from fakes import build_local_app
 from pipeline.config import ThinkerConfig
 from pipeline.handoff import AudioInput, ImageInput
-from pipeline.processing import MediaBytes, Processor
-from pipeline.processing import processor as P
-from pipeline.processing import video as V
+from pipeline.processing import MediaBytes, Processor, processor as P, video as V
 
 
 def _hold_back(monkeypatch, module, name: str) -> threading.Event:
@@ -100,16 +98,15 @@ def test_on_frames_while_another_media_part_decodes(monkeypatch):
     assert len(req.images) == 3 and len(req.audios) == 1
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_the_ingress_sends_a_video_frames_ahead(slow_audio, prefetch):
-    """With `ingress.prefetch_frames` the Thinker gets the turn's frames before its request
-    (the same content hashes), and the turn completes as without."""
+def test_the_ingress_sends_a_video_frames_ahead(slow_audio):
+    """The Thinker gets the turn's frames before its request (the same content hashes), and
+    the turn completes."""
     clip = make_mp4(3.5)
     body = {"messages": user([{"type": "video_url",
                                "video_url": {"url": data_uri(clip, "video/mp4")}},
                               {"type": "text", "text": "What happens?"}]),
             "modalities": ["text", "audio"], "max_tokens": 8}
-    cfg = {"active_stream_window": 2, "ingress": {"prefetch_frames": prefetch}}
+    cfg = {"capacity": 2}
 
     async def main():
         local = build_local_app(cfg, light_source())
@@ -126,8 +123,6 @@ def test_the_ingress_sends_a_video_frames_ahead(slow_audio, prefetch):
             return real_open(rid, spec)
 
         engine.open, engine.prefetch = open_, take_frames
-        if not prefetch:
-            slow_audio.set()
         evs = [ev async for ev in local.ingress.chat(body)]
         return evs, opened
 
@@ -135,7 +130,7 @@ def test_the_ingress_sends_a_video_frames_ahead(slow_audio, prefetch):
     assert isinstance(evs[-1], Done)
     (before, hashes), = opened
     assert len(hashes) == 4
-    assert before == (hashes if prefetch else [])
+    assert before == hashes
 
 
 # --- frames handed over while later ones still decode ---------------------------------
@@ -219,7 +214,7 @@ def test_frames_go_while_decoding_only_when_the_ingress_builds_nothing_else():
     body = {"messages": user([{"type": "text", "text": "hi"}]), "max_tokens": 2}
 
     async def main():
-        local = build_local_app({"active_stream_window": 2}, light_source())
+        local = build_local_app({"capacity": 2}, light_source())
         ing = local.ingress
         seen, gate = [], threading.Event()
 
@@ -280,26 +275,3 @@ def test_an_audio_part_goes_ahead_while_the_video_still_decodes(monkeypatch):
     got.clear()
     req = _build(got.append, make_mp4(2.5, audio=False), [MediaBytes("audio", _wav())])
     assert got and all(isinstance(m, ImageInput) for items in got for m in items)
-
-
-@pytest.mark.parametrize("section", ["ingress", "thinker", "talker", "code2wav"])
-def test_each_replica_sets_its_gil_switch_interval(section):
-    """`<section>.switch_interval_ms` is that replica's GIL switch interval (the ingress's media
-    decode threads take the GIL back after every FFmpeg call, a stage's engine thread after
-    each GPU wait); unset, Python's stays. (In-process apps: every replica is this process.)"""
-    import sys
-
-    from pydantic import ValidationError
-
-    from deployments.config import AppConfig
-
-    default = sys.getswitchinterval()
-    try:
-        build_local_app({}, light_source())
-        assert sys.getswitchinterval() == default
-        build_local_app({section: {"switch_interval_ms": 0.5}}, light_source())
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        sys.setswitchinterval(default)
-    with pytest.raises(ValidationError, match="switch_interval_ms"):
-        AppConfig.model_validate({section: {"switch_interval_ms": 0}})

@@ -9,10 +9,10 @@ import asyncio
 import torch
 from test_api import light_source, user
 
-from deployments.loop import EngineLoop
-from deployments.profiling import format_profile
-from deployments.schemas import Done
-from deployments.testing import build_local_app
+from deployments.stages.loop import EngineLoop
+from deployments.stages.profiling import format_profile
+from deployments.wire import Done
+from fakes import build_local_app
 
 
 class MatmulSteps:
@@ -57,7 +57,7 @@ def test_a_stage_returns_the_steps_of_a_turn_or_those_before_its_timeout():
     body = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 6}
 
     async def main():
-        local = build_local_app({"active_stream_window": 2}, light_source())
+        local = build_local_app({"capacity": 2}, light_source())
         profiled = asyncio.create_task(local.talker.profile(2, timeout_s=30))
         await asyncio.sleep(0)
         events = [ev async for ev in local.ingress.chat(body)]

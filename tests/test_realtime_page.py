@@ -1,6 +1,6 @@
 """The realtime voice page (deployments/realtime/page.html) in headless Chromium, its fake mic fed
 from a WAV file, against the ingress's own routes and realtime session (server VAD included)
-served by uvicorn in this process over the fake stage engines (deployments/testing.py), paced
+served by uvicorn in this process over the fake stage engines (tests/fakes.py), paced
 so that a reply is still being made while its first second plays.
 
 A spoken turn is answered with audio and a transcript, a response in progress can be
@@ -24,7 +24,7 @@ from _browser import Browser, Page, find_chromium
 from test_api import light_source
 
 from bench.speech import bursts, write_wav
-from deployments.testing import build_local_app
+from fakes import build_local_app
 
 FAKE_MIC_RATE = 24000
 
@@ -37,7 +37,7 @@ def _write_mic_wav(path: Path, sr: int = FAKE_MIC_RATE) -> None:
 
 # Fake stages: 10 spoken words x 12 codes x 40 ms = 4.8 s of speech a reply, made in about
 # 2 s (a Code2Wav step of 1 s of audio every 0.3 s), so a reply plays while it is made.
-APP_CFG = {"active_stream_window": 4, "limits": {"max_tokens": 64},
+APP_CFG = {"capacity": 4, "limits": {"max_tokens": 64},
            "thinker": {"engine": {"step_delay_s": 0.03}},
            "talker": {"engine": {"codes_per_id": 12}},
            "code2wav": {"engine": {"step_delay_s": 0.3}}}

@@ -19,7 +19,7 @@ from bench.speech import bursts
 from pydantic import TypeAdapter
 
 from deployments.realtime.session import RealtimeSession, SessionLimits
-from deployments.schemas import AudioChunk, Done, Error, TextDelta, Usage
+from deployments.wire import AudioChunk, Done, Error, TextDelta, Usage
 
 openai_rt = pytest.importorskip("openai.types.realtime")
 GA = TypeAdapter(openai_rt.RealtimeServerEvent)
@@ -331,7 +331,7 @@ def test_the_socket_route_bounds_sessions_and_checks_the_model():
     from starlette.testclient import TestClient
     from test_api import light_source
 
-    from deployments.testing import build_local_app
+    from fakes import build_local_app
 
     local = build_local_app({"realtime": {"max_sessions": 1}}, light_source())
     with TestClient(local.ingress.__serve_build_asgi_app__()) as client:
@@ -370,7 +370,7 @@ def test_a_session_that_fails_on_our_side_says_so_and_closes(monkeypatch):
     from starlette.websockets import WebSocketDisconnect
     from test_api import light_source
 
-    from deployments.testing import build_local_app
+    from fakes import build_local_app
     from pipeline.processing import vad
 
     def no_model():

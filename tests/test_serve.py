@@ -25,13 +25,8 @@ from ray import serve
 from test_api import data_uri, decode_wav, png_bytes, sse_events, wav_bytes
 
 from deployments.app import build_omni_app
-from deployments.schemas import AudioChunk, Done, TextDelta
-from deployments.testing import (
-    FakeCode2WavEngine,
-    FakeTalkerEngine,
-    FakeThinkerEngine,
-    HandleCaller,
-)
+from deployments.wire import AudioChunk, Done, TextDelta
+from fakes import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine, HandleCaller
 
 APP, WINDOW, MEDIA_DIR = apps.APP, apps.WINDOW, apps.MEDIA_DIR
 
@@ -179,7 +174,7 @@ def test_client_disconnect_frees_every_stage(serve_app):
 
 
 def test_stage_exception_is_an_error_event_then_the_next_request_succeeds(serve_app):
-    cfg = {"active_stream_window": 2, "code2wav": {"engine": {"fail_on_step": 1}}}
+    cfg = {"capacity": 2, "code2wav": {"engine": {"fail_on_step": 1}}}
     app = build_omni_app(cfg, thinker_engine_cls=FakeThinkerEngine,
                          talker_engine_cls=FakeTalkerEngine,
                          code2wav_engine_cls=FakeCode2WavEngine, use_gpu=False)

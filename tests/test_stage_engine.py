@@ -241,7 +241,7 @@ def test_two_interleaved_streams_each_finish_as_alone(stage):
 def test_gc_watch_counts_collections_and_their_pauses():
     import gc
 
-    from deployments.stage import GcWatch
+    from deployments.stages.gc_watch import GcWatch
 
     watch = GcWatch(warn_ms=1e9)
     gc.callbacks.append(watch)
@@ -263,15 +263,15 @@ def test_a_started_stage_freezes_its_startup_objects():
     import subprocess
     import sys
 
-    from deployments.stage import freeze_startup_objects
+    from deployments.stages.gc_watch import freeze_startup_objects
 
     assert freeze_startup_objects() is False  # not a Serve replica: the test process stays
     code = (
         "import gc\n"
         "from test_api import light_source\n"
-        "from deployments.stage import freeze_startup_objects\n"
-        "from deployments.talker import TalkerServer\n"
-        "from deployments.testing import FakeTalkerEngine\n"
+        "from deployments.stages.gc_watch import freeze_startup_objects\n"
+        "from deployments.stages.talker import TalkerServer\n"
+        "from fakes import FakeTalkerEngine\n"
         "server = TalkerServer({}, None, engine_cls=FakeTalkerEngine, source=light_source())\n"
         "assert freeze_startup_objects(force=True)\n"
         "print(gc.get_freeze_count(), len(gc.get_objects()),"

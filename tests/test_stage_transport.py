@@ -13,11 +13,10 @@ import pytest
 import torch
 from test_api import data_uri, light_source, png_bytes, user
 
-import deployments.stage as stage_mod
+import deployments.wire as wire
 from deployments.config import AppConfig
-from deployments.schemas import Done
-from deployments.stage import via
-from deployments.testing import build_local_app
+from deployments.wire import Done, via
+from fakes import build_local_app
 from pipeline.handoff import AudioInput, ImageInput, ThinkerRequest
 
 
@@ -68,9 +67,7 @@ def run_turns(source, transport: str, bodies: list[dict]) -> tuple[list, list]:
     """The turns' terminal events, and every call they made: (method, by_reference)."""
 
     async def main():
-        local = build_local_app(
-            {"stage_transport": transport, "ingress": {"prefetch_frames": False}}, source
-        )
+        local = build_local_app({"stage_transport": transport}, source)
         log: list = []
         stages = local.ingress.groups[0].stages
         for name in ("thinker", "talker", "code2wav"):
@@ -100,7 +97,7 @@ def test_grpc_takes_every_call_of_a_turn_and_ray_none(source):
 
 
 def test_calls_over_the_grpc_size_go_as_actor_calls(source, monkeypatch):
-    monkeypatch.setattr(stage_mod, "GRPC_MAX_ARG_BYTES", 1024)  # the image's pixels are more
+    monkeypatch.setattr(wire, "GRPC_MAX_ARG_BYTES", 1024)  # the image's pixels are more
     ends, log = run_turns(source, "grpc", [IMAGE, SPEECH])
     assert all(isinstance(e, Done) for e in ends), ends
     generates = [by_ref for m, by_ref in log if m == "generate"]
@@ -112,8 +109,8 @@ def test_via_and_the_bytes_it_is_told():
     log: list = []
     h = Recording(type("H", (), {"options": lambda self, **k: self, "push": None})(), log)
     assert via(h, True).by_reference is False
-    assert via(h, True, stage_mod.GRPC_MAX_ARG_BYTES).by_reference is False
-    assert via(h, True, stage_mod.GRPC_MAX_ARG_BYTES + 1) is h
+    assert via(h, True, wire.GRPC_MAX_ARG_BYTES).by_reference is False
+    assert via(h, True, wire.GRPC_MAX_ARG_BYTES + 1) is h
     assert via(h, False) is h
 
     image = ImageInput([torch.zeros(3, 14, 28, dtype=torch.uint8)] * 2, torch.ones(2, 2), "i")

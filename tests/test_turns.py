@@ -1,5 +1,5 @@
 """Turns that go wrong, in-process (no Ray): the four servers over fake engines, wired with
-LocalHandles (deployments.testing). A stage that dies mid-stream, stops answering, wedges
+LocalHandles (tests/fakes.py). A stage that dies mid-stream, stops answering, wedges
 its engine loop or refuses to open ends each affected turn with exactly one error, frees
 the window slot and every stage's state; cancellations at random points leave nothing
 behind. After every scenario the app's invariants (`Ingress.stats()`: idle, no leaks)
@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 from test_api import light_source, user
 
-from deployments.loop import EngineLoop
-from deployments.schemas import AudioChunk, Done, Error, TextDelta
-from deployments.stage import Opened
-from deployments.testing import FakeThinkerEngine, LocalHandle, build_local_app
+from deployments.stages.loop import EngineLoop
+from deployments.wire import AudioChunk, Done, Error, Opened, TextDelta
+from fakes import FakeThinkerEngine, LocalHandle, build_local_app
 from pipeline.handoff import TextWanted
 
 
@@ -32,7 +31,7 @@ def source():
 
 @pytest.fixture(scope="module")
 def app_cfg():
-    return {"active_stream_window": 2, "limits": {"max_tokens": 64}}
+    return {"capacity": 2, "limits": {"max_tokens": 64}}
 
 
 SPEECH = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 32}
@@ -254,7 +253,7 @@ def test_opening_is_all_or_nothing(app_cfg, source):
 
 def test_text_turns_do_not_wait_for_speech_slots(app_cfg, source):
     """A full window of slow speech turns: a text-only turn still runs at once."""
-    cfg = {**app_cfg, "active_stream_window": 1, "code2wav": {"engine": {"step_delay_s": 0.2}}}
+    cfg = {**app_cfg, "capacity": 1, "code2wav": {"engine": {"step_delay_s": 0.2}}}
 
     async def main():
         local = build_local_app(cfg, source)
@@ -301,7 +300,7 @@ def test_cancellations_at_random_points_leave_nothing(app_cfg, source):
     time before its first one); then a clean turn and the invariants."""
     bodies = [SPEECH, TEXT, {**SPEECH, "modalities": ["audio"]},
               {**SPEECH, "audio": {"format": "mp3"}}]
-    cfg = {**app_cfg, "active_stream_window": 3,
+    cfg = {**app_cfg, "capacity": 3,
            "thinker": {"engine": {"step_delay_s": 0.002}},
            "code2wav": {"engine": {"step_delay_s": 0.002}}}
     rng = random.Random(7)
@@ -521,14 +520,16 @@ def test_a_span_that_comes_before_its_session_waits_for_it(app_cfg, source):
     assert_clean(st)
 
 
-@pytest.mark.parametrize("hold", [True, False])
-def test_a_speech_turn_holds_for_its_first_audio_then_resumes(app_cfg, source, hold):
-    """hold_for_first_audio: the Thinker's request holds after the Talker's first text chunk
-    and the Talker's stream after its first chunk, and the first audio piece the ingress
-    gets resumes both (the stages would otherwise hold it up to HOLD_LIMIT_S); off: no
-    holds, no resumes."""
+@pytest.mark.parametrize("mode", ["streaming", "full_span"])
+def test_a_speech_turn_holds_for_its_first_audio_then_resumes(app_cfg, source, mode):
+    """Streaming: the Thinker's request holds after the Talker's first text chunk and the
+    Talker's stream after its first chunk, and the first audio piece the ingress gets
+    resumes both (the stages would otherwise hold it up to HOLD_LIMIT_S); full_span (the
+    Talker waits for the whole span anyway): no holds, no resumes."""
+    hold = mode == "streaming"
+
     async def main():
-        local = build_local_app({**app_cfg, "hold_for_first_audio": hold}, source)
+        local = build_local_app({**app_cfg, "talker_mode": mode}, source)
         specs, resumed = {}, []
         for name in ("thinker", "talker"):
             engine = getattr(local, name).engine
@@ -635,4 +636,37 @@ def test_the_thinker_sends_the_talker_whole_text_chunks(app_cfg, source):
     assert all(n >= chunk for n in rows[:-1]) and rows[-1] <= chunk, feeds
     assert len(feeds) <= sum(rows) // chunk + 1 and sum(rows) > chunk, feeds
     assert sum(rows) == done.usage.completion_tokens  # the fake speaks every token
+    assert_clean(st)
+
+
+def test_a_failed_turns_slot_comes_back_once_its_stages_freed_theirs(app_cfg, source):
+    """Capacity is the window and every stage's slot count: a turn that ends early (here the
+    client goes away) keeps its window slot until its stages' aborts landed, so the turn the
+    window admits next never finds a stage slot still held by it."""
+    async def main():
+        local = build_local_app({**app_cfg, "capacity": 1}, source)
+        real_abort, landed = local.talker.abort, asyncio.Event()
+
+        async def slow_abort(rid):
+            await asyncio.sleep(0.3)
+            await real_abort(rid)
+            landed.set()
+
+        local.talker.abort = slow_abort
+        agen = local.ingress.chat(SPEECH)
+        async for ev in agen:
+            if isinstance(ev, TextDelta):
+                break
+        await agen.aclose()  # what Serve does when the HTTP client goes away
+        await asyncio.sleep(0.1)
+        held = local.ingress.groups[0].window.stats()["active"]
+        await asyncio.wait_for(landed.wait(), 3)
+        await asyncio.sleep(0.05)
+        freed = local.ingress.groups[0].window.stats()["active"]
+        second = one_terminal(await collect(local.ingress, SPEECH))
+        return held, freed, second, await settled(local)
+
+    held, freed, second, st = asyncio.run(main())
+    assert (held, freed) == (1, 0)
+    assert isinstance(second, Done) and second.audio_seconds > 0
     assert_clean(st)

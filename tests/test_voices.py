@@ -1,4 +1,4 @@
-"""deployments.voices.VoiceStore: custom voices in memory and in a (shared) folder."""
+"""deployments.ingress.voices.VoiceStore: custom voices in memory and in a (shared) folder."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from deployments.schemas import ApiError
-from deployments.voices import VoiceInfo, VoiceStore
+from deployments.ingress.schemas import ApiError
+from deployments.ingress.voices import VoiceInfo, VoiceStore
 
 SR = 16000
 
@@ -233,7 +233,7 @@ def test_restore_skips_broken_entries(tmp_path, clip, caplog):
     (tmp_path / "voice_xyz.json").write_text("{}")
     (tmp_path / ("voice_" + "b" * 24 + ".json")).mkdir()
     (tmp_path / ("voice_" + "c" * 24 + ".json")).write_text("[1, 2]")
-    with caplog.at_level(logging.WARNING, logger="deployments.voices"):
+    with caplog.at_level(logging.WARNING, logger="deployments.ingress.voices"):
         restored = new_store(tmp_path)
     assert restored.list() == [good]
     assert restored.get("good")[0] == good
@@ -245,7 +245,7 @@ def test_restore_skips_broken_entries(tmp_path, clip, caplog):
             restored.get(v)
     # a warning per broken entry, once: a re-scan does not re-read or re-warn
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="deployments.voices"):
+    with caplog.at_level(logging.WARNING, logger="deployments.ingress.voices"):
         restored.list()
         with pytest.raises(ApiError):
             restored.get("nobody")

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from deployments.schemas import DEFAULT_VOICES
+from deployments.ingress.schemas import DEFAULT_VOICES
 
 INPUT_RATES = (24000, 16000)
 OUTPUT_RATE = 24000

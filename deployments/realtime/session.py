@@ -28,10 +28,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from deployments.media import float_to_int16, pcm16_to_wav
+from deployments.ingress.media import float_to_int16, pcm16_to_wav
 from deployments.realtime import protocol as p
 from deployments.realtime.listener import Listener, SpeechStarted
-from deployments.schemas import AudioChunk, Done, Error, TextDelta
+from deployments.wire import AudioChunk, Done, Error, TextDelta
 
 log = logging.getLogger(__name__)
 

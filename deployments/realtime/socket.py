@@ -15,7 +15,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from deployments.realtime import protocol as p
 from deployments.realtime.session import RealtimeSession, SessionLimits
-from deployments.stage import error_line
+from deployments.wire import error_line
 
 log = logging.getLogger(__name__)
 

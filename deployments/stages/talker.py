@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from deployments.config import AppConfig
-from deployments.loop import StageFailure
-from deployments.stage import Forwarder, Tombstones, via
-from deployments.stage_server import StageServer
-from pipeline.handoff import CodeChunk, SpokenChunk, TalkerSpec, TextWanted
+from deployments.stages.forward import Forwarder, Tombstones
+from deployments.stages.server import StageServer
+from deployments.wire import via
+from pipeline.handoff import CodeChunk, SpokenChunk, StageFailure, TalkerSpec, TextWanted
 
 
 class TalkerServer(StageServer):

@@ -6,7 +6,7 @@ Routes (FastAPI, built per replica by `__serve_build_asgi_app__`):
     POST/GET /v1/audio/voices, GET/DELETE /v1/audio/voices/{id}   stored voices
     GET  /health                     200 while the replica is up (readiness: `serve status`)
 Handle (other Ray apps): `serve.get_app_handle("omniray").options(stream=True)
-    .chat.remote(request_dict)` yields deployments.schemas events; `stats()` returns the
+    .chat.remote(request_dict)` yields deployments.wire events; `stats()` returns the
     window, every stage's stats and the app's invariants (`idle`, `leaks`).
 
 The ingress validates, loads media (data: / allowed file:// / allowed hosts), runs the
@@ -32,24 +32,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from deployments.config import AppConfig
-from deployments.formats import ChunkWriter, completion_body, error_body
-from deployments.media import MediaLoader, b64decode, pcm16_to_wav
-from deployments.metrics import AppMetrics
-from deployments.schemas import (
+from deployments.ingress.formats import ChunkWriter, completion_body, error_body
+from deployments.ingress.media import MediaLoader, b64decode, pcm16_to_wav
+from deployments.ingress.schemas import (
     DEFAULT_VOICES,
     ApiError,
-    AudioChunk,
     ChatCompletionRequest,
-    Done,
-    Error,
-    Event,
-    TextDelta,
     validation_message,
 )
-from deployments.stage import NamedVoice, error_line, set_switch_interval
-from deployments.turn import Group, PreparedTurn, Stages, TurnRunner
-from deployments.voices import VoiceInfo, VoiceStore
-from deployments.window import ActiveStreamWindow
+from deployments.ingress.turn import Group, PreparedTurn, Stages, TurnRunner
+from deployments.ingress.voices import VoiceInfo, VoiceStore
+from deployments.ingress.window import ActiveStreamWindow
+from deployments.metrics import AppMetrics
+from deployments.wire import AudioChunk, Done, Error, Event, NamedVoice, TextDelta, error_line
 
 log = logging.getLogger(__name__)
 _MEDIA_KIND = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
@@ -76,7 +71,6 @@ class IngressServer:
 
         cfg = AppConfig.model_validate(app)
         self.cfg = cfg
-        set_switch_interval(cfg.ingress.switch_interval_ms, "ingress")
         source = source or ModelSource.open(cfg.model)
         tokenizer = TextTokenizer.from_dir(source.path or default_checkpoint())
         lim = cfg.limits
@@ -106,7 +100,7 @@ class IngressServer:
                              scalable=i >= always, asleep=i >= always)
                        for i, hs in enumerate(zip(*handles))]
         self.stages = self.groups[0].stages  # what is asked of any one group (voice support)
-        hold = cfg.hold_for_first_audio and cfg.talker_mode == "streaming"
+        hold = cfg.talker_mode == "streaming"  # full_span never holds
         self.turns = TurnRunner(self.groups, self.metrics, cfg.request_timeout_s, cfg.timeouts,
                                 idle_s=cfg.group_idle_s,
                                 hold_rows=source.config.talker.streaming_text_chunk * hold)
@@ -123,12 +117,12 @@ class IngressServer:
         if self.server_vad_problem is not None:
             log.warning("realtime server VAD unavailable, sessions will fail to start: %s",
                         self.server_vad_problem)
-        from deployments.stage import freeze_startup_objects
+        from deployments.stages.gc_watch import freeze_startup_objects
 
         freeze_startup_objects()  # the tokenizer's and processor's tables: out of full GCs
 
     def __serve_build_asgi_app__(self) -> Any:
-        from deployments.routes import build_routes
+        from deployments.ingress.routes import build_routes
 
         return build_routes(self)
 
@@ -208,17 +202,13 @@ class IngressServer:
         arrival = time.time()
         if req.speech and (req.ref_audio is not None or self._stored_voice(req)):
             await self.require_voices("ref_audio" if req.ref_audio is not None else "audio.voice")
-        on_media = None
-        if self.cfg.ingress.prefetch_frames:
-            loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
 
-            def on_media(items: list[Any]) -> None:  # a decode thread
-                loop.call_soon_threadsafe(self._prefetch, items, req.speech)
+        def on_media(items: list[Any]) -> None:  # a decode thread
+            loop.call_soon_threadsafe(self._prefetch, items, req.speech)
 
         # A video's frames go a few at a time while it decodes only when this replica builds
-        # no other request: with several at once its cores are what they compete for (H200,
-        # c=8, one handoff thread: the preprocessing span 360 -> 502 ms, no more requests a
-        # second).
+        # no other request: with several at once its cores are what they compete for.
         alone = self._building == 0
         self._building += 1
         # Decoding and feature extraction are CPU work: keep them off the event loop.

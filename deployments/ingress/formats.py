@@ -16,7 +16,7 @@ Both end with a chunk carrying finish_reason, then a usage chunk (choices: []), 
 turn fails after the stream started, one {"error": {...}} chunk; then [DONE].
 
 Audio bytes: `wav` sends each piece as a complete WAV file; the other formats
-(deployments.audio_encoding) send pieces of one stream: the pieces concatenated are one
+(ingress/audio_encoding.py) send pieces of one stream: the pieces concatenated are one
 valid file (pcm16: raw 24 kHz samples).
 Non-streamed: choices[0].message.content (text) and choices[0].message.audio
 {id, data: base64 of the whole reply, expires_at, transcript}, plus audio_metadata.
@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from deployments.audio_encoding import StreamEncoder, canonical_format, encode_whole
-from deployments.schemas import SAMPLE_RATE, AudioChunk, Done, Error
+from deployments.ingress.audio_encoding import StreamEncoder, canonical_format, encode_whole
+from deployments.wire import SAMPLE_RATE, AudioChunk, Done, Error
 
 AUDIO_TTL_S = 24 * 3600  # expires_at: how long a client may refer to the audio
 

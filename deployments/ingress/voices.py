@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from deployments.schemas import ApiError
+from deployments.ingress.schemas import ApiError
 
 try:  # POSIX; elsewhere only the in-process lock applies
     import fcntl

@@ -1,5 +1,5 @@
-"""The public API's shapes: the OpenAI-style chat request, its errors, and the typed events
-that `Ingress.chat` yields to other Ray apps.
+"""The HTTP API's shapes: the OpenAI-style chat request and its errors (the typed events
+that `Ingress.chat` yields to other Ray apps are in deployments/wire.py).
 
 Request (`POST /v1/chat/completions`, vLLM-Omni's omni extensions included):
     messages     list of {role, content}; content is a string or a list of parts:
@@ -11,21 +11,14 @@ Request (`POST /v1/chat/completions`, vLLM-Omni's omni extensions included):
     sampling     temperature, top_p, top_k, repetition_penalty, seed, max_tokens,
                  ignore_eos (vLLM's fixed-length benchmark mode)
 
-Events (handle API, in order): TextDelta*, AudioChunk* (interleaved as produced), then
-exactly one terminal event: Done (usage) or Error (reason).
-
 This module imports neither torch nor Ray, so a client app can import it cheaply.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-SAMPLE_RATE = 24000  # Code2Wav output rate
 
 
 # ---------------------------------------------------------------------------------------
@@ -270,68 +263,3 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
                    if p != "body" and not (isinstance(p, str) and (p == "str" or "[" in p)))
     msg = first.get("msg", "invalid value")
     return (f"{loc}: {msg}" if loc else msg), (loc or None)
-
-
-# ---------------------------------------------------------------------------------------
-# Events (handle API)
-
-
-@dataclass
-class TextDelta:
-    text: str
-    kind: Literal["text"] = "text"
-
-
-@dataclass
-class AudioChunk:
-    """One Code2Wav piece: mono float32 PCM in [-1, 1] at `sample_rate`; `index` counts
-    pieces of this request from 0, so a client can check order."""
-
-    pcm: np.ndarray
-    index: int
-    sample_rate: int = SAMPLE_RATE
-    kind: Literal["audio"] = "audio"
-
-    @property
-    def seconds(self) -> float:
-        return len(self.pcm) / self.sample_rate
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def as_dict(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
-
-
-@dataclass
-class Done:
-    """Terminal: the turn finished. finish_reason is "stop" | "length"."""
-
-    usage: Usage
-    finish_reason: str = "stop"
-    audio_seconds: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, first_audio_s, rtf
-    timings: dict[str, Any] | None = None  # per-stage spans when asked for (docs/bench.md)
-    kind: Literal["done"] = "done"
-
-
-@dataclass
-class Error:
-    """Terminal: the turn failed. status is an HTTP-like code (4xx bad input, 5xx server,
-    504 timeout, 499 cancelled); reason is a short machine-readable tag."""
-
-    status: int
-    message: str
-    reason: str = "error"
-    kind: Literal["error"] = "error"
-
-
-Event = TextDelta | AudioChunk | Done | Error

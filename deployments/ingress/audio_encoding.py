@@ -13,7 +13,7 @@ Formats (FFmpeg through PyAV for the compressed ones; each reads `frame_size` fr
 codec, buffers leftover samples between encode() calls and hands only the last, short frame
 to the encoder in finish(), where FFmpeg pads it with silence):
 
-  wav    16-bit PCM mono WAV (deployments.media.wav_bytes_int16 / float_to_int16).
+  wav    16-bit PCM mono WAV (deployments.ingress.media.wav_bytes_int16 / float_to_int16).
   pcm16  raw little-endian int16 mono, same quantisation (alias: pcm).
   mp3    libmp3lame, 64 kb/s CBR, raw MPEG audio frames (no ID3 tag). 24 kHz is MPEG-2
          Layer III: 576 samples a frame. Streamed, there is no Xing/LAME header (it is only
@@ -42,10 +42,7 @@ piece: flac all its full blocks, mp3/aac all but the encoder's lookahead/bit res
 (~0.1-0.15 s), opus all but the last ~0.1 s (the Ogg page in progress); the held-back tail
 comes out with the next encode() or finish().
 
-Measured on the dev machine (2 shared CPU cores, PyAV 18.1 / FFmpeg 8.1), time to encode
-10 s of 24 kHz audio as ten 1 s pieces (encode_whole() is the same to within 1 ms):
-  wav 0.3 ms, pcm16 0.2 ms, mp3 73 ms, opus 78 ms, aac 43 ms, flac 6 ms
-i.e. over 100x real time on one core for every format.
+Every format encodes far faster than real time on one core (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ from typing import Any
 import av
 import numpy as np
 
-from deployments.media import float_to_int16, wav_bytes_int16
+from deployments.ingress.media import float_to_int16, wav_bytes_int16
 
 DEFAULT_SAMPLE_RATE = 24000
 

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from deployments.config import GIB, AppConfig
-from deployments.loop import StageFailure
-from deployments.stage import Forwarder, Heartbeat, TextOut, via
-from deployments.stage_server import StageServer
+from deployments.stages.forward import Forwarder
+from deployments.stages.server import StageServer
+from deployments.wire import Heartbeat, TextOut, via
+from pipeline.handoff import StageFailure
 
 
 class ThinkerServer(StageServer):

@@ -17,8 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.formats import error_body
-from deployments.schemas import ApiError
+from deployments.ingress.formats import error_body
+from deployments.ingress.schemas import ApiError
 
 _ESCAPE = re.compile(rb"\\.", re.S)  # a backslash escape inside a JSON string
 _STRING = re.compile(rb'"[^"]*"')  # a JSON string once escapes are gone
@@ -168,7 +168,7 @@ async def _voice_upload(request: Request, body: bytes, server: Any) -> tuple[str
     """(name, audio bytes, consent) from multipart form data (what the openai SDK sends:
     `name`, `audio_sample` file, `consent`) or JSON (`audio_sample` as base64 or a data:
     URI)."""
-    from deployments.media import b64decode
+    from deployments.ingress.media import b64decode
 
     limits = server.cfg.limits
     kind = request.headers.get("content-type", "")

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from deployments.schemas import ApiError
+from deployments.ingress.schemas import ApiError
 
 FETCH_TIMEOUT_S = 10.0  # the whole fetch: every hop's connect, TLS handshake and reads
 MAX_REDIRECTS = 5

@@ -38,7 +38,7 @@ class ActiveStreamWindow:
 
     def __init__(self, size: int):
         if size < 0:
-            raise ValueError(f"active_stream_window must be >= 0, got {size}")
+            raise ValueError(f"the window size must be >= 0, got {size}")
         self.size = size
         self._active: set[str] = set()
         self._waiters: deque[tuple[str, asyncio.Future]] = deque()

@@ -216,13 +216,13 @@ def remove_group_placements(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m deployments.placement remove [--prefix P]`: free the groups' GPUs after
+    """`python -m deployments.stages.placement remove [--prefix P]`: free the groups' GPUs after
     `serve shutdown` / `serve delete` (Serve has no hook for an app's deletion)."""
     import argparse
 
     import ray
 
-    ap = argparse.ArgumentParser(prog="python -m deployments.placement")
+    ap = argparse.ArgumentParser(prog="python -m deployments.stages.placement")
     ap.add_argument("command", choices=["list", "remove"])
     ap.add_argument("--prefix", default="omniray")
     ap.add_argument("--address", default="auto")

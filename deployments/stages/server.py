@@ -18,30 +18,19 @@ real engine class (`_default_engine`), which refusals of an open are the client'
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
-from deployments.config import AppConfig
-from deployments.loop import EngineLoop, StageFailure
+from deployments.config import AppConfig, dataclass_from_dict
 from deployments.metrics import StageMetrics
-from deployments.stage import (
-    Forwarder,
-    Heartbeat,
-    Opened,
-    Tombstones,
-    build_engine,
-    check_loop_health,
-    engine_scope,
-    error_line,
-    freeze_startup_objects,
-    gc_watch,
-    next_item,
-    one_each,
-    set_switch_interval,
-    stage_init,
-    stage_stats,
-)
+from deployments.stages.forward import Forwarder, Tombstones, one_each
+from deployments.stages.gc_watch import freeze_startup_objects, gc_watch
+from deployments.stages.gpu import device_memory, stage_init, started
+from deployments.stages.loop import EngineLoop
+from deployments.wire import Heartbeat, Opened, error_line
+from pipeline.handoff import StageFailure
 
 
 class StageServer:
@@ -57,13 +46,12 @@ class StageServer:
         from pipeline.checkpoint import ModelSource
 
         self.cfg = cfg = AppConfig.model_validate(app)
-        set_switch_interval(cfg.stages()[self.stage].switch_interval_ms, self.stage)
         gc_watch()  # from the start, so a stall in any step can be told from a GC pause
         source = source or ModelSource.open(cfg.model)
 
         def build() -> Any:
             with stage_init(cfg, self.stage) as device:
-                settings = dict(cfg.stages()[self.stage].engine)
+                settings = cfg.engine_settings(self.stage)
                 cls, kw = engine_cls, settings
                 if cls is None:
                     cls, kw = self._default_engine(device, settings)
@@ -77,7 +65,6 @@ class StageServer:
             on_step=self.metrics.on_step,
             on_streams=self.metrics.streams,
             on_failure=self._abort_all,
-            scope=engine_scope(cfg, self.stage),
         )
         # built (and warmed up) on the thread that will serve it
         self.engine = self.loop.start(build)
@@ -303,16 +290,61 @@ class StageServer:
         return {"stage": self.loop.name, "steps": prof.done.result()}
 
     async def stats(self) -> dict[str, Any]:
+        """Its open streams, capacity and engine stats, and the invariants: `idle` (no stream
+        open and the engine holds nothing), `leaks` (accounting that does not add up),
+        `health` (None, or why the loop is unhealthy); `gpu_sharing` is what the stage found
+        at start on its GPU: sharing, memory, start times (None on CPU)."""
         engine = await self.loop.call(lambda e: e.stats())
-        open_ = len(self.loop.open_keys)
+        loop, open_, held = self.loop, len(self.loop.open_keys), int(engine["open_streams"])
         leaks = self._leaks(engine)
         extra = self._extra_stats()
         if self.next_stage is not None:
             if len(self._forwarders) > open_:
                 leaks.insert(0, f"{len(self._forwarders)} forwarders for {open_} open calls")
             extra = {"forwarders": len(self._forwarders), **extra}
-        held = int(engine["open_streams"])
-        return stage_stats(self.loop, self.timeouts.wedge_s, engine, held, leaks, **extra)
+        if held > open_:
+            leaks.insert(0, f"engine holds {held} streams but {open_} are open")
+        return {"open": open_, "capacity": self.cfg.capacity, **extra, "steps": loop.steps,
+                "failures": loop.failures, "engine": engine, "idle": open_ == 0 and held == 0,
+                "leaks": leaks, "health": loop.health(self.timeouts.wedge_s),
+                "pid": os.getpid(), "gpu_sharing": started(loop.name),
+                "gc": gc_watch().stats(), **device_memory()}
 
     def check_health(self) -> None:
-        check_loop_health(self.loop, self.timeouts.wedge_s)
+        """Serve's `check_health`: raise while the engine loop is dead or wedged (Serve then
+        replaces the replica, which ends its turns at once)."""
+        problem = self.loop.health(self.timeouts.wedge_s)
+        if problem:
+            raise RuntimeError(problem)
+
+
+async def next_item(
+    q: asyncio.Queue, loop: Any, stage: str, heartbeat_s: float, wedge_s: float
+) -> Any:
+    """The next item of a stream's queue, or a Heartbeat (StageFailure if the engine loop is
+    wedged) when nothing comes within `heartbeat_s`."""
+    if not q.empty():  # the common case while streaming: no timer, no task
+        return q.get_nowait()
+    try:
+        return await asyncio.wait_for(q.get(), heartbeat_s)
+    except asyncio.TimeoutError:
+        problem = loop.health(wedge_s)
+        if problem:
+            return StageFailure(stage, problem, 503, "stage_unavailable")
+        return Heartbeat(stage)
+
+
+def build_engine(
+    engine_cls: Any, source: Any, engine_kwargs: dict[str, Any], device: str, config_cls: Any = None
+) -> Any:
+    """`engine_cls.from_source(source, config, device)`, the config validated from the
+    stage's `engine:` settings (unknown keys fail here, at startup, with the key named) as
+    `config_cls` (default: the engine class's own). With none (fakes: `config_cls = None`),
+    the settings dict is passed as is."""
+    config_cls = config_cls or engine_cls.config_cls
+    config = (
+        dict(engine_kwargs)
+        if config_cls is None
+        else dataclass_from_dict(config_cls, engine_kwargs, engine_cls.__name__)
+    )
+    return engine_cls.from_source(source, config, device)

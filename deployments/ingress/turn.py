@@ -10,7 +10,7 @@
     4. merge the streams into events as they come; free the slot on the last audio piece
        (text-only: on the last text); with `hold_rows`, the first audio piece resumes the
        Thinker and the Talker, which held the turn's later work so the first audio came
-       sooner (AppConfig.hold_for_first_audio)
+       sooner (streaming talker_mode)
     5. end with exactly one terminal event: Done, or Error (bad input the engine refused,
        a stage failure, a stage that died or stopped answering, the request timeout)
 
@@ -35,12 +35,23 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deployments.config import TimeoutSettings
-from deployments.loop import StageFailure
+from deployments.ingress.window import ActiveStreamWindow
 from deployments.metrics import AppMetrics
-from deployments.schemas import SAMPLE_RATE, AudioChunk, Done, Error, Event, TextDelta, Usage
-from deployments.stage import Heartbeat, NamedVoice, Opened, error_line, via
-from deployments.window import ActiveStreamWindow
-from pipeline.handoff import TextWanted
+from deployments.wire import (
+    SAMPLE_RATE,
+    AudioChunk,
+    Done,
+    Error,
+    Event,
+    Heartbeat,
+    NamedVoice,
+    Opened,
+    TextDelta,
+    Usage,
+    error_line,
+    via,
+)
+from pipeline.handoff import StageFailure, TextWanted
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +62,7 @@ _STAGE = {"text": "thinker", "talker": "talker", "audio": "code2wav"}
 
 @dataclass
 class Stages:
-    """Handles (DeploymentHandle, or deployments.testing.LocalHandle in-process). `grpc`:
+    """Handles (DeploymentHandle, or tests/fakes.py LocalHandle in-process). `grpc`:
     a turn's own calls go over Serve's gRPC data plane (AppConfig.stage_transport)."""
 
     thinker: Any
@@ -141,7 +152,7 @@ class TurnRunner:
         self.timeouts = timeouts or TimeoutSettings()
         # > 0: a speech turn's Thinker holds after this many spoken rows (the Talker's first
         # text chunk) and its Talker after its first chunk, until the first audio is out
-        # (AppConfig.hold_for_first_audio)
+        # (streaming talker_mode; the same outputs)
         self.hold_rows = hold_rows
         self._background: set[asyncio.Task] = set()
         self.in_flight: dict[str, bool] = {}  # request id -> speech
@@ -266,7 +277,7 @@ class TurnRunner:
                 slot = await self._bounded(window.acquire(rid), deadline)
                 self._window_metrics()
             # The Thinker's call first: its prefill is what the first token waits for, and
-            # each call the ingress submits before it delays its start (~1 ms a call). The
+            # each call the ingress submits before it delays its start. The
             # speech opens follow at once and their round trips overlap the prefill (the
             # Talker waits for its session should the span come first).
             request = turn.thinker_request
@@ -343,14 +354,16 @@ class TurnRunner:
             yield Error(504, f"turn exceeded the {self.timeout_s:g} s request timeout", "timeout")
         finally:
             self.in_flight.pop(rid, None)
-            if slot is not None:
-                slot.release()
             for p in pumps:
                 p.cancel()
             for s in streams.values():
                 _cancel(s)
             if outcome != "ok":
-                self._abort(rid, stages, speech=turn.speech)
+                # The slot comes back once the stages freed the turn's own slots, so the
+                # turn it admits next never finds them still held.
+                self._abort(rid, stages, turn.speech, then=slot and slot.release)
+            elif slot is not None:
+                slot.release()
             if self.metrics is not None:
                 self.metrics.outcome(outcome, reason)
             self._window_metrics()
@@ -472,20 +485,25 @@ class TurnRunner:
             out.put_nowait((src, e))
         out.put_nowait((src, _END))
 
-    def _abort(self, rid: str, group: Stages, speech: bool) -> None:
+    def _abort(self, rid: str, group: Stages, speech: bool, then: Any = None) -> None:
         names = ("thinker", "talker", "code2wav") if speech else ("thinker",)
-        self._tell(rid, [group.via(name) for name in names], "abort")
+        self._tell(rid, [group.via(name) for name in names], "abort", then)
 
-    def _tell(self, rid: str, stages: list[Any], method: str) -> None:
+    def _tell(self, rid: str, stages: list[Any], method: str, then: Any = None) -> None:
         """Call `method(rid)` on each stage, fire-and-forget: the caller may already be
-        cancelled, so this runs on its own."""
+        cancelled, so this runs on its own; `then()` once every call returned or timed out."""
 
         async def tell() -> None:
             calls = [asyncio.wait_for(getattr(s, method).remote(rid), self.timeouts.abort_s)
                      for s in stages]
-            for r in await asyncio.gather(*calls, return_exceptions=True):
-                if isinstance(r, BaseException):
-                    log.info("%s of %s did not land: %s", method, rid, error_line(r))
+            try:
+                for r in await asyncio.gather(*calls, return_exceptions=True):
+                    if isinstance(r, BaseException):
+                        log.info("%s of %s did not land: %s", method, rid, error_line(r))
+            finally:
+                if then is not None:
+                    then()
+                    self._window_metrics()
 
         self.in_background(tell())
 

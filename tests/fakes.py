@@ -380,10 +380,10 @@ def build_local_app(
     code2wav_engine_cls: Any = FakeCode2WavEngine,
 ) -> LocalApp:
     """The four servers in this process, wired with LocalHandles (call inside a loop)."""
-    from deployments.code2wav import Code2WavServer
-    from deployments.ingress import IngressServer
-    from deployments.talker import TalkerServer
-    from deployments.thinker import ThinkerServer
+    from deployments.ingress.server import IngressServer
+    from deployments.stages.code2wav import Code2WavServer
+    from deployments.stages.talker import TalkerServer
+    from deployments.stages.thinker import ThinkerServer
 
     c2w = Code2WavServer(cfg, engine_cls=code2wav_engine_cls, source=source)
     talker = TalkerServer(cfg, LocalHandle(c2w), engine_cls=talker_engine_cls, source=source)

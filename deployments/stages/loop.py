@@ -18,35 +18,27 @@ thread, so the next request starts clean.
 or command has run longer than `wedge_s`. Stages report it through Serve's `check_health`
 and in their streams' heartbeats, so a stuck engine ends its turns instead of hanging them.
 
-`scope()`, if given, is entered by the worker thread once and held for its whole life, around
-every command and step (e.g. the stage's CUDA stream): all of an engine's work stays on one
-stream, so nothing it queues needs a cross-stream wait.
-
 `start(build)` builds the engine on the worker thread itself and then serves: its warm-up
 runs on the thread that serves, so what CUDA keeps per thread (cuBLAS and cuDNN handles,
 their workspaces) exists before the first request instead of being made in its step.
 
-`profile(steps)` profiles the next `steps` steps where they run (deployments/profiling.py).
+`profile(steps)` profiles the next `steps` steps where they run (stages/profiling.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline.handoff import StageFailure
 from pipeline.stage_engine import StageEngine, StageOutput
-
-__all__ = ["EngineLoop", "StageFailure", "StepRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +79,6 @@ class EngineLoop:
         on_step: Callable[[StepRecord], None] | None = None,
         on_failure: Callable[[StageEngine, BaseException], None] | None = None,
         on_streams: Callable[[int], None] | None = None,
-        scope: Callable[[], AbstractContextManager] | None = None,
     ):
         self.engine = engine
         self.name = name
@@ -95,7 +86,6 @@ class EngineLoop:
         self._on_step = on_step
         self._on_failure = on_failure
         self._on_streams = on_streams  # told the number of open keys when it changes
-        self._scope = scope  # held by the worker thread for its whole life
         self._commands: queue.Queue[tuple[Callable, Future | None]] = queue.Queue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -111,7 +101,7 @@ class EngineLoop:
     # -- event-loop side -----------------------------------------------------------------
 
     def start(self, build: Callable[[], StageEngine]) -> StageEngine:
-        """Build the engine with `build()` on a new worker thread, inside `scope`, and serve
+        """Build the engine with `build()` on a new worker thread and serve
         it from that thread; return it once built (blocking). Raises what `build` raised,
         leaving no thread. Until the first `open` / `call` no output can exist, so the
         thread needs no event loop before then."""
@@ -171,7 +161,7 @@ class EngineLoop:
     def profile(self, steps: int) -> Any:
         """Profile the next `steps` steps (a StepProfiler: its `done` future gets them); one
         armed before gets what it has."""
-        from deployments.profiling import StepProfiler
+        from deployments.stages.profiling import StepProfiler
 
         new = StepProfiler(steps)
         self.post(lambda e: new.warm_up())  # on the worker thread, before its next step
@@ -257,15 +247,14 @@ class EngineLoop:
 
     def _run(self, build: Callable[[], StageEngine] | None = None,
              built: Future | None = None) -> None:
-        with self._scope() if self._scope is not None else contextlib.nullcontext():
-            if build is not None:  # start(): the engine is made here first
-                try:
-                    self.engine = build()
-                except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
-                    built.set_exception(e)
-                    return
-                built.set_result(self.engine)
-            self._serve()
+        if build is not None:  # start(): the engine is made here first
+            try:
+                self.engine = build()
+            except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
+                built.set_exception(e)
+                return
+            built.set_result(self.engine)
+        self._serve()
 
     def _serve(self) -> None:
         while not self._stopping:

@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from deployments.config import AppConfig
-from deployments.loop import StageFailure
-from deployments.stage import AudioPiece, Forwarder, NamedVoice, error_line
-from deployments.stage_server import StageServer
-from pipeline.handoff import CodeChunk, PcmChunk
+from deployments.stages.forward import Forwarder
+from deployments.stages.server import StageServer
+from deployments.wire import AudioPiece, NamedVoice, error_line
+from pipeline.handoff import CodeChunk, PcmChunk, StageFailure
 
 VOICE_RATE = 16000  # the ingress decodes reference audio to 16 kHz mono
 

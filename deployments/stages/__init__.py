@@ -1,0 +1,1 @@
+"""The model stages: the generic stage server and its engine loop, the three adapters, placement."""
