@@ -91,7 +91,9 @@ class LimitSettings(_Settings):
     default_max_tokens: int = Field(512, ge=1)
     max_body_bytes: int = Field(256 * 1024 * 1024, ge=1)
     max_json_depth: int = Field(64, ge=4, description="nesting depth of a request body, checked before parsing")
-    max_ref_audio_seconds: float = Field(30.0, gt=0)
+    max_ref_audio_seconds: float = Field(10.0, gt=0, description=(
+        "ref_audio and stored voices; at most what a Code2Wav slot holds "
+        "(code2wav.engine.slot_prompt_frames, 50 mel frames a second)"))
     max_voices: int = Field(64, ge=1, description="stored voices (POST /v1/audio/voices)")
     media_cache_bytes: int = Field(512 * 1024**2, ge=0, description=(
         "processed media (image slices, audio features, a video's frames and segments) kept "
@@ -268,6 +270,18 @@ class AppConfig(_Settings):
         caps = [s.memory_fraction or 0.0 for s in self.stages().values()]
         if sum(caps) > 1.0:
             raise ValueError(f"stage memory_fraction values add up to {sum(caps):.2f} > 1.0")
+        return self
+
+    @model_validator(mode="after")
+    def _voices_fit_a_slot(self) -> AppConfig:
+        # a voice prompt's mel is 50 frames a second (24 kHz, hop 480); Code2Wav's slots hold
+        # slot_prompt_frames of it (500 by default) and refuse a longer voice at open
+        frames = self.code2wav.engine.get("slot_prompt_frames", 500)
+        if self.limits.max_ref_audio_seconds * 50 > frames:
+            raise ValueError(
+                f"limits.max_ref_audio_seconds ({self.limits.max_ref_audio_seconds:g}) is longer "
+                f"than a Code2Wav slot's voice prompt ({frames} frames = {frames / 50:g} s): "
+                f"lower it or raise code2wav.engine.slot_prompt_frames")
         return self
 
     def stages(self) -> dict[str, StageSettings]:

@@ -26,22 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-_CAPTURE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-
-def capture_stream() -> torch.cuda.Stream | None:
-    """The side stream to capture on at the current stream's priority; None (torch's own
-    capture stream) at the default priority. One per (device, priority), so captures sharing a
-    memory pool also share their capture stream."""
-    priority = torch.cuda.current_stream().priority
-    if priority == 0:
-        return None
-    key = (torch.cuda.current_device(), priority)
-    if key not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[key] = torch.cuda.Stream(priority=priority)
-    return _CAPTURE_STREAMS[key]
-
-
 @dataclass
 class Captured:
     graph: torch.cuda.CUDAGraph
@@ -105,7 +89,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream()):
+        with torch.cuda.graph(graph, pool=self.pool):
             outputs = fn(*static)
         self.captures += 1
         return Captured(graph, static, outputs)

@@ -1,7 +1,7 @@
 """StageEngine: the one contract of the three stage engines (Thinker, Talker, Code2Wav).
 
 A stage engine serves many streams at once, each named by a request id, and is driven by
-one thread (deployments/loop.py) that only ever calls these six methods:
+one thread (deployments/stages/loop.py) that only ever calls these six methods:
 
     open(rid, spec)   the stream's state: ThinkerRequest (the whole prompt, its sampling),
                       TalkerSpec (mode, seed, limits), VoicePrompt | None (Code2Wav's voice)

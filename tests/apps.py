@@ -17,5 +17,4 @@ APP_CONFIG = {
     "allowed_local_media_path": MEDIA_DIR,
     "voices_dir": VOICES_DIR,
     "limits": {"max_tokens": 64, "default_max_tokens": 12, "max_images": 4},
-    "talker": {"engine": {"streaming_chunk_max_codes": 30, "max_seq_len": 256}},
 }

@@ -28,7 +28,6 @@ CONFIG = {
     "capacity": 4,
     "request_timeout_s": 120,
     "limits": {"max_tokens": 400, "default_max_tokens": 12},
-    "talker": {"engine": {"streaming_chunk_max_codes": 30, "max_seq_len": 256}},
 }
 # Long enough that every stage is still busy when the kill lands: ~400 text tokens at a
 # few ms each on the tiny model, and the speech that follows them.

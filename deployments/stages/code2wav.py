@@ -24,6 +24,7 @@ from deployments.config import AppConfig
 from deployments.stages.forward import Forwarder
 from deployments.stages.server import StageServer
 from deployments.wire import AudioPiece, NamedVoice, error_line
+from pipeline.code2wav.slots import NoFreeSlot
 from pipeline.handoff import CodeChunk, PcmChunk, StageFailure
 
 VOICE_RATE = 16000  # the ingress decodes reference audio to 16 kHz mono
@@ -77,11 +78,9 @@ class Code2WavServer(StageServer):
             try:
                 engine.open(rid, None)
             except Exception as e:
-                aloop.call_soon_threadsafe(
-                    self.loop.deliver,
-                    rid,
-                    StageFailure("code2wav", f"could not open the stream: {type(e).__name__}: {e}"),
-                )
+                failure = (self._refused(e) if isinstance(e, NoFreeSlot) else StageFailure(
+                    "code2wav", f"could not open the stream: {type(e).__name__}: {e}"))
+                aloop.call_soon_threadsafe(self.loop.deliver, rid, failure)
                 raise
 
         return open_default
@@ -102,7 +101,9 @@ class Code2WavServer(StageServer):
         return engine.voices.from_audio(voice, VOICE_RATE)
 
     def _refused(self, e: Exception) -> StageFailure | None:
-        # Any error building a voice is the front end refusing it.
+        if isinstance(e, NoFreeSlot):
+            return StageFailure("code2wav", f"could not open the stream: {e}", 503, "stage_busy")
+        # Any other error building a voice is the front end refusing it.
         message = f"the voice could not be used: {error_line(e)}"
         return StageFailure("code2wav", message, 400, "voice_error")
 

@@ -45,6 +45,9 @@ from pipeline.code2wav.flow import (
 WINDOW_ALIGN = 64  # DiT windows are rounded up to this many frames (fewer graph shapes)
 
 
+class NoFreeSlot(RuntimeError):
+    """Every slot holds a stream: the app's capacity keeps turns below this."""
+
 @dataclass
 class SlotState:
     """Host bookkeeping of one resident stream."""
@@ -132,7 +135,7 @@ class FlowSlotPool:
     def admit(self, cache: FlowCache, prompt_frames: int) -> int:
         """Copy a stream's initial cache (a voice template, batch 1) into a free slot."""
         if not self.free:
-            raise RuntimeError(f"all {self.slots} Code2Wav slots are in use")
+            raise NoFreeSlot(f"all {self.slots} Code2Wav slots are in use")
         if prompt_frames > self.max_prompt_frames:
             raise ValueError(
                 f"voice prompt of {prompt_frames} mel frames is longer than the "
