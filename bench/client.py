@@ -9,7 +9,7 @@ Stages of one benchmark (`run_benchmark`), per concurrency c in the list:
 One request (`send_request`): POST /v1/chat/completions with stream=true, then the SSE stream is
 parsed as bytes arrive; every event is stamped with perf_counter when its last byte was read.
 The wire format (including the `omniray` request extension and the `timings` response field)
-is in docs/bench.md; bench/fake_server.py implements it.
+is in docs/bench.md; tests/fake_server.py implements it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from bench.cli import main as cli_main
-from bench.fake_server import FakeScript, FakeServerThread
+from tests.fake_server import FakeScript, FakeServerThread
 from bench.report import format_report, load_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

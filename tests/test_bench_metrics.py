@@ -21,7 +21,7 @@ from bench.client import (
     build_payload,
     run_benchmark,
 )
-from bench.fake_server import FakeScript, FakeServerThread, pcm_wav
+from tests.fake_server import FakeScript, FakeServerThread, pcm_wav
 from bench.metrics import AudioEvent, RequestRecord, RoundResult, summarize, wav_frames
 
 # Timing checks against the scripted server. A client can never see an event before the server
