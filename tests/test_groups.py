@@ -248,9 +248,19 @@ def test_engine_sections_fail_in_the_builder_and_the_yaml_ships_the_code_default
     strip = {s: {"engine"} for s in ("thinker", "talker", "code2wav")}
     assert cfg.model_dump(exclude=strip) == bare.model_dump(exclude=strip)
     # a partial stage section keeps the stage's other defaults
-    partial = AppConfig.model_validate({"code2wav": {"engine": {"slot_prompt_frames": 400}}})
-    assert partial.code2wav.engine == {"slot_prompt_frames": 400}
+    partial = AppConfig.model_validate({"code2wav": {"engine": {"slot_prompt_frames": 600}}})
+    assert partial.code2wav.engine == {"slot_prompt_frames": 600}
     assert partial.code2wav.num_gpus == 0.2 and partial.code2wav.memory_fraction == 0.28
+
+
+def test_a_reference_voice_fits_a_code2wav_slot():
+    """limits.max_ref_audio_seconds may not outgrow a slot's voice prompt (50 frames a
+    second): such a voice would be accepted by the ingress and refused by Code2Wav."""
+    with pytest.raises(ValueError, match="slot_prompt_frames"):
+        AppConfig.model_validate({"code2wav": {"engine": {"slot_prompt_frames": 400}}})
+    fits = {"limits": {"max_ref_audio_seconds": 8},
+            "code2wav": {"engine": {"slot_prompt_frames": 400}}}
+    assert AppConfig.model_validate(fits).limits.max_ref_audio_seconds == 8
 
 
 def test_capacity_sets_every_stages_slots_and_only_there():
