@@ -1,4 +1,5 @@
-"""Code2Wav vs minicpmo-utils 1.0.7 (the official demo's pin) and the 0.1.1 choice, CPU fp32.
+"""Code2Wav vs minicpmo-utils 1.0.7 (the official demo's pin) and the 0.1.1 choice, CPU fp32; and
+the package's own speed options, `Token2wav(float16, n_timesteps)`, against the engine's modes.
 
 1.0.7 installs a top-level `stepaudio2` like 0.1.1, so it lives in its own folder, never on
 sys.path (tests/_code2wav_ref.py `load_reference_mu7`):
