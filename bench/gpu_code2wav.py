@@ -1,19 +1,22 @@
 """Code2Wav on one GPU: full-size random flow + vocoder, the engine as it ships
-(`Code2WavEngineConfig()`; `--precision` picks an opt-in precision).
+(`Code2WavEngineConfig()`; `--precision` picks an opt-in precision, `--n-timesteps` the
+CFM's Euler steps: `--precision fp16 --n-timesteps 5` is the reference's
+`Token2wav(float16=True, n_timesteps=5)`).
 
 Check (exit 1 on failure): eight staggered streams of odd lengths (two voices) decoded
 together give each stream the PCM it gets decoded alone, within 1e-4 and at least 80 dB
 SNR for every chunk (batching must not change a stream's audio; the kernels over other
-batch sizes may sum in another order). With `--precision tf32|bf16` the same streams are
-also compared with the fp32 engine's PCM (reported, not checked: the opt-ins trade
-precision for time).
+batch sizes may sum in another order). In a mode other than fp32 / 10 steps the same
+streams are also compared with the fp32 / 10-step engine's PCM (SNR over all the audio and
+the lowest a chunk; reported, not checked: the opt-ins trade precision for time), and that
+engine's steps are timed beside the mode's.
 Timings: wall ms of `engine.step()` (it ends with the PCM on the host) with B streams each
 a full chunk ready, steady state, for each of --batches; a new stream's first chunk (its
 voice template cached); the warm-up's seconds. `--profile`: each batch's step under
 torch.profiler: kernel count, kernel ms, the top kernels and where the GPU idles.
 
     python -m bench.gpu_code2wav [--batches 1,2,4,8] [--iters 10] [--precision fp32]
-        [--profile] [--out F.json]
+        [--n-timesteps 10] [--profile] [--out F.json]
 """
 
 from __future__ import annotations
@@ -84,17 +87,35 @@ def play(engine: Code2WavEngine, rounds, voices) -> dict[str, list[np.ndarray]]:
     return out
 
 
+def snr_db(a: np.ndarray, b: np.ndarray) -> float:
+    a, err = a.astype(np.float64), (a - b).astype(np.float64)
+    return float(10 * np.log10((a**2).sum() / max((err**2).sum(), 1e-300)))
+
+
 def compare(ref, got, label: str) -> tuple[float, float]:
     """(largest abs difference, lowest SNR dB) over every stream's chunks."""
     worst, low = 0.0, float("inf")
     for sid in ref:
         for a, b in zip(ref[sid], got[sid], strict=True):
-            err = (a - b).astype(np.float64)
-            worst = max(worst, float(np.abs(err).max()))
-            low = min(low, float(10 * np.log10((a.astype(np.float64) ** 2).sum()
-                                               / max((err ** 2).sum(), 1e-300))))
+            worst = max(worst, float(np.abs(a - b).max()))
+            low = min(low, snr_db(a, b))
     print(f"  {label}: max abs {worst:.2e}, lowest SNR {low:.1f} dB")
     return worst, low
+
+
+def overall_snr_db(ref, got) -> float:
+    """SNR dB of all the streams' audio together."""
+    return snr_db(*(np.concatenate([c for sid in ref for c in x[sid]]) for x in (ref, got)))
+
+
+def step_table(engine: Code2WavEngine, v: VoicePrompt, batches: list[int], iters: int,
+               label: str) -> dict:
+    rows: dict = {}
+    for b in batches:
+        wall = steady_step_ms(engine, v, b, iters)
+        rows[b] = round(wall, 2)
+        print(f"  {label} B={b}: step {wall:7.2f} ms ({wall / b:6.2f} ms a chunk)")
+    return rows
 
 
 def steady_step_ms(engine: Code2WavEngine, v: VoicePrompt, b: int, iters: int) -> float:
@@ -190,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-codes", type=int, default=25)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--batches", default="1,2,4,8", help="chunks a step to time")
-    ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32",
+    ap.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default="fp32",
                     help="token2wav_precision: the opt-ins are compared with fp32")
+    ap.add_argument("--n-timesteps", type=int, default=10,
+                    help="the CFM's Euler steps (engine n_timesteps); compared with 10")
     ap.add_argument("--layout", choices=["minicpmo-utils-1.0.7", "cosyvoice2"],
                     default="minicpmo-utils-1.0.7", help="which streaming vocoder")
     ap.add_argument("--profile", action="store_true")
@@ -209,14 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     flow = flow.cuda().eval()
     hift = random_vocoder(cfg, 0, args.layout).cuda().eval()
     voices = [voice(1, args.prompt_codes), voice(2, args.prompt_codes + 12)]
-    ecfg = Code2WavEngineConfig(token2wav_precision=args.precision)
-    fp32_flow = copy.deepcopy(flow) if args.precision != "fp32" else None  # converted in place
+    ecfg = Code2WavEngineConfig(token2wav_precision=args.precision,
+                                n_timesteps=args.n_timesteps)
+    mode = f"{args.precision}, {args.n_timesteps} steps"
+    # the flow is converted in place: the fp32 / 10-step engine gets a copy
+    fp32_flow = copy.deepcopy(flow) if ecfg != Code2WavEngineConfig() else None
     engine = Code2WavEngine(flow, hift, cfg, ecfg)
     t0 = time.perf_counter()
     engine.warmup(voices[0])
-    result: dict = {"precision": args.precision, "warmup_s": round(time.perf_counter() - t0, 1)}
+    result: dict = {"precision": args.precision, "n_timesteps": args.n_timesteps,
+                    "warmup_s": round(time.perf_counter() - t0, 1)}
 
-    print(f"batched against alone ({len(STAGGERED)} staggered streams, {args.precision})")
+    print(f"batched against alone ({len(STAGGERED)} staggered streams, {mode})")
     together = play(engine, schedule(STAGGERED, seed=8), voices)
     alone = {}
     for i in range(len(STAGGERED)):
@@ -225,20 +252,21 @@ def main(argv: list[str] | None = None) -> int:
     ok = worst <= 1e-4 and low >= 80
     result["batched_vs_alone"] = {"max_abs": worst, "min_snr_db": low}
     if fp32_flow is not None:
-        ref = play(Code2WavEngine(fp32_flow, hift, cfg, Code2WavEngineConfig()),
-                   schedule(STAGGERED, seed=8), voices)
-        worst, low = compare(ref, together, f"{args.precision} vs fp32")
-        result["vs_fp32"] = {"max_abs": worst, "min_snr_db": low}
-        del fp32_flow
+        base = Code2WavEngine(fp32_flow, hift, cfg, Code2WavEngineConfig())
+        ref = play(base, schedule(STAGGERED, seed=8), voices)
+        worst, low = compare(ref, together, f"{mode} vs fp32, 10 steps")
+        every = overall_snr_db(ref, together)
+        print(f"  {mode} vs fp32, 10 steps: SNR {every:.1f} dB over all the audio")
+        result["vs_fp32"] = {"max_abs": worst, "min_snr_db": low, "snr_db": every}
+        print("timings of fp32, 10 steps (median wall ms a step)")
+        base.warmup(voices[0])
+        result["fp32_step_ms"] = step_table(base, voices[0], batches, args.iters, "fp32")
+        del base, fp32_flow
         engine = Code2WavEngine(flow, hift, cfg, ecfg)  # the precision's flags back on
         engine.warmup(voices[0])
 
-    print("timings (median wall ms a step)")
-    rows: dict = {}
-    for b in batches:
-        wall = steady_step_ms(engine, voices[0], b, args.iters)
-        rows[b] = round(wall, 2)
-        print(f"  B={b}: step {wall:7.2f} ms ({wall / b:6.2f} ms a chunk)")
+    print(f"timings of {mode} (median wall ms a step)")
+    rows = step_table(engine, voices[0], batches, args.iters, args.precision)
     rows["first_chunk_ms"] = round(first_chunk_ms(engine, voices[0]), 2)
     print(f"  first chunk of a new stream {rows['first_chunk_ms']} ms; "
           f"warm-up {result['warmup_s']} s")

@@ -1,4 +1,5 @@
-"""Code2Wav vs minicpmo-utils 1.0.7 (the official demo's pin) and the 0.1.1 choice, CPU fp32.
+"""Code2Wav vs minicpmo-utils 1.0.7 (the official demo's pin) and the 0.1.1 choice, CPU fp32; and
+the package's own speed options, `Token2wav(float16, n_timesteps)`, against the engine's modes.
 
 1.0.7 installs a top-level `stepaudio2` like 0.1.1, so it lives in its own folder, never on
 sys.path (tests/_code2wav_ref.py `load_reference_mu7`):
@@ -10,6 +11,7 @@ here they are resized to the tiny default's, which changes no number.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -279,16 +281,29 @@ def turn_models(ckpt):
     _resize_dit_buffers(ref_flow, cfg)
     flow.decoder.rand_noise.copy_(ref_flow.decoder.rand_noise)
     vocoder.noise_table = ref_voc.m_source.l_sin_gen.sine_waves[0]
-    # Token2wav.__init__ is CUDA-only (and loads the ONNX front ends): set what stream() uses.
+    return _token2wav(ref_flow, ref_voc.float().eval()), flow, vocoder, cfg
+
+
+def _token2wav(ref_flow, ref_voc, float16=False, n_timesteps=10, device="cpu"):
+    """The package's Token2wav around these modules, as `Token2wav(float16, n_timesteps)`
+    builds it: __init__ is CUDA-only (and loads the ONNX front ends), so set what stream()
+    uses; float16 halves (a copy of) the flow, weights and buffers, as its __init__ does. The
+    vocoder (fp32 in every mode) moves to `device` in place."""
+    import copy
+
     cls = MU7.token2wav.Token2wav
     t2w = cls.__new__(cls)
-    t2w.float16, t2w.n_timesteps, t2w.device = False, cfg.n_timesteps, torch.device("cpu")
-    t2w.flow, t2w.hift = ref_flow, ref_voc.float().eval()
+    t2w.float16, t2w.n_timesteps, t2w.device = float16, n_timesteps, torch.device(device)
+    if float16 or device != "cpu":
+        ref_flow = copy.deepcopy(ref_flow).to(device)
+        if float16:
+            ref_flow.half()
+    t2w.flow, t2w.hift = ref_flow, ref_voc.to(device)
     t2w.bounded_vocoder = MU7.bounded_vocoder.BoundedVocoder(t2w.hift)
     t2w.sample_rate, t2w.hop_samples = 24000, 480
     t2w.vocoder_delay_frames, t2w.vocoder_delay_samples, t2w.source_cache_len = 8, 3840, 3840
     t2w.cache, t2w.stream_cache, t2w.hift_cache_dict, t2w._stream_prompt = {}, None, {}, None
-    return t2w, flow, vocoder, cfg
+    return t2w
 
 
 def _voices(ckpt) -> dict[str, VoicePrompt]:
@@ -308,8 +323,12 @@ def _voice_other() -> VoicePrompt:
 
 def _package_turn(t2w, name: str, voice: VoicePrompt, codes: list[int], flush: bool = False):
     """The demo's driving of Token2wav: buffer 3 x 4218 + codes, 28-code windows advancing by
-    25, the rest with last_chunk (or, with `flush`, the rest non-final then an empty last)."""
-    t2w.cache[name] = (voice.prompt_tokens.int(), None, voice.spk_emb, voice.prompt_mel, None)
+    25, the rest with last_chunk (or, with `flush`, the rest non-final then an empty last).
+    A half flow on CPU (no autocast there) takes its x-vector and prompt mel in fp16."""
+    dev, half = t2w.device, t2w.float16 and t2w.device.type == "cpu"
+    spk, mel = (x.to(dev, torch.float16 if half else torch.float32)
+                for x in (voice.spk_emb, voice.prompt_mel))
+    t2w.cache[name] = (voice.prompt_tokens.int().to(dev), None, spk, mel, None)
     with MU7.active(), torch._dynamo.config.patch(disable=True):  # its encoder is compiled
         t2w.set_stream_cache(name)
         buf, off, out = [4218] * 3 + codes, 0, []
@@ -321,7 +340,7 @@ def _package_turn(t2w, name: str, voice: VoicePrompt, codes: list[int], flush: b
             out.append(t2w.stream([], last_chunk=True, return_waveform=True))
         else:
             out.append(t2w.stream(buf[off:], last_chunk=True, return_waveform=True))
-    return [torch.from_numpy(o) for o in out]
+    return [torch.from_numpy(o).float() for o in out]
 
 
 def _our_turns(flow, vocoder, cfg, voice: VoicePrompt, turns: list[list[int]], **kw):
@@ -395,6 +414,119 @@ def test_batched_turns_and_empty_final_flush_match_minicpmo_utils(ckpt, turn_mod
     for k, (a, b) in enumerate(zip(got, want)):
         _diff(a, b, f"flush turn chunk {k}", 1e-6)
     assert got[-1].shape == (1, 3840)  # the 8 delayed frames
+
+
+# -- the package's own speed options: Token2wav(float16, n_timesteps) ------------------------
+
+
+def _engine_turns(ckpt, turn_models, voice, turns, device="cpu", **engine_cfg):
+    """Each turn's PCM through Code2WavEngine (the slot path) in that mode, on a fresh load of
+    the weights with the fixture's noise (the engine converts and prepares the flow and
+    vocoder in place; a deep copy of the vocoder would share its weight-norm classes)."""
+    from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+    from pipeline.handoff import CodeChunk
+
+    _, flow0, vocoder0, _ = turn_models
+    flow, vocoder, cfg = load_code2wav(ckpt, device)
+    flow.decoder.rand_noise.copy_(flow0.decoder.rand_noise)
+    vocoder.noise_table = vocoder0.noise_table.to(device)
+    eng = Code2WavEngine(flow, vocoder, cfg, Code2WavEngineConfig(**engine_cfg))
+    assert eng.pool.pool.dit.k.shape[0] == eng.ecfg.n_timesteps  # caches per Euler step
+    for i, codes in enumerate(turns):
+        eng.open(f"t{i}", voice.to(device))
+        eng.feed(f"t{i}", CodeChunk(f"t{i}", tuple(codes), True))
+    pcm = eng.drain()
+    return [torch.from_numpy(np.concatenate(pcm[f"t{i}"]))[None] for i in range(len(turns))]
+
+
+@needs_mu7
+def test_n_timesteps_5_matches_minicpmo_utils(ckpt, turn_models):
+    """`Token2wav(n_timesteps=5)` (the duplex example's): its cosine schedule over 5 Euler
+    steps. The plain path with the CFM at 5 steps equals it sample for sample; the engine
+    (`n_timesteps: 5`, caches for 5 steps in the pool) within the slot path's bound; and 5
+    steps differ from 10."""
+    t2w, flow, vocoder, cfg = turn_models
+    t2w5 = _token2wav(t2w.flow, t2w.hift, n_timesteps=5)
+    voice = _voices(ckpt)["other"]
+    codes = _codes(3, 60)
+    want = torch.cat(_package_turn(t2w5, "other", voice, codes), 1)
+    flow.decoder.n_timesteps = 5
+    try:
+        (got,) = zip(*[o.split(1) for o in _our_turns(flow, vocoder, cfg, voice, [codes])])
+    finally:
+        flow.decoder.n_timesteps = cfg.n_timesteps
+    _diff(torch.cat(got, 1), want, "plain path, 5 steps", 1e-6)
+    (eng,) = _engine_turns(ckpt, turn_models, voice, [codes], n_timesteps=5)
+    _diff(eng, want, "engine, 5 steps", 1e-4)
+    ten = torch.cat(_package_turn(t2w, "other", voice, codes), 1)
+    assert (ten - want).abs().max() > 1e-4  # the step count is not ignored (beyond the bounds)
+
+
+def test_n_timesteps_is_validated():
+    from pipeline.code2wav.engine import Code2WavEngineConfig
+
+    with pytest.raises(ValueError, match="n_timesteps"):
+        Code2WavEngineConfig(n_timesteps=0)
+
+
+def _snr_db(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float(10 * torch.log10((b**2).sum() / ((a - b) ** 2).sum().clamp_min(1e-300)))
+
+
+@needs_mu7
+@pytest.mark.filterwarnings("ignore:.*Disabling autocast")  # the package's CUDA autocast, on CPU
+def test_float16_matches_minicpmo_utils_half_flow_on_cpu(ckpt, turn_models):
+    """`token2wav_precision: fp16` is `Token2wav(float16=True)`: the whole flow `.half()`
+    (weights, noise, caches, the Euler update), the vocoder in fp32. The package's fp16 mode
+    autocasts on CUDA only, so on CPU both run every flow op in fp16 (the package's flow
+    given its x-vector and prompt mel in fp16): the engine matches that within fp16 rounding
+    of other summation orders (~80 dB on the tiny default), closer than the package's fp16
+    mode is to its fp32 (~72 dB), and it is as far from fp32 as that (it does run in fp16).
+    Under CUDA autocast: test_float16_matches_on_cuda."""
+    t2w, flow, vocoder, cfg = turn_models
+    voice = _voices(ckpt)["other"]
+    codes = _codes(4, 60)
+    for steps in (10, 5):
+        half = _token2wav(t2w.flow, t2w.hift, float16=True, n_timesteps=steps)
+        assert half.flow.decoder.rand_noise.dtype == torch.float16
+        want = torch.cat(_package_turn(half, "other", voice, codes), 1)
+        fp32 = torch.cat(_package_turn(_token2wav(t2w.flow, t2w.hift, n_timesteps=steps),
+                                       "other", voice, codes), 1)
+        (got,) = _engine_turns(ckpt, turn_models, voice, [codes],
+                               token2wav_precision="fp16", n_timesteps=steps)
+        snr, snr_fp32, ours_fp32 = _snr_db(got, want), _snr_db(want, fp32), _snr_db(got, fp32)
+        print(f"{steps} steps: engine vs package fp16 {snr:.1f} dB; package fp16 vs fp32 "
+              f"{snr_fp32:.1f} dB; engine fp16 vs package fp32 {ours_fp32:.1f} dB")
+        assert got.shape == want.shape
+        assert snr >= snr_fp32 + 3 and ours_fp32 <= snr_fp32 + 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the package's autocast)")
+@needs_mu7
+def test_float16_matches_on_cuda(ckpt, turn_models):
+    """On CUDA the package's fp16 mode runs its half flow under fp16 autocast; the engine's
+    fp16 mode does the same (compiled blocks, CUDA graphs and Triton kernels included), with
+    5 and 10 steps, against the package's Token2wav(float16=True) on the same GPU."""
+    t2w = turn_models[0]
+    voice = _voices(ckpt)["other"]
+    codes = _codes(4, 60)
+    try:
+        for steps in (10, 5):
+            half = _token2wav(t2w.flow, t2w.hift, float16=True, n_timesteps=steps,
+                              device="cuda")
+            want = torch.cat(_package_turn(half, "other", voice, codes), 1)
+            fp32 = _token2wav(t2w.flow, t2w.hift, n_timesteps=steps, device="cuda")
+            ref32 = torch.cat(_package_turn(fp32, "other", voice, codes), 1)
+            (got,) = _engine_turns(ckpt, turn_models, voice, [codes], "cuda",
+                                   token2wav_precision="fp16", n_timesteps=steps)
+            got = got.cpu()
+            snr, snr_fp32 = _snr_db(got, want), _snr_db(want, ref32)
+            print(f"CUDA {steps} steps: engine vs package fp16 {snr:.1f} dB; package fp16 "
+                  f"vs fp32 {snr_fp32:.1f} dB")
+            assert snr >= snr_fp32 + 3
+    finally:
+        t2w.hift.to("cpu")
 
 
 # -- the 0.1.1 choice ------------------------------------------------------------------------

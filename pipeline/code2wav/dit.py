@@ -288,6 +288,9 @@ class Attention(nn.Module):
         [new || cache], in another order (attention without positions ignores it).
         Returns (B, T, H*dh), before the output projection."""
         b, _, t, dh = q.shape
+        # the pool's dtype: under fp16 autocast k (after its LayerNorm) is fp32, as [MU7]
+        # rounds it into its fp16 cache
+        k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)
         if self.kv_kernel:  # both in one launch
             pool_attention.write_kv(k, v, k_pool, v_pool, ix.kv_at)
         else:
@@ -392,7 +395,7 @@ class DiTBlock(nn.Module):
         q, k, v, *mod = self._slot_pre(x, c)
         out = self.attn.attend_slots(q, k, v, k_pool, v_pool, ix)
         x, new_cnn = self._slot_post(x, out, mod, cnn_pool, ix.conv_tail, ix.cnn_at)
-        cnn_pool.index_put_((ix.cnn_at,), new_cnn)
+        cnn_pool.index_put_((ix.cnn_at,), new_cnn.to(cnn_pool.dtype))
         return x
 
     def _slot_pre(self, x, c):  # replaced by a compiled one in compile_slot_blocks

@@ -20,6 +20,7 @@ step against one stream at a time through the reference modules.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from collections import Counter, OrderedDict
@@ -62,10 +63,16 @@ class Code2WavEngineConfig:
     # fp32: every matmul and conv in fp32, as the reference computes on CPU (cuDNN's default
     # TF32 convs off); tf32: TF32 tensor cores for the flow's matmuls and convs; bf16: the DiT
     # estimator's weights, activations and caches in bf16 (it is ~all of the flow's work; the
-    # encoder, the Euler update and the vocoder stay fp32). tf32 and bf16 are opt-in: they
-    # change the audio (SNR in docs/performance.md). The TF32 flags are set for the whole
-    # process on CUDA; bf16 converts the flow's estimator in place.
-    token2wav_precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    # encoder, the Euler update and the vocoder stay fp32); fp16: the reference's own
+    # `Token2wav(float16=True)`: the whole flow (encoder, DiT, noise, caches, Euler update) in
+    # half precision under CUDA fp16 autocast, the vocoder in fp32 (on CPU, where the
+    # reference's autocast does not apply, every flow op runs in fp16). tf32, bf16 and fp16
+    # are opt-in: they change the audio (SNR in docs/performance.md). The TF32 flags are set
+    # for the whole process on CUDA; bf16 and fp16 convert the flow in place.
+    token2wav_precision: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
+    # Euler steps of the CFM (the reference's `n_timesteps`; its cosine schedule over them):
+    # fewer steps, less flow work a chunk, other audio. The slot pool holds caches per step.
+    n_timesteps: int = 10
     # Turns held at once, one slot each (a step batches up to this many ready chunks), and the
     # longest voice prompt a slot holds (mel frames, 50 a second): both size the slot pool's
     # memory. A longer reference voice is refused at open.
@@ -74,6 +81,10 @@ class Code2WavEngineConfig:
     # which reference's streaming a turn follows (stream.py): prompt lookahead, leading zeros
     token2wav_reference: Token2WavReference = DEFAULT_REFERENCE
     hift_seed: int | None = 0  # per-stream HiFT noise generators; None = global RNG (reference)
+
+    def __post_init__(self):
+        if self.n_timesteps <= 0:
+            raise ValueError(f"n_timesteps must be positive, got {self.n_timesteps}")
 
 
 @dataclass
@@ -115,8 +126,11 @@ class Code2WavEngine:
         self.crossfade = Crossfade(cfg.mel_overlap_frames * cfg.hift.hop_length, self.device)
         cuda = self.device.type == "cuda"
         estimator = flow.decoder.estimator
+        flow.decoder.n_timesteps = engine_cfg.n_timesteps  # before the pool: caches per step
         if engine_cfg.token2wav_precision == "bf16":
             estimator.to(torch.bfloat16)
+        elif engine_cfg.token2wav_precision == "fp16":
+            flow.half()  # [MU7] Token2wav(float16=True): `self.flow.half()`, its buffers too
         estimator.prepare_slot_path()  # after the dtype change, which replaces the parameters
         if cuda:
             # in place; compiles lazily on first use (setup_cache, the graph runner's warm-up)
@@ -125,6 +139,7 @@ class Code2WavEngine:
             tf32 = engine_cfg.token2wav_precision == "tf32"
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
+        self.fp16_autocast = cuda and engine_cfg.token2wav_precision == "fp16"
         self.graph_sizes = tuple(range(1, engine_cfg.max_streams + 1))
         self.pool = FlowSlotPool(flow, engine_cfg.max_streams, engine_cfg.slot_prompt_frames,
                                  self.device, next(flow.parameters()).dtype)
@@ -144,10 +159,18 @@ class Code2WavEngine:
         self.counters: Counter = Counter()
         self.clock = clock
 
+    def _autocast(self):
+        """The flow's precision context: CUDA fp16 autocast in the fp16 mode on CUDA, as
+        [MU7]'s Token2wav runs its `.half()` flow (LayerNorms, softmax and normalisations in
+        fp32 there, matmuls and convs in fp16); nothing elsewhere."""
+        if self.fp16_autocast:
+            return torch.autocast("cuda", torch.float16)
+        return contextlib.nullcontext()
+
     def _time_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The CFM's per-step table, computed once: nothing step-dependent is built inside a
         step (or a graph)."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self._autocast():
             t_emb, dt = self.flow.decoder.time_table(
                 self.device, next(self.flow.parameters()).dtype
             )
@@ -217,15 +240,16 @@ class Code2WavEngine:
     def _build_state(self, voice: VoicePrompt) -> StreamState:
         v = voice.to(self.device)
         dtype = next(self.flow.parameters()).dtype
-        return initial_state(
-            self.flow,
-            self.cfg,
-            v.prompt_tokens,
-            v.prompt_mel.to(dtype),
-            v.spk_emb.to(dtype),
-            reference=self.ecfg.token2wav_reference,
-            vocoder=self.hift,
-        )
+        with self._autocast():
+            return initial_state(
+                self.flow,
+                self.cfg,
+                v.prompt_tokens,
+                v.prompt_mel.to(dtype),  # in fp16 what fp16 autocast's in_proj would round
+                v.spk_emb.float(),  # normalized in fp32 (Flow.speaker), as [MU7]'s x-vector
+                reference=self.ecfg.token2wav_reference,
+                vocoder=self.hift,
+            )
 
     def open(self, rid: str, spec: VoicePrompt | None = None) -> None:
         """Start a turn in voice `spec`: None = the checkpoint's default voice (needs
@@ -346,12 +370,15 @@ class Code2WavEngine:
         if self.graphs is None:
             ix = index_to(plan.index, self.device, non_blocking=True)
             tokens = plan.tokens.to(self.device, non_blocking=True)
-            return self.flow.forward_slots(tokens, spk, self.pool.pool, ix, self.time_table)
+            with self._autocast():
+                mel = self.flow.forward_slots(tokens, spk, self.pool.pool, ix, self.time_table)
+            return mel.float()  # the vocoder takes fp32 mel ([MU7]: `part.float()`)
 
         def run(tokens, spk, *tensors):
-            return self.flow.forward_slots(
-                tokens, spk, self.pool.pool, unflatten(plan.index, tensors), self.time_table
-            )
+            with self._autocast():
+                return self.flow.forward_slots(
+                    tokens, spk, self.pool.pool, unflatten(plan.index, tensors), self.time_table
+                )
 
         key = (len(plan.tokens), plan.index.dit.window)
         example = None
@@ -364,7 +391,7 @@ class Code2WavEngine:
             ]
         with torch.inference_mode():
             mel = self.graphs.run(key, [plan.tokens, spk, *flatten(plan.index)], run, example)
-        return mel.clone()
+        return mel.to(torch.float32, copy=True)  # off the graph's output buffer, fp32
 
     def warmup(self, voice: VoicePrompt | None = None) -> None:
         """Build `voice`'s template and, when graphs are on (CUDA), decode WARMUP_CHUNKS full

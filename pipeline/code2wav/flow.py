@@ -221,7 +221,7 @@ class RelPosSelfAttention(nn.Module):
         k = torch.cat([k_cache, k], dim=2)
         v = torch.cat([v_cache, v], dim=2)
         kv = torch.cat([k, v], dim=-1)
-        pool[slots] = kv.gather(2, ix.keep.expand(-1, self.h, -1, 2 * self.d_k))
+        pool[slots] = kv.gather(2, ix.keep.expand(-1, self.h, -1, 2 * self.d_k)).to(pool.dtype)
         p = self.linear_pos(pos_emb).view(1, -1, self.h, self.d_k).transpose(1, 2)
         ac = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))
         bd = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))
@@ -389,14 +389,15 @@ class UpsampleConformerEncoder(nn.Module):
     def forward_slots(self, xs: torch.Tensor, pool: FlowPool, ix: FlowSlots) -> torch.Tensor:
         """Padded rows: xs (B, T+lookahead, C) embedded codes -> (B, stride*T, C); the caches
         are read from and written back to `pool`."""
-        xs = self.embed(xs) * ix.emb_keep
+        xs = self.embed(xs)
+        xs = xs * ix.emb_keep.to(xs.dtype)  # 0 / 1: exact in any dtype
         xs, la = self.pre_lookahead_layer.forward_slots(xs, pool.lookahead[ix.slots], ix.la_tail)
-        pool.lookahead[ix.slots] = la
+        pool.lookahead[ix.slots] = la.to(pool.lookahead.dtype)  # fp32 under fp16 autocast
         pos = self._pos(pool.token.shape[3] + xs.shape[1], xs)
         for i, layer in enumerate(self.encoders):
             xs = layer.forward_slots(xs, pos, pool.token[i], ix.slots, ix.token)
         xs, up = self.up_layer.forward_slots(xs.transpose(1, 2), pool.up[ix.slots], ix.up_tail)
-        pool.up[ix.slots] = up
+        pool.up[ix.slots] = up.to(pool.up.dtype)
         xs = self.up_embed(xs.transpose(1, 2))
         pos = self._pos(pool.mel.shape[3] + xs.shape[1], xs)
         for i, layer in enumerate(self.up_encoders):
@@ -451,10 +452,12 @@ class CausalCFM(nn.Module):
         self, device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(t_emb (S, D), dt (S,)): everything step-dependent, computable before a graph capture.
-        The schedule and the sinusoid are computed in fp32 whatever the model dtype (t * 1000 in
-        bf16 would be too coarse); the MLP then runs in the weights' dtype."""
-        t, dt = self.schedule(device, torch.float32)
-        return self.estimator.time_embedding(t), dt.to(dtype)
+        The schedule and the sinusoid are computed in mu's `dtype`, as the reference's
+        `linspace(dtype=mu.dtype)`: fp32, or fp16 in the fp16 mode (the bf16 mode converts
+        the estimator only, so mu stays fp32: t * 1000 in bf16 would be too coarse); the MLP
+        then runs in the weights' dtype."""
+        t, dt = self.schedule(device, dtype)
+        return self.estimator.time_embedding(t), dt
 
     def _guide(self, v: torch.Tensor, b: int) -> torch.Tensor:
         r = self.inference_cfg_rate
@@ -537,7 +540,10 @@ class Flow(nn.Module):
 
     def speaker(self, spk: torch.Tensor) -> torch.Tensor:
         """x-vector (B,192) -> (B,80)."""
-        return self.spk_embed_affine_layer(F.normalize(spk, dim=1))
+        # normalized in spk's dtype (fp32 from the engine), projected in the layer's (fp16
+        # autocast's cast of a half flow, on CPU too)
+        layer = self.spk_embed_affine_layer
+        return layer(F.normalize(spk, dim=1).to(layer.weight.dtype))
 
     def _chunk(self, tokens, spk, cache, last_chunk, cond_mel, time_table=None):
         spk = self.speaker(spk)
