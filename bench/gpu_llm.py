@@ -6,11 +6,11 @@ Checks (exit 1 on a failure):
      prefill batch (chunks over a cached prefix) and a decode batch, outputs and cache writes;
   2. the same greedy tokens when the same requests run again (batch 1 and 4).
 Timings: a --prefill-token prompt's prefill step; wall ms a decode step (host work
-included) at batch 1, 2, 4, 8, greedy and sampled; the step that prefills a short prompt
+included) at each --batches size, greedy and sampled; the step that prefills a short prompt
 over a cached 2000-token history and samples its first token (a follow-up or realtime turn).
-`--profile`: the kernels of one decode step at batch 1 and 8 and of one cached short prefill.
+`--profile`: the kernels of one decode step at batch 1 and 16 (GEMM against the rest) and of one cached short prefill.
 
-    python -m bench.gpu_llm [--kv-gib 4] [--steps 64] [--prefill 2500] [--profile]
+    python -m bench.gpu_llm [--kv-gib 4] [--steps 64] [--prefill 2500] [--batches 1,2,4,8,16] [--profile]
 
 Weights: built on the GPU, seeded. Residual-branch outputs are scaled down and lm_head is
 tied to a permutation of the embedding plus noise, so greedy choices have clear margins and
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 import time
 
@@ -34,6 +35,7 @@ from pipeline.handoff import SamplingParams
 from pipeline.thinker.llm import Qwen3LM
 
 FAILURES: list[str] = []
+GEMM = re.compile(r"gemm|gemv|nvjet|cutlass|sm90_xmma|wgmma", re.I)
 SAMPLED = {"temperature": 0.7, "top_p": 0.8, "top_k": 100, "repetition_penalty": 1.05}
 
 
@@ -136,9 +138,9 @@ def attention_parity(device: torch.device) -> None:
         )
 
 
-def make_engine(model: Qwen3LM, device: torch.device, kv_gib: float) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(kv_cache_bytes=int(kv_gib * 1024**3)), device,
-                     torch.bfloat16)
+def make_engine(model: Qwen3LM, device: torch.device, kv_gib: float, max_seqs: int = 8) -> LLMEngine:
+    cfg = EngineConfig(kv_cache_bytes=int(kv_gib * 1024**3), max_num_seqs=max(8, max_seqs))
+    return LLMEngine(model, cfg, device, torch.bfloat16)
 
 
 def rand_ids(model: Qwen3LM, n: int, gen: torch.Generator) -> list[int]:
@@ -189,7 +191,7 @@ def median(xs: list[float]) -> float:
 def timings(model: Qwen3LM, eng: LLMEngine, args) -> dict[str, float]:
     gen = torch.Generator().manual_seed(2)
     rows = {}
-    for bs in (1, 2, 4, 8):
+    for bs in args.batches:
         prompts = [rand_ids(model, int(n), gen) for n in torch.randint(50, 400, (bs,), generator=gen)]
         for sampled in (False, True):
             kind = "sampled" if sampled else "greedy"
@@ -219,12 +221,14 @@ def profile(model: Qwen3LM, eng: LLMEngine) -> None:
     gen = torch.Generator().manual_seed(4)
 
     def show(what: str, fn) -> None:
-        n, ms, top, _ = kernel_profile(fn)
+        n, ms, top, seq = kernel_profile(fn)
         print(f"  {what}: {n} kernels, {ms:.3f} ms of kernels")
+        gemm = sum(us for _, name, us in seq if GEMM.search(name)) / 1e3
+        print(f"    GEMM kernels {gemm:.3f} ms, the rest {ms - gemm:.3f} ms")
         for name, us, count in top[:8]:
             print(f"    {us / 1e3:7.3f} ms {count:5d}x  {name}")
 
-    for bs in (1, 8):
+    for bs in (1, 16):
         for i in range(bs):
             eng.add_request(f"prof{bs}_{i}", rand_ids(model, 300, gen),
                             SamplingParams(max_tokens=64, ignore_eos=True, **SAMPLED, seed=i))
@@ -247,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--steps", type=int, default=64, help="decode steps a timing")
     ap.add_argument("--prefill", type=int, default=2500)
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8, 16],
+                    help="decode batch sizes to time")
     ap.add_argument("--profile", action="store_true", help="also the kernels of a few steps")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -258,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(LLMConfig(), device)
     model.fuse_projections()  # as the Thinker serves it: joined matmuls, compiled layer halves
     model.compile_ops()
-    eng = make_engine(model, device, args.kv_gib)
+    eng = make_engine(model, device, args.kv_gib, max(args.batches))
     print("engine: " + ", ".join(f"{k} {v}" for k, v in vars(eng.config).items()))
     rows = timings(model, eng, args)
     print("\n| metric | value |\n|---|---|")
