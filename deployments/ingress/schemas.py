@@ -402,6 +402,8 @@ class ChatCompletionRequest(_Strict):
         if entries and entries[0] is not None:
             for key, value in _stage_keys(entries[0], 0).items():
                 setattr(self, key, value)
+                if key == "max_tokens":  # the Thinker's limit is the entry's
+                    self.max_completion_tokens = None
             self._talker_seed = self.seed  # the Thinker's seed, unless the Talker's says
         if len(entries) > 1 and entries[1] is not None:
             keys = _stage_keys(entries[1], 1)
