@@ -184,6 +184,21 @@ def test_bench_request_streams_vllm_omni_shape(client, media_dir, kind):
     assert {c["model"] for c in chunks} == {OFFICIAL_MODEL_NAME}
 
 
+def test_bench_text_only_run_is_tagged_text(client):
+    """The Daily-Omni text arm (`--extra-body '{"modalities": ["text"], "chat_template_kwargs":
+    {"enable_thinking": false}}'`): its reader counts only `modality == "text"` chunks."""
+    body = {"model": OFFICIAL_MODEL_NAME, "stream": True, "temperature": 0.0, "max_tokens": 3,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "modalities": ["text"], "chat_template_kwargs": {"enable_thinking": False},
+            "messages": [{"role": "user", "content": "Answer with one letter."}]}
+    with client.stream("POST", URL, json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())
+    text, pcm, chunks = read_vllm_omni_stream(events)
+    assert text == "Hello there! This " and not pcm
+    assert {c["modality"] for c in chunks} == {"text"}
+
+
 def test_sampling_params_list_drives_each_stage(client, source):
     """Entry 0 wins over the top-level fields for the Thinker, entry 1's seed seeds the
     Talker; `modalities` null means text and audio, and the stream is vLLM-Omni's."""

@@ -14,9 +14,10 @@ Request (`POST /v1/chat/completions`, vLLM-Omni's omni extensions included):
     chat_template_kwargs   the chat template's switches (enable_thinking, use_tts_template)
 
 vLLM-Omni's dialect (docs/api.md "vLLM-Omni clients"): a request carrying
-`sampling_params_list`, `modalities: null`, or asking for audio without OpenAI's required
-`audio.voice` is answered in vLLM-Omni's stream shape; `modalities` null, or left out beside
-`sampling_params_list`, means every output (text and audio), as vLLM-Omni reads it.
+`sampling_params_list`, `chat_template_kwargs` or `stream_options.continuous_usage_stats`,
+`modalities: null`, or asking for audio without OpenAI's required `audio.voice` is answered
+in vLLM-Omni's stream shape; `modalities` null, or left out beside `sampling_params_list`,
+means every output (text and audio), as vLLM-Omni reads it.
 
 This module imports neither torch nor Ray, so a client app can import it cheaply.
 """
@@ -326,9 +327,12 @@ class ChatCompletionRequest(_Strict):
     def _vllm_omni_dialect(cls, data: Any, handler: Any) -> ChatCompletionRequest:
         """vLLM-Omni's request shape: its fields may come nested in `extra_body`, and
         `modalities` null (or left out beside `sampling_params_list`) asks for every output
-        (text and audio). Such a request, or one asking for audio without OpenAI's required
-        `audio.voice`, is streamed in vLLM-Omni's shape unless `omniray.stream_format`
-        says otherwise."""
+        (text and audio). A request with a field of vLLM's that OpenAI's API does not define
+        (`sampling_params_list`, `chat_template_kwargs`, `stream_options.
+        continuous_usage_stats`), with `modalities` null, or asking for audio without
+        OpenAI's required `audio.voice`, is streamed in vLLM-Omni's shape unless
+        `omniray.stream_format` says otherwise (for text alone that shape is OpenAI's plus
+        a `modality` key, which vLLM's text clients read alike)."""
         dialect = False
         if isinstance(data, dict):
             data = dict(data)
@@ -337,10 +341,13 @@ class ChatCompletionRequest(_Strict):
                 for key in ("sampling_params_list", "chat_template_kwargs"):
                     if data.get(key) is None and nested.get(key) is not None:
                         data[key] = nested[key]
-            dialect = data.get("sampling_params_list") is not None or (
+            every_output = data.get("sampling_params_list") is not None or (
                 "modalities" in data and data["modalities"] is None)
-            if dialect and data.get("modalities") is None:
+            if every_output and data.get("modalities") is None:
                 data["modalities"] = ["text", "audio"]
+            usage = data.get("stream_options")
+            dialect = every_output or data.get("chat_template_kwargs") is not None or (
+                isinstance(usage, dict) and "continuous_usage_stats" in usage)
         req = handler(data)
         if dialect or (req.speech and req.audio.voice is None):
             req._vllm_omni = True
