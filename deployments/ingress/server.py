@@ -2,7 +2,7 @@
 
 Routes (FastAPI, built per replica by `__serve_build_asgi_app__`):
     POST /v1/chat/completions        stream (SSE) or not; text and/or audio out
-    GET  /v1/models[/{id}]           the one served model
+    GET  /v1/models[/{id}]           the served names (the configured one, the checkpoint's own)
     POST/GET /v1/audio/voices, GET/DELETE /v1/audio/voices/{id}   stored voices
     GET  /health                     200 while the replica is up (readiness: `serve status`)
 Handle (other Ray apps): `serve.get_app_handle("omniray").options(stream=True)
