@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -142,6 +144,31 @@ CAPACITY_KEYS: dict[str, tuple[str, ...]] = {
     "code2wav": ("max_streams",)}
 
 
+# The released checkpoint's hub id: what vLLM-Omni serves it as (`vllm serve
+# openbmb/MiniCPM-o-4_5 --omni`) and what its clients send as `model`.
+OFFICIAL_MODEL_NAME = "openbmb/MiniCPM-o-4_5"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def checkpoint_model_name(model: str | None, hf_config: dict[str, Any]) -> str:
+    """The checkpoint's own name. The embedded default and `random-full` are the released
+    layout: the official hub id. A folder: its hub id when it is a Hugging Face cache
+    snapshot (`models--ORG--NAME/snapshots/REV`), else config.json's `_name_or_path` when
+    that is a hub id, else the official hub id (the checkpoint loaded in its layout)."""
+    if model in (None, "", "tiny", "random-full"):
+        return OFFICIAL_MODEL_NAME
+    parts = Path(model).expanduser().parts
+    for i, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            org_name = part[len("models--"):].split("--", 1)
+            if len(org_name) == 2 and _HUB_ID.fullmatch("/".join(org_name)):
+                return "/".join(org_name)
+    named = hf_config.get("_name_or_path")
+    if isinstance(named, str) and _HUB_ID.fullmatch(named) and not Path(named).exists():
+        return named
+    return OFFICIAL_MODEL_NAME
+
+
 def _stage_defaults(stage: str) -> StageSettings:
     return StageSettings(**STAGE_DEFAULTS[stage])
 
@@ -149,7 +176,9 @@ def _stage_defaults(stage: str) -> StageSettings:
 class AppConfig(_Settings):
     """Everything `build_app(args)` accepts (see serve_config.yaml for a commented copy)."""
 
-    name: str = Field("omniray", description="model name in /v1/models and responses")
+    name: str = Field("omniray", description=(
+        "model name in /v1/models and responses; the checkpoint's own name "
+        "(served_model_names) is served beside it"))
     model: str | None = Field(None, description=(
         "checkpoint directory; null or 'tiny' = the embedded tiny default, "
         "'random-full' = full-size random weights"))
@@ -242,6 +271,13 @@ class AppConfig(_Settings):
                 raise ValueError(f"{stage}.engine.{'.'.join(keys)} follows from capacity: "
                                  f"set capacity instead")
         return self
+
+    def served_model_names(self, hf_config: dict[str, Any] | None = None) -> list[str]:
+        """The names `/v1/models` lists and requests may give as `model`: `name`, then the
+        checkpoint's own name (checkpoint_model_name), as vLLM's `--served-model-name`
+        takes several. hf_config: the checkpoint's config.json."""
+        own = checkpoint_model_name(self.model, hf_config or {})
+        return [self.name] if own == self.name else [self.name, own]
 
     @property
     def autoscaled(self) -> bool:

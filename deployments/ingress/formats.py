@@ -1,7 +1,8 @@
 """Events -> OpenAI / vLLM-Omni wire shapes (SSE chunks and the non-streamed body).
 
 Streamed (`text/event-stream`), one `data:` line per chunk, then `data: [DONE]`. Two shapes
-of the audio, picked by the app's `stream_format` or the request's `omniray.stream_format`:
+of the audio, picked by the request's `omniray.stream_format`, else vLLM-Omni's for a request
+in its dialect (schemas.ChatCompletionRequest.vllm_omni), else the app's `stream_format`:
 
   openai (default), OpenAI's streamed audio:
     text     {"choices": [{"delta": {"content": "..."}}]}          when no audio is asked for
@@ -19,7 +20,9 @@ Audio bytes: `wav` sends each piece as a complete WAV file; the other formats
 (ingress/audio_encoding.py) send pieces of one stream: the pieces concatenated are one
 valid file (pcm16: raw 24 kHz samples).
 Non-streamed: choices[0].message.content (text) and choices[0].message.audio
-{id, data: base64 of the whole reply, expires_at, transcript}, plus audio_metadata.
+{id, data: base64 of the whole reply, expires_at, transcript}, plus audio_metadata (OpenAI's
+shape and vLLM-Omni's alike: it merges the audio into the text's choice).
+Models (`GET /v1/models`): one card per served name, as vLLM lists its served model names.
 """
 
 from __future__ import annotations
@@ -151,3 +154,13 @@ def completion_body(rid: str, model: str, text: str, pcm: list[np.ndarray], done
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": done.usage.as_dict(),
             "metrics": done.metrics}
+
+
+def model_card(name: str, served: list[str]) -> dict[str, Any]:
+    """One served name's card; `root` is the checkpoint's own name (never a server path)."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "omniray",
+            "root": served[-1], "parent": None}
+
+
+def models_body(served: list[str]) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(name, served) for name in served]}

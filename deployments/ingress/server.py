@@ -2,7 +2,7 @@
 
 Routes (FastAPI, built per replica by `__serve_build_asgi_app__`):
     POST /v1/chat/completions        stream (SSE) or not; text and/or audio out
-    GET  /v1/models[/{id}]           the one served model
+    GET  /v1/models[/{id}]           the served names (the configured one, the checkpoint's own)
     POST/GET /v1/audio/voices, GET/DELETE /v1/audio/voices/{id}   stored voices
     GET  /health                     200 while the replica is up (readiness: `serve status`)
 Handle (other Ray apps): `serve.get_app_handle("omniray").options(stream=True)
@@ -32,12 +32,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from deployments.config import AppConfig
-from deployments.ingress.formats import ChunkWriter, completion_body, error_body
+from deployments.ingress.formats import (
+    ChunkWriter,
+    completion_body,
+    error_body,
+    model_card,
+    models_body,
+)
 from deployments.ingress.media import MediaLoader, b64decode, pcm16_to_wav
 from deployments.ingress.schemas import (
     DEFAULT_VOICES,
     ApiError,
     ChatCompletionRequest,
+    check_talker_sampling,
     validation_message,
 )
 from deployments.ingress.turn import Group, PreparedTurn, Stages, TurnRunner
@@ -86,7 +93,11 @@ class IngressServer:
                                  allowed_hosts=cfg.allowed_media_hosts,
                                  max_bytes=lim.max_media_bytes,
                                  allowed_networks=cfg.allowed_media_networks)
-        self.model_names = {cfg.name} | ({Path(cfg.model).name, cfg.model} if cfg.model else set())
+        # The served names (listed), and the checkpoint folder's path and name (accepted).
+        self.served_names = cfg.served_model_names(source.config.raw)
+        self.model_names = set(self.served_names) | (
+            {Path(cfg.model).name, cfg.model} if cfg.model else set())
+        self.talker_config = source.config.talker  # what sampling_params_list's entry 1 meets
         self.metrics = AppMetrics()
         handles = [h if isinstance(h, list | tuple) else [h] for h in (thinker, talker, code2wav)]
         if len({len(h) for h in handles}) != 1:
@@ -264,7 +275,9 @@ class IngressServer:
 
         if req.model is not None and req.model not in self.model_names:
             raise ApiError(404, f"model {req.model[:64]!r} does not exist; this server serves "
-                                f"{self.cfg.name!r}", param="model", code="model_not_found")
+                                f"{' and '.join(map(repr, self.served_names))}",
+                           param="model", code="model_not_found")
+        check_talker_sampling(req, self.talker_config)
         lim = self.cfg.limits
         ext = req.omniray
         max_tokens = req.token_limit or min(lim.default_max_tokens, lim.max_tokens)
@@ -288,13 +301,14 @@ class IngressServer:
             voice = self._voice(req) if req.speech else None
             thinker_req = self.processor.build(messages, speech_output=req.speech,
                                                sampling=sampling, request_id=rid,
+                                               enable_thinking=req.enable_thinking,
                                                on_media=on_media,
                                                frames_while_decoding=frames_while_decoding)
         except MediaError as e:
             raise ApiError(getattr(e, "http_status", 400), str(e)) from None
         except ValueError as e:  # e.g. a template or decoder refusing an odd input
             raise ApiError(400, f"invalid request: {e}") from None
-        return PreparedTurn(rid, thinker_req, req.speech, voice, req.seed,
+        return PreparedTurn(rid, thinker_req, req.speech, voice, req.talker_seed,
                             text="text" in req.modalities,
                             speech_codes=ext.fixed_speech_codes if ext else None,
                             return_timings=bool(ext and ext.return_timings))
@@ -391,7 +405,7 @@ class IngressServer:
 
     async def sse(self, req: ChatCompletionRequest, turn: PreparedTurn) -> AsyncIterator[str]:
         opts = req.stream_options
-        writer = ChunkWriter(turn.request_id, self.cfg.name, req.audio.format,
+        writer = ChunkWriter(turn.request_id, self.response_model(req), req.audio.format,
                              include_usage=opts.include_usage if opts else True,
                              stream_format=self.stream_format(req), speech=turn.speech)
         try:
@@ -432,19 +446,26 @@ class IngressServer:
                 elif isinstance(ev, Error):
                     return ev.status, error_body(ev.status, ev.message, ev.reason)
                 elif isinstance(ev, Done):
-                    return 200, completion_body(turn.request_id, self.cfg.name, "".join(text),
+                    return 200, completion_body(turn.request_id, self.response_model(req),
+                                                "".join(text),
                                                 pcm, ev, req.audio.format, turn.speech)
         return 500, error_body(500, "turn ended without a terminal event")
 
+    def response_model(self, req: ChatCompletionRequest) -> str:
+        """The `model` of a response: the served name the request gave (as vLLM answers),
+        else the configured name."""
+        return req.model if req.model in self.served_names else self.cfg.name
+
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self.model_card()]}
+        return models_body(self.served_names)
 
     def model_card(self, model_id: str | None = None) -> dict[str, Any]:
         if model_id is not None and model_id not in self.model_names:
             raise ApiError(404, f"model {model_id[:64]!r} does not exist; this server serves "
-                                f"{self.cfg.name!r}", param="model", code="model_not_found")
-        return {"id": self.cfg.name, "object": "model", "created": int(time.time()),
-                "owned_by": "omniray", "root": self.cfg.model or "tiny"}
+                                f"{' and '.join(map(repr, self.served_names))}",
+                           param="model", code="model_not_found")
+        name = model_id if model_id in self.served_names else self.cfg.name
+        return model_card(name, self.served_names)
 
 
 def tool_calls_text(calls: list[Any]) -> str:
