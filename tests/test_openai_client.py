@@ -59,7 +59,7 @@ def client(serve_app):
 
 
 def test_models_list_and_retrieve(client):
-    assert [m.id for m in client.models.list().data] == [APP]
+    assert [m.id for m in client.models.list().data] == [APP, "openbmb/MiniCPM-o-4_5"]
     assert client.models.retrieve(APP).id == APP
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")
