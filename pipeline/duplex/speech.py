@@ -234,8 +234,11 @@ class DuplexSpeech:
         self.audio_bos = cfg.audio_bos_token_id
         device = self.talker.device
         self.generator = generator or torch.Generator(device=device).manual_seed(seed)
-        # the vocoder's source noise: its own stream, so it never shifts the sampling draws
-        self.noise = torch.Generator(device=device).manual_seed(seed + 1)
+        # The vocoder's source noise: its own generator, so it never shifts the sampling
+        # draws, restarted every turn as the reference's fixed noise table is (read from the
+        # turn's first sample on).
+        self.noise_seed = seed + 1
+        self.noise = torch.Generator(device=device)
         # (1, 1) float32 like the reference's tensor: the same division kernel
         self.temperature = torch.tensor([[temperature]], dtype=torch.float32, device=device)
         self.repetition_penalty = repetition_penalty
@@ -293,7 +296,7 @@ class DuplexSpeech:
         buffer 3 x silence."""
         assert self.template is not None
         self.state = self.template.clone()
-        self.state.generator = self.noise
+        self.state.generator = self.noise.manual_seed(self.noise_seed)
         cfg = self.models.code2wav
         self.buffer = [cfg.silence_code] * cfg.pre_lookahead
 
