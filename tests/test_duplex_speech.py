@@ -194,7 +194,7 @@ def demo_waveform(t2w, buffer: list[int], codes: list[int], last: bool, force_fl
 def mu7_token2wav(tiny_checkpoint, models):
     """The package's Token2wav on the checkpoint's token2wav files, its flow noise and
     vocoder noise table set to seeded draws that our models get too."""
-    from tests._code2wav_ref import load_reference_mu7, build_reference_flow
+    from tests._code2wav_ref import build_reference_flow, load_reference_mu7
 
     mu7 = load_reference_mu7()
     if mu7 is None:

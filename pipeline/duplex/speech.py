@@ -92,17 +92,21 @@ class SpeechModels:
     def from_checkpoint(cls, path: str | Path | None, device: str = "cpu") -> SpeechModels:
         """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32) of a checkpoint
         folder (None: the embedded default), with its default voice."""
-        from pipeline.checkpoint import ModelSource
+        from pipeline.checkpoint import ModelSource, load_into, load_part, talker_schema
         from pipeline.code2wav.assets import load_code2wav, token2wav_dir
-        from pipeline.talker.engine import TalkerEngine
         from pipeline.tokenizer import TextTokenizer
+        from pipeline.utils import resolve_dtype
 
         source = ModelSource.open(None if path is None else str(path))
-        talker = TalkerEngine.from_source(source, device=device).decoder
+        model = TalkerModel(source.config.talker)
+        part = load_part(source.tensors, "tts.", talker_schema(model.cfg), "cpu", torch.float32)
+        load_into(model, part, "talker")
+        model = model.to(device=device, dtype=resolve_dtype("auto", device)).eval()
         flow, vocoder, cfg = load_code2wav(source.path, device, torch.float32)
         tok = TextTokenizer.from_dir(source.tokenizer_dir)
         ids = tuple(tok.token_id(t) for t in ("<|listen|>", "<|chunk_eos|>", "<|chunk_tts_eos|>"))
-        return cls(talker, flow, vocoder, cfg, VoiceCache(token2wav_dir(source.path)), ids)
+        voices = VoiceCache(token2wav_dir(source.path))
+        return cls(FusedTalker(model), flow, vocoder, cfg, voices, ids)
 
     def template(self, voice: VoicePrompt) -> StreamState:
         """The voice's Token2Wav start state ([MU7] set_stream_cache), built once (LRU)."""
