@@ -17,6 +17,8 @@ pieces follow its MiniCPMO45/modeling_minicpmo.py.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,7 +231,7 @@ def test_token2wav_matches_the_demo_over_minicpmo_utils(models, mu7_token2wav):
     speech = DuplexSpeech(models, seed=0)
     speech.prepare(voice)
     plan = [(10, False), (25, False), (4, True), (3, False), (25, False), (2, True), (0, False),
-            (25, True), (5, True), (20, False), (25, False), (25, True)]
+            (25, True), (5, True), (20, False), (25, True)]
     g = torch.Generator().manual_seed(3)
     turn_start, sizes = True, []
     with mu7.active():  # prepare's _init_token2wav_cache: the voice's caches, kept as a base
@@ -315,3 +317,55 @@ def test_bad_input_and_misuse(models):
     speech.close()
     with pytest.raises(RuntimeError, match="before prepare"):
         speech.speak([], True)
+
+
+# -- the golden reference sessions ---------------------------------------------------------
+
+GOLDEN = Path(__file__).resolve().parent / "duplex_golden"
+SESSIONS = ("audio_greedy", "audio_sampling")  # omni_greedy differs only in the hidden rows
+
+
+@pytest.fixture(scope="module")
+def golden_models() -> SpeechModels:
+    """The speech side of the duplex test checkpoint, with the golden run's fixed noise."""
+    if not (GOLDEN / "FORMAT.md").is_file():
+        pytest.skip("tests/duplex_golden/ not present")
+    from tests._duplex_ckpt import duplex_test_checkpoint, flow_noise, vocoder_noise_table
+
+    models = SpeechModels.from_checkpoint(duplex_test_checkpoint())
+    assert torch.equal(models.flow.decoder.rand_noise, flow_noise())  # omniray's own draw
+    models.vocoder.noise_table = vocoder_noise_table()
+    return models
+
+
+@pytest.mark.parametrize("name", SESSIONS)
+def test_speech_matches_the_golden_sessions(golden_models, name):
+    """Every speak unit of the reference session (tests/duplex_golden/FORMAT.md): its Talker
+    inputs (the spoken ids and the Thinker's hidden states the reference recorded) -> the same
+    codes, the same PCM (within int16 rounding of fp32 summation orders), the same Talker
+    position and Token2wav buffer after the unit; the Talker is argmax in the golden run."""
+    meta = json.loads((GOLDEN / f"{name}.json").read_text())
+    arrays = np.load(GOLDEN / f"{name}.npz")
+    speech = DuplexSpeech(golden_models, seed=meta["seed"], greedy=True)
+    speech.prepare(None)  # the checkpoint's default voice, the golden run's prompt
+    spoken_units = turn_ends = 0
+    for u in meta["units"]:
+        if not u["talker_called"]:
+            assert u["is_listen"] and not u["codes"], f"unit {u['index']}"
+            continue
+        i = u["index"]
+        hidden = torch.from_numpy(arrays[f"spoken_hidden_{i}"]) if u["spoken_ids"] else []
+        spoken = list(zip(u["spoken_ids"], hidden))
+        with torch.inference_mode():
+            chunk = speech.speak(spoken, u["end_of_turn"])
+        assert chunk.codes == u["codes"], f"unit {i}: codes"
+        want = arrays[f"pcm_{i}"].astype(np.float32) / 32768.0 if u["pcm"] is not None else (
+            np.zeros(0, np.float32))
+        assert chunk.pcm.shape == want.shape, f"unit {i}: {chunk.pcm.shape} vs {want.shape}"
+        diff = float(np.abs(chunk.pcm - want).max()) if want.size else 0.0
+        assert diff <= 2 * LSB, f"unit {i}: PCM max abs diff {diff:.3g}"
+        assert speech.talker.length == u["tts_text_start_pos"], f"unit {i}: text_start_pos"
+        assert speech.buffer == u["token2wav_buffer"], f"unit {i}: Token2wav buffer"
+        spoken_units += 1
+        turn_ends += u["end_of_turn"]
+    assert spoken_units >= 4 and turn_ends >= 1  # the session spoke and ended a turn
