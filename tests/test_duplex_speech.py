@@ -310,6 +310,8 @@ def test_bad_input_and_misuse(models):
     assert speech.talker.length == 0  # nothing ran
     with pytest.raises(ValueError, match="non-empty and finite"):
         speech.prepare(np.zeros(0, np.float32))
+    with pytest.raises((FileNotFoundError, RuntimeError), match="onnx"):
+        speech.prepare(np.zeros(16000, np.float32))  # the tiny default has no front ends
     with pytest.raises(ValueError, match="temperature"):
         DuplexSpeech(models, temperature=0.0)
     chunk = speech.speak([], False)  # an empty unit is the audio_bos row alone
