@@ -29,7 +29,9 @@ would pass `max_position_embeddings` restarts that context at position 0 (the re
 RoPE past the trained length with an unbounded KV); sampling draws from the session's own
 torch.Generator (the reference: the process-global RNG, in the same order).
 
-Not thread-safe: one caller drives a session.
+[DEMO]: the official demo's MiniCPMO45/modeling_minicpmo.py (`MiniCPMODuplex`, `MiniCPMTTS`);
+[MU7]: minicpmo-utils 1.0.7's `Token2wav` (pipeline/code2wav/stream.py). Parity:
+tests/test_duplex_speech.py. Not thread-safe: one caller drives a session.
 """
 
 from __future__ import annotations
