@@ -1,0 +1,418 @@
+"""Duplex speech: one session's Talker chunks and Token2Wav stream, as `MiniCPMODuplex` runs them.
+
+A speak unit's spoken rows (the Thinker's `total_hidden_in_unit`: each generated id after the
+unit's first, with its last-layer hidden state) become about one second of speech:
+  1. condition  [emb_text(t_i) + L2normalize(projector_semantic(h_i)) ..., emb_text(audio_bos)]
+                (n + 1, E); with no rows, the audio_bos row alone (`_convert_results_to_tts_input`)
+  2. Talker     `MiniCPMTTS.generate_chunk`: the condition prefilled at positions
+                [text_start_pos, +n+1) on top of the turn's KV, then one code a step:
+                  logits / 0.8 -> repetition penalty 1.05 over this chunk's codes (last 16;
+                  not at the first draw) -> EOS (= num_audio_tokens - 1) masked while fewer
+                  than `min` draws -> softmax -> one draw
+                26 draws at most; a chunk ends on EOS (dropped) and the 26th code is dropped
+                too, so a chunk keeps <= 25 codes. min is 26 (EOS never drawn) except at the
+                turn's first chunk and at end_of_turn (0). The KV and text_start_pos carry over
+                the turn's chunks and are dropped at end_of_turn.
+  3. Token2Wav  `_generate_waveform_from_tokens` over minicpmo-utils 1.0.7's streaming Token2wav
+                (pipeline/code2wav: Flow chunks with [MU7]'s cache trimming, the causal vocoder):
+                a turn's code buffer starts as 3 x silence 4218 and its flow / vocoder caches as
+                clones of the voice's template; 28-code windows advancing by 25 once 28 are
+                buffered; at the turn's first chunk (force_flush) windows of
+                min(28, buffered) while >= 8 are buffered, advancing by window - 3; at
+                end_of_turn the rest as the last chunk. PCM goes through int16 as the reference
+                returns it (clip, x 32767, truncate, / 32768) and, unless it ends the turn, is
+                left-padded with zeros to 24000 samples.
+
+Differences from the reference, all at its edges: a session without a voice speaks in the
+checkpoint's default voice (the reference makes no audio then); a turn whose Talker context
+would pass `max_position_embeddings` restarts that context at position 0 (the reference runs
+RoPE past the trained length with an unbounded KV); sampling draws from the session's own
+torch.Generator (the reference: the process-global RNG, in the same order).
+
+[DEMO]: the official demo's MiniCPMO45/modeling_minicpmo.py (`MiniCPMODuplex`, `MiniCPMTTS`);
+[MU7]: minicpmo-utils 1.0.7's `Token2wav` (pipeline/code2wav/stream.py). Parity:
+tests/test_duplex_speech.py. Not thread-safe: one caller drives a session.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.code2wav.causal_hift import CausalHiFT
+from pipeline.code2wav.flow import HISTORY_FRAMES, Flow, FlowCache
+from pipeline.code2wav.hift import HiFTGenerator
+from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, vocode
+from pipeline.code2wav.voice import PROMPT_SR, VoiceCache, VoicePrompt
+from pipeline.config import Code2WavConfig
+from pipeline.sdpa import any_shape
+from pipeline.talker.fused import FusedTalker
+from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel
+from pipeline.talker.sampling import apply_repetition_penalty
+
+if TYPE_CHECKING:
+    from pipeline.duplex.config import DuplexConfig
+
+CHUNK_CODES = 25  # codes a Token2Wav chunk decodes; a Talker chunk keeps at most this many
+CHUNK_DRAWS = CHUNK_CODES + 1  # generate_chunk's max_new_token (the last draw is dropped)
+REPETITION_WINDOW = 16  # gen_logits' past_window
+FLUSH_MIN_CODES = 5  # force_flush decodes while lookahead + this many codes are buffered
+PCM_SR = 24000
+TEMPLATES = 8  # voice templates kept (LRU), shared by every session of a SpeechModels
+FIRST_KV_POSITIONS = 256  # a turn's Talker KV starts this long and doubles as needed
+
+
+@dataclass
+class SpeechChunk:
+    codes: list[int]  # the Talker's new speech codes for this chunk
+    pcm: np.ndarray  # float32 24 kHz PCM this chunk produced (may be empty)
+
+
+@dataclass
+class SpeechModels:
+    """What every session's DuplexSpeech shares: the weights and the voice templates.
+
+    `terminator_ids` are the Thinker's chunk terminators (<|listen|>, <|chunk_eos|>,
+    <|chunk_tts_eos|>): the reference looks for them among the speech codes before decoding
+    (see `DuplexSpeech._token2wav`)."""
+
+    talker: FusedTalker
+    flow: Flow
+    vocoder: CausalHiFT | HiFTGenerator
+    code2wav: Code2WavConfig
+    voices: VoiceCache | None = None
+    terminator_ids: tuple[int, ...] = ()
+    templates: OrderedDict[str, StreamState] = field(default_factory=OrderedDict)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path | None, device: str = "cpu") -> SpeechModels:
+        """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32) of a checkpoint
+        folder (None: the embedded default), with its default voice."""
+        from pipeline.checkpoint import ModelSource, load_into, load_part, talker_schema
+        from pipeline.code2wav.assets import load_code2wav, token2wav_dir
+        from pipeline.tokenizer import TextTokenizer
+        from pipeline.utils import resolve_dtype
+
+        source = ModelSource.open(None if path is None else str(path))
+        model = TalkerModel(source.config.talker)
+        part = load_part(source.tensors, "tts.", talker_schema(model.cfg), "cpu", torch.float32)
+        load_into(model, part, "talker")
+        model = model.to(device=device, dtype=resolve_dtype("auto", device)).eval()
+        flow, vocoder, cfg = load_code2wav(source.path, device, torch.float32)
+        tok = TextTokenizer.from_dir(source.tokenizer_dir)
+        ids = tuple(tok.token_id(t) for t in ("<|listen|>", "<|chunk_eos|>", "<|chunk_tts_eos|>"))
+        voices = VoiceCache(token2wav_dir(source.path))
+        return cls(FusedTalker(model), flow, vocoder, cfg, voices, ids)
+
+    def template(self, voice: VoicePrompt) -> StreamState:
+        """The voice's Token2Wav start state ([MU7] set_stream_cache), built once (LRU)."""
+        key = voice.key
+        tpl = self.templates.get(key)
+        if tpl is None:
+            device = next(self.flow.parameters()).device
+            v = voice.to(device)
+            tpl = initial_state(self.flow, self.code2wav, v.prompt_tokens, v.prompt_mel,
+                                v.spk_emb.float(), vocoder=self.vocoder)
+            self.templates[key] = tpl
+            while len(self.templates) > TEMPLATES:
+                self.templates.popitem(last=False)
+        self.templates.move_to_end(key)
+        return tpl
+
+
+class _TalkerContext:
+    """One turn's Talker KV: a one-slot TalkerKVCache, grown (doubling) as the turn goes."""
+
+    def __init__(self, decoder: FusedTalker) -> None:
+        self.decoder = decoder
+        self.model: TalkerModel = decoder.model
+        weight = self.model.emb_code[0].weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.limit = self.model.cfg.max_position_embeddings
+        self.cache: TalkerKVCache | None = None
+        self.length = 0  # positions filled (= the reference's text_start_pos)
+
+    def reset(self) -> None:
+        self.cache, self.length = None, 0
+
+    def _reserve(self, length: int) -> TalkerKVCache:
+        have = 0 if self.cache is None else self.cache.max_len
+        if length > have:
+            size = max(min(FIRST_KV_POSITIONS, self.limit), have)
+            while size < length:
+                size *= 2
+            grown = TalkerKVCache(self.model.cfg, 1, min(size, self.limit), self.dtype,
+                                  self.device)
+            if self.cache is not None:
+                grown.kv[..., : self.length, :].copy_(self.cache.kv[..., : self.length, :])
+            self.cache = grown
+        assert self.cache is not None
+        return self.cache
+
+    def extend(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (L, E) at the next L positions, attending to the turn's KV and causally to
+        each other. Returns the last row's logits (V,) float32."""
+        start, n = self.length, rows.shape[0]
+        cache = self._reserve(start + n)
+        with any_shape():
+            if start == 0:
+                logits = self.decoder.prefill(cache, 0, rows)
+            else:
+                positions = cache.position_ids[start : start + n][None, :]  # (1, L)
+                keys = cache.position_ids[: start + n]
+                allowed = keys[None, :] <= positions[0, :, None]  # (L, start + L)
+                mask = torch.zeros(allowed.shape, dtype=rows.dtype, device=rows.device)
+                mask.masked_fill_(allowed.logical_not(), float("-inf"))
+                batch = AttentionBatch(slice(0, 1), cache.row_ids[:1], positions, start + n,
+                                       mask[None, None])
+                hidden = self.decoder._forward(rows[None].clone(), positions, cache, batch)
+                logits = self.model.head(hidden[0])
+        self.length = start + n
+        return logits
+
+    def step(self, code: int) -> torch.Tensor:
+        """Feed one code at the next position. Returns its logits (V,) float32."""
+        cache = self._reserve(self.length + 1)
+        codes = torch.tensor([code], dtype=torch.long, device=self.device)
+        pos = torch.tensor([self.length], dtype=torch.long, device=self.device)
+        active = torch.ones(1, dtype=torch.bool, device=self.device)
+        with any_shape():
+            logits = self.decoder.decode(cache, codes, pos, active, self.length + 1)
+        self.length += 1
+        return logits[0]
+
+
+def trim_flow_cache(cache: FlowCache, prompt_frames: int) -> FlowCache:
+    """[MU7] Token2wav's bound after each chunk: a cache longer than the prompt + 100 mel
+    frames keeps the prompt's part and 100 frames of history. The DiT cache is newest-first
+    and the package keeps `[:prompt] ++ [-100:]` of it all the same (so: the newest
+    `prompt` frames and the oldest 100); the conformer caches are oldest-first (prompt + the
+    newest history), the token-rate layers at half rate."""
+    out = cache
+    if cache.est_len > prompt_frames + HISTORY_FRAMES:
+        a = cache.est_att
+        out = replace(out, est_att=torch.cat(
+            [a[..., :prompt_frames, :], a[..., -HISTORY_FRAMES:, :]], dim=4))
+    if cache.mel_len > prompt_frames + HISTORY_FRAMES:
+        t, m = cache.token_att, cache.mel_att
+        half_p, half_h = prompt_frames // 2, HISTORY_FRAMES // 2
+        out = replace(
+            out,
+            token_att=torch.cat([t[:, :, :, :half_p], t[:, :, :, t.shape[3] - half_h :]], dim=3),
+            mel_att=torch.cat(
+                [m[:, :, :, :prompt_frames], m[:, :, :, m.shape[3] - HISTORY_FRAMES :]], dim=3),
+        )
+    return out
+
+
+def as_reference_pcm(speech: np.ndarray) -> np.ndarray:
+    """The float PCM the reference hands out: Token2wav's int16 bytes (clip to [-1, 1],
+    x 32767, truncated) read back as int16 / 32768."""
+    pcm16 = (np.clip(speech, -1.0, 1.0) * 32767.0).astype("<i2")
+    return pcm16.astype(np.float32) / 32768.0
+
+
+class DuplexSpeech:
+    """One session's Talker + Token2Wav state over shared `SpeechModels` (module docstring).
+
+    generator: the session's sampling generator (shared with its Thinker, so that draws come
+    in the reference's order); None = one of its own seeded with `seed`. greedy: argmax codes
+    instead of a draw (the parity tests' reference runs)."""
+
+    def __init__(
+        self, models: SpeechModels, seed: int = 0, generator: torch.Generator | None = None,
+        temperature: float = 0.8, repetition_penalty: float = 1.05, greedy: bool = False,
+    ) -> None:
+        if temperature <= 0:
+            raise ValueError(f"tts temperature must be > 0, got {temperature}")
+        if repetition_penalty <= 0:
+            raise ValueError(f"tts repetition_penalty must be > 0, got {repetition_penalty}")
+        self.models = models
+        self.talker = _TalkerContext(models.talker)
+        cfg = models.talker.model.cfg
+        self.eos = cfg.eos_code
+        self.audio_bos = cfg.audio_bos_token_id
+        device = self.talker.device
+        self.generator = generator or torch.Generator(device=device).manual_seed(seed)
+        # The vocoder's source noise: its own generator, so it never shifts the sampling
+        # draws, restarted every turn as the reference's fixed noise table is (read from the
+        # turn's first sample on).
+        self.noise_seed = seed + 1
+        self.noise = torch.Generator(device=device)
+        # (1, 1) float32 like the reference's tensor: the same division kernel
+        self.temperature = torch.tensor([[temperature]], dtype=torch.float32, device=device)
+        self.repetition_penalty = repetition_penalty
+        self.greedy = greedy
+        self.crossfade = Crossfade(
+            models.code2wav.mel_overlap_frames * models.code2wav.hift.hop_length, device)
+        self.template: StreamState | None = None
+        self.state: StreamState | None = None  # this turn's Token2Wav state
+        self.buffer: list[int] = []  # this turn's codes not yet decoded (incl. lookahead)
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path | None, cfg: DuplexConfig | None = None, device: str = "cpu",
+        seed: int = 0, greedy: bool = False,
+    ) -> DuplexSpeech:
+        """A session over freshly loaded models (tests; a server shares one SpeechModels)."""
+        kw = {}
+        if cfg is not None:
+            kw = {"temperature": cfg.tts_temperature,
+                  "repetition_penalty": cfg.tts_repetition_penalty}
+        return cls(SpeechModels.from_checkpoint(path, device), seed=seed, greedy=greedy, **kw)
+
+    # -- session and turns ---------------------------------------------------------------
+
+    def prepare(self, prompt_wav: np.ndarray | str | VoicePrompt | None,
+                sample_rate: int = PROMPT_SR) -> None:
+        """Start the session in a voice: reference audio (samples at `sample_rate`, or a wav
+        file), a voice prompt, or None for the checkpoint's default voice. Resets the Talker
+        and Token2Wav state, as the reference's prepare does."""
+        voice = self._voice(prompt_wav, sample_rate)
+        self.template = self.models.template(voice)
+        self.talker.reset()
+        self._new_turn()
+
+    def _voice(self, prompt_wav, sample_rate: int) -> VoicePrompt:
+        if isinstance(prompt_wav, VoicePrompt):
+            return prompt_wav
+        voices = self.models.voices
+        if voices is None:
+            raise ValueError("no voice given and no VoiceCache for the default voice")
+        if prompt_wav is None:
+            return voices.default()
+        if isinstance(prompt_wav, str | Path):
+            import soundfile
+
+            wav, sample_rate = soundfile.read(str(prompt_wav), dtype="float32")
+        else:
+            wav = np.asarray(prompt_wav, dtype=np.float32)
+        if wav.size == 0 or not np.isfinite(wav).all():
+            raise ValueError("reference voice audio must be non-empty and finite")
+        return voices.from_audio(wav, sample_rate)
+
+    def _new_turn(self) -> None:
+        """[DEMO] _reset_token2wav_for_new_turn: caches from the voice's template, the code
+        buffer 3 x silence."""
+        assert self.template is not None
+        self.state = self.template.clone()
+        self.state.generator = self.noise.manual_seed(self.noise_seed)
+        cfg = self.models.code2wav
+        self.buffer = [cfg.silence_code] * cfg.pre_lookahead
+
+    def close(self) -> None:
+        """Free the session's state (the shared models stay)."""
+        self.talker.reset()
+        self.state, self.template, self.buffer = None, None, []
+
+    # -- a speak unit --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def speak(self, spoken: list[tuple[int, torch.Tensor]], end_of_turn: bool) -> SpeechChunk:
+        """A speak unit's spoken rows -> its codes and PCM (module docstring)."""
+        if self.state is None:
+            raise RuntimeError("DuplexSpeech.speak before prepare")
+        condition = self._condition(spoken)
+        turn_start = self.talker.length == 0
+        if self.talker.length + condition.shape[0] + CHUNK_CODES > self.talker.limit:
+            self.talker.reset()  # bounded (module docstring); Token2Wav goes on
+        min_draws = 0 if end_of_turn or turn_start else CHUNK_DRAWS
+        codes = self._talker_chunk(condition, min_draws)
+        if end_of_turn:
+            self.talker.reset()
+        # Token2Wav before the turn's reset: the buffer's last codes go out with this chunk
+        pcm = self._token2wav(codes, last=end_of_turn, force_flush=turn_start)
+        if end_of_turn:
+            self._new_turn()
+        return SpeechChunk(codes, pcm)
+
+    def _condition(self, spoken: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """[DEMO] _convert_results_to_tts_input: (n + 1, E)."""
+        model = self.talker.model
+        device = self.talker.device
+        bos = model.emb_text(torch.tensor([self.audio_bos], dtype=torch.long, device=device))
+        if not spoken:
+            return bos
+        ids = torch.tensor([i for i, _ in spoken], dtype=torch.long, device=device)
+        hidden = torch.stack([h.reshape(-1) for _, h in spoken]).to(device)
+        if hidden.shape[1] != model.cfg.llm_dim:
+            raise ValueError(f"spoken hidden rows must be {model.cfg.llm_dim} wide, "
+                             f"got {hidden.shape[1]}")
+        return torch.cat([model.build_condition(ids, hidden), bos], dim=0)
+
+    def _talker_chunk(self, condition: torch.Tensor, min_draws: int) -> list[int]:
+        """[DEMO] MiniCPMTTS.generate_chunk over the turn's KV: the kept codes."""
+        logits = self.talker.extend(condition)
+        drawn: list[int] = []
+        t = 0
+        for t in range(CHUNK_DRAWS):
+            if t > 0:
+                logits = self.talker.step(drawn[t - 1])
+            code = self._draw(logits, drawn, t < min_draws)
+            if code == self.eos:
+                break
+            drawn.append(code)
+        # the code drawn last is dropped: EOS, or the one drawn at the cap, never fed back
+        return drawn[:t]
+
+    def _draw(self, logits: torch.Tensor, drawn: list[int], eos_masked: bool) -> int:
+        """One code from (V,) logits, in generate_chunk's order."""
+        logits = logits[None] / self.temperature  # (1, V)
+        if drawn:  # the first draw (after audio_bos) is temperature-only
+            recent = drawn[-REPETITION_WINDOW:]
+            history = torch.zeros(1, REPETITION_WINDOW, dtype=torch.long, device=logits.device)
+            history[0, REPETITION_WINDOW - len(recent) :] = torch.tensor(recent)
+            count = torch.tensor([len(recent)], device=logits.device)
+            logits = apply_repetition_penalty(logits, history, count, self.repetition_penalty)
+        if eos_masked:
+            logits[:, self.eos] = -torch.inf
+        scores = F.softmax(logits, dim=-1)
+        if self.greedy:
+            return int(scores.argmax(dim=-1).item())
+        return int(torch.multinomial(scores, 1, generator=self.generator).item())
+
+    # -- Token2Wav -------------------------------------------------------------------------
+
+    def _token2wav(self, codes: list[int], last: bool, force_flush: bool) -> np.ndarray:
+        """[DEMO] _generate_waveform_from_tokens: the chunks this unit's codes complete."""
+        cfg = self.models.code2wav
+        ahead, window = cfg.pre_lookahead, CHUNK_CODES + cfg.pre_lookahead
+        self.buffer += codes
+        # Kept as the reference has it: it looks for the Thinker's chunk terminators among
+        # speech codes (ids of another vocabulary), which only a tiny vocabulary could match.
+        flush = force_flush or any(c in self.models.terminator_ids for c in codes)
+        pieces = []
+        if flush:
+            while len(self.buffer) >= ahead + FLUSH_MIN_CODES:
+                n = min(window, len(self.buffer))
+                pieces.append(self._stream(self.buffer[:n], False))
+                self.buffer = self.buffer[min(CHUNK_CODES, n - ahead) :]
+        else:
+            while len(self.buffer) >= window:
+                pieces.append(self._stream(self.buffer[:window], False))
+                self.buffer = self.buffer[CHUNK_CODES:]
+        if last and self.buffer:
+            pieces.append(self._stream(self.buffer, True))
+            self.buffer = []
+        pcm = as_reference_pcm(np.concatenate(pieces)) if pieces else np.zeros(0, np.float32)
+        if pcm.size and not last and pcm.size < PCM_SR:
+            pcm = np.pad(pcm, (PCM_SR - pcm.size, 0))
+        return pcm
+
+    def _stream(self, codes: list[int], last: bool) -> np.ndarray:
+        """[MU7] Token2wav.stream of one window: flow chunk, cache trimming, vocoder."""
+        state, flow = self.state, self.models.flow
+        assert state is not None and state.flow is not None
+        tokens = torch.tensor([codes], dtype=torch.long, device=state.spk.device)
+        mel, cache = flow._chunk(tokens, state.spk, state.flow, last, None)
+        speech, (voiced,) = vocode(self.models.vocoder, self.models.code2wav, [state], mel,
+                                   last, self.crossfade)
+        self.state = replace(voiced, flow=trim_flow_cache(cache, state.prompt_frames),
+                             chunks=state.chunks + 1)
+        return speech[0].float().cpu().numpy()
