@@ -134,15 +134,18 @@ class DuplexThinker:
         """A new session: clean state, then the system prompt prefix, the reference
         voice's audio rows (the offline encoder) and the suffix, registered as the part
         the sliding window keeps."""
+        if ref_audio is not None:
+            ref_audio = np.asarray(ref_audio, dtype=np.float32)
+            if ref_audio.ndim != 1 or ref_audio.size == 0 or not np.isfinite(ref_audio).all():
+                raise ValueError(
+                    f"ref_audio must be non-empty finite 1-D 16 kHz samples, got shape {ref_audio.shape}"
+                )
         self._reset()
         parts: list[torch.Tensor] = []
         if prefix:
             parts.append(self._embed(self.tokenizer.encode(prefix)))
         if ref_audio is not None:
-            ref = np.asarray(ref_audio, dtype=np.float32)
-            if ref.ndim != 1 or ref.size == 0:
-                raise ValueError(f"ref_audio must be non-empty 1-D 16 kHz samples, got shape {ref.shape}")
-            parts.append(self.model.encode_audios([process_audio(ref)])[0])
+            parts.append(self.model.encode_audios([process_audio(ref_audio)])[0])
         if suffix:
             parts.append(self._embed(self.tokenizer.encode(suffix)))
         if parts:
