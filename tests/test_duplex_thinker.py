@@ -249,6 +249,31 @@ def test_basic_window_slides_and_keeps_the_system_prompt(parts):
         assert torch.equal(before, kv[0, 0, :keep])
 
 
+def test_context_window_carries_dropped_speech_into_the_previous_text(parts):
+    th = make(parts, decode_mode="greedy", sliding_window_mode="context",
+              context_max_units=2, context_previous_max_tokens=8)
+    th.prepare(PREFIX, SUFFIX)
+    prefix_len, suffix = th.ctx_prefix, th.ctx_suffix
+    assert prefix_len + len(suffix) == th.preserve and suffix == th.tokenizer.encode(SUFFIX)
+    spoken = []
+    for i, a in enumerate(audio_units(5)):
+        th.prefill_unit(a)
+        u = th.generate_unit(force="listen" if i == 1 else "speak")
+        spoken.append([] if u.is_listen else [x for x, _ in u.spoken if x not in th.special_ids])
+        assert len(th.units) <= 2
+        assert th.context_length == th.preserve + sum(x.length for x in th.units)
+    marker = th.tokenizer.encode("\n\nprevious: ")
+    # units 0-2 left the context: the newest 8 of their spoken tokens follow the marker
+    assert th.ctx_previous == marker + [x for ids in spoken[:3] for x in ids][-8:]
+    assert th.preserve == prefix_len + len(th.ctx_previous) + len(suffix)
+    # the system part was recomputed: prefix, previous and suffix as if prefilled afresh
+    fresh = SessionKV(th.model.llm)
+    fresh.forward(th._embed(th.tokenizer.encode(PREFIX) + th.ctx_previous + suffix))
+    for got, want in zip(th.kv.kv, fresh.kv):
+        torch.testing.assert_close(got[0, :, : th.preserve], want[0, :, : th.preserve],
+                                   rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------
 # Streaming audio
 
@@ -301,7 +326,7 @@ def test_bad_input_is_refused_before_any_state_changes(parts):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"sliding_window_mode": "context"}, "not supported"),
+    ({"sliding_window_mode": "context", "context_max_units": 0}, "context window"),
     ({"sliding_window_mode": "sideways"}, "sliding_window_mode"),
     ({"decode_mode": "beam"}, "decode_mode"),
     ({"max_new_speak_tokens_per_chunk": 0}, "max_new_speak_tokens_per_chunk"),

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DECODE_MODES = ("sampling", "greedy")
-# "context" (the window that keeps a summary of dropped units) is not built yet: refused.
-SLIDING_WINDOW_MODES = ("off", "basic")
+SLIDING_WINDOW_MODES = ("off", "basic", "context")
 
 
 @dataclass(frozen=True)
@@ -37,10 +36,6 @@ class DuplexConfig:
     def __post_init__(self) -> None:
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
-        if self.sliding_window_mode == "context":
-            raise ValueError(
-                "sliding_window_mode 'context' is not supported yet; use 'off' or 'basic'"
-            )
         if self.sliding_window_mode not in SLIDING_WINDOW_MODES:
             raise ValueError(
                 f"sliding_window_mode must be one of {SLIDING_WINDOW_MODES}, "
@@ -71,3 +66,7 @@ class DuplexConfig:
             0 < self.basic_window_low_tokens <= self.basic_window_high_tokens
         ):
             raise ValueError("basic window: need 0 < basic_window_low_tokens <= basic_window_high_tokens")
+        if self.sliding_window_mode == "context" and (
+            self.context_max_units < 1 or self.context_previous_max_tokens < 0
+        ):
+            raise ValueError("context window: need context_max_units >= 1, context_previous_max_tokens >= 0")

@@ -106,3 +106,32 @@ class SessionKV:
                 kv[0, 0, start : start + rest] = cos_n * base + sin_n * _rotate_half(base)
                 kv[0, 1, start : start + rest] = v
         self.length = total - length
+
+    @torch.inference_mode()
+    def rebuild(self, prefix_end: int, embeds: torch.Tensor | None, keep: int) -> None:
+        """Keep tokens [0, prefix_end) and the last `keep`; recompute `embeds` after the
+        prefix (their K/V attend to the prefix only), then move the kept tail right after
+        them, its keys re-rotated (the reference's `_rebuild_cache_with_previous`)."""
+        total = self.length
+        old_start = total - keep
+        tail = [(kv[0, 0, old_start:total].clone(), kv[0, 1, old_start:total].clone())
+                for kv in self.kv] if keep > 0 else []
+        self.length = prefix_end
+        if embeds is not None and embeds.shape[0] > 0:
+            self.forward(embeds)
+        if keep <= 0:
+            return
+        new_start = self.length
+        self._ensure(new_start + keep)
+        if old_start != new_start:
+            old = torch.arange(old_start, old_start + keep, device=self.device)
+            new = torch.arange(new_start, new_start + keep, device=self.device)
+            cos_o, sin_o = rope_cos_sin(self.head_dim, old, self.theta, self.dtype)
+            cos_n, sin_n = rope_cos_sin(self.head_dim, new, self.theta, self.dtype)
+        for kv, (k, v) in zip(self.kv, tail):
+            if old_start != new_start:
+                base = cos_o * k - sin_o * _rotate_half(k)
+                k = cos_n * base + sin_n * _rotate_half(base)
+            kv[0, 0, new_start : new_start + keep] = k
+            kv[0, 1, new_start : new_start + keep] = v
+        self.length = new_start + keep

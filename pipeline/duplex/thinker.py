@@ -40,6 +40,35 @@ from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import TextTokenizer
 
 FORCE_CHOICES = (None, "listen", "speak")
+# The "context" window's marker before the text of dropped units (the reference's default).
+CONTEXT_PREVIOUS_MARKER = "\n\nprevious: "
+# Ids the "context" window never carries into the previous text: the reference decoder's
+# own list, plus the tokenizer's special tokens (`reference_special_tokens`).
+_CONTROL_TOKENS = ("<unit>", "</unit>", "<image>", "</image>", "<slice>", "</slice>",
+                   "<|listen|>", "<|speak|>", "<|tts_bos|>", "<|tts_eos|>", "<|audio_start|>",
+                   "<|audio_end|>", "<|chunk_eos|>", "<|chunk_tts_eos|>", "<|turn_eos|>")
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")
+
+
+def reference_special_tokens(tokenizer_dir: str | Path | None) -> set[str]:
+    """The tokens the reference tokenizer calls special (`all_special_tokens`: the named
+    special tokens and `additional_special_tokens` of tokenizer_config.json and
+    special_tokens_map.json), plus the duplex control tokens."""
+    import json
+
+    texts = set(_CONTROL_TOKENS)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = None if tokenizer_dir is None else Path(tokenizer_dir) / name
+        if f is None or not f.is_file():
+            continue
+        d = json.loads(f.read_text())
+        values = [d.get(k) for k in _SPECIAL_KEYS] + list(d.get("additional_special_tokens") or [])
+        for v in values:
+            text = v.get("content") if isinstance(v, dict) else v
+            if isinstance(text, str):
+                texts.add(text)
+    return texts
 
 
 @dataclass
@@ -64,7 +93,8 @@ class _Unit:
 class DuplexThinker:
     def __init__(self, model: ThinkerModel, tokenizer: TextTokenizer,
                  cfg: DuplexConfig | None = None, *, seed: int | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None,
+                 special_tokens: set[str] | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = cfg or DuplexConfig()
@@ -84,6 +114,10 @@ class DuplexThinker:
         # `<|tts_pad|>` and the tokenizer's bad ids are never decoded; the decoder adds
         # `<|chunk_eos|>` (its own first draw decides a chunk end).
         self.forbidden = [t.tts_pad, *tokenizer.bad_token_ids, t.chunk_eos]
+        # the "context" window's filter (from_checkpoint reads the tokenizer's own list)
+        self.special_texts = special_tokens or reference_special_tokens(None)
+        self.special_ids = {tokenizer.vocab[x] for x in self.special_texts if x in tokenizer.vocab}
+        self.marker_ids = tokenizer.encode(CONTEXT_PREVIOUS_MARKER)
         self._reset()
 
     @classmethod
@@ -93,7 +127,9 @@ class DuplexThinker:
 
         source = ModelSource.open(None if path is None else str(path))
         model = ThinkerModel.load(source, device=device, dtype=torch.float32)
-        return cls(model, TextTokenizer.from_dir(source.tokenizer_dir), cfg, seed=seed)
+        tok = TextTokenizer.from_dir(source.tokenizer_dir)
+        return cls(model, tok, cfg, seed=seed,
+                   special_tokens=reference_special_tokens(source.tokenizer_dir))
 
     # -- state ---------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -116,6 +152,12 @@ class DuplexThinker:
         self.unit_start: int | None = None
         self.prefill_schema: list[list] = []
         self.slides = 0  # window slides so far (a counter for tests and stats)
+        # "context" window: [prefix] [marker + previous] [suffix] [units...]
+        self.ctx_prefix = 0
+        self.ctx_suffix: list[int] = []
+        self.ctx_marker: list[int] = []  # set when a system prompt is registered
+        self.ctx_previous: list[int] = []  # marker + the dropped units' tokens
+        self.ctx_previous_len = 0
 
     @property
     def context_length(self) -> int:
@@ -146,11 +188,18 @@ class DuplexThinker:
             parts.append(self._embed(self.tokenizer.encode(prefix)))
         if ref_audio is not None:
             parts.append(self.model.encode_audios([process_audio(ref_audio)])[0])
-        if suffix:
-            parts.append(self._embed(self.tokenizer.encode(suffix)))
+        suffix_ids = self.tokenizer.encode(suffix) if suffix else []
         if parts:
             self.kv.forward(torch.cat([p.to(self.dtype) for p in parts], dim=0))
-        if prefix or suffix or ref_audio is not None:
+        registered = bool(prefix or suffix or ref_audio is not None)
+        if registered and self.cfg.sliding_window_mode == "context":
+            # the previous text will go between the prefix (+ voice) and the suffix
+            self.ctx_prefix = self.kv.length
+            self.ctx_suffix = suffix_ids
+            self.ctx_marker = list(self.marker_ids)
+        if suffix_ids:
+            self.kv.forward(self._embed(suffix_ids))
+        if registered:
             self.preserve = self.kv.length
 
     # -- prefill -------------------------------------------------------------------------
@@ -319,6 +368,8 @@ class DuplexThinker:
         self._register_unit_end(spoken_ids, is_listen, text)
         if c.sliding_window_mode == "basic":
             self._enforce_window()
+        elif c.sliding_window_mode == "context":
+            self._enforce_context_window()
         prefill = self.prefill_schema[-1] if self.prefill_schema else []
         if is_listen:
             return ThinkerUnit(True, False, "", ids, [], prefill)
@@ -355,3 +406,55 @@ class DuplexThinker:
         if dropped:
             self.slides += 1
         return dropped > 0
+
+    def _enforce_context_window(self) -> bool:
+        """Past `context_max_units` units, the oldest units leave the context and their
+        spoken tokens join the previous text between the prefix and the suffix (at most
+        `context_previous_max_tokens` of them, the newest kept)."""
+        c = self.cfg
+        if len(self.units) <= c.context_max_units:
+            return False
+        dropped = 0
+        while len(self.units) > c.context_max_units:
+            unit = self.units.pop(0)
+            tokens, text = [], ""
+            if not unit.is_listen:
+                tokens = [i for i in unit.generated if i not in self.special_ids]
+                text = unit.text
+                for st in self.special_texts:
+                    text = text.replace(st, "")
+            self._update_previous(tokens, not text.strip())
+            dropped += 1
+        self.slides += 1
+        return True
+
+    def _update_previous(self, tokens: list[int], no_text: bool) -> None:
+        if not tokens and no_text:
+            self._rebuild_with_previous(self.ctx_previous)
+            return
+        marker = len(self.ctx_marker)
+        if not self.ctx_previous:
+            self.ctx_previous = list(self.ctx_marker) + tokens
+        else:
+            self.ctx_previous.extend(tokens)
+        extra = len(self.ctx_previous) - marker - self.cfg.context_previous_max_tokens
+        if extra > 0:  # keep the marker and the newest tokens
+            self.ctx_previous = list(self.ctx_marker) + self.ctx_previous[marker + extra :]
+        self._rebuild_with_previous(self.ctx_previous)
+
+    def _rebuild_with_previous(self, previous: list[int]) -> None:
+        keep = sum(u.length for u in self.units)
+        if not previous and self.ctx_previous_len == 0:
+            # nothing to recompute: the prefix and suffix stay, the kept units move down
+            preserve = self.ctx_prefix + len(self.ctx_suffix)
+            dropped = self.kv.length - preserve - keep
+            if keep > 0:
+                if dropped > 0:
+                    self.kv.drop(preserve, dropped)
+            else:
+                self.kv.length = preserve
+            return
+        rows = previous + self.ctx_suffix
+        self.kv.rebuild(self.ctx_prefix, self._embed(rows) if rows else None, keep)
+        self.ctx_previous_len = len(previous)
+        self.preserve = self.ctx_prefix + len(previous) + len(self.ctx_suffix)
