@@ -152,6 +152,9 @@ class StandInSpeech:
     def prepare(self, prompt_wav):
         self.log.append(("speech.prepare", prompt_wav))
 
+    def close(self):
+        self.log.append(("speech.close",))
+
     def speak(self, spoken, end_of_turn):
         self.calls.append(([i for i, _ in spoken], [h.clone() for _, h in spoken], end_of_turn))
         return _Chunk(list(range(len(spoken))), np.zeros(240 * len(spoken), np.float32))
@@ -177,6 +180,19 @@ def test_session_hands_speak_units_to_the_speech_side(parts):
     for r in results:
         if r.is_listen:
             assert r.codes == [] and r.pcm is None
+
+
+def test_close_frees_the_session_state(parts):
+    log = []
+    s = DuplexSession(make(parts, decode_mode="greedy"), StandInSpeech(log))
+    s.prepare(PREFIX, SUFFIX)
+    s.unit(audio_units(1)[0], force="speak")
+    th = s.thinker
+    assert th.kv.capacity > 0 and th.audio_encoder.k is not None
+    s.close()
+    assert th.kv.kv == [] and th.kv.capacity == 0 and th.context_length == 0
+    assert th.audio_encoder.k is None and th.pending_logits is None and th.units == []
+    assert log[-1] == ("speech.close",)
 
 
 def test_session_without_speech_is_text_only(parts):

@@ -52,6 +52,13 @@ class DuplexSession:
         self.thinker.prepare(prefix, suffix, ref_audio)
         self.units = 0
 
+    def close(self) -> None:
+        """Frees the session's state on both sides (the speech side's if it has `close`)."""
+        self.thinker.close()
+        close = getattr(self.speech, "close", None)
+        if close is not None:
+            close()
+
     def unit(self, audio: np.ndarray | None, frames: list | None = None,
              force: str | None = None, max_slice_nums: int | list[int] = 1) -> UnitResult:
         self.thinker.prefill_unit(audio, frames, max_slice_nums)

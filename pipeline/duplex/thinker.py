@@ -159,6 +159,10 @@ class DuplexThinker:
         self.ctx_previous: list[int] = []  # marker + the dropped units' tokens
         self.ctx_previous_len = 0
 
+    def close(self) -> None:
+        """Frees the session's caches (KV, audio encoder, buffers); `prepare` starts anew."""
+        self._reset()
+
     @property
     def context_length(self) -> int:
         return self.kv.length
