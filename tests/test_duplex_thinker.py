@@ -148,6 +148,7 @@ class StandInSpeech:
 
     def __init__(self, log):
         self.log, self.calls = log, []
+        self.generator = torch.Generator()
 
     def prepare(self, prompt_wav):
         self.log.append(("speech.prepare", prompt_wav))
@@ -167,6 +168,7 @@ def test_session_hands_speak_units_to_the_speech_side(parts):
     th.prepare = lambda *a, **k: (log.append(("thinker.prepare",)), orig(*a, **k))[1]
     speech = StandInSpeech(log)
     s = DuplexSession(th, speech)
+    assert speech.generator is th.generator  # one RNG per session, as the reference's
     s.prepare(PREFIX, SUFFIX, prompt_wav="voice.wav")
     assert log == [("speech.prepare", "voice.wav"), ("thinker.prepare",)]
     forces = ["listen", "speak", None, "listen", "speak"]

@@ -42,6 +42,11 @@ class DuplexSession:
         self.thinker = thinker
         self.speech = speech
         self.units = 0
+        # The reference draws the Thinker's and the Talker's samples from one RNG, in unit
+        # order: a speech side on the same device draws from the Thinker's generator too.
+        gen = getattr(speech, "generator", None)
+        if isinstance(gen, torch.Generator) and gen.device == thinker.generator.device:
+            speech.generator = thinker.generator
 
     def prepare(self, prefix: str | None = None, suffix: str | None = None,
                 ref_audio: np.ndarray | None = None,
