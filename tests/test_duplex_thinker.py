@@ -9,7 +9,9 @@ sliding window's RoPE realignment, the streaming mel's stable frames, and bad in
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -356,3 +358,79 @@ def test_bad_input_is_refused_before_any_state_changes(parts):
 def test_config_refuses_what_it_cannot_run(kw, match):
     with pytest.raises(ValueError, match=match):
         DuplexConfig(**kw)
+
+
+# ---------------------------------------------------------------------------------------
+# Parity with the reference: the committed goldens of tests/duplex_golden
+#
+# Written by tests/duplex_golden/make_golden.py (the official demo's MiniCPMODuplex, its
+# commit named in each json as `demo_commit`, on the duplex test checkpoint of
+# tests/_duplex_ckpt.py, CPU float32), one fresh reference object per session, inputs from
+# tests/_duplex_inputs.py. Here: the Thinker side alone, unit by unit; the speech side and
+# the whole session are compared in test_duplex_parity.py.
+
+GOLDEN = Path(__file__).resolve().parent / "duplex_golden"
+GOLDEN_SESSIONS = ("audio_greedy", "audio_sampling", "omni_greedy")
+
+
+def _golden(name):
+    path = GOLDEN / f"{name}.json"
+    if not path.is_file():
+        pytest.skip(f"{path} not committed")
+    record = json.loads(path.read_text())
+    arrays = np.load(GOLDEN / f"{name}.npz")
+    return record, arrays
+
+
+def _schema(prefill):
+    return [list(x) if isinstance(x, tuple) else x for x in prefill]
+
+
+@pytest.fixture(scope="module")
+def duplex_ckpt():
+    if not GOLDEN.is_dir():
+        pytest.skip("tests/duplex_golden not committed")
+    from tests._duplex_ckpt import duplex_test_checkpoint
+
+    return duplex_test_checkpoint()
+
+
+@pytest.mark.parametrize("name", GOLDEN_SESSIONS)
+def test_thinker_matches_the_reference_unit_by_unit(name, duplex_ckpt):
+    from tests import _duplex_inputs as di
+
+    record, arrays = _golden(name)
+    script = di.session(name)
+    cfg = DuplexConfig(decode_mode=record["decode_mode"], **record["duplex_kwargs"])
+    # the reference seeds the global RNG right before prepare; the session's generator
+    # takes the same seed and its draws come in the same order
+    th = DuplexThinker.from_checkpoint(duplex_ckpt, cfg, seed=record["seed"])
+    th.prepare(record["prefix"], record["suffix"], di.ref_audio(duplex_ckpt))
+    assert th.context_length == record["prepare_cache_len"]
+    assert th.preserve == record["system_preserve_len"]
+    seen = set()
+    for unit, (audio, frames) in zip(record["units"], di.session_inputs(script), strict=True):
+        i = unit["index"]
+        draws = th.decoder.draws
+        assert th.prefill_unit(audio, frames) is True
+        u = th.generate_unit()
+        where = f"{name} unit {i}"
+        assert _schema(u.prefill) == unit["prefill"], where
+        assert u.token_ids == unit["generated"], where
+        assert (u.is_listen, u.end_of_turn, u.text) == (
+            unit["is_listen"], unit["end_of_turn"], unit["text"]), where
+        assert [x for x, _ in u.spoken] == unit["spoken_ids"], where
+        assert th.context_length == unit["cache_len"], where
+        assert th.slides == unit["slides"], where
+        if "dropped_units" in unit:
+            assert th.dropped_units == unit["dropped_units"], where
+        if "rng_draws" in unit:
+            assert th.decoder.draws - draws == unit["rng_draws"], where
+        if u.spoken:
+            want = torch.from_numpy(arrays[f"spoken_hidden_{i}"])
+            got = torch.stack([h for _, h in u.spoken])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=where)
+        seen.add("listen" if u.is_listen else "turn_end" if u.end_of_turn else "speak")
+    assert record["total_ids"][-len(u.token_ids):] == u.token_ids
+    # the session covers what the parity claim is about
+    assert {"listen", "speak", "turn_end"} <= seen and th.slides >= 1

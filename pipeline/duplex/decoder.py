@@ -45,8 +45,10 @@ class DuplexDecoder:
         self.forbidden = torch.tensor(sorted(set(forbidden)), dtype=torch.long)
         self.generator = generator
         self.generated: list[int] = []  # every id decode returned past the chunk_eos check
+        self.draws = 0  # samples drawn from the generator so far
 
     def _multinomial(self, probs: torch.Tensor) -> torch.Tensor:
+        self.draws += 1
         return torch.multinomial(probs, num_samples=1, generator=self.generator)
 
     @torch.inference_mode()

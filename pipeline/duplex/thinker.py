@@ -152,6 +152,7 @@ class DuplexThinker:
         self.unit_start: int | None = None
         self.prefill_schema: list[list] = []
         self.slides = 0  # window slides so far (a counter for tests and stats)
+        self.dropped_units = 0
         # "context" window: [prefix] [marker + previous] [suffix] [units...]
         self.ctx_prefix = 0
         self.ctx_suffix: list[int] = []
@@ -409,6 +410,7 @@ class DuplexThinker:
             dropped += 1
         if dropped:
             self.slides += 1
+            self.dropped_units += dropped
         return dropped > 0
 
     def _enforce_context_window(self) -> bool:
@@ -430,6 +432,7 @@ class DuplexThinker:
             self._update_previous(tokens, not text.strip())
             dropped += 1
         self.slides += 1
+        self.dropped_units += dropped
         return True
 
     def _update_previous(self, tokens: list[int], no_text: bool) -> None:
