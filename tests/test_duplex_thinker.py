@@ -434,3 +434,39 @@ def test_thinker_matches_the_reference_unit_by_unit(name, duplex_ckpt):
     assert record["total_ids"][-len(u.token_ids):] == u.token_ids
     # the session covers what the parity claim is about
     assert {"listen", "speak", "turn_end"} <= seen and th.slides >= 1
+
+
+# One session end to end (listen, speak, two turn ends, window slides, frames): each side is
+# compared on every golden session above and in test_duplex_speech.py; this checks the
+# composition (Token2Wav on CPU makes a session end to end cost ~15 s).
+@pytest.mark.parametrize("name", ["omni_greedy"])
+def test_session_with_speech_matches_the_reference(name, duplex_ckpt):
+    """The whole session (this Thinker + pipeline/duplex/speech.py) against the goldens:
+    decisions, tokens, the Talker's codes and the PCM of every speak unit (the reference's
+    Talker takes the argmax code in the golden run: the speech side's `greedy`)."""
+    speech_mod = pytest.importorskip("pipeline.duplex.speech")
+    from tests import _duplex_inputs as di
+    from tests._duplex_ckpt import vocoder_noise_table
+
+    record, arrays = _golden(name)
+    cfg = DuplexConfig(decode_mode=record["decode_mode"], **record["duplex_kwargs"])
+    th = DuplexThinker.from_checkpoint(duplex_ckpt, cfg, seed=record["seed"])
+    speech = speech_mod.DuplexSpeech.from_checkpoint(duplex_ckpt, cfg, seed=record["seed"],
+                                                     greedy=True)
+    speech.models.vocoder.noise_table = vocoder_noise_table()  # the golden run's fixed table
+    s = DuplexSession(th, speech)
+    s.prepare(record["prefix"], record["suffix"], di.ref_audio(duplex_ckpt), None)
+    for unit, (audio, frames) in zip(record["units"], di.session_inputs(di.session(name)),
+                                     strict=True):
+        i, where = unit["index"], f"{name} unit {unit['index']}"
+        r = s.unit(audio, frames)
+        assert r.token_ids == unit["generated"], where
+        assert (r.is_listen, r.end_of_turn) == (unit["is_listen"], unit["end_of_turn"]), where
+        assert r.codes == unit["codes"], where
+        if r.is_listen:
+            # the reference hands out a second of silence on a listen unit; here: no audio
+            assert r.pcm is None and not np.any(arrays[f"pcm_{i}"]), where
+        else:
+            want = arrays[f"pcm_{i}"].astype(np.float32) / 32768.0
+            assert r.pcm.shape == want.shape, where
+            np.testing.assert_allclose(r.pcm, want, rtol=0, atol=1e-3, err_msg=where)
