@@ -91,4 +91,6 @@ class DuplexDecoder:
             logits = top_k_top_p_filtering(logits / temperature, top_k, top_p)
             token = int(self._multinomial(F.softmax(logits, dim=-1)).squeeze(1).item())
         self.generated.append(token)
+        if len(self.generated) > 2 * repetition_window:  # only the last window is read
+            del self.generated[:-repetition_window]
         return token

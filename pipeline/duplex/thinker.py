@@ -15,6 +15,12 @@ forward over the same rows in the same order (the same values up to fp32 summati
 the parity tests compare against the reference's goldens). Decoded tokens are fed one by
 one, as there.
 
+Sliding windows (`DuplexConfig.sliding_window_mode`): "basic" drops the oldest units once
+the context passes `basic_window_high_tokens`, down to `basic_window_low_tokens`, and
+re-rotates the keys that follow; "context" keeps `context_max_units` units and moves the
+spoken tokens of the dropped ones into a "previous:" text between the system prompt's
+prefix and suffix (the reference's `StreamDecoder` windows, op for op).
+
 State is per session: the KV cache (`SessionKV`), the streaming mel and audio encoder
 caches, the decoder's history and the session's random generator. Nothing is shared
 between sessions (the reference's audio encoder cache and log-mel mode outlive its
@@ -122,11 +128,14 @@ class DuplexThinker:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | None, cfg: DuplexConfig | None = None,
-                        device: str | torch.device = "cpu", seed: int | None = 0) -> DuplexThinker:
+                        device: str | torch.device = "cpu", seed: int | None = 0,
+                        dtype: torch.dtype = torch.float32) -> DuplexThinker:
+        """A session over freshly loaded weights (tests, scripts; a server shares one
+        ThinkerModel between its sessions)."""
         from pipeline.checkpoint import ModelSource
 
         source = ModelSource.open(None if path is None else str(path))
-        model = ThinkerModel.load(source, device=device, dtype=torch.float32)
+        model = ThinkerModel.load(source, device=device, dtype=dtype)
         tok = TextTokenizer.from_dir(source.tokenizer_dir)
         return cls(model, tok, cfg, seed=seed,
                    special_tokens=reference_special_tokens(source.tokenizer_dir))
@@ -150,7 +159,7 @@ class DuplexThinker:
         self.preserve = 0  # system prompt length, never slid out
         self.units: list[_Unit] = []
         self.unit_start: int | None = None
-        self.prefill_schema: list[list] = []
+        self.last_prefill: list = []  # the last unit's prefill schema
         self.slides = 0  # window slides so far (a counter for tests and stats)
         self.dropped_units = 0
         # "context" window: [prefix] [marker + previous] [suffix] [units...]
@@ -277,7 +286,7 @@ class DuplexThinker:
         self.current_mode = mode
         if mode == "VISION":
             self.audio_chunk_idx += 1  # the reference counts a frame-only unit as a chunk
-        self.prefill_schema.append(schema)
+        self.last_prefill = schema
         return True
 
     def _audio_rows(self, audio: np.ndarray, rows: list, schema: list) -> bool:
@@ -375,7 +384,7 @@ class DuplexThinker:
             self._enforce_window()
         elif c.sliding_window_mode == "context":
             self._enforce_context_window()
-        prefill = self.prefill_schema[-1] if self.prefill_schema else []
+        prefill = self.last_prefill
         if is_listen:
             return ThinkerUnit(True, False, "", ids, [], prefill)
         return ThinkerUnit(False, end_of_turn, text, ids, spoken, prefill)
