@@ -92,7 +92,10 @@ class StreamingMel:
     def push(self, chunk: np.ndarray) -> torch.Tensor:
         """Append a chunk; returns the frames to encode (80, n), n = 0 when none is ready."""
         chunk = np.asarray(chunk, dtype=np.float32)
-        self.buffer = chunk.copy() if len(self.buffer) == 0 else np.concatenate([self.buffer, chunk])
+        if len(self.buffer) == 0:
+            self.buffer = chunk.copy()
+        else:
+            self.buffer = np.concatenate([self.buffer, chunk])
         self._slide()
         if len(self.buffer) < N_FFT:
             raise ValueError(f"audio buffer of {len(self.buffer)} samples is shorter than n_fft")

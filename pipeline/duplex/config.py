@@ -65,8 +65,12 @@ class DuplexConfig:
         if self.sliding_window_mode == "basic" and not (
             0 < self.basic_window_low_tokens <= self.basic_window_high_tokens
         ):
-            raise ValueError("basic window: need 0 < basic_window_low_tokens <= basic_window_high_tokens")
+            raise ValueError(
+                "basic window: need 0 < basic_window_low_tokens <= basic_window_high_tokens"
+            )
         if self.sliding_window_mode == "context" and (
             self.context_max_units < 1 or self.context_previous_max_tokens < 0
         ):
-            raise ValueError("context window: need context_max_units >= 1, context_previous_max_tokens >= 0")
+            raise ValueError(
+                "context window: need context_max_units >= 1, context_previous_max_tokens >= 0"
+            )

@@ -84,7 +84,8 @@ class ThinkerUnit:
     text: str  # the reference's generated_text
     token_ids: list[int]  # every id appended to total_ids this unit
     spoken: list[tuple[int, torch.Tensor]]  # (id, final hidden [hidden_size]) for the Talker
-    prefill: list = field(default_factory=list)  # the unit's prefill schema (ids, ("audio", n), ("img", 64))
+    # the unit's prefill schema: ids and ("audio", n) / ("img", 64) for embedded rows
+    prefill: list = field(default_factory=list)
 
 
 @dataclass
@@ -194,7 +195,8 @@ class DuplexThinker:
             ref_audio = np.asarray(ref_audio, dtype=np.float32)
             if ref_audio.ndim != 1 or ref_audio.size == 0 or not np.isfinite(ref_audio).all():
                 raise ValueError(
-                    f"ref_audio must be non-empty finite 1-D 16 kHz samples, got shape {ref_audio.shape}"
+                    "ref_audio must be non-empty finite 1-D 16 kHz samples, "
+                    f"got shape {ref_audio.shape}"
                 )
         self._reset()
         parts: list[torch.Tensor] = []
@@ -225,7 +227,8 @@ class DuplexThinker:
             per_frame = list(max_slice_nums)
             if len(per_frame) != len(frames):
                 raise ValueError(
-                    f"max_slice_nums list length ({len(per_frame)}) must match the frames ({len(frames)})"
+                    f"max_slice_nums list length ({len(per_frame)}) must match the frames "
+                    f"({len(frames)})"
                 )
         images = []
         for frame, n in zip(frames, per_frame):
@@ -233,10 +236,14 @@ class DuplexThinker:
                 raise ValueError(f"max_slice_nums must be an int >= 1, got {n!r}")
             if isinstance(frame, np.ndarray):
                 if frame.ndim != 3 or frame.shape[2] != 3 or frame.dtype != np.uint8:
-                    raise ValueError(f"a frame array must be (H, W, 3) uint8, got {frame.shape} {frame.dtype}")
+                    raise ValueError(
+                        f"a frame array must be (H, W, 3) uint8, got {frame.shape} {frame.dtype}"
+                    )
                 frame = Image.fromarray(frame)
             if not isinstance(frame, Image.Image):
-                raise ValueError(f"a frame must be a PIL image or an (H, W, 3) uint8 array, got {type(frame)}")
+                raise ValueError(
+                    f"a frame must be a PIL image or an (H, W, 3) uint8 array, got {type(frame)}"
+                )
             images.append(process_image(frame.convert("RGB"), self.model.cfg.slicing, "", n).image)
         t, q = self.tokens, self.model.cfg.query_num
         rows, schema = [], []
@@ -269,7 +276,9 @@ class DuplexThinker:
         else:
             return False
         # bad frames are refused before the unit touches any state
-        frame_rows, frame_schema = self._frame_rows(frames, max_slice_nums) if has_frames else ([], [])
+        frame_rows, frame_schema = [], []
+        if has_frames:
+            frame_rows, frame_schema = self._frame_rows(frames, max_slice_nums)
 
         self.pending_logits = None
         self.unit_start = self.kv.length
