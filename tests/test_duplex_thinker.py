@@ -370,7 +370,7 @@ def test_config_refuses_what_it_cannot_run(kw, match):
 # the whole session are compared in test_duplex_parity.py.
 
 GOLDEN = Path(__file__).resolve().parent / "duplex_golden"
-GOLDEN_SESSIONS = ("audio_greedy", "audio_sampling", "omni_greedy")
+GOLDEN_SESSIONS = ("audio_greedy", "audio_sampling", "omni_greedy", "text_context_greedy")
 
 
 def _golden(name):
@@ -426,6 +426,10 @@ def test_thinker_matches_the_reference_unit_by_unit(name, duplex_ckpt):
             assert th.dropped_units == unit["dropped_units"], where
         if "rng_draws" in unit:
             assert th.decoder.draws - draws == unit["rng_draws"], where
+        if "previous_token_ids" in unit:  # the context window's system part
+            assert th.ctx_previous == unit["previous_token_ids"], where
+            assert th.ctx_previous_len == unit["previous_content_len"], where
+            assert th.ctx_prefix == unit["preserve_prefix_len"], where
         if u.spoken:
             want = torch.from_numpy(arrays[f"spoken_hidden_{i}"])
             got = torch.stack([h for _, h in u.spoken])
