@@ -60,13 +60,16 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token"
 def reference_special_tokens(tokenizer_dir: str | Path | None) -> set[str]:
     """The tokens the reference tokenizer calls special (`all_special_tokens`: the named
     special tokens and `additional_special_tokens` of tokenizer_config.json and
-    special_tokens_map.json), plus the duplex control tokens."""
+    special_tokens_map.json), plus the duplex control tokens. Without a folder: the
+    MiniCPM-o tokenizer's eos, pad and unk tokens only."""
     import json
 
     texts = set(_CONTROL_TOKENS)
+    if tokenizer_dir is None:
+        return texts | {"<|im_end|>", "<|endoftext|>", "<unk>"}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        f = None if tokenizer_dir is None else Path(tokenizer_dir) / name
-        if f is None or not f.is_file():
+        f = Path(tokenizer_dir) / name
+        if not f.is_file():
             continue
         d = json.loads(f.read_text())
         values = [d.get(k) for k in _SPECIAL_KEYS] + list(d.get("additional_special_tokens") or [])
@@ -121,7 +124,8 @@ class DuplexThinker:
         # `<|tts_pad|>` and the tokenizer's bad ids are never decoded; the decoder adds
         # `<|chunk_eos|>` (its own first draw decides a chunk end).
         self.forbidden = [t.tts_pad, *tokenizer.bad_token_ids, t.chunk_eos]
-        # the "context" window's filter (from_checkpoint reads the tokenizer's own list)
+        # the "context" window's filter; pass `reference_special_tokens(tokenizer_dir)` for
+        # the checkpoint's own list (from_checkpoint does)
         self.special_texts = special_tokens or reference_special_tokens(None)
         self.special_ids = {tokenizer.vocab[x] for x in self.special_texts if x in tokenizer.vocab}
         self.marker_ids = tokenizer.encode(CONTEXT_PREVIOUS_MARKER)
