@@ -1,0 +1,79 @@
+"""One full-duplex session: the Thinker's unit, then (on a speak unit) its speech chunk.
+
+`DuplexSession.unit` is the reference's `streaming_prefill` + `streaming_generate` pair:
+the unit's input is prefilled, the Thinker decides listen or speak and decodes the chunk's
+tokens, and a speak unit's (id, hidden) rows go to the speech side, which keeps the
+Talker's and Token2Wav's per-turn state and resets it at the turn's end. With no speech
+side (text only) a speak unit carries its text and no audio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pipeline.duplex.thinker import DuplexThinker
+
+
+class SpeechSide(Protocol):
+    """What the session needs of `pipeline.duplex.speech.DuplexSpeech`."""
+
+    def prepare(self, prompt_wav: np.ndarray | str | None) -> None: ...
+
+    def speak(self, spoken: list[tuple[int, torch.Tensor]], end_of_turn: bool): ...
+
+
+@dataclass
+class UnitResult:
+    is_listen: bool
+    end_of_turn: bool
+    text: str
+    token_ids: list[int]
+    codes: list[int]
+    pcm: np.ndarray | None
+    prefill: list = field(default_factory=list)  # the unit's prefill schema (see ThinkerUnit)
+
+
+class DuplexSession:
+    def __init__(self, thinker: DuplexThinker, speech: SpeechSide | None = None):
+        self.thinker = thinker
+        self.speech = speech
+        self.units = 0
+        # The reference draws the Thinker's and the Talker's samples from one RNG, in unit
+        # order: a speech side on the same device draws from the Thinker's generator too.
+        gen = getattr(speech, "generator", None)
+        if isinstance(gen, torch.Generator) and gen.device == thinker.generator.device:
+            speech.generator = thinker.generator
+
+    def prepare(self, prefix: str | None = None, suffix: str | None = None,
+                ref_audio: np.ndarray | None = None,
+                prompt_wav: np.ndarray | str | None = None) -> None:
+        # the reference sets up the voice's Token2Wav cache before the prompt's prefill
+        if self.speech is not None:
+            self.speech.prepare(prompt_wav)
+        self.thinker.prepare(prefix, suffix, ref_audio)
+        self.units = 0
+
+    def close(self) -> None:
+        """Frees the session's state on both sides (the speech side's if it has `close`)."""
+        self.thinker.close()
+        close = getattr(self.speech, "close", None)
+        if close is not None:
+            close()
+
+    def unit(self, audio: np.ndarray | None, frames: list | None = None,
+             force: str | None = None, max_slice_nums: int | list[int] = 1) -> UnitResult:
+        self.thinker.prefill_unit(audio, frames, max_slice_nums)
+        tu = self.thinker.generate_unit(force)
+        self.units += 1
+        codes: list[int] = []
+        pcm: np.ndarray | None = None
+        if not tu.is_listen and self.speech is not None:
+            chunk = self.speech.speak(tu.spoken, tu.end_of_turn)
+            codes = [int(c) for c in chunk.codes]
+            pcm = chunk.pcm
+        return UnitResult(tu.is_listen, tu.end_of_turn, tu.text, tu.token_ids, codes, pcm,
+                          tu.prefill)
