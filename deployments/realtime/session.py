@@ -139,6 +139,7 @@ class RealtimeSession:
         self.outbox = Outbox(send, self._wire)
         self.history = history
         self.sent_audio = False  # the client has sent input audio
+        self.client = ""  # the client's address (socket.py: sessions per client)
 
     # -- plumbing ------------------------------------------------------------------------
 
