@@ -18,6 +18,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from deployments.ingress.voices import without_paths
 from deployments.realtime import protocol as p
 from deployments.realtime.outbound import SLOW_READER_CLOSE
 from deployments.realtime.session import (
@@ -125,7 +126,7 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
         )
     except Exception as e:  # e.g. the server VAD's model cannot be loaded on this host
         log.exception("realtime session could not start")
-        await _refuse(ws, "server_error", f"the session could not start: {error_line(e)}",
+        await _refuse(ws, "server_error", f"the session could not start: {without_paths(error_line(e))}",
                       _INTERNAL, kind="server_error")
         return
 
@@ -148,7 +149,7 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
             # than leave the socket open and silent until the client gives up.
             log.exception("realtime session %s failed", session.id)
             with contextlib.suppress(Exception):
-                await _refuse(ws, "server_error", f"the session failed: {error_line(e)}",
+                await _refuse(ws, "server_error", f"the session failed: {without_paths(error_line(e))}",
                               _INTERNAL, kind="server_error")
     finally:
         await session.close()
