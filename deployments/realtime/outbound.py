@@ -135,10 +135,10 @@ class Outbox:
                 size = len(entry) if isinstance(entry, str) else entry.size
                 try:
                     for text in self._frames(entry):
-                        await asyncio.wait_for(self._write(text), WRITE_TIMEOUT_S)
-                except asyncio.TimeoutError:
-                    self.stop(f"slow reader: a server event waited over {WRITE_TIMEOUT_S:g} s "
-                              "to be written", slow=True)
+                        if not await self._write_within(text, WRITE_TIMEOUT_S):
+                            self.stop(f"slow reader: a server event waited over "
+                                      f"{WRITE_TIMEOUT_S:g} s to be written", slow=True)
+                            break
                 except Exception as e:  # the socket is gone: the session's receive says so
                     self.failed = e
                     self.stop(f"the socket failed: {type(e).__name__}")
@@ -149,6 +149,13 @@ class Outbox:
                     self._progress.set()
         finally:
             self._progress.set()
+
+    async def _write_within(self, text: str, timeout: float) -> bool:
+        write = await within(self._write(text), timeout)
+        if write is None:
+            return False
+        write.result()  # raises the socket's error
+        return True
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has been written (or the outbox stopped);
@@ -191,6 +198,28 @@ class Outbox:
     def stats(self) -> dict[str, int]:
         return {"bytes": self.bytes, "frames": len(self._queue), "peak_bytes": self.peak,
                 "coalesced": self.coalesced}
+
+
+async def within(aw: Awaitable[Any], timeout: float) -> asyncio.Future | None:
+    """Run `aw` for at most `timeout` seconds: its finished future, or None if it did not
+    finish in time. Then it is cancelled and not waited for: a socket write blocked on a
+    reader that does not read may not end on cancellation until the connection does (so
+    `asyncio.wait_for`, which waits for the cancellation, could wait forever)."""
+    fut = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({fut}, timeout=timeout)
+    except asyncio.CancelledError:
+        fut.cancel()
+        raise
+    if fut in done:
+        return fut
+    fut.cancel()
+    _abandoned.add(fut)  # referenced until it ends
+    fut.add_done_callback(_abandoned.discard)
+    return None
+
+
+_abandoned: set[asyncio.Future] = set()
 
 
 def dumps(event: dict[str, Any]) -> str:

@@ -8,7 +8,6 @@ new session is refused while the budget is spent)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import json
@@ -20,7 +19,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from deployments.ingress.voices import without_paths
 from deployments.realtime import protocol as p
-from deployments.realtime.outbound import SLOW_READER_CLOSE
+from deployments.realtime.outbound import SLOW_READER_CLOSE, within
 from deployments.realtime.session import (
     HISTORY_BUDGET_BYTES,
     HistoryBudget,
@@ -160,8 +159,8 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
             if session.outbox.slow:  # no error event: the client is not reading them
                 code, reason = SLOW_READER_CLOSE, session.outbox.stopped or ""
                 log.info("realtime session %s closed: %s", session.id, reason)
-            try:
-                # A client that does not read may not take the close frame either.
-                await asyncio.wait_for(ws.close(code, reason[:120]), CLOSE_TIMEOUT_S)
-            except Exception:  # already closing, or never read
-                log.debug("realtime session %s: close failed", session.id, exc_info=True)
+            # A client that does not read may not take the close frame either.
+            closed = await within(ws.close(code, reason[:120]), CLOSE_TIMEOUT_S)
+            if closed is None or closed.cancelled() or closed.exception() is not None:
+                log.debug("realtime session %s: close did not complete (already closing, "
+                          "or the client does not read)", session.id)
