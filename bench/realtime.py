@@ -446,9 +446,12 @@ def main(argv: list[str] | None = None) -> None:
                              ("fixed_speech_codes", args.fixed_speech_codes),
                              ("return_timings", args.timings or None)) if v is not None}
 
-    def run(url: str) -> None:
+    def run(url: str, stats: Any = None) -> None:
         if args.abuse:
-            results["abuse"] = asyncio.run(abuse(url))
+            async def sessions_left() -> int:
+                return (await asyncio.to_thread(stats))["realtime"]["sessions"]
+
+            results["abuse"] = asyncio.run(abuse(url, sessions_left=stats and sessions_left))
             print(json.dumps(results["abuse"], indent=1), flush=True)
             return
         if args.warmup_turns:
@@ -468,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
         srv = InProcessServe()
         overrides = parse_sets(args.set)
         with srv.app(app_args(args.config, args.checkpoint, overrides), "realtime") as url:
-            run(url)
+            run(url, srv.ingress_stats)
             results["stats"] = srv.ingress_stats()
     if args.out:
         out = Path(args.out)

@@ -152,28 +152,42 @@ def test_deleting_or_truncating_the_item_being_written_cancels_its_response(acti
     assert (item["id"] in ids) == (action == "truncate")
 
 
-def test_server_vad_and_resampling_run_off_the_event_loop(monkeypatch):
+def test_server_vad_resampling_and_the_turns_audio_run_off_the_event_loop(monkeypatch):
     from deployments.realtime.listener import Listener
 
-    threads = []
-    append = Listener.append
+    threads: dict[str, list[int]] = {"append": [], "request": []}
+    append, request = Listener.append, RealtimeSession.request
 
-    def spy(self, pcm):
-        threads.append(threading.get_ident())
+    def spy_append(self, pcm):
+        threads["append"].append(threading.get_ident())
         return append(self, pcm)
 
-    monkeypatch.setattr(Listener, "append", spy)
+    def spy_request(self, cfg, items=None):
+        threads["request"].append(threading.get_ident())
+        return request(self, cfg, items)
+
+    monkeypatch.setattr(Listener, "append", spy_append)
+    monkeypatch.setattr(RealtimeSession, "request", spy_request)
 
     async def main():
         c = Client(Chat())  # server VAD on: the default
         loop_thread = threading.get_ident()
         noise = (np.random.default_rng(0).standard_normal(24000) * 3000).astype("<i2")
         await c(type="input_audio_buffer.append", audio=base64.b64encode(noise).decode())
+        await c(**NO_VAD)
+        await c(type="input_audio_buffer.commit")
+        await c(type="response.create")
+        await c.response_done()
         await c.session.close()
-        return loop_thread
+        return c, loop_thread
 
-    loop_thread = asyncio.run(main())
-    assert threads and loop_thread not in threads
+    c, loop_thread = asyncio.run(main())
+    assert threads["append"] and threads["request"]
+    assert loop_thread not in threads["append"] + threads["request"]
+    # the committed second of noise went to the turn as its audio
+    part = c.chat.requests[0]["messages"][-1]["content"][0]
+    assert part["type"] == "input_audio" and len(base64.b64decode(
+        part["input_audio"]["data"])) == 44 + 48000
 
 
 def test_the_replicas_history_budget_refuses_items_past_it():

@@ -378,12 +378,14 @@ class RealtimeSession:
         self.items[i] = replace(item, content=(p.ContentPart("output_audio", transcript=heard),))
         await self.send(p.conversation_item_truncated(item.id, 0, ev.audio_end_ms))
 
-    def messages(self, cfg: p.SessionConfig) -> list[dict[str, Any]]:
-        """The conversation as the chat API's messages."""
+    def messages(
+        self, cfg: p.SessionConfig, items: list[p.Item] | None = None
+    ) -> list[dict[str, Any]]:
+        """The conversation (or `items`, a snapshot of it) as the chat API's messages."""
         out: list[dict[str, Any]] = []
         if cfg.instructions:
             out.append({"role": "system", "content": cfg.instructions})
-        for item in self.items:
+        for item in self.items if items is None else items:
             if item.role == "assistant":
                 said = self.transcripts.get(item.id)
                 text = (
@@ -443,11 +445,13 @@ class RealtimeSession:
         with contextlib.suppress(asyncio.CancelledError):
             await running.task
 
-    def request(self, cfg: p.SessionConfig) -> dict[str, Any]:
+    def request(
+        self, cfg: p.SessionConfig, items: list[p.Item] | None = None
+    ) -> dict[str, Any]:
         audio = "audio" in cfg.output_modalities
         req: dict[str, Any] = {
             "model": self.model,
-            "messages": self.messages(cfg),
+            "messages": self.messages(cfg, items),
             "modalities": ["text", "audio"] if audio else ["text"],
         }
         if audio:
@@ -480,10 +484,13 @@ class RealtimeSession:
         opened = False
         try:
             # The request is the conversation up to now; the assistant item joins it at once,
-            # so a cancel at any point below finds (and closes) it there.
-            request = self.request(resp.config)
-            prev = self.items[-1].id if self.items else None
+            # so a cancel at any point below finds (and closes) it there. Building it (WAV
+            # and base64 of every audio item) is CPU work: off the event loop, over a
+            # snapshot, as the session loop may change the conversation meanwhile.
+            items = list(self.items)
+            prev = items[-1].id if items else None
             self.items.append(item)
+            request = await asyncio.to_thread(self.request, resp.config, items)
             await self.send(p.response_created(resp))
             await self.send(p.response_output_item_added(rid, 0, item))
             await self.send(p.conversation_item_added(item, prev, "in_progress"))
