@@ -48,7 +48,6 @@ class _Audio:
     item_id: str
     pcm: bytearray
     transcript: list[str] = field(default_factory=list)
-    merged: int = 1  # deltas merged into this one
 
     @property
     def size(self) -> int:
@@ -75,7 +74,6 @@ class Outbox:
         self.stopped: str | None = None  # why nothing more goes out
         self.slow = False  # stopped because the client does not read
         self.stopped_event = asyncio.Event()
-        self.failed: BaseException | None = None  # the socket's error, if a write raised
 
     # -- queueing --------------------------------------------------------------------------
 
@@ -96,7 +94,6 @@ class Outbox:
             before = tail.size
             tail.pcm += pcm
             tail.transcript.append(transcript)
-            tail.merged += 1
             self.coalesced += 1
             self._grew(tail.size - before)
             return
@@ -140,7 +137,6 @@ class Outbox:
                                       f"{WRITE_TIMEOUT_S:g} s to be written", slow=True)
                             break
                 except Exception as e:  # the socket is gone: the session's receive says so
-                    self.failed = e
                     self.stop(f"the socket failed: {type(e).__name__}")
                     log.debug("realtime outbox: write failed", exc_info=True)
                 finally:
@@ -209,14 +205,18 @@ async def within(aw: Awaitable[Any], timeout: float) -> asyncio.Future | None:
     try:
         done, _ = await asyncio.wait({fut}, timeout=timeout)
     except asyncio.CancelledError:
-        fut.cancel()
+        _abandon(fut)
         raise
     if fut in done:
         return fut
+    _abandon(fut)
+    return None
+
+
+def _abandon(fut: asyncio.Future) -> None:
     fut.cancel()
     _abandoned.add(fut)  # referenced until it ends
     fut.add_done_callback(_abandoned.discard)
-    return None
 
 
 _abandoned: set[asyncio.Future] = set()

@@ -64,15 +64,16 @@ CLOSE_FLUSH_S = 5.0
 
 
 class HistoryBudget:
-    """The replica's realtime history: the sum over its sessions (`sessions`: id ->
-    RealtimeSession, the replica's own registry) against `limit` bytes."""
+    """The replica's realtime history: the sum over its sessions (`sessions`: id -> session,
+    the replica's own registry; a session without `history_bytes` counts 0) against `limit`
+    bytes."""
 
     def __init__(self, limit: int, sessions: dict[str, Any]):
         self.limit = limit
         self.sessions = sessions
 
     def used(self) -> int:
-        return sum(s.history_bytes for s in self.sessions.values())
+        return sum(getattr(s, "history_bytes", 0) for s in self.sessions.values())
 
 
 def item_bytes(item: p.Item) -> int:

@@ -91,7 +91,8 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
         )
         return
     client = _client(ws)
-    mine = sum(1 for s in server.realtime_sessions.values() if s.client == client)
+    mine = sum(1 for s in server.realtime_sessions.values()
+               if getattr(s, "client", None) == client)
     if mine >= client_limit(cfg.max_sessions):
         await _refuse(
             ws,
