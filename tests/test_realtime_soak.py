@@ -7,6 +7,7 @@ response."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -60,6 +61,7 @@ def test_the_realtime_abuse_cases_run_small(served, monkeypatch, caplog):
 
     with caplog.at_level(logging.INFO, logger="deployments.realtime.socket"):
         res = asyncio.run(abuse(url, small=True, sessions_left=sessions_left))
+    print(json.dumps(res, indent=1))
     assert res["problems"] == [], res
     sr = res["slow_reader"]
     # the server ended it as a slow reader (the client, which reads nothing, may not know)

@@ -58,6 +58,8 @@ NO_AUDIO_IDLE_TIMEOUT_S = 60.0
 # holds; past it new items are refused with `history_budget_exceeded` until some are deleted
 # or sessions end. Each session's own bounds (items, event size) still apply below it.
 HISTORY_BUDGET_BYTES = 1 << 30
+# A client event larger than this is parsed (JSON, base64) in a worker thread.
+PARSE_INLINE_BYTES = 256 << 10
 # How long the session waits for its closing events (an idle timeout's error, a cancelled
 # response's done) to reach the socket before it drops them.
 CLOSE_FLUSH_S = 5.0
@@ -214,7 +216,11 @@ class RealtimeSession:
         client that does not read is not read either."""
         ev = None
         try:
-            ev = p.parse_client_event(frame, max_bytes=self.limits.max_event_bytes)
+            if len(frame) > PARSE_INLINE_BYTES:  # megabytes of JSON and base64: a thread's
+                ev = await asyncio.to_thread(
+                    p.parse_client_event, frame, max_bytes=self.limits.max_event_bytes)
+            else:
+                ev = p.parse_client_event(frame, max_bytes=self.limits.max_event_bytes)
             await self._dispatch(ev)
         except p.ProtocolError as e:
             if e.event_id is None and ev is not None:
