@@ -63,7 +63,11 @@ MIN_SECONDS = 0.5
 _UPLOAD_BYTES_PER_SECOND = 96000 * 2 * 4 * 4 // 3
 _UPLOAD_SLACK = 1 << 20
 # An absolute path inside a message (POSIX, home-relative, or a Windows drive); not a URL.
-_PATH = re.compile(r"""(?<![\w.~:/\\])(?:~|[A-Za-z]:)?[\\/](?:[^\s'"\\/:,()]+[\\/])*([^\s'",:()\\/]*)""")
+_PATH = re.compile(
+    r"""(?<![\w.~:/\\])(?:~|[A-Za-z]:)?[\\/]"""  # not inside a word, a URL or a path
+    r"""(?:[^\s'"\\/:,()]+[\\/])*"""  # its folders
+    r"""([^\s'",:()\\/]*)"""  # its last part: kept
+)
 MAX_NAME_CHARS = 64
 MAX_CONSENT_CHARS = 256
 FORMAT_VERSION = 1

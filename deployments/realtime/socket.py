@@ -126,7 +126,8 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
         )
     except Exception as e:  # e.g. the server VAD's model cannot be loaded on this host
         log.exception("realtime session could not start")
-        await _refuse(ws, "server_error", f"the session could not start: {without_paths(error_line(e))}",
+        await _refuse(ws, "server_error",
+                      f"the session could not start: {without_paths(error_line(e))}",
                       _INTERNAL, kind="server_error")
         return
 
@@ -149,8 +150,9 @@ async def serve_websocket(server: Any, ws: WebSocket) -> None:
             # than leave the socket open and silent until the client gives up.
             log.exception("realtime session %s failed", session.id)
             with contextlib.suppress(Exception):
-                await _refuse(ws, "server_error", f"the session failed: {without_paths(error_line(e))}",
-                              _INTERNAL, kind="server_error")
+                await within(_refuse(ws, "server_error",
+                                     f"the session failed: {without_paths(error_line(e))}",
+                                     _INTERNAL, kind="server_error"), CLOSE_TIMEOUT_S)
     finally:
         await session.close()
         server.realtime_sessions.pop(session.id, None)
