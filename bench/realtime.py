@@ -12,6 +12,13 @@ silence until VAD ends the turn), lets the answer play `--listen-s`, then cancel
 
 It starts the app in-process (bench.gpu_e2e.InProcessServe) from serve_config.yaml, or
 measures a running one with `--url`.
+
+`--abuse` runs the realtime abuse cases instead (`abuse()`): a slow reader (a socket with a
+4 KiB receive buffer that sends large text items and asks for responses, and never reads)
+and a VAD flood (sessions appending minutes of noise under server VAD as fast as they can,
+while `/health` is timed); after each, a good session must still get its response.
+
+    python -m bench.realtime --url http://127.0.0.1:8000 --abuse
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ import argparse
 import asyncio
 import base64
 import json
+import secrets
+import socket
 import statistics
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +180,246 @@ def summary(rows: list[dict], skip_first: bool) -> dict[str, float]:
                                 for k in spans}}
 
 
+# ---------------------------------------------------------------------------------------
+# Abuse cases
+
+
+def _ws_url(url: str) -> str:
+    ws = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+    return f"{ws}/v1/realtime?model=omniray"
+
+
+def _text_item(text: str) -> str:
+    return json.dumps({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})
+
+
+async def good_session(url: str, timeout_s: float = 120.0) -> str:
+    """One short text turn on a fresh session: its response's status."""
+    import websockets
+
+    async with websockets.connect(_ws_url(url), max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.update", "session": {
+            "type": "realtime", "output_modalities": ["text"],
+            "audio": {"input": {"turn_detection": None}}}}))
+        await ws.send(_text_item("Hello."))
+        await ws.send(json.dumps({"type": "response.create",
+                                  "response": {"max_output_tokens": 8}}))
+
+        async def done() -> str:
+            async for frame in ws:
+                ev = json.loads(frame)
+                if ev["type"] == "response.done":
+                    return ev["response"]["status"]
+            return "closed"
+
+        return await asyncio.wait_for(done(), timeout_s)
+
+
+class _RawSocket:
+    """The client side of a WebSocket written by hand, so that nothing reads for it: after
+    the handshake the socket is never read (its stream buffer stops the reading once it
+    holds `limit` bytes), and frames go out masked, as a client's must."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def connect(cls, url: str, rcvbuf: int, limit: int = 1024) -> _RawSocket:
+        u = urllib.parse.urlsplit(url)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (u.hostname, u.port or 80))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=limit)
+        key = base64.b64encode(secrets.token_bytes(16)).decode()
+        writer.write((f"GET /v1/realtime?model=omniray HTTP/1.1\r\nHost: {u.netloc}\r\n"
+                      "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n")
+                     .encode())
+        status = await reader.readline()
+        if b" 101 " not in status:
+            raise RuntimeError(f"the handshake failed: {status!r}")
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        return cls(reader, writer)
+
+    async def send(self, text: str) -> None:
+        data = text.encode()
+        n = len(data)
+        head = bytes([0x81])  # FIN, text
+        if n < 126:
+            head += bytes([0x80 | n])
+        elif n < 1 << 16:
+            head += bytes([0x80 | 126]) + n.to_bytes(2, "big")
+        else:
+            head += bytes([0x80 | 127]) + n.to_bytes(8, "big")
+        mask = secrets.token_bytes(4)
+        masked = (np.frombuffer(data, np.uint8)
+                  ^ np.resize(np.frombuffer(mask, np.uint8), n)).tobytes()
+        self.writer.write(head + mask + masked)
+        await self.writer.drain()
+
+    def closed(self) -> bool:
+        return self.writer.is_closing() or self.reader.at_eof()
+
+    def abort(self) -> None:
+        self.writer.transport.abort()
+
+
+async def slow_reader(url: str, *, items: int = 300, item_bytes: int = 2 << 20,
+                      respond_every: int = 10, rcvbuf: int = 4096,
+                      block_s: float = 10.0) -> dict[str, Any]:
+    """A client that never reads: large text items (a response asked for every
+    `respond_every`) through a socket with a `rcvbuf`-byte receive buffer. Ends when the
+    server drops the connection (`closed`), when one of the client's writes has waited
+    `block_s` (`blocked`: the server stopped reading it, backpressure), or `block_s` after
+    every item went out (`accepted_all`); then aborts. The client reads nothing, so it sees
+    no close code: the server's own log and stats say why it ended the session."""
+    out: dict[str, Any] = {"items_sent": 0, "bytes_sent": 0, "outcome": "accepted_all"}
+    t0 = time.perf_counter()
+    ws = await _RawSocket.connect(url, rcvbuf)
+
+    async def send(frame: str) -> bool:
+        try:
+            await asyncio.wait_for(ws.send(frame), block_s)
+        except asyncio.TimeoutError:
+            out["outcome"] = "blocked"
+            return False
+        except OSError:  # reset by the server
+            out["outcome"] = "closed"
+            return False
+        out["bytes_sent"] += len(frame)
+        return True
+
+    try:
+        if not await send(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"input": {"turn_detection": None}}}})):
+            return out
+        text = "x" * (item_bytes - 200)
+        for i in range(items):
+            frames = [_text_item(text)]
+            if respond_every and i % respond_every == respond_every - 1:
+                frames.append(json.dumps({"type": "response.create"}))
+            for frame in frames:
+                if not await send(frame):
+                    return out
+            out["items_sent"] = i + 1
+        # Everything went out: stay (still not reading) and keep asking for a little, until
+        # the server ends the session or stops reading this client.
+        deadline = time.perf_counter() + block_s
+        while time.perf_counter() < deadline:
+            if not await send(json.dumps({"type": "response.create"})):
+                return out
+            await asyncio.sleep(0.2)
+        return out
+    finally:
+        out["seconds"] = round(time.perf_counter() - t0, 2)
+        ws.abort()
+
+
+async def vad_flood(url: str, *, sessions: int = 4, appends: int = 10, append_s: float = 60.0,
+                    probe_s: float = 0.05) -> dict[str, Any]:
+    """`sessions` sockets each append `appends` x `append_s` seconds of noise under server
+    VAD (no responses) as fast as the server takes them, while `/health` is timed every
+    `probe_s`: its latency before and during the flood (reported, not judged)."""
+    import aiohttp
+    import websockets
+
+    rng = np.random.default_rng(0)
+    noise = (rng.standard_normal(int(append_s * RATE)) * 6000).clip(-32768, 32767)
+    chunk = base64.b64encode(noise.astype("<i2").tobytes()).decode()
+    flooding = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def probe(http: aiohttp.ClientSession) -> tuple[list[float], list[float]]:
+        before: list[float] = []
+        during: list[float] = []
+        while not stop.is_set():
+            t = time.perf_counter()
+            async with http.get(f"{url}/health") as r:
+                await r.read()
+            (during if flooding.is_set() else before).append(time.perf_counter() - t)
+            await asyncio.sleep(probe_s)
+        return before, during
+
+    async def flood(k: int) -> dict[str, int]:
+        counts = {"appends": 0, "errors": 0, "speech_started": 0}
+        async with websockets.connect(_ws_url(url), max_size=None) as ws:
+            await ws.send(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"input": {"turn_detection": {
+                    "type": "server_vad", "create_response": False,
+                    "interrupt_response": False}}}}}))
+            for _ in range(appends):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+                counts["appends"] += 1
+            # events are handled in order: this one's answer means every append was
+            await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+            async for frame in ws:
+                ev = json.loads(frame)
+                if ev["type"] == "error":
+                    counts["errors"] += 1
+                elif ev["type"] == "input_audio_buffer.speech_started":
+                    counts["speech_started"] += 1
+                elif ev["type"] == "input_audio_buffer.cleared":
+                    break
+        return counts
+
+    async with aiohttp.ClientSession() as http:
+        prober = asyncio.ensure_future(probe(http))
+        await asyncio.sleep(1.0)
+        flooding.set()
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(flood(k) for k in range(sessions)))
+        seconds = time.perf_counter() - t0
+        stop.set()
+        before, during = await prober
+
+    def p50_ms(v: list[float]) -> float:
+        return round(statistics.median(v) * 1000, 1) if v else float("nan")
+
+    return {"sessions": sessions, "audio_s": sessions * appends * append_s,
+            "seconds": round(seconds, 2),
+            "appends": sum(c["appends"] for c in counts),
+            "errors": sum(c["errors"] for c in counts),
+            "speech_started": sum(c["speech_started"] for c in counts),
+            "health_ms_p50_before": p50_ms(before), "health_ms_p50_during": p50_ms(during),
+            "health_probes_during": len(during)}
+
+
+async def abuse(url: str, *, small: bool = False,
+                sessions_left: Any = None) -> dict[str, Any]:
+    """Both cases, each followed by a good session; `sessions_left()` (optional) gives the
+    replica's open realtime sessions, which must drop to 0 after each. `problems` lists
+    what failed."""
+    problems: list[str] = []
+    out: dict[str, Any] = {}
+
+    async def settled(case: str) -> None:
+        if sessions_left is not None:
+            for _ in range(200):
+                if await sessions_left() == 0:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                problems.append(f"{case}: {await sessions_left()} sessions still open")
+        status = await good_session(url)
+        out[case]["good_session_after"] = status
+        if status not in ("completed", "incomplete"):
+            problems.append(f"{case}: a good session then got {status}")
+
+    sr = dict(items=40, item_bytes=4 << 10, respond_every=1, block_s=4.0) if small else {}
+    out["slow_reader"] = await slow_reader(url, **sr)
+    await settled("slow_reader")
+    vf = dict(sessions=2, appends=3, append_s=5.0) if small else {}
+    out["vad_flood"] = await vad_flood(url, **vf)
+    if out["vad_flood"]["errors"]:
+        problems.append(f"vad_flood: {out['vad_flood']['errors']} error events")
+    await settled("vad_flood")
+    out["problems"] = problems
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.realtime")
     ap.add_argument("--url", help="a running app (default: start one in-process)")
@@ -185,6 +435,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timings", action="store_true", help="ask for the turns' spans")
     ap.add_argument("--warmup-turns", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--abuse", action="store_true",
+                    help="run the abuse cases (slow reader, VAD flood) instead")
     args = ap.parse_args(argv)
 
     results: dict[str, Any] = {"command": "python -m bench.realtime " + " ".join(argv or [])}
@@ -194,7 +446,14 @@ def main(argv: list[str] | None = None) -> None:
                              ("fixed_speech_codes", args.fixed_speech_codes),
                              ("return_timings", args.timings or None)) if v is not None}
 
-    def run(url: str) -> None:
+    def run(url: str, stats: Any = None) -> None:
+        if args.abuse:
+            async def sessions_left() -> int:
+                return (await asyncio.to_thread(stats))["realtime"]["sessions"]
+
+            results["abuse"] = asyncio.run(abuse(url, sessions_left=stats and sessions_left))
+            print(json.dumps(results["abuse"], indent=1), flush=True)
+            return
         if args.warmup_turns:
             asyncio.run(measure(url, 1, args.warmup_turns, listen, ext))
         for n in (int(x) for x in args.sessions.split(",")):
@@ -212,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
         srv = InProcessServe()
         overrides = parse_sets(args.set)
         with srv.app(app_args(args.config, args.checkpoint, overrides), "realtime") as url:
-            run(url)
+            run(url, srv.ingress_stats)
             results["stats"] = srv.ingress_stats()
     if args.out:
         out = Path(args.out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -385,3 +386,93 @@ def test_concurrent_same_name_two_stores(tmp_path, clip):
     assert len(ok) == 1 and conflicts == [409] * 7
     assert [v.id for v in new_store(tmp_path).list()] == [ok[0].id]
     assert len([p for p in os.listdir(tmp_path) if p.endswith(".json")]) == 1
+
+
+# -- the HTTP routes' bounds ------------------------------------------------------------
+
+
+def test_without_paths_keeps_the_file_name_only():
+    from deployments.ingress.voices import without_paths
+
+    msg = ("FileNotFoundError: [Errno 2] No such file or directory: "
+           "'/root/.cache/omniray/ckpt/assets/campplus.onnx' (see ~/x/y.log, C:\\m\\a.bin)")
+    assert without_paths(msg) == ("FileNotFoundError: [Errno 2] No such file or directory: "
+                                  "'campplus.onnx' (see y.log, a.bin)")
+    kept = "a/b and 1/2 stay, as does http://example.com/x"
+    assert without_paths(kept) == kept
+
+
+@pytest.fixture(scope="module")
+def routes():
+    from starlette.testclient import TestClient
+    from test_api import light_source
+
+    from fakes import build_local_app
+
+    local = build_local_app({}, light_source())
+    with TestClient(local.ingress.__serve_build_asgi_app__()) as client:
+        yield local, client
+
+
+def test_a_voice_upload_is_bounded_before_it_is_read(routes):
+    from deployments.ingress.voices import max_upload_bytes
+
+    local, client = routes
+    limit = max_upload_bytes(local.ingress.cfg.limits.max_ref_audio_seconds)
+    assert limit < local.ingress.cfg.limits.max_body_bytes
+    app = client.app
+    read = []
+
+    async def post(n_chunks: int) -> int:  # streamed (chunked): no Content-Length
+        async def receive():
+            read.append(1)
+            return {"type": "http.request", "body": b"x" * (1 << 20),
+                    "more_body": len(read) < n_chunks}
+
+        status = []
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/audio/voices",
+                 "raw_path": b"/v1/audio/voices", "query_string": b"", "root_path": "",
+                 "scheme": "http", "server": ("t", 80), "client": ("c", 1),
+                 "http_version": "1.1", "asgi": {"version": "3.0"},
+                 "headers": [(b"content-type", b"multipart/form-data; boundary=xyz")]}
+        await app(scope, receive, send)
+        return status[0]
+
+    headers = {"content-type": "multipart/form-data; boundary=xyz"}
+    assert asyncio.run(post(100)) == 413
+    assert len(read) <= limit // (1 << 20) + 2  # stopped reading soon past the limit
+    declared = {**headers, "content-length": str(100 << 20)}
+    r = client.post("/v1/audio/voices", content=b"", headers=declared)
+    assert r.status_code == 413 and f"{100 << 20} bytes" in r.json()["error"]["message"]
+
+
+def test_a_form_body_is_refused_as_not_json(routes):
+    _, client = routes
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    for url in ("/v1/chat/completions", "/v1/audio/voices"):
+        r = client.post(url, content=b"model=omniray&name=x", headers=form)
+        err = r.json()["error"]
+        assert r.status_code == 415 and "JSON" in err["message"], (url, err)
+        assert "not valid JSON" not in err["message"]
+    # JSON text labelled as a form (curl -d) is still read as JSON
+    r = client.post("/v1/chat/completions", content=b'{"messages": 5}', headers=form)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+def test_voices_unavailable_names_no_server_path(routes):
+    local, client = routes
+    local.ingress._voice_support = (
+        "FileNotFoundError: [Errno 2] No such file or directory: "
+        "'/srv/models/MiniCPM-o-4_5/assets/token2wav/campplus.onnx'",)
+    try:
+        r = client.post("/v1/audio/voices", json={"name": "n", "audio_sample": "AAAA"})
+    finally:
+        local.ingress._voice_support = None
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "voices_unavailable"
+    assert "campplus.onnx" in err["message"] and "/srv" not in err["message"]

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.ingress.formats import error_body
 from deployments.ingress.schemas import ApiError
+from deployments.ingress.voices import max_upload_bytes
 
 _ESCAPE = re.compile(rb"\\.", re.S)  # a backslash escape inside a JSON string
 _STRING = re.compile(rb'"[^"]*"')  # a JSON string once escapes are gone
@@ -41,9 +42,16 @@ def json_depth(body: bytes) -> int:
     return deepest
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+def _json_type(content_type: str) -> bool:
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind in ("", "application/json", "text/plain") or kind.endswith("+json")
+
+
+async def read_body(request: Request, limit: int, *, json_body: bool = True) -> bytes:
     """The request body, refused with a 413 as soon as it passes `limit` bytes (a declared
-    Content-Length over it is refused before anything is read)."""
+    Content-Length over it is refused before anything is read). `json_body`: a body sent as
+    a form (or any other non-JSON type) that is not JSON text is refused with a 415 that
+    says what is expected (curl's `-d` labels JSON as a form, so JSON text passes)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit}")
@@ -55,6 +63,10 @@ async def read_body(request: Request, limit: int) -> bytes:
         chunks.append(chunk)
     body = b"".join(chunks)
     request._body = body  # Starlette's cache: form() and json() read it from here
+    kind = request.headers.get("content-type", "")
+    if json_body and not _json_type(kind) and body.lstrip()[:1] not in (b"{", b"["):
+        raise ApiError(415, f"request body must be JSON (Content-Type: application/json), "
+                            f"not {kind.split(';', 1)[0][:80]}", code="unsupported_media_type")
     return body
 
 
@@ -140,7 +152,9 @@ def build_routes(server: Any) -> FastAPI:
 
     @app.post("/v1/audio/voices")
     async def create_voice(request: Request) -> dict[str, Any]:
-        body = await read_body(request, limits.max_body_bytes)
+        # bounded by what a clip of max_ref_audio_seconds needs, before it is read or parsed
+        limit = min(limits.max_body_bytes, max_upload_bytes(limits.max_ref_audio_seconds))
+        body = await read_body(request, limit, json_body=False)
         name, audio, consent = await _voice_upload(request, body, server)
         info = await server.add_voice(name, audio, consent)
         return info.as_openai()
@@ -172,6 +186,11 @@ async def _voice_upload(request: Request, body: bytes, server: Any) -> tuple[str
 
     limits = server.cfg.limits
     kind = request.headers.get("content-type", "")
+    if (not kind.startswith("multipart/form-data") and not _json_type(kind)
+            and body.lstrip()[:1] != b"{"):
+        raise ApiError(415, "a voice upload is multipart/form-data (name, audio_sample, "
+                            f"consent) or JSON, not {kind.split(';', 1)[0][:80]}",
+                       code="unsupported_media_type")
     if kind.startswith("multipart/form-data"):
         try:
             form = await request.form(max_files=1, max_fields=16,

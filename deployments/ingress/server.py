@@ -48,7 +48,7 @@ from deployments.ingress.schemas import (
     validation_message,
 )
 from deployments.ingress.turn import Group, PreparedTurn, Stages, TurnRunner
-from deployments.ingress.voices import VoiceInfo, VoiceStore
+from deployments.ingress.voices import VoiceInfo, VoiceStore, without_paths
 from deployments.ingress.window import ActiveStreamWindow
 from deployments.metrics import AppMetrics
 from deployments.wire import AudioChunk, Done, Error, Event, NamedVoice, TextDelta, error_line
@@ -257,9 +257,10 @@ class IngressServer:
                                code="stage_unavailable", type="server_error") from None
             self._voice_support = (reason,)
         reason = self._voice_support[0]
-        if reason is not None:
+        if reason is not None:  # the stage's reason names files: the client gets no paths
             raise ApiError(400, f"{param}: voice cloning is not available on this server: "
-                                f"{reason}", param=param, code="voices_unavailable")
+                                f"{without_paths(reason)}", param=param,
+                           code="voices_unavailable")
 
     @staticmethod
     def _stored_voice(req: ChatCompletionRequest) -> str | None:

@@ -58,6 +58,16 @@ log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 16000
 MIN_SECONDS = 0.5
+# The largest upload a clip of `max_seconds` needs: 96 kHz stereo float32 WAV, as base64 in
+# JSON, plus the form's other fields. A body past it is refused before it is read in full.
+_UPLOAD_BYTES_PER_SECOND = 96000 * 2 * 4 * 4 // 3
+_UPLOAD_SLACK = 1 << 20
+# An absolute path inside a message (POSIX, home-relative, or a Windows drive); not a URL.
+_PATH = re.compile(
+    r"""(?<![\w.~:/\\])(?:~|[A-Za-z]:)?[\\/]"""  # not inside a word, a URL or a path
+    r"""(?:[^\s'"\\/:,()]+[\\/])*"""  # its folders
+    r"""([^\s'",:()\\/]*)"""  # its last part: kept
+)
 MAX_NAME_CHARS = 64
 MAX_CONSENT_CHARS = 256
 FORMAT_VERSION = 1
@@ -104,6 +114,17 @@ class _Entry:
 
 class _Corrupt(Exception):
     """A voice's files on disk are unusable (the message says why)."""
+
+
+def max_upload_bytes(max_seconds: float) -> int:
+    """The body size a voice upload of at most `max_seconds` may have."""
+    return math.ceil(max_seconds * _UPLOAD_BYTES_PER_SECOND) + _UPLOAD_SLACK
+
+
+def without_paths(message: str) -> str:
+    """`message` with every absolute path cut to its last part: what a client may be told
+    of a server-side failure (which file), not where the server keeps it."""
+    return _PATH.sub(lambda m: m.group(1) or "<path>", message)
 
 
 def _short(key: Any) -> str:

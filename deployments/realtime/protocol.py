@@ -571,15 +571,29 @@ def _item(obj: object, path: str) -> Item:
     return Item(item_id, role, parts)
 
 
-def item_object(item: Item, status: ItemStatus = "completed", *, beta: bool = False) -> dict:
+# The longest text (or transcript) of a client's own item that its echo carries back.
+ECHO_MAX_CHARS = 16 << 10
+
+
+def _echo(text: str | None, brief: bool) -> str | None:
+    return None if brief and text is not None and len(text) > ECHO_MAX_CHARS else text
+
+
+def item_object(
+    item: Item, status: ItemStatus = "completed", *, beta: bool = False, brief: bool = False
+) -> dict:
     """The item as the API shows it. Audio bytes are never echoed back (the API sends them
-    as deltas, or not at all for the client's own audio): audio parts carry the transcript."""
+    as deltas, or not at all for the client's own audio): audio parts carry the transcript.
+    `brief` (the echo of an item the client created): a text or transcript longer than
+    ECHO_MAX_CHARS is sent as null. The client has it; the API's item types make both
+    optional, and echoing it would let a client multiply what the server sends it."""
     content: list[dict[str, Any]] = []
     for part in item.content:
         if part.type in ("input_text", "output_text"):
-            content.append({"type": part.type, "text": part.text or ""})
+            text = part.text or ""
+            content.append({"type": part.type, "text": _echo(text, brief)})
         else:
-            content.append({"type": part.type, "transcript": part.transcript})
+            content.append({"type": part.type, "transcript": _echo(part.transcript, brief)})
     obj = {
         "id": item.id,
         "object": "realtime.item",
@@ -1027,20 +1041,25 @@ def input_audio_buffer_cleared() -> dict:
 
 
 def conversation_item_added(
-    item: Item, previous_item_id: str | None, status: ItemStatus = "completed"
+    item: Item, previous_item_id: str | None, status: ItemStatus = "completed", *,
+    brief: bool = False,
 ) -> dict:
-    """GA `conversation.item.added`; a beta session gets it as `conversation.item.created`."""
+    """GA `conversation.item.added`; a beta session gets it as `conversation.item.created`.
+    `brief`: see item_object."""
     return _event(
-        "conversation.item.added", previous_item_id=previous_item_id, item=item_object(item, status)
+        "conversation.item.added", previous_item_id=previous_item_id,
+        item=item_object(item, status, brief=brief),
     )
 
 
 def conversation_item_done(
-    item: Item, previous_item_id: str | None, status: ItemStatus = "completed"
+    item: Item, previous_item_id: str | None, status: ItemStatus = "completed", *,
+    brief: bool = False,
 ) -> dict:
     """GA only: `to_beta` drops it."""
     return _event(
-        "conversation.item.done", previous_item_id=previous_item_id, item=item_object(item, status)
+        "conversation.item.done", previous_item_id=previous_item_id,
+        item=item_object(item, status, brief=brief),
     )
 
 

@@ -12,8 +12,15 @@ makes the history cheap). At most one response runs at a time; cancelling it (th
 aborts all three stages, and ends the response with exactly one `response.done`.
 
 Everything is bounded: one event's size, the input buffer's seconds, the conversation's
-items; past a bound the client gets an `error` event and the session goes on. The socket's
-end (or the idle timeout) cancels the response and drops everything the session held.
+items, and the replica's history (`HistoryBudget`); past a bound the client gets an `error`
+event and the session goes on. Server events wait in the session's Outbox, bounded in bytes:
+a client that stops reading has its audio deltas merged, then the session ends (outbound.py).
+The socket's end (or the idle timeout) cancels the response and drops everything the
+session held.
+
+Deleting or truncating the item a response is writing cancels that response first (its one
+`response.done`, status cancelled, goes out before the deletion or truncation), as OpenAI's
+server does.
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +37,7 @@ from typing import Any
 from deployments.ingress.media import float_to_int16, pcm16_to_wav
 from deployments.realtime import protocol as p
 from deployments.realtime.listener import Listener, SpeechStarted
+from deployments.realtime.outbound import Outbox, dumps
 from deployments.wire import AudioChunk, Done, Error, TextDelta
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,41 @@ class SessionLimits:
     max_buffer_s: float = 120.0
     max_items: int = 256
     idle_timeout_s: float = 600.0
+
+
+# A session whose client has sent no audio yet holds a slot without using what it is for:
+# it idles out sooner (the configured timeout applies once audio came).
+NO_AUDIO_IDLE_TIMEOUT_S = 60.0
+# Conversation history (input audio and text of every session's items) one ingress replica
+# holds; past it new items are refused with `history_budget_exceeded` until some are deleted
+# or sessions end. Each session's own bounds (items, event size) still apply below it.
+HISTORY_BUDGET_BYTES = 1 << 30
+# A client event larger than this is parsed (JSON, base64) in a worker thread.
+PARSE_INLINE_BYTES = 256 << 10
+# How long the session waits for its closing events (an idle timeout's error, a cancelled
+# response's done) to reach the socket before it drops them.
+CLOSE_FLUSH_S = 5.0
+
+
+class HistoryBudget:
+    """The replica's realtime history: the sum over its sessions (`sessions`: id -> session,
+    the replica's own registry; a session without `history_bytes` counts 0) against `limit`
+    bytes."""
+
+    def __init__(self, limit: int, sessions: dict[str, Any]):
+        self.limit = limit
+        self.sessions = sessions
+
+    def used(self) -> int:
+        return sum(getattr(s, "history_bytes", 0) for s in self.sessions.values())
+
+
+def item_bytes(item: p.Item) -> int:
+    """What an item holds in memory, near enough: its audio and its text."""
+    n = 0
+    for c in item.content:
+        n += len(c.audio or b"") + len(c.text or "") + len(c.transcript or "")
+    return n
 
 
 @dataclass
@@ -81,9 +123,9 @@ class RealtimeSession:
         model: str = "omniray",
         beta: bool = False,
         limits: SessionLimits | None = None,
+        history: HistoryBudget | None = None,
     ):
         self._chat = chat
-        self._send_frame = send
         self.model = model
         self.beta = beta
         self.limits = limits or SessionLimits()
@@ -96,41 +138,63 @@ class RealtimeSession:
             self.cfg.input_audio_rate, self.cfg.turn_detection, self.limits.max_buffer_s
         )
         self.running: _Running | None = None
-        self._lock = asyncio.Lock()
         self.responses = 0
+        self.outbox = Outbox(send, self._wire)
+        self.history = history
+        self.sent_audio = False  # the client has sent input audio
+        self.client = ""  # the client's address (socket.py: sessions per client)
 
     # -- plumbing ------------------------------------------------------------------------
 
-    async def send(self, event: dict[str, Any]) -> None:
+    def _wire(self, event: dict[str, Any]) -> str | None:
         if self.beta:
             event = p.to_beta(event)
             if event is None:
-                return
-        text = json.dumps(event, separators=(",", ":"))
-        async with self._lock:  # the session loop and the response task both send
-            await self._send_frame(text)
+                return None
+        return dumps(event)
+
+    async def send(self, event: dict[str, Any]) -> None:
+        """Queue one server event (the outbox writes it; see `flush`)."""
+        self.outbox.put(event)
+
+    @property
+    def history_bytes(self) -> int:
+        return sum(item_bytes(it) for it in self.items)
+
+    @property
+    def idle_timeout_s(self) -> float:
+        if self.sent_audio:
+            return self.limits.idle_timeout_s
+        return min(self.limits.idle_timeout_s, NO_AUDIO_IDLE_TIMEOUT_S)
 
     async def run(self, receive: Callable[[], Awaitable[str | bytes | None]]) -> None:
-        """Serve the session until the socket closes (`receive` returns None) or it idles
-        for `idle_timeout_s`; then cancel what runs and drop everything."""
+        """Serve the session until the socket closes (`receive` returns None), it idles
+        for `idle_timeout_s`, or its client stops reading (`outbox.slow`); then cancel what
+        runs and drop everything."""
         await self.send(p.session_created(self.id, self.cfg, model=self.model))
+        stopped = asyncio.ensure_future(self.outbox.stopped_event.wait())
         try:
             while True:
-                try:
-                    frame = await asyncio.wait_for(receive(), self.limits.idle_timeout_s)
-                except asyncio.TimeoutError:
-                    await self.send(
-                        p.error(
-                            "idle_timeout",
-                            f"no client event for {self.limits.idle_timeout_s:g} s; closing",
-                            kind="invalid_request_error",
-                        )
-                    )
+                timeout = self.idle_timeout_s
+                frame_task = asyncio.ensure_future(receive())
+                done, _ = await asyncio.wait({frame_task, stopped}, timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if frame_task not in done:
+                    frame_task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await frame_task
+                    if stopped in done:  # the client does not read, or the socket failed
+                        return
+                    await self.send(p.error(
+                        "idle_timeout", f"no client event for {timeout:g} s; closing",
+                        kind="invalid_request_error"))
                     return
+                frame = frame_task.result()
                 if frame is None:
                     return
                 await self.handle(frame)
         finally:
+            stopped.cancel()
             await self.close()
 
     async def close(self) -> None:
@@ -139,19 +203,30 @@ class RealtimeSession:
             running.task.cancel()
             with contextlib.suppress(BaseException):
                 await running.task
+        if self.outbox.stopped is None:  # what is queued (a response's done) still goes out
+            await self.outbox.flush(CLOSE_FLUSH_S)
+        await self.outbox.close()
         self.items.clear()
         self.transcripts.clear()
+        self._rates.clear()
         self.listener.clear()
 
     async def handle(self, frame: str | bytes) -> None:
+        """One client event; returns once the events it caused have been written, so a
+        client that does not read is not read either."""
         ev = None
         try:
-            ev = p.parse_client_event(frame, max_bytes=self.limits.max_event_bytes)
+            if len(frame) > PARSE_INLINE_BYTES:  # megabytes of JSON and base64: a thread's
+                ev = await asyncio.to_thread(
+                    p.parse_client_event, frame, max_bytes=self.limits.max_event_bytes)
+            else:
+                ev = p.parse_client_event(frame, max_bytes=self.limits.max_event_bytes)
             await self._dispatch(ev)
         except p.ProtocolError as e:
             if e.event_id is None and ev is not None:
                 e.event_id = ev.event_id
             await self.send(p.protocol_error(e))
+        await self.outbox.flush()
 
     async def _dispatch(self, ev: p.ClientEvent) -> None:
         eid = ev.event_id
@@ -172,6 +247,8 @@ class RealtimeSession:
         elif isinstance(ev, p.ItemTruncate):
             await self._truncate(ev, eid)
         elif isinstance(ev, p.ItemDelete):
+            self._index(ev.item_id, eid)
+            await self._cancel_writer_of(ev.item_id)
             i = self._index(ev.item_id, eid)
             del self.items[i]
             self.transcripts.pop(ev.item_id, None)
@@ -199,7 +276,11 @@ class RealtimeSession:
     # -- input audio ---------------------------------------------------------------------
 
     async def _append(self, audio: bytes, eid: str | None) -> None:
-        for heard in self.listener.append(audio):
+        self.sent_audio = True
+        # Resampling and the VAD model are CPU work: off the event loop, so one session's
+        # audio does not hold up the replica's other sessions and requests. The session loop
+        # waits for it, so a session's appends still run one at a time, in order.
+        for heard in await asyncio.to_thread(self.listener.append, audio):
             td = self.cfg.turn_detection
             if isinstance(heard, SpeechStarted):
                 await self.send(p.input_audio_buffer_speech_started(heard.ms, heard.item_id))
@@ -237,6 +318,15 @@ class RealtimeSession:
                 None,
                 eid,
             )
+        size = item_bytes(item)
+        if self.history is not None and self.history.used() + size > self.history.limit:
+            raise p.ProtocolError(
+                "history_budget_exceeded",
+                "this server holds no more realtime conversation history right now; "
+                "delete items or end sessions first",
+                None,
+                eid,
+            )
         if any(it.id == item.id for it in self.items):
             raise p.ProtocolError(
                 "invalid_value",
@@ -252,9 +342,19 @@ class RealtimeSession:
             at = self._index(previous_item_id, eid) + 1
         prev = self.items[at - 1].id if at else None
         self.items.insert(at, item)
+        if any(c.type == "input_audio" for c in item.content):
+            self.sent_audio = True
         self._rates[item.id] = self.cfg.input_audio_rate  # its audio's, if it has any
-        await self.send(p.conversation_item_added(item, prev))
-        await self.send(p.conversation_item_done(item, prev))
+        # The client's own content is echoed only as far as the API needs (protocol.py).
+        await self.send(p.conversation_item_added(item, prev, brief=True))
+        await self.send(p.conversation_item_done(item, prev, brief=True))
+
+    async def _cancel_writer_of(self, item_id: str) -> None:
+        """Cancel the running response if it writes `item_id`; its response.done goes out
+        before this returns."""
+        running = self.running
+        if running is not None and running.response.output[0].id == item_id:
+            await self.cancel("client_cancelled")
 
     async def _truncate(self, ev: p.ItemTruncate, eid: str | None) -> None:
         i = self._index(ev.item_id, eid)
@@ -264,17 +364,13 @@ class RealtimeSession:
             raise p.ProtocolError(
                 "invalid_value", "only an assistant item's audio can be truncated", "item_id", eid
             )
-        if self.running is not None and self.running.response.output[0].id == item.id:
-            raise p.ProtocolError(
-                "invalid_value",
-                "the item's response is still in progress; cancel it first",
-                "item_id",
-                eid,
-            )
         if ev.content_index != 0:
             raise p.ProtocolError(
                 "invalid_value", "the item has one content part", "content_index", eid
             )
+        await self._cancel_writer_of(item.id)
+        i = self._index(ev.item_id, eid)
+        item = self.items[i]
         if ev.audio_end_ms > said.audio_ms + 1:
             raise p.ProtocolError(
                 "invalid_value",
@@ -289,12 +385,14 @@ class RealtimeSession:
         self.items[i] = replace(item, content=(p.ContentPart("output_audio", transcript=heard),))
         await self.send(p.conversation_item_truncated(item.id, 0, ev.audio_end_ms))
 
-    def messages(self, cfg: p.SessionConfig) -> list[dict[str, Any]]:
-        """The conversation as the chat API's messages."""
+    def messages(
+        self, cfg: p.SessionConfig, items: list[p.Item] | None = None
+    ) -> list[dict[str, Any]]:
+        """The conversation (or `items`, a snapshot of it) as the chat API's messages."""
         out: list[dict[str, Any]] = []
         if cfg.instructions:
             out.append({"role": "system", "content": cfg.instructions})
-        for item in self.items:
+        for item in self.items if items is None else items:
             if item.role == "assistant":
                 said = self.transcripts.get(item.id)
                 text = (
@@ -354,11 +452,13 @@ class RealtimeSession:
         with contextlib.suppress(asyncio.CancelledError):
             await running.task
 
-    def request(self, cfg: p.SessionConfig) -> dict[str, Any]:
+    def request(
+        self, cfg: p.SessionConfig, items: list[p.Item] | None = None
+    ) -> dict[str, Any]:
         audio = "audio" in cfg.output_modalities
         req: dict[str, Any] = {
             "model": self.model,
-            "messages": self.messages(cfg),
+            "messages": self.messages(cfg, items),
             "modalities": ["text", "audio"] if audio else ["text"],
         }
         if audio:
@@ -391,10 +491,13 @@ class RealtimeSession:
         opened = False
         try:
             # The request is the conversation up to now; the assistant item joins it at once,
-            # so a cancel at any point below finds (and closes) it there.
-            request = self.request(resp.config)
-            prev = self.items[-1].id if self.items else None
+            # so a cancel at any point below finds (and closes) it there. Building it (WAV
+            # and base64 of every audio item) is CPU work: off the event loop, over a
+            # snapshot, as the session loop may change the conversation meanwhile.
+            items = list(self.items)
+            prev = items[-1].id if items else None
             self.items.append(item)
+            request = await asyncio.to_thread(self.request, resp.config, items)
             await self.send(p.response_created(resp))
             await self.send(p.response_output_item_added(rid, 0, item))
             await self.send(p.conversation_item_added(item, prev, "in_progress"))
@@ -414,14 +517,11 @@ class RealtimeSession:
                         else:
                             await self.send(p.response_output_text_delta(rid, iid, 0, 0, ev.text))
                     elif isinstance(ev, AudioChunk):
-                        data = base64.b64encode(float_to_int16(ev.pcm).tobytes()).decode()
                         delta, said.pending = said.pending, ""
                         said.segments.append((said.audio_ms, delta))
                         said.audio_ms += ev.seconds * 1000
-                        await self.send(p.response_output_audio_delta(rid, iid, 0, 0, data))
-                        await self.send(
-                            p.response_output_audio_transcript_delta(rid, iid, 0, 0, delta)
-                        )
+                        # the audio delta and its transcript delta, as one (outbound.py)
+                        self.outbox.put_audio(rid, iid, float_to_int16(ev.pcm).tobytes(), delta)
                     elif isinstance(ev, Done):
                         status = "incomplete" if ev.finish_reason == "length" else "completed"
                         reason = "max_output_tokens" if status == "incomplete" else None
@@ -487,9 +587,11 @@ class RealtimeSession:
                     await self.send(p.response_output_text_done(rid, iid, 0, 0, said.text))
                 await self.send(p.response_content_part_done(rid, iid, 0, 0, part))
                 await self.send(p.response_output_item_done(rid, 0, item, item_status))
-                i = self._index(iid, None)
-                prev = self.items[i - 1].id if i else None
-                await self.send(p.conversation_item_done(item, prev, item_status))
+                ids = [it.id for it in self.items]
+                if iid in ids:  # still in the conversation (a delete cancels first)
+                    i = ids.index(iid)
+                    prev = self.items[i - 1].id if i else None
+                    await self.send(p.conversation_item_done(item, prev, item_status))
             await self.send(
                 p.response_done(
                     replace(
@@ -509,7 +611,9 @@ class RealtimeSession:
     def stats(self) -> dict[str, Any]:
         return {
             "items": len(self.items),
+            "history_bytes": self.history_bytes,
             "buffer_ms": round(self.listener.buffer.ms),
             "responding": self.running is not None,
             "responses": self.responses,
+            "outbound": self.outbox.stats(),
         }
