@@ -34,6 +34,7 @@ class SessionScript:
     frames: bool = False  # omni: one frame per unit
     frame_size: tuple[int, int] = (56, 42)  # (width, height)
     duplex_kwargs: dict = field(default_factory=dict)
+    generate_audio: bool = True  # False: the Thinker alone (no Talker, no Token2Wav)
 
 
 # The reference's own kwargs: basic sliding window with thresholds a 16-unit session crosses.
@@ -46,6 +47,11 @@ SESSIONS = (
     SessionScript("omni_greedy", "greedy", seed=777, frames=True,
                   duplex_kwargs={"sliding_window_mode": "basic", "basic_window_high_tokens": 700,
                                  "basic_window_low_tokens": 550}),
+    # The context-preserving window: past 6 units the oldest is dropped and its text moves
+    # into the "previous: " block of the system prompt (at most 40 tokens, cut on the left).
+    SessionScript("text_context_greedy", "greedy", seed=99, generate_audio=False,
+                  duplex_kwargs={"sliding_window_mode": "context", "context_max_units": 6,
+                                 "context_previous_max_tokens": 40}),
 )
 
 

@@ -119,7 +119,8 @@ def run_session(demo: str, ckpt: Path, script) -> tuple[dict, dict]:
     """One scripted session on a fresh reference: (json-able record, npz arrays)."""
     import torch
 
-    ref = load_ref.load_reference(demo, ckpt, **script.duplex_kwargs)
+    ref = load_ref.load_reference(demo, ckpt, generate_audio=script.generate_audio,
+                                  **script.duplex_kwargs)
     codes_box: list = []
     gen_chunk = ref.model.tts.generate_chunk
 
@@ -174,6 +175,7 @@ def _run_units(ref, script, ckpt, prefill, codes_box, draws):
         "name": script.name, "decode_mode": script.decode_mode, "seed": script.seed,
         "pattern": script.pattern, "frames": script.frames,
         "frame_size": list(script.frame_size), "duplex_kwargs": script.duplex_kwargs,
+        "generate_audio": script.generate_audio,
         "prefix": di.PREFIX, "suffix": di.SUFFIX,
         "prepare_cache_len": dec.get_cache_length(),
         "system_preserve_len": dec._system_preserve_length,
@@ -210,6 +212,14 @@ def _run_units(ref, script, ckpt, prefill, codes_box, draws):
             "token2wav_buffer": list(ref.token2wav_buffer),
             "rng_draws": draws[0],
         }
+        if script.duplex_kwargs.get("sliding_window_mode") == "context":
+            unit.update({
+                "previous_text": dec._previous_text,
+                "previous_token_ids": list(dec._previous_token_ids),
+                "previous_content_len": int(dec._previous_content_length),
+                "preserve_prefix_len": int(dec._preserve_prefix_length),
+                "unit_history": [h["unit_id"] for h in dec._unit_history],
+            })
         record["units"].append(unit)
         if pcm is not None:
             # the reference's PCM is int16 / 32768 (Token2wav's bytes): stored losslessly
