@@ -5,8 +5,10 @@ The demo's `MiniCPMO45/` is imported from its checkout (a path; nothing of it is
 this project) as the package `minicpmo45_ref`. What is changed at load time, and why:
 
 - transformers 4.51.0 (the demo's pin) from its own --target folder, first on sys.path: the
-  demo reads `DynamicCache.key_cache`, gone from transformers 5. `ensure_transformers()`
-  says how to install it; it must run before anything imports transformers.
+  demo reads `DynamicCache.key_cache`, gone from transformers 5 (with its tokenizers and
+  hub pins, and accelerate, which its from_pretrained needs). `INSTALL_HINT` says how to
+  install it: `$OMNIRAY_REF_TRANSFORMERS`, `<omniray cache>/transformers-4.51.0` or
+  `<repo>/.cache/transformers-4.51.0`. It must be loaded before anything imports transformers.
 - A "reference view" of the checkpoint (a folder of links in the cache plus the two files
   the demo's Auto classes read: tokenizer_config.json naming `MiniCPMOTokenizerFast`, and
   preprocessor_config.json naming the processor classes) and the demo's config, tokenizer,
@@ -71,13 +73,14 @@ def transformers_candidates() -> list[Path]:
     root = _repo_root()
     if root is not None:
         out.append(root / ".cache" / f"transformers-{TRANSFORMERS_VERSION}")
-    out.append(Path("/work/duplex/ref/site-tf451"))
+    out.append(_HERE.parent / "site-tf451")  # beside a published copy of this file
     return out
 
 
 INSTALL_HINT = (
     f"pip install --no-deps --target .cache/transformers-{TRANSFORMERS_VERSION} "
-    f"transformers=={TRANSFORMERS_VERSION} tokenizers==0.21.1 huggingface_hub==0.30.2"
+    f"transformers=={TRANSFORMERS_VERSION} tokenizers==0.21.1 huggingface_hub==0.30.2 "
+    f"accelerate==1.12.0 psutil"
 )
 
 
@@ -183,8 +186,8 @@ def _register_auto(ns) -> None:
     AutoTokenizer.register(cfg_cls, fast_tokenizer_class=ns.tokenization.MiniCPMOTokenizerFast,
                            exist_ok=True)
     AutoFeatureExtractor.register(cfg_cls, ns.processing.MiniCPMAAudioProcessor, exist_ok=True)
-    AutoImageProcessor.register(cfg_cls, slow_image_processor_class=ns.processing.MiniCPMVImageProcessor,
-                                exist_ok=True)
+    AutoImageProcessor.register(
+        cfg_cls, slow_image_processor_class=ns.processing.MiniCPMVImageProcessor, exist_ok=True)
     _REGISTERED = True
 
 
@@ -349,9 +352,9 @@ def register_voice(t2w, voice_path: Path) -> str:
     dtype = next(t2w.flow.parameters()).dtype
     name = str(voice_path)
     voices = t2w.__dict__.setdefault("_omniray_voices", {})
-    voices[name] = (v.prompt_tokens.int(), torch_tensor([v.prompt_tokens.shape[1]]),
+    voices[name] = (v.prompt_tokens.int(), _int32([v.prompt_tokens.shape[1]]),
                     v.spk_emb.to(dtype), v.prompt_mel.to(dtype),
-                    torch_tensor([v.prompt_mel.shape[1]]))
+                    _int32([v.prompt_mel.shape[1]]))
 
     def prepare_prompt(prompt_wav):
         if prompt_wav not in voices:
@@ -362,7 +365,7 @@ def register_voice(t2w, voice_path: Path) -> str:
     return name
 
 
-def torch_tensor(values):
+def _int32(values):
     import torch
 
     return torch.tensor(values, dtype=torch.int32)

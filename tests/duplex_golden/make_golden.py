@@ -7,7 +7,9 @@ that tests/test_duplex_parity.py compares omniray against.
 The demo checkout (a work tree or a bare git mirror) is read at that path, never copied into
 the project; the commit it used is printed and written into every golden's json. How the
 reference is loaded on CPU in float32, and what is patched at load time: load_ref.py. Needs
-transformers 4.51.0 in its own folder (load_ref.INSTALL_HINT) and minicpmo-utils 1.0.7.
+transformers 4.51.0 in its own folder (load_ref.INSTALL_HINT; or point
+$OMNIRAY_REF_TRANSFORMERS at one) and minicpmo-utils 1.0.7 (the README's test install).
+About 1.5 min on one CPU core for the four sessions (35 s more with --fit).
 
 --fit first refits the test checkpoint's patch (tests/_duplex_ckpt.py says what it does) on
 the reference with the tiny default, and writes ckpt_patch.npz; without it the committed
@@ -50,7 +52,6 @@ def fit_patch(demo: str) -> dict:
     import torch
 
     from tests import _duplex_inputs as di
-    from tests._duplex_ckpt import load_patch  # noqa: F401  (format)
 
     base = _default()
     feats = {"L": [], "q": []}
@@ -59,7 +60,7 @@ def fit_patch(demo: str) -> dict:
         seen = []
         ref.model.audio_projection_layer.register_forward_hook(
             lambda m, i, o: seen.append(i[0].detach().reshape(-1, i[0].shape[-1]).clone()))
-        _no_global_draws(ref.prepare, "prepare")(prefix_system_prompt=di.PREFIX, suffix_system_prompt=di.SUFFIX)
+        ref.prepare(prefix_system_prompt=di.PREFIX, suffix_system_prompt=di.SUFFIX)
         for kind, (audio, frames) in zip(script.pattern, di.session_inputs(script)):
             seen.clear()
             ref.streaming_prefill(audio_waveform=audio, frame_list=frames)
@@ -73,7 +74,8 @@ def fit_patch(demo: str) -> dict:
 
     get = _tensor_reader(base)
     emb = get("llm.model.embed_tokens.weight")
-    w1, b1 = get("audio_projection_layer.linear1.weight"), get("audio_projection_layer.linear1.bias")
+    w1 = get("audio_projection_layer.linear1.weight")
+    b1 = get("audio_projection_layer.linear1.bias")
     w2 = get("audio_projection_layer.linear2.weight")
     g = torch.Generator().manual_seed(FIT["direction_seed"])
     q, _ = torch.linalg.qr(torch.randn(emb.shape[1], 4, generator=g))
@@ -169,8 +171,9 @@ def _run_units(ref, script, ckpt, prefill, codes_box, draws):
 
     dec = ref.decoder
     torch.manual_seed(script.seed)
-    _no_global_draws(ref.prepare, "prepare")(prefix_system_prompt=di.PREFIX, suffix_system_prompt=di.SUFFIX,
-                ref_audio=di.ref_audio(ckpt), prompt_wav_path=ref.omniray_prompt_wav)
+    prepare = _no_global_draws(ref.prepare, "prepare")
+    prepare(prefix_system_prompt=di.PREFIX, suffix_system_prompt=di.SUFFIX,
+            ref_audio=di.ref_audio(ckpt), prompt_wav_path=ref.omniray_prompt_wav)
     record = {
         "name": script.name, "decode_mode": script.decode_mode, "seed": script.seed,
         "pattern": script.pattern, "frames": script.frames,
