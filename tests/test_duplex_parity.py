@@ -172,6 +172,22 @@ def test_golden_units_are_consistent(name):
     assert record["total_ids"] == all_generated
 
 
+@pytest.mark.parametrize("name", SESSION_NAMES)
+def test_omniray_tokenizer_agrees_with_the_goldens(name):
+    """The system prompt's ids and every unit's text, through omniray's tokenizer of the test
+    checkpoint, are the reference's (its MiniCPMOTokenizerFast over the same tokenizer.json)."""
+    from pipeline.tokenizer import TextTokenizer
+
+    record, _ = golden(name)
+    tok = TextTokenizer.from_dir(dc.duplex_test_checkpoint())
+    assert tok.encode(record["prefix"]) == record["prefix_ids"]
+    assert tok.encode(record["suffix"]) == record["suffix_ids"]
+    ref_rows = record["prepare_cache_len"] - len(record["prefix_ids"]) - len(record["suffix_ids"])
+    assert ref_rows == 10  # HT_ref_audio.wav: 1 s, 10 audio rows
+    for u in record["units"]:
+        assert tok.decode(u["spoken_ids"], skip_special_tokens=True) == u["text"]
+
+
 def test_scripted_inputs_are_deterministic_and_distinct():
     for script in di.SESSIONS:
         a, b = di.session_inputs(script), di.session_inputs(script)

@@ -180,6 +180,8 @@ def _run_units(ref, script, ckpt, prefill, codes_box, draws):
         "frame_size": list(script.frame_size), "duplex_kwargs": script.duplex_kwargs,
         "generate_audio": script.generate_audio,
         "prefix": di.PREFIX, "suffix": di.SUFFIX,
+        "prefix_ids": ref.tokenizer.encode(di.PREFIX, add_special_tokens=False),
+        "suffix_ids": ref.tokenizer.encode(di.SUFFIX, add_special_tokens=False),
         "prepare_cache_len": dec.get_cache_length(),
         "system_preserve_len": dec._system_preserve_length,
         "units": [],
