@@ -30,6 +30,7 @@ UNIT, UNIT_END, LISTEN, SPEAK = 151683, 151684, 151705, 151706
 IMAGE, IMAGE_END = 151669, 151670
 TTS_BOS, TURN_EOS, CHUNK_EOS, CHUNK_TTS_EOS = 151703, 151717, 151718, 151721
 NUM_AUDIO_CODES = 6561  # the Talker's codes; 6561 is its end token (never returned)
+SILENCE_CODE = 4218  # the reference's Token2Wav buffer starts each turn with three
 
 
 @lru_cache(maxsize=None)
@@ -111,6 +112,7 @@ def test_golden_units_are_consistent(name):
     script = di.session(name)
     units = record["units"]
     window = record["duplex_kwargs"]["sliding_window_mode"]
+    tts_pos, buffer = 0, [SILENCE_CODE] * 3 if record["generate_audio"] else []
     all_generated, fed = [], {}
     cache, offset, slides = record["prepare_cache_len"], 0, 0
     for u in units:
@@ -164,6 +166,24 @@ def test_golden_units_are_consistent(name):
                 assert pcm.any() and len(pcm) >= 24000  # left-padded to 1 s but the last
         if u["end_of_turn"]:
             assert u["tts_text_start_pos"] == 0
+        # the Talker's chunk call and the Token2Wav windows it fed
+        call, windows = u["talker_call"], u["token2wav_calls"]
+        if u["talker_called"]:
+            assert call["condition_len"] == len(u["spoken_ids"]) + 1  # + audio_bos
+            assert call["text_start_pos"] == tts_pos and call["max_new_token"] == 26
+            assert call["min_new_tokens"] == (0 if tts_pos == 0 or u["end_of_turn"] else 26)
+            stream, at = buffer + u["codes"], 0
+            for k, (tokens, last, _) in enumerate(windows):
+                assert tokens == stream[at:at + len(tokens)]
+                assert last == (u["end_of_turn"] and k == len(windows) - 1)
+                at = len(stream) if last else at + min(25, len(tokens) - 3)
+            buffer = [SILENCE_CODE] * 3 if u["end_of_turn"] else stream[at:]
+            samples = sum(w[2] for w in windows)
+            assert len(pcm) == (samples if u["end_of_turn"] else max(24000, samples))
+        else:
+            assert call is None and windows == []
+        assert u["token2wav_buffer"] == buffer
+        tts_pos = u["tts_text_start_pos"]
         # the global RNG: only sampling draws, two per sampled step at most
         if record["decode_mode"] == "greedy":
             assert u["rng_draws"] == 0

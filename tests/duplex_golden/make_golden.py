@@ -129,11 +129,26 @@ def run_session(demo: str, ckpt: Path, script) -> tuple[dict, dict]:
     def generate_chunk(*a, **k):
         out = gen_chunk(*a, **k)
         codes_box.append(out[0].reshape(-1).tolist())
+        calls.append({"condition_len": int(k["inputs_embeds"].shape[1]),
+                      "text_start_pos": int(k["text_start_pos"]),
+                      "min_new_tokens": int(k["min_new_tokens"]),
+                      "max_new_token": int(k["max_new_token"])})
         return out
 
     ref.model.tts.generate_chunk = _no_global_draws(generate_chunk, "the Talker")
     t2w = ref.model.tts.audio_tokenizer
-    t2w.stream = _no_global_draws(t2w.stream, "Token2wav")
+    stream = _no_global_draws(t2w.stream, "Token2wav")
+
+    def logged_stream(tokens, prompt_wav=None, last_chunk=False, return_waveform=False):
+        out = stream(tokens, prompt_wav=prompt_wav, last_chunk=last_chunk,
+                     return_waveform=return_waveform)
+        samples = len(out) // 2 if isinstance(out, bytes) else int(out.shape[-1])
+        t2w_calls.append([[int(t) for t in tokens], bool(last_chunk), samples])
+        return out
+
+    t2w.stream = logged_stream
+    calls: list = []
+    t2w_calls: list = []
     prefill = _no_global_draws(ref.streaming_prefill, "streaming_prefill")
     # Count the global-RNG draws (StreamDecoder.decode's torch.multinomial: the only ones).
     draws = [0]
@@ -145,7 +160,7 @@ def run_session(demo: str, ckpt: Path, script) -> tuple[dict, dict]:
 
     torch.multinomial = counting_multinomial
     try:
-        return _run_units(ref, script, ckpt, prefill, codes_box, draws)
+        return _run_units(ref, script, ckpt, prefill, codes_box, draws, calls, t2w_calls)
     finally:
         torch.multinomial = multinomial
 
@@ -163,7 +178,7 @@ def _no_global_draws(fn, what):
     return run
 
 
-def _run_units(ref, script, ckpt, prefill, codes_box, draws):
+def _run_units(ref, script, ckpt, prefill, codes_box, draws, talker_calls, t2w_calls):
     import numpy as np
     import torch
 
@@ -193,6 +208,8 @@ def _run_units(ref, script, ckpt, prefill, codes_box, draws):
         ok = prefill(audio_waveform=audio, frame_list=frames)
         assert ok["success"], ok
         codes_box.clear()
+        talker_calls.clear()
+        t2w_calls.clear()
         draws[0] = 0
         out = ref.streaming_generate(decode_mode=script.decode_mode)
         generated = ref.total_ids[n_ids:]
@@ -216,6 +233,8 @@ def _run_units(ref, script, ckpt, prefill, codes_box, draws):
             "tts_text_start_pos": int(ref.tts_text_start_pos),
             "token2wav_buffer": list(ref.token2wav_buffer),
             "rng_draws": draws[0],
+            "talker_call": talker_calls[0] if talker_calls else None,
+            "token2wav_calls": [list(c) for c in t2w_calls],
         }
         if script.duplex_kwargs.get("sliding_window_mode") == "context":
             unit.update({
