@@ -75,6 +75,7 @@ class StageServer:
         # ... or sends once the pending chunks' sizes add up to this (Forwarder `at_least`)
         self.forward_at_least, self.forward_size = 1, one_each
         self.model_config = source.config
+        self.source = source
         self._serving: set[str] = set()  # streams inside their generator
         self._forwarders: dict[str, Forwarder] = {}
         self._aborted = Tombstones() if self.tombstones else None

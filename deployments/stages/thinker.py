@@ -46,6 +46,7 @@ class ThinkerServer(StageServer):
         # streaming: the spoken rows go in the Talker's text chunks (a unit starts with one)
         self.forward_at_least = self.model_config.talker.streaming_text_chunk
         self.forward_size = lambda chunk: len(chunk[0])  # (spoken ids, hidden rows)
+        self._duplex: Any = None  # DuplexSessions, made by the first duplex session
 
     def _default_engine(self, device: str, settings: dict[str, Any]) -> tuple[Any, dict]:
         from pipeline.thinker.engine import ThinkerEngine
@@ -93,6 +94,31 @@ class ThinkerServer(StageServer):
         hidden = np.concatenate([h for _, h in chunks]) if chunks else None
         talker = via(self.talker, self.grpc, 0 if hidden is None else hidden.nbytes)
         return await talker.feed.remote(rid, ids, hidden, final)
+
+    # -- full duplex: sessions resident here, over the engine's model (stages/duplex.py) --
+
+    async def duplex_open(self, session_id: str, init: Any) -> None:
+        """Open and prepare a duplex session (ValueError: a bad option or input)."""
+        await self.loop.call(lambda e: self._duplex_sessions().open(e, session_id, init))
+
+    async def duplex_unit(self, session_id: str, audio: np.ndarray, frames: list | None,
+                          force: str | None) -> dict[str, Any]:
+        """One 1 s unit of a session: the fields of pipeline.duplex.session.UnitResult."""
+        return await self.loop.call(
+            lambda e: self._duplex_sessions().unit(session_id, audio, frames, force))
+
+    async def duplex_close(self, session_id: str) -> bool:
+        return await self.loop.call(lambda e: self._duplex_sessions().close(session_id))
+
+    def _duplex_sessions(self) -> Any:
+        if self._duplex is None:
+            from deployments.stages.duplex import DuplexSessions
+
+            self._duplex = DuplexSessions(self.source, self.engine.device)
+        return self._duplex
+
+    def _extra_stats(self) -> dict[str, Any]:
+        return {"duplex": self._duplex.stats() if self._duplex is not None else {"sessions": 0}}
 
     def _leaks(self, engine: dict[str, Any]) -> list[str]:
         total = engine.get("num_total_blocks")

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -94,12 +94,18 @@ class SpeechModels:
     def from_checkpoint(cls, path: str | Path | None, device: str = "cpu") -> SpeechModels:
         """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32) of a checkpoint
         folder (None: the embedded default), with its default voice."""
-        from pipeline.checkpoint import ModelSource, load_into, load_part, talker_schema
+        from pipeline.checkpoint import ModelSource
+
+        return cls.from_source(ModelSource.open(None if path is None else str(path)), device)
+
+    @classmethod
+    def from_source(cls, source: Any, device: str = "cpu") -> SpeechModels:
+        """As `from_checkpoint`, from an opened pipeline.checkpoint.ModelSource (a server's)."""
+        from pipeline.checkpoint import load_into, load_part, talker_schema
         from pipeline.code2wav.assets import load_code2wav, token2wav_dir
         from pipeline.tokenizer import TextTokenizer
         from pipeline.utils import resolve_dtype
 
-        source = ModelSource.open(None if path is None else str(path))
         model = TalkerModel(source.config.talker)
         part = load_part(source.tensors, "tts.", talker_schema(model.cfg), "cpu", torch.float32)
         load_into(model, part, "talker")
