@@ -225,3 +225,47 @@ def test_32_concurrent_speech_turns_all_complete(tiny_source, capacity):
     for name in ("thinker", "talker", "code2wav"):
         holds = st["stages"][name]["holds"]
         assert holds["streams"] >= capacity and holds["stream_bytes"] > 0, (name, holds)
+
+
+# -- the engines at 32 streams -----------------------------------------------------------
+
+
+def test_code2wav_warms_every_last_chunk_batch_up_to_32_streams(tiny_checkpoint):
+    """The warm-up's last chunks at max_streams 32: a batch of more streams than there are
+    last-chunk lengths repeats lengths, and each of its throwaway streams still opens (the
+    warm-up once named streams by length: two of one batch collided past 26 streams). Only
+    the streams' bookkeeping runs here (decoding is stubbed); every slot comes back."""
+    from pipeline.code2wav.assets import load_code2wav
+    from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+    from pipeline.code2wav.graphs import CausalVocoderGraphs
+    from pipeline.code2wav.voice import VoiceCache
+
+    flow, hift, cfg = load_code2wav(tiny_checkpoint, "cpu", __import__("torch").float32)
+    engine = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(max_streams=32))
+    voice = VoiceCache(tiny_checkpoint / "assets" / "token2wav").default()
+    assert engine.capacity()["streams"] == 32
+    assert engine.capacity()["budget_bytes"] == engine.pool.nbytes()
+    engine.hift_graphs = CausalVocoderGraphs(hift, engine.graph_sizes, engine.max_graphs)
+    widest = []
+    engine.drain = lambda: widest.append(len(engine.streams)) or {}
+    engine._warm_last_chunks(voice)
+    lengths = cfg.chunk_size + 1  # a last chunk's codes: pre_lookahead .. a full window
+    assert max(widest) == 32 > lengths
+    assert len(engine.pool.free) == 32 and not engine.streams
+    # the graphs kept per runner cover every batch size's warm-up windows
+    assert engine.max_graphs >= 6 * 32
+
+
+def test_the_talker_holds_its_kv_slots(tiny_source):
+    """The Talker's capacity: one KV slot of every position a stream may reach, each."""
+    import torch
+
+    from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
+    from pipeline.talker.model import TalkerKVCache
+
+    engine = TalkerEngine.from_source(tiny_source, TalkerEngineConfig(max_streams=32))
+    held = engine.capacity()
+    per_slot = TalkerKVCache.bytes_per_slot(engine.cfg, engine.max_len, torch.float32)
+    assert held["streams"] == 32 and held["stream_bytes"] == per_slot
+    assert held["budget_bytes"] == 32 * per_slot
+    assert engine.batch_sizes[-1] == 32  # a step's rows reach every slot

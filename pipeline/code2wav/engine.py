@@ -460,7 +460,8 @@ class Code2WavEngine:
         try:
             for after_a_chunk in (False, True):
                 for n, part in enumerate(parts):
-                    ids = [f"__warmup_last_{int(after_a_chunk)}_{n}_{k}" for k in part]
+                    # a part wider than the lengths repeats one: name streams by position
+                    ids = [f"__warmup_last_{int(after_a_chunk)}_{n}_{j}" for j in range(len(part))]
                     for sid in ids:
                         self.open(sid, voice)
                     try:
