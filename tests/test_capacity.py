@@ -269,3 +269,43 @@ def test_the_talker_holds_its_kv_slots(tiny_source):
     assert held["streams"] == 32 and held["stream_bytes"] == per_slot
     assert held["budget_bytes"] == 32 * per_slot
     assert engine.batch_sizes[-1] == 32  # a step's rows reach every slot
+
+
+H100_BYTES = 85_031_714_816  # what CUDA reports for an H100 80GB HBM3 (79.2 GiB)
+# docs/operations.md "Capacity 32 on one H100": the two splits it gives
+CAPACITY_32_ON_H100 = {
+    "exact, 5 s voices": {
+        "capacity": 32, "limits": {"max_ref_audio_seconds": 5},
+        "thinker": {"memory_fraction": 0.45, "kv_cache_gib": 12},
+        "talker": {"memory_fraction": 0.125},
+        "code2wav": {"memory_fraction": 0.33, "engine": {"slot_prompt_frames": 250}}},
+    "fp16, 5 steps": {
+        "capacity": 32,
+        "talker": {"memory_fraction": 0.125},
+        "code2wav": {"memory_fraction": 0.18,
+                     "engine": {"token2wav_precision": "fp16", "n_timesteps": 5}}},
+}
+
+
+@pytest.mark.parametrize("name", list(CAPACITY_32_ON_H100))
+def test_the_documented_capacity_32_splits_pass_the_start_up_check(name):
+    """Each split validates (the engine sections too), fits an H100 by the start-up check,
+    and its Talker cap holds 32 KV slots of the full-size Talker beside its weights."""
+    import torch
+
+    from deployments.app import engine_configs
+    from deployments.config import GIB, AppConfig, check_memory_budget
+    from pipeline.config import talker_config_from_hf
+    from pipeline.presets import full_hf_config
+    from pipeline.talker.model import TalkerKVCache
+
+    cfg = AppConfig.model_validate(CAPACITY_32_ON_H100[name])
+    built = engine_configs(cfg)
+    assert built["talker"].max_streams == built["code2wav"].max_streams == 32
+    assert built["thinker"].llm.max_num_seqs == 32
+    plan = check_memory_budget(cfg, H100_BYTES)
+    assert plan["need"] <= plan["total"]
+    talker = talker_config_from_hf(full_hf_config())
+    kv = 32 * TalkerKVCache.bytes_per_slot(talker, talker.max_position_embeddings,
+                                          torch.bfloat16)
+    assert plan["talker"] * GIB > kv, (plan["talker"], kv / GIB)
