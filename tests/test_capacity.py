@@ -19,7 +19,7 @@ from deployments.wire import AudioChunk, Done, Error
 from fakes import FakeCode2WavEngine, FakeThinkerEngine, build_local_app
 
 SPEECH = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens": 4,
-          "omniray": {"fixed_speech_codes": 28}}
+          "omniray": {"fixed_speech_codes": 8}}
 
 
 async def collect(ingress, body) -> list:
