@@ -239,6 +239,7 @@ def test_code2wav_warms_every_last_chunk_batch_up_to_32_streams(tiny_checkpoint)
     from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
     from pipeline.code2wav.graphs import CausalVocoderGraphs
     from pipeline.code2wav.voice import VoiceCache
+    from pipeline.handoff import CodeChunk
 
     flow, hift, cfg = load_code2wav(tiny_checkpoint, "cpu", __import__("torch").float32)
     engine = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(max_streams=32))
@@ -254,6 +255,17 @@ def test_code2wav_warms_every_last_chunk_batch_up_to_32_streams(tiny_checkpoint)
     assert len(engine.pool.free) == 32 and not engine.streams
     # the graphs kept per runner cover every batch size's warm-up windows
     assert engine.max_graphs >= 6 * 32
+    # the runners' counts are running totals: a step's stats carry them as they are
+    del engine.drain
+    for sid in ("a", "b"):
+        engine.open(sid, voice)
+        engine.feed(sid, CodeChunk(sid, (1,) * cfg.chunk_size, False))
+    for _ in range(2):
+        engine.step()
+        engine.feed("a", CodeChunk("a", (1,) * cfg.chunk_size, False))
+    runner = engine.hift_graphs  # on CPU every vocoder call is a fallback
+    assert runner.fallbacks >= 2
+    assert engine.stats()["hift_graph_fallbacks"] == runner.fallbacks
 
 
 def test_the_talker_holds_its_kv_slots(tiny_source):

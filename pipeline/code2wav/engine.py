@@ -342,7 +342,8 @@ class Code2WavEngine:
         self.counters["busy_ms"] += round((time.perf_counter() - t0) * 1e3, 3)
         for name, runner in (("cfm", self.graphs), ("hift", self.hift_graphs)):
             if runner is not None:
-                self.counters.update(runner.counts(name))
+                for key, total in runner.counts(name).items():  # running totals: set
+                    self.counters[key] = total
         return out
 
     def _slot_step(self, ids: list[str], ready: dict) -> list[tuple[str, np.ndarray, bool]]:
