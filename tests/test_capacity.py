@@ -288,13 +288,13 @@ H100_BYTES = 85_031_714_816  # what CUDA reports for an H100 80GB HBM3 (79.2 GiB
 CAPACITY_32_ON_H100 = {
     "exact, 5 s voices": {
         "capacity": 32, "limits": {"max_ref_audio_seconds": 5},
-        "thinker": {"memory_fraction": 0.45, "kv_cache_gib": 12},
+        "thinker": {"memory_fraction": 0.42, "kv_cache_gib": 10},
         "talker": {"memory_fraction": 0.125},
-        "code2wav": {"memory_fraction": 0.33, "engine": {"slot_prompt_frames": 250}}},
+        "code2wav": {"memory_fraction": 0.36, "engine": {"slot_prompt_frames": 250}}},
     "fp16, 5 steps": {
         "capacity": 32,
         "talker": {"memory_fraction": 0.125},
-        "code2wav": {"memory_fraction": 0.18,
+        "code2wav": {"memory_fraction": 0.2,
                      "engine": {"token2wav_precision": "fp16", "n_timesteps": 5}}},
 }
 
