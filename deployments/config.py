@@ -186,8 +186,9 @@ class AppConfig(_Settings):
     capacity: int = Field(8, ge=1, description=(
         "turns one group runs at once: the ingress's window (split over its replicas) and "
         "every stage's slot count (Thinker max_num_seqs, Talker and Code2Wav max_streams) "
-        "follow from it; a turn beyond it waits for a slot. A stage whose memory cannot "
-        "hold it refuses to start"))
+        "follow from it; a turn beyond it waits for a slot (at most 4 x capacity wait; "
+        "past that a 503 with Retry-After). Each stage measures the turns its memory "
+        "holds once built and refuses to start when that is fewer"))
     groups: int | Literal["auto"] = Field(1, description=(
         "stage groups: one replica of each stage on one GPU, every hop of a turn inside its "
         "group; auto = one per GPU in the cluster (1 without GPUs)"))
@@ -357,6 +358,31 @@ def check_memory_budget(cfg: AppConfig, total_bytes: int, *, free_bytes: int | N
                 f"{cfg.stages()[stage].graph_reserve_gib:.2f}) but only {free:.2f} GiB of "
                 f"{total:.2f} GiB is free")
     return {**plan, "contexts": contexts, "graphs": graphs, "total": total, "need": need}
+
+
+class CapacityError(RuntimeError):
+    """A stage's memory holds fewer turns than the group's window (`capacity`)."""
+
+
+# What to raise when a stage holds fewer turns than `capacity`.
+_CAPACITY_HOLDERS = {
+    "thinker": "thinker.kv_cache_gib (or cpu_kv_cache_gib on CPU)",
+    "talker": "talker.memory_fraction",
+    "code2wav": "code2wav.memory_fraction, or lower code2wav.engine.slot_prompt_frames",
+}
+
+
+def check_holds(stage: str, holds: dict[str, Any], capacity: int) -> None:
+    """Refuse to start a stage whose memory holds fewer turns than the window lets in at
+    once: past it, a turn the window admitted would find no room in the stage. `holds` is
+    what the built engine reports: streams, stream_bytes, budget_bytes, holder."""
+    if holds["streams"] >= capacity:
+        return
+    raise CapacityError(
+        f"{stage} holds {holds['streams']} turns but capacity is {capacity}: its "
+        f"{holds['holder']} has {holds['budget_bytes'] / GIB:.3f} GiB at "
+        f"{holds['stream_bytes'] / 2**20:.1f} MiB a turn; raise "
+        f"{_CAPACITY_HOLDERS.get(stage, 'its budget')} or lower capacity")
 
 
 def dataclass_from_dict(cls: Any, values: dict[str, Any], where: str) -> Any:

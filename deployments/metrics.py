@@ -7,7 +7,8 @@ Per app (ingress):  omniray_requests_total{outcome}  ok | error | timeout | canc
                         stage_error, stage_unavailable, stage_busy, timeout, cancelled...)
                     omniray_ttft_seconds, omniray_first_audio_seconds, omniray_rtf,
                     omniray_audio_seconds_total, omniray_window_active,
-                    omniray_window_waiting
+                    omniray_window_waiting, omniray_queue_wait_seconds (an admitted
+                    speech turn's wait for a window slot; 0 when one was free)
                     omniray_stage_cache_hits_total{stage="ingress",cache="media"} and
                     omniray_stage_stat{stage="ingress",name="media_cache_*"} (misses,
                         bytes, entries, evictions of the processed-media cache)
@@ -15,6 +16,9 @@ Per stage:          omniray_stage_step_seconds{stage}, omniray_stage_batch_size{
                     omniray_stage_queue_depth{stage},
                     omniray_stage_active_streams{stage} (turns holding state in the stage),
                     omniray_stage_free_slots{stage} (Talker stream slots / Thinker KV blocks),
+                    omniray_stage_streams_held{stage} (the turns its memory holds, measured
+                        once it is built: Thinker KV, Talker KV slots, Code2Wav slot pool),
+                    omniray_stage_stream_bytes{stage} (the memory one such turn takes),
                     omniray_stage_kv_usage{stage}, omniray_stage_cache_hits_total{stage,cache},
                     omniray_stage_graph_steps_total{stage,path="graph"|"eager"},
                     omniray_stage_stat{stage,name} (every other numeric engine stat)
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 1.0
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
+QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128]
 STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 RTF_BUCKETS = [0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 4, 8]
@@ -78,6 +83,10 @@ class StageMetrics:
                               "CUDA graph replays vs eager fallbacks", tag_keys=("stage", "path"))
         self.stat = _metric(Gauge, "omniray_stage_stat", "other numeric engine stats",
                             tag_keys=("stage", "name"))
+        self.held = _metric(Gauge, "omniray_stage_streams_held",
+                            "turns the stage's memory holds (measured at start)", tag_keys=tk)
+        self.stream_bytes = _metric(Gauge, "omniray_stage_stream_bytes",
+                                    "memory one turn takes in the stage", tag_keys=tk)
         self._last_stats = 0.0
         self._counters: dict[str, float] = {}
         self.engine_stats: Any = None  # callable returning the engine's stats dict
@@ -94,6 +103,11 @@ class StageMetrics:
                 self.record_stats(self.engine_stats())
             except Exception:
                 log.debug("stats for metrics failed", exc_info=True)
+
+    def holds(self, held: dict[str, Any]) -> None:
+        """What the stage's memory holds (StageServer's `holds`), once, at start."""
+        self.held.set(held["streams"], tags=self.tags)
+        self.stream_bytes.set(held["stream_bytes"], tags=self.tags)
 
     def streams(self, n: int) -> None:
         self.active.set(n, tags=self.tags)
@@ -141,6 +155,9 @@ class AppMetrics:
         self.audio_seconds = _metric(Counter, "omniray_audio_seconds_total", "audio produced")
         self.window_active = _metric(Gauge, "omniray_window_active", "turns in the GPU stages")
         self.window_waiting = _metric(Gauge, "omniray_window_waiting", "turns waiting FIFO")
+        self.queue_wait = _metric(Histogram, "omniray_queue_wait_seconds",
+                                  "an admitted speech turn's wait for a window slot",
+                                  boundaries=QUEUE_BUCKETS)
         self.window(0, 0)  # a fresh process exports its own (empty) window at once
         self._realtime = _metric(Gauge, "omniray_realtime_sessions",
                                  "open realtime (WebSocket) sessions")

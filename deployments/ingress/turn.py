@@ -1,7 +1,8 @@
 """One chat turn across the three stages, as the ingress runs it.
 
     1. speech: wait for a slot in the active stream window (FIFO); text-only turns need no
-       Talker or Code2Wav state and skip the window
+       Talker or Code2Wav state and skip the window. A full queue refuses the turn at once
+       (503 `queue_full`, nothing opened); an admitted turn's wait is its Done's `queue_s`
     2. start Thinker.generate (text back here; spoken span Thinker -> Talker -> Code2Wav
        directly), and right after it
     3. speech: open Talker.session and Code2Wav.stream (with the voice). Both opens must
@@ -35,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deployments.config import TimeoutSettings
-from deployments.ingress.window import ActiveStreamWindow
+from deployments.ingress.window import ActiveStreamWindow, QueueFull
 from deployments.metrics import AppMetrics
 from deployments.wire import (
     SAMPLE_RATE,
@@ -274,8 +275,12 @@ class TurnRunner:
             early: list[tuple[str, Any]] = []  # the Thinker's items while the opens ran
             if turn.speech:
                 self._window_metrics()
-                slot = await self._bounded(window.acquire(rid), deadline)
+                try:
+                    slot = await self._bounded(window.acquire(rid), deadline)
+                except QueueFull as e:  # nothing was opened: a refusal, not a failure
+                    raise _TurnError(Error(503, f"server busy: {e}", "queue_full")) from None
                 self._window_metrics()
+                self._queue_wait(slot.wait_s)
             # The Thinker's call first: its prefill is what the first token waits for, and
             # each call the ingress submits before it delays its start. The
             # speech opens follow at once and their round trips overlap the prefill (the
@@ -341,13 +346,16 @@ class TurnRunner:
             self._window_metrics()
             outcome, reason = "ok", "ok"
             metrics = {"ttft_s": ttft or 0.0}
+            if slot is not None:
+                metrics["queue_s"] = slot.wait_s  # waited for a window slot
             if first_audio is not None:
                 metrics.update(first_audio_s=first_audio, rtf=last_audio / max(audio_s, 1e-9))
             self._record(ttft, first_audio, metrics.get("rtf"), audio_s)
             timings = stage_spans(turn, marks, talker, pieces) if turn.return_timings else None
             yield Done(usage, finish, audio_s, metrics, timings)
         except _TurnError as e:
-            outcome, reason = ("rejected" if e.event.status < 500 else "error"), e.event.reason
+            refused = e.event.status < 500 or e.event.reason == "queue_full"
+            outcome, reason = ("rejected" if refused else "error"), e.event.reason
             yield e.event
         except asyncio.TimeoutError:
             outcome, reason = "timeout", "timeout"
@@ -358,7 +366,7 @@ class TurnRunner:
                 p.cancel()
             for s in streams.values():
                 _cancel(s)
-            if outcome != "ok":
+            if outcome != "ok" and (streams or slot is not None):
                 # The slot comes back once the stages freed the turn's own slots, so the
                 # turn it admits next never finds them still held.
                 self._abort(rid, stages, turn.speech, then=slot and slot.release)
@@ -524,6 +532,16 @@ class TurnRunner:
             self.metrics.first_audio.observe(first_audio)
             self.metrics.rtf.observe(rtf)
             self.metrics.audio_seconds.inc(audio_s)
+
+    def check_admission(self, speech: bool) -> None:
+        """Raise the window's QueueFull if a turn routed now would be refused: lets a route
+        answer 503 before a stream's headers go out (the turn's own `acquire` decides)."""
+        if speech:
+            self.likely_group(speech).window.check()
+
+    def _queue_wait(self, wait_s: float) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe(wait_s)
 
     def _window_metrics(self) -> None:
         if self.metrics is not None:

@@ -18,12 +18,13 @@ real engine class (`_default_engine`), which refusals of an open are the client'
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
-from deployments.config import AppConfig, dataclass_from_dict
+from deployments.config import AppConfig, check_holds, dataclass_from_dict
 from deployments.metrics import StageMetrics
 from deployments.stages.forward import Forwarder, Tombstones, one_each
 from deployments.stages.gc_watch import freeze_startup_objects, gc_watch
@@ -31,6 +32,8 @@ from deployments.stages.gpu import device_memory, stage_init, started
 from deployments.stages.loop import EngineLoop
 from deployments.wire import Heartbeat, Opened, error_line
 from pipeline.handoff import StageFailure
+
+log = logging.getLogger(__name__)
 
 
 class StageServer:
@@ -55,7 +58,14 @@ class StageServer:
                 cls, kw = engine_cls, settings
                 if cls is None:
                     cls, kw = self._default_engine(device, settings)
-                return build_engine(cls, source, kw, device)
+                engine = build_engine(cls, source, kw, device)
+            # What its memory really holds, measured on the built engine: fewer turns than
+            # the window admits would fail the turns past them, so the stage does not start.
+            self.holds = self._holds(engine)
+            if self.holds is not None:
+                log.info("%s: holds %s (capacity %d)", self.stage, self.holds, cfg.capacity)
+                check_holds(self.stage, self.holds, cfg.capacity)
+            return engine
 
         self.metrics = StageMetrics(self.stage)
         self.loop = EngineLoop(
@@ -67,8 +77,11 @@ class StageServer:
             on_failure=self._abort_all,
         )
         # built (and warmed up) on the thread that will serve it
+        self.holds: dict[str, Any] | None = None
         self.engine = self.loop.start(build)
         self.metrics.engine_stats = self.engine.stats
+        if self.holds is not None:
+            self.metrics.holds(self.holds)
         self.timeouts = cfg.timeouts
         self.grpc = cfg.stage_transport == "grpc"  # the hops to the next stage (`via`)
         self.hold_forward = False  # the Forwarder keeps everything until the stream's end
@@ -111,6 +124,12 @@ class StageServer:
 
     def _forget(self, rid: str) -> None:
         """Drop the stage's own records of `rid` (its stream ended or was aborted)."""
+
+    def _holds(self, engine: Any) -> dict[str, Any] | None:
+        """The turns the built engine's memory holds (`engine.capacity()`: streams,
+        stream_bytes, budget_bytes, holder); None for an engine that does not say."""
+        capacity = getattr(engine, "capacity", None)
+        return dict(capacity()) if callable(capacity) else None
 
     def _leaks(self, engine: dict[str, Any]) -> list[str]:
         return []
@@ -291,7 +310,9 @@ class StageServer:
         return {"stage": self.loop.name, "steps": prof.done.result()}
 
     async def stats(self) -> dict[str, Any]:
-        """Its open streams, capacity and engine stats, and the invariants: `idle` (no stream
+        """Its open streams, capacity, `holds` (the turns its memory holds, measured once
+        built: streams, stream_bytes, budget_bytes, holder) and engine stats, and the
+        invariants: `idle` (no stream
         open and the engine holds nothing), `leaks` (accounting that does not add up),
         `health` (None, or why the loop is unhealthy); `gpu_sharing` is what the stage found
         at start on its GPU: sharing, memory, start times (None on CPU)."""
@@ -305,7 +326,8 @@ class StageServer:
             extra = {"forwarders": len(self._forwarders), **extra}
         if held > open_:
             leaks.insert(0, f"engine holds {held} streams but {open_} are open")
-        return {"open": open_, "capacity": self.cfg.capacity, **extra, "steps": loop.steps,
+        return {"open": open_, "capacity": self.cfg.capacity, "holds": self.holds,
+                **extra, "steps": loop.steps,
                 "failures": loop.failures, "engine": engine, "idle": open_ == 0 and held == 0,
                 "leaks": leaks, "health": loop.health(self.timeouts.wedge_s),
                 "pid": os.getpid(), "gpu_sharing": started(loop.name),

@@ -57,6 +57,24 @@ class ThinkerServer(StageServer):
             settings["llm"] = {"kv_cache_bytes": int(kv * GIB), **settings.get("llm", {})}
         return ThinkerEngine, settings
 
+    def _holds(self, engine: Any) -> dict[str, Any] | None:
+        """The turns its KV cache holds: a running turn grows to at least its answer, so
+        the cache holds as many turns as it has room for `limits.default_max_tokens` tokens
+        each, and never more than the scheduler runs at once (max_num_seqs). A prompt longer
+        than its share is still served: the scheduler preempts and recomputes instead of
+        failing a turn."""
+        llm = getattr(engine, "llm", None)
+        if llm is None:
+            return super()._holds(engine)
+        kv, blocks = llm.kv_cache.kv, llm.block_manager.num_blocks
+        block_bytes = kv.numel() * kv.element_size() // (blocks + 1)  # + its scratch block
+        block = llm.config.block_size
+        turn_blocks = -(-self.cfg.limits.default_max_tokens // block)
+        return {"streams": min(llm.config.max_num_seqs, blocks // turn_blocks),
+                "stream_bytes": turn_blocks * block_bytes, "budget_bytes": blocks * block_bytes,
+                "holder": f"KV cache of {blocks * block} tokens, "
+                          f"{self.cfg.limits.default_max_tokens} a turn"}
+
     async def generate(self, req: Any) -> AsyncIterator[TextOut | Heartbeat | StageFailure]:
         speaks = req.return_hidden and self.talker is not None
         async with aclosing(self._serve(req.request_id, req, forward=speaks)) as items:

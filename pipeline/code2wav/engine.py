@@ -51,7 +51,11 @@ from pipeline.config import Code2WavConfig
 from pipeline.graphs import GraphRunner
 from pipeline.handoff import CodeChunk, PcmChunk
 
-MAX_GRAPHS = 96  # per runner; the vocoder's holds ~2 per batch size + 52 last chunks
+MAX_GRAPHS = 96  # per runner, at least; the vocoder's holds ~2 per batch size + 52 last chunks
+# Graphs kept per batch size (max_graphs scales with max_streams past MAX_GRAPHS): the flow's
+# WARMUP_CHUNKS growing DiT windows and a first-and-last chunk's window at each size, so
+# none that the warm-up captured is evicted and captured again under load.
+GRAPHS_PER_BATCH = 6
 VOICE_TEMPLATES = 8  # unpinned voice templates kept (least recently used evicted)
 # `warmup` decodes this many throwaway full chunks at each batch size, so the first requests
 # find the graphs captured and the compiled blocks built
@@ -141,15 +145,16 @@ class Code2WavEngine:
             torch.backends.cudnn.allow_tf32 = tf32
         self.fp16_autocast = cuda and engine_cfg.token2wav_precision == "fp16"
         self.graph_sizes = tuple(range(1, engine_cfg.max_streams + 1))
+        self.max_graphs = max(MAX_GRAPHS, GRAPHS_PER_BATCH * engine_cfg.max_streams)
         self.pool = FlowSlotPool(flow, engine_cfg.max_streams, engine_cfg.slot_prompt_frames,
                                  self.device, next(flow.parameters()).dtype)
-        self.graphs = GraphRunner(MAX_GRAPHS) if cuda else None
+        self.graphs = GraphRunner(self.max_graphs) if cuda else None
         freeze_weight_norms(hift)  # exact: the weights a chunk's forward would compute
         fuse_snakes(hift, cuda)
         self.hift_graphs = None
         if cuda:
             runner = CausalVocoderGraphs if isinstance(hift, CausalHiFT) else HiFTGraphRunner
-            self.hift_graphs = runner(hift, self.graph_sizes, MAX_GRAPHS)
+            self.hift_graphs = runner(hift, self.graph_sizes, self.max_graphs)
             if isinstance(self.hift_graphs, CausalVocoderGraphs):
                 self.hift_graphs.capture_last = False  # the warm-up captures them
         self.time_table = self._time_table()
@@ -292,6 +297,14 @@ class Code2WavEngine:
     def has_work(self) -> bool:
         return any(s.cursor.next_chunk(self.cfg) is not None for s in self.streams.values())
 
+    def capacity(self) -> dict[str, int | str]:
+        """The streams this engine's memory holds: the slot pool's slots (its spare row for
+        padding is counted in each slot's share), all allocated at build."""
+        slots, total = self.pool.slots, self.pool.nbytes()
+        return {"streams": slots, "stream_bytes": -(-total // slots), "budget_bytes": total,
+                "holder": f"flow slot pool ({self.ecfg.slot_prompt_frames} prompt frames, "
+                          f"{self.ecfg.n_timesteps} steps)"}
+
     def stats(self) -> dict[str, float]:
         """Open streams, the slots (capacity) and how many are free, and the counters."""
         return {
@@ -329,7 +342,8 @@ class Code2WavEngine:
         self.counters["busy_ms"] += round((time.perf_counter() - t0) * 1e3, 3)
         for name, runner in (("cfm", self.graphs), ("hift", self.hift_graphs)):
             if runner is not None:
-                self.counters.update(runner.counts(name))
+                for key, total in runner.counts(name).items():  # running totals: set
+                    self.counters[key] = total
         return out
 
     def _slot_step(self, ids: list[str], ready: dict) -> list[tuple[str, np.ndarray, bool]]:
@@ -447,7 +461,8 @@ class Code2WavEngine:
         try:
             for after_a_chunk in (False, True):
                 for n, part in enumerate(parts):
-                    ids = [f"__warmup_last_{int(after_a_chunk)}_{n}_{k}" for k in part]
+                    # a part wider than the lengths repeats one: name streams by position
+                    ids = [f"__warmup_last_{int(after_a_chunk)}_{n}_{j}" for j in range(len(part))]
                     for sid in ids:
                         self.open(sid, voice)
                     try:

@@ -293,6 +293,14 @@ class TalkerEngine:
         s.held_since = self.holds.check(s.held_since)
         return bool(s.held_since)
 
+    def capacity(self) -> dict[str, int | str]:
+        """The streams this engine's memory holds: one KV slot of every position a stream
+        may reach (max_position_embeddings) each, all allocated at build."""
+        per_slot = TalkerKVCache.bytes_per_slot(self.cfg, self.max_len, self.dtype)
+        slots = self.config.max_streams
+        return {"streams": slots, "stream_bytes": per_slot, "budget_bytes": slots * per_slot,
+                "holder": f"KV slots of {self.max_len} positions"}
+
     def stats(self) -> dict[str, float]:
         streams = self._streams.values()
         return asdict(TalkerStats(
