@@ -126,6 +126,28 @@ def test_a_turn_past_the_queue_is_a_503_and_admitted_ones_all_finish():
     assert local.thinker.engine.aborted == 0
 
 
+def test_the_route_answers_a_full_queue_before_preparing_with_retry_after(monkeypatch):
+    """The chat route asks the window first: a full queue is a 503 `queue_full` with a
+    Retry-After header, and the request's media is never prepared."""
+    from starlette.testclient import TestClient
+
+    local = build_local_app({"capacity": 1}, light_source())
+    prepared = []
+    monkeypatch.setattr(local.ingress, "prepare", lambda req: prepared.append(req))
+
+    def full(speech: bool) -> None:
+        if speech:
+            raise QueueFull(4, 4, 1, retry_after_s=7)
+
+    monkeypatch.setattr(local.ingress.turns, "check_admission", full)
+    with TestClient(local.ingress.__serve_build_asgi_app__()) as c:
+        r = c.post("/v1/chat/completions", json={**SPEECH, "stream": True})
+    assert r.status_code == 503 and r.headers["retry-after"] == "7", (r.status_code, r.headers)
+    err = r.json()["error"]
+    assert err["code"] == "queue_full" and "retry in 7 s" in err["message"], err
+    assert prepared == []
+
+
 # -- what each stage holds, checked at start ---------------------------------------------
 
 

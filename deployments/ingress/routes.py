@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.ingress.formats import error_body
 from deployments.ingress.schemas import ApiError
+from deployments.ingress.window import QueueFull
 from deployments.ingress.voices import max_upload_bytes
 
 _ESCAPE = re.compile(rb"\\.", re.S)  # a backslash escape inside a JSON string
@@ -126,13 +127,23 @@ def build_routes(server: Any) -> FastAPI:
     async def chat_completions(request: Request) -> Any:
         obj = parse_json(await read_body(request, limits.max_body_bytes), limits.max_json_depth)
         req = server.parse(obj)
+        try:  # a full queue answers before the request's media is decoded
+            server.turns.check_admission(req.speech)
+        except QueueFull as e:
+            server.refused(ApiError(503, str(e), code="queue_full"))
+            return JSONResponse(error_body(503, f"server busy: {e}", "queue_full"), 503,
+                                headers={"Retry-After": str(e.retry_after_s)})
         turn = await server.prepare(req)
         if req.stream:
             return StreamingResponse(server.sse(req, turn), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Request-Id": turn.request_id})
         status, payload = await server.complete(req, turn)
-        return JSONResponse(payload, status_code=status)
+        headers = None
+        if status == 503 and (payload.get("error") or {}).get("code") == "queue_full":
+            wait = server.turns.likely_group(req.speech).window.retry_after_s()
+            headers = {"Retry-After": str(wait)}  # filled between the check and its turn
+        return JSONResponse(payload, status_code=status, headers=headers)
 
     # -- realtime (OpenAI's Realtime API over a WebSocket, and the page that talks to it) ----
 
