@@ -49,11 +49,12 @@ def build_duplex_app(cfg: dict, duplex_backend: dict | None = None) -> Any:
     from fakes import FakeCode2WavEngine, FakeTalkerEngine, FakeThinkerEngine
 
     args = AppConfig.model_validate(cfg).model_dump()
-    c2w = serve.deployment(Code2WavServer, name="Code2Wav").bind(
+    cpu0 = {"ray_actor_options": {"num_cpus": 0}}  # the session's Ray has 2 CPUs
+    c2w = serve.deployment(Code2WavServer, name="Code2Wav", **cpu0).bind(
         args, engine_cls=FakeCode2WavEngine)
-    talker = serve.deployment(TalkerServer, name="Talker").bind(
+    talker = serve.deployment(TalkerServer, name="Talker", **cpu0).bind(
         args, c2w, engine_cls=FakeTalkerEngine)
-    thinker = serve.deployment(ThinkerServer, name="Thinker").bind(
+    thinker = serve.deployment(ThinkerServer, name="Thinker", **cpu0).bind(
         args, talker, engine_cls=FakeThinkerEngine)
-    ingress = serve.deployment(serve.ingress()(FakeDuplexIngress), name="Ingress")
+    ingress = serve.deployment(serve.ingress()(FakeDuplexIngress), name="Ingress", **cpu0)
     return ingress.bind(args, thinker, talker, c2w, duplex_backend=duplex_backend)

@@ -373,7 +373,8 @@ def test_openai_shape_force_listen_cancels_the_response_and_errors_go_on():
         ws.send_json({"type": "conversation.item.create", "item": {}})
         err = ws.receive_json()
         assert err["type"] == "error" and err["error"]["code"] == "unsupported_event"
-        ws.send_json({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}})
+        ws.send_json({"type": "session.update",
+                      "session": {"turn_detection": {"type": "server_vad"}}})
         assert ws.receive_json()["error"]["code"] == "unsupported_value"
         # 24 kHz input (the default): 1.035 s + 1 s = 2 units, both forced to speak
         ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(24840 + 24000 + 600)})

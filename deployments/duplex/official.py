@@ -65,8 +65,9 @@ def _number(v: Any, kind: type, lo: float, hi: float, param: str) -> float | int
     if kind is int:
         ok = ok and float(v).is_integer()
     if not ok or not math.isfinite(v) or not lo <= v <= hi:
-        raise BadEvent("invalid_value", f"{param} must be {'an integer' if kind is int else 'a number'} "
-                       f"in [{lo:g}, {hi:g}], got {v!r}", param)
+        what = "an integer" if kind is int else "a number"
+        raise BadEvent("invalid_value", f"{param} must be {what} in [{lo:g}, {hi:g}], "
+                       f"got {v!r}", param)
     return kind(v)
 
 
@@ -79,11 +80,6 @@ def _force(v: Any, param: str) -> str | None:
 
 class OfficialConnection(DuplexConnection):
     wire = "official"
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.turn_usage_start = 0
-        self.speaking = False
 
     async def start(self) -> None:
         self.out.put({"type": "session.queue_done"})
@@ -217,10 +213,8 @@ class OfficialConnection(DuplexConnection):
 
     def on_unit(self, index: int, r: UnitResult) -> None:
         if r.is_listen:
-            self.speaking = False
             self.out.put({"type": "response.listen", "unit": index})
             return
-        self.speaking = True
         self.out.put({"type": "response.output_text.delta", "unit": index, "text": r.text,
                       "end_of_turn": r.end_of_turn})
         if r.pcm is not None and len(r.pcm):
@@ -228,6 +222,5 @@ class OfficialConnection(DuplexConnection):
             self.out.put({"type": "response.output_audio.delta", "unit": index,
                           "audio": base64.b64encode(pcm.tobytes()).decode("ascii")})
         if r.end_of_turn:
-            self.speaking = False
             self.out.put({"type": "response.done", "unit": index,
                           "usage": self.usage.as_event()})

@@ -139,8 +139,9 @@ class OpenAIConnection(DuplexConnection):
                     raise BadEvent("invalid_value", "session.omniray.duplex_force must be "
                                    "'speak', 'listen' or null", "session.omniray.duplex_force")
                 self.force = v
-        td = s.get("turn_detection", (s.get("audio") or {}).get("input", {}).get(
-            "turn_detection") if isinstance(s.get("audio"), dict) else None)
+        audio_in = s["audio"].get("input") if isinstance(s.get("audio"), dict) else None
+        td = s.get("turn_detection") or (audio_in.get("turn_detection")
+                                         if isinstance(audio_in, dict) else None)
         if td is not None:
             raise BadEvent("unsupported_value", "a duplex session has no turn detection: the "
                            "model decides each unit (set turn_detection to null)",

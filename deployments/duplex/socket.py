@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -22,6 +23,7 @@ _ID = string.ascii_letters + string.digits
 # What each wire's clients offer as a subprotocol (the SDK: map.realtime; browsers using
 # OpenAI's shape: realtime); accepting it is what lets their handshake succeed.
 _SUBPROTOCOLS = ("map.realtime", "realtime")
+_EARLY_EVENTS = 16  # client events read ahead of the session's handling of them
 
 
 def duplex_wire(query: Any) -> str | None:
@@ -65,16 +67,44 @@ async def serve_duplex(server: Any, ws: WebSocket, wire: str) -> None:
                                  mode=mode if mode in ("audio", "video") else "audio",
                                  model=server.cfg.name, limits=server.cfg.limits)
 
+    # One reader for the socket's whole life: a client that goes while it waits in the
+    # queue leaves the queue at once (nothing else reads its socket then); what it sends
+    # meanwhile waits here (a few events; past them the reader waits too: TCP's backpressure).
+    inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(maxsize=_EARLY_EVENTS)
+    gone = asyncio.Event()
+
+    async def read() -> None:
+        try:
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                await inbox.put(msg.get("text") if msg.get("text") is not None
+                                else msg.get("bytes"))
+        except Exception:  # noqa: BLE001 - a broken socket is a gone client
+            log.debug("duplex session %s: socket read failed", session_id, exc_info=True)
+        finally:
+            gone.set()
+            with contextlib.suppress(asyncio.QueueFull):
+                inbox.put_nowait(None)
+
     async def receive() -> str | bytes | None:
-        msg = await ws.receive()
-        if msg["type"] == "websocket.disconnect":
+        if gone.is_set() and inbox.empty():
             return None
-        return msg.get("text") if msg.get("text") is not None else msg.get("bytes")
+        return await inbox.get()
 
     async def queued(position: int, eta_s: float, length: int) -> None:
         conn.out.put(conn.queued_event(position, eta_s, length))
 
+    async def session() -> Ending:
+        async with manager.slot(session_id, queued):
+            try:
+                return await conn.run(receive)
+            finally:  # the backend's session is gone before its slot goes to the queue
+                await conn.stop()
+
     ending = Ending("client_gone")
+    reader = asyncio.get_running_loop().create_task(read())
     try:
         model = ws.query_params.get("model")
         if mode not in ("audio", "video"):
@@ -83,11 +113,19 @@ async def serve_duplex(server: Any, ws: WebSocket, wire: str) -> None:
         if model is not None and model not in server.model_names:
             raise Refused("model_not_found", f"model {model!r} is not served here (this "
                           f"server serves {server.cfg.name!r})", POLICY)
-        async with manager.slot(session_id, queued):
-            try:
-                ending = await conn.run(receive)
-            finally:  # the backend's session is gone before its slot goes to the queue
-                await conn.stop()
+        task = asyncio.ensure_future(session())
+        left = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and not conn.started:  # it went while queued
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            else:
+                ending = await task
+        finally:
+            left.cancel()
+            task.cancel()
     except Refused as e:
         ending = Ending(e.code, e.code, e.message, e.close_code)
     except WebSocketDisconnect:
@@ -98,8 +136,9 @@ async def serve_duplex(server: Any, ws: WebSocket, wire: str) -> None:
             ending = Ending("server_error", "server_error",
                             f"the session failed: {type(e).__name__}: {e}", INTERNAL)
     finally:
+        reader.cancel()
         await conn.stop()
-        await conn.finish(ending, _open(ws))
+        await conn.finish(ending, _open(ws) and not gone.is_set())
         if ws.client_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 await ws.close(ending.close_code)
