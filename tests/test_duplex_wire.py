@@ -390,3 +390,18 @@ def test_openai_shape_force_listen_cancels_the_response_and_errors_go_on():
     assert done["response"]["status_details"]["reason"] == "client_cancelled"
     assert [e["type"] for e in events].count("response.created") == 1
     free(server)
+
+
+def test_a_backend_that_cannot_run_sessions_refuses_at_connect():
+    from deployments.duplex.backend import InProcessBackend
+
+    server, client = make()
+    server.duplex = DuplexManager(server.cfg.duplex, InProcessBackend())  # no factory
+    for url in ("/v1/realtime?mode=audio", "/v1/realtime?duplex=1"):
+        with client.websocket_connect(url) as ws:
+            err = ws.receive_json()
+            assert err["type"] == "error" and err["error"]["code"] == "duplex_unavailable"
+            with pytest.raises(WebSocketDisconnect) as e:
+                ws.receive_json()
+            assert e.value.code == 1011
+    assert server.duplex.stats()["idle"]

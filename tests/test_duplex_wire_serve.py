@@ -288,3 +288,37 @@ def test_socket_drop_and_bad_events_leave_nothing(duplex_app):
     err, code = asyncio.run(bad())
     assert err["type"] == "error" and err["error"]["code"] == "invalid_json" and code == 1008
     wait_free()
+
+
+def test_openai_sdk_with_extra_query_duplex(duplex_app):
+    openai = pytest.importorskip("openai")
+    pcm16 = base64.b64encode(np.zeros(24840 + 24000 + 4800, "<i2").tobytes()).decode()
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{duplex_app}/v1", api_key="unused",
+                                    max_retries=0)
+        async with client.realtime.connect(model="omniray",
+                                           extra_query={"duplex": "1"}) as conn:
+            created = await conn.recv()
+            await conn.send({"type": "session.update",
+                             "session": {"omniray": {"duplex_force": "speak"}}})
+            await conn.input_audio_buffer.append(audio=pcm16)  # 24 kHz: two units
+            events = []
+            async for ev in conn:
+                events.append(ev)
+                if [e.type for e in events].count("response.output_audio.delta") == 2:
+                    break
+            await conn.response.cancel()
+            await conn.input_audio_buffer.append(audio=pcm16[:len(pcm16) // 2])
+            async for ev in conn:
+                events.append(ev)
+                if ev.type == "response.done":
+                    break
+        return created, events
+
+    created, events = asyncio.run(main())
+    assert created.type == "session.created"
+    kinds = [e.type for e in events]
+    assert kinds.count("response.created") == 1 and kinds[-1] == "response.done"
+    assert events[-1].response.status == "cancelled"
+    wait_free()

@@ -72,10 +72,15 @@ class InProcessBackend:
         self._sessions: dict[str, Any] = {}
         self._lock = asyncio.Lock()  # one unit at a time over the shared modules
 
-    def _build(self, init: DuplexInit) -> Any:
+    def problem(self) -> str | None:
+        """Why this backend cannot run sessions, or None."""
         if self._factory is None:
-            raise RuntimeError("full duplex is not available in this build: no duplex "
-                               "session factory is configured")
+            return "full duplex is not available in this build (no duplex session factory)"
+        return None
+
+    def _build(self, init: DuplexInit) -> Any:
+        if (why := self.problem()) is not None:
+            raise RuntimeError(why)
         return self._factory(init)
 
     async def open(self, session_id: str, init: DuplexInit) -> None:
