@@ -92,7 +92,8 @@ class DuplexSettings(_Settings):
     max_session_s: float = Field(3600.0, gt=0, description="a session's longest life")
     max_ahead_s: float = Field(10.0, gt=0, description=(
         "input audio past real time (seconds received minus seconds since the session "
-        "started); more is refused: duplex input is a live stream"))
+        "started), and input waiting for the model; more ends the session: duplex input "
+        "is a live stream"))
     max_outbound_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024, description=(
         "server events queued for a client that does not read them; past it the session "
         "ends (client_too_slow)"))

@@ -54,7 +54,22 @@ def make(duplex: dict | None = None, **backend: object):
 
         await serve_websocket(server, ws)
 
-    return server, TestClient(app)
+    # Entered: every socket of the test runs on one event loop, as in a replica (without
+    # it each socket gets a loop of its own, and one session's release could not wake a
+    # session queued on another loop).
+    client = TestClient(app).__enter__()
+    _clients.append(client)
+    return server, client
+
+
+_clients: list[TestClient] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    yield
+    while _clients:
+        _clients.pop().__exit__(None, None, None)
 
 
 def free(server) -> None:
@@ -405,3 +420,17 @@ def test_a_backend_that_cannot_run_sessions_refuses_at_connect():
                 ws.receive_json()
             assert e.value.code == 1011
     assert server.duplex.stats()["idle"]
+
+
+def test_a_session_the_model_falls_behind_on_ends():
+    import time
+
+    server, client = make({"max_ahead_s": 2.5}, unit_delay_s=5.0)
+    with client.websocket_connect("/v1/realtime?mode=audio") as ws:
+        official_start(ws)
+        ws.send_json({"type": "input.append", "input": {"audio": f32(FIRST + UNIT)}})
+        time.sleep(1.6)  # within real time + 2.5 s, but units 1..3 wait behind unit 0
+        ws.send_json({"type": "input.append", "input": {"audio": f32(2 * UNIT)}})
+        err = until(ws, "error")[-1]
+        assert err["error"]["code"] == "server_behind"
+    free(server)

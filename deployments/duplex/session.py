@@ -257,7 +257,8 @@ class DuplexConnection:
 
     def push_audio(self, audio: np.ndarray) -> None:
         """Queue 16 kHz audio; whole units go to the backend in order. Input further ahead
-        of real time than `max_ahead_s` is refused: a live stream cannot be."""
+        of real time than `max_ahead_s` is refused (a live stream cannot be), and so is a
+        session whose units wait longer than that for the model."""
         if not len(audio):
             return
         c = self._clock
@@ -271,6 +272,13 @@ class DuplexConnection:
             if unit.force is None:
                 unit.force = self.force
             self._pending.put_nowait(unit)
+        behind = self._pending.qsize() * UNIT_MS / 1000
+        if behind > self.settings.max_ahead_s:
+            # the model runs this session's units slower than they come: a live
+            # conversation that lags ever further is over, and its input must not pile up
+            raise Refused("server_behind", f"{behind:g} s of input wait for the model, over "
+                          f"{self.settings.max_ahead_s:g} s: the server is overloaded",
+                          TRY_LATER)
 
     async def _run_units(self) -> None:
         while True:
