@@ -322,3 +322,15 @@ def test_openai_sdk_with_extra_query_duplex(duplex_app):
     assert kinds.count("response.created") == 1 and kinds[-1] == "response.done"
     assert events[-1].response.status == "cancelled"
     wait_free()
+
+
+def test_bench_duplex_paces_sessions_and_counts_every_unit(duplex_app):
+    from bench.duplex import run
+
+    r = asyncio.run(run(duplex_app, sessions=2, seconds=3, pattern="SL", mode="video",
+                        model="omniray"))
+    # units 0 and 2 forced to speak, unit 1 to listen, in both sessions
+    assert (r["sessions"], r["units"], r["decided"], r["spoke"]) == (2, 6, 6, 4)
+    assert r["errors"] == [] and r["decision_ms"]["p50"] is not None
+    assert sum(len(u) for u in _log()["units"].values()) >= 6
+    wait_free()
