@@ -434,3 +434,43 @@ def test_a_session_the_model_falls_behind_on_ends():
         err = until(ws, "error")[-1]
         assert err["error"]["code"] == "server_behind"
     free(server)
+
+
+def test_the_in_process_backend_drives_duplex_sessions_as_the_contract_says():
+    """InProcessBackend over stand-ins of pipeline.duplex.session.DuplexSession: prepare's
+    arguments, unit's (audio, frames, force, max_slice_nums), its UnitResult's fields."""
+    import asyncio
+
+    from deployments.duplex.backend import DuplexInit, InProcessBackend
+
+    calls: list = []
+
+    class Session:
+        def __init__(self, init):
+            calls.append(("new", init.options))
+
+        def prepare(self, prefix=None, suffix=None, ref_audio=None, prompt_wav=None):
+            calls.append(("prepare", prefix, suffix, len(ref_audio), len(prompt_wav)))
+
+        def unit(self, audio, frames=None, force=None, max_slice_nums=1):
+            calls.append(("unit", len(audio), frames, force, max_slice_nums))
+            return SimpleNamespace(is_listen=False, end_of_turn=True, text="hi",
+                                   token_ids=[5], codes=[1, 2], pcm=np.zeros(3, np.float32))
+
+    async def main():
+        backend = InProcessBackend(Session)
+        ref = np.zeros(160, np.float32)
+        await backend.open("s", DuplexInit(system_prompt="p", ref_audio=ref, prompt_wav=ref,
+                                           max_slice_nums=3, options={"top_k": 5}))
+        r = await backend.unit("s", np.zeros(FIRST, np.float32), ["frame"], "speak")
+        held = backend.stats()["sessions"]
+        await backend.close("s")
+        return r, held, backend.stats()["sessions"]
+
+    r, held, after = asyncio.run(main())
+    assert calls == [("new", {"top_k": 5}), ("prepare", "p", None, 160, 160),
+                     ("unit", FIRST, ["frame"], "speak", 3)]
+    assert (r.is_listen, r.end_of_turn, r.text, r.token_ids, r.codes) == (
+        False, True, "hi", [5], [1, 2])
+    assert r.prefill_tokens == 0  # not on the stand-in: the mirror's default
+    assert (held, after) == (1, 0)

@@ -79,14 +79,8 @@ def _force(v: Any, param: str) -> str | None:
 
 
 class OfficialConnection(DuplexConnection):
-    wire = "official"
-
     async def start(self) -> None:
         self.out.put({"type": "session.queue_done"})
-
-    def queued_event(self, position: int, eta_s: float, length: int) -> dict:
-        return {"type": "session.queued", "position": position, "estimated_wait_s": eta_s,
-                "queue_length": length}
 
     def error_event(self, code: str, message: str, param: str | None = None) -> dict:
         return {"type": "error", "error": {"code": code, "message": message,

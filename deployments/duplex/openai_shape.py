@@ -38,8 +38,6 @@ def new_id(prefix: str) -> str:
 
 
 class OpenAIConnection(DuplexConnection):
-    wire = "openai"
-
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.instructions: str | None = None

@@ -162,13 +162,11 @@ class Usage:
     input_tokens: int = 0
     output_tokens: int = 0
     audio_output_tokens: int = 0
-    vision_units: int = 0
 
-    def add(self, r: UnitResult, frames: int) -> None:
+    def add(self, r: UnitResult) -> None:
         self.input_tokens += r.prefill_tokens
         self.output_tokens += len(r.token_ids)
         self.audio_output_tokens += len(r.codes)
-        self.vision_units += frames
 
     def as_event(self) -> dict[str, Any]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
@@ -194,8 +192,6 @@ class _Clock:
 
 class DuplexConnection:
     """The wire-independent half of a duplex socket (see the module docstring)."""
-
-    wire = "duplex"
 
     def __init__(self, manager: DuplexManager, session_id: str, send: Callable[[str],
                  Awaitable[None]], *, mode: str, model: str, limits: Any):
@@ -292,7 +288,7 @@ class DuplexConnection:
                                 f"the model failed on unit {self.unit_index}: "
                                 f"{type(e).__name__}: {e}", INTERNAL))
                 return
-            self.usage.add(result, len(unit.frames or ()))
+            self.usage.add(result)
             self.on_unit(self.unit_index, result)
             self.unit_index += 1
 
