@@ -1,7 +1,6 @@
 """Full-duplex sessions from a client's side of `WS /v1/realtime?mode=audio|video` (the
-official Realtime V1 wire), N at once, each paced in real time: a unit of audio (1035 ms,
-then 1000 ms; and a JPEG frame in video mode) is sent the moment it would have been
-captured, and each unit's decision is forced by a pattern (`--pattern SSL`: speak, speak,
+official Realtime V1 wire), N at once, each paced in real time: a unit of audio (1 s, and
+a JPEG frame in video mode) is sent the moment its last sample would have been captured, and each unit's decision is forced by a pattern (`--pattern SSL`: speak, speak,
 listen, repeated; the session's `duplex_force: "speak"` and `force_listen` on L units), so
 random weights give the same load as a talkative model. Per unit:
 
@@ -34,7 +33,7 @@ import numpy as np
 from bench.speech import speech_like
 
 IN_RATE, OUT_RATE = 16000, 24000
-FIRST_UNIT, UNIT = 16560, 16000  # samples: the reference's 1035 ms and 1000 ms units
+UNIT = 16000  # a unit's samples: 1 s at 16 kHz
 
 
 @dataclass
@@ -71,7 +70,7 @@ async def one_session(url: str, seconds: float, pattern: str, mode: str, seed: i
     res = SessionResult()
     query = f"?mode={mode}" + (f"&model={model}" if model else "")
     n_units = max(1, int(seconds))
-    audio = speech_like(FIRST_UNIT / IN_RATE + n_units, IN_RATE, seed=seed).astype("<f4")
+    audio = speech_like(n_units, IN_RATE, seed=seed).astype("<f4")
     frame = _frame(seed) if mode == "video" else None
     async with websockets.connect(url.replace("http", "ws", 1) + "/v1/realtime" + query,
                                   subprotocols=["map.realtime"], max_size=None) as ws:
@@ -124,11 +123,10 @@ async def one_session(url: str, seconds: float, pattern: str, mode: str, seed: i
         start = time.perf_counter()
         pos = 0
         for i in range(n_units):
-            size = FIRST_UNIT if i == 0 else UNIT
             # the unit's last sample is captured at the end of its span: send it then
-            await asyncio.sleep(max(0.0, start + (pos + size) / IN_RATE - time.perf_counter()))
-            chunk = audio[pos:pos + size]
-            pos += size
+            await asyncio.sleep(max(0.0, start + (pos + UNIT) / IN_RATE - time.perf_counter()))
+            chunk = audio[pos:pos + UNIT]
+            pos += UNIT
             inp: dict[str, Any] = {"audio": base64.b64encode(chunk.tobytes()).decode()}
             if pattern[i % len(pattern)] == "L":
                 inp["force_listen"] = True

@@ -23,7 +23,8 @@ from deployments.duplex.manager import DuplexManager
 from deployments.duplex.session import UnitAssembler
 from fakes import FakeDuplexBackend
 
-FIRST, UNIT = 16560, 16000  # samples of the reference's first (1035 ms) and later units
+UNIT = 16000  # a unit's samples: 1 s at 16 kHz, the first one too
+FIRST = UNIT
 
 
 def f32(n: int, value: float = 0.01) -> str:
@@ -98,14 +99,16 @@ def official_start(ws, **payload) -> dict:
 # -- the unit cutter ---------------------------------------------------------------------
 
 
-def test_units_are_the_references_sizes_whatever_the_chunking():
+def test_units_are_one_second_whatever_the_chunking():
+    # the demo's server hands the reference 1 s a unit, the first too (the reference pads
+    # its first unit to 1035 ms itself)
     a = UnitAssembler()
-    audio = np.arange(FIRST + 2 * UNIT + 123, dtype=np.float32)
+    audio = np.arange(3 * UNIT + 123, dtype=np.float32)
     units = []
     for i in range(0, len(audio), 777):  # chunks that straddle every boundary
         units += a.push(audio[i:i + 777])
-    assert [len(u.audio) for u in units] == [FIRST, UNIT, UNIT]
-    assert np.array_equal(np.concatenate([u.audio for u in units]), audio[:FIRST + 2 * UNIT])
+    assert [len(u.audio) for u in units] == [UNIT, UNIT, UNIT]
+    assert np.array_equal(np.concatenate([u.audio for u in units]), audio[:3 * UNIT])
     assert a.pending_samples == 123
 
 
@@ -391,8 +394,9 @@ def test_openai_shape_force_listen_cancels_the_response_and_errors_go_on():
         ws.send_json({"type": "session.update",
                       "session": {"turn_detection": {"type": "server_vad"}}})
         assert ws.receive_json()["error"]["code"] == "unsupported_value"
-        # 24 kHz input (the default): 1.035 s + 1 s = 2 units, both forced to speak
-        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(24840 + 24000 + 600)})
+        # 24 kHz input (the default): 2 units (and room for the resampler's delay), both
+        # forced to speak
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(2 * 24000 + 1200)})
         events = until(ws, "response.output_audio.delta")
         events += until(ws, "response.output_audio.delta")
         ws.send_json({"type": "session.update", "session": {"instructions": "late"}})
@@ -438,7 +442,8 @@ def test_a_session_the_model_falls_behind_on_ends():
 
 def test_the_in_process_backend_drives_duplex_sessions_as_the_contract_says():
     """InProcessBackend over stand-ins of pipeline.duplex.session.DuplexSession: prepare's
-    arguments, unit's (audio, frames, force, max_slice_nums), its UnitResult's fields."""
+    arguments, unit's (audio, frames, force, max_slice_nums), its UnitResult's fields and
+    prefill schema, close."""
     import asyncio
 
     from deployments.duplex.backend import DuplexInit, InProcessBackend
@@ -455,7 +460,11 @@ def test_the_in_process_backend_drives_duplex_sessions_as_the_contract_says():
         def unit(self, audio, frames=None, force=None, max_slice_nums=1):
             calls.append(("unit", len(audio), frames, force, max_slice_nums))
             return SimpleNamespace(is_listen=False, end_of_turn=True, text="hi",
-                                   token_ids=[5], codes=[1, 2], pcm=np.zeros(3, np.float32))
+                                   token_ids=[5], codes=[1, 2], pcm=np.zeros(3, np.float32),
+                                   prefill=[7, ("img", 64), 8, ("audio", 25)])
+
+        def close(self):
+            calls.append(("close",))
 
     async def main():
         backend = InProcessBackend(Session)
@@ -469,8 +478,8 @@ def test_the_in_process_backend_drives_duplex_sessions_as_the_contract_says():
 
     r, held, after = asyncio.run(main())
     assert calls == [("new", {"top_k": 5}), ("prepare", "p", None, 160, 160),
-                     ("unit", FIRST, ["frame"], "speak", 3)]
+                     ("unit", FIRST, ["frame"], "speak", 3), ("close",)]
     assert (r.is_listen, r.end_of_turn, r.text, r.token_ids, r.codes) == (
         False, True, "hi", [5], [1, 2])
-    assert r.prefill_tokens == 0  # not on the stand-in: the mirror's default
+    assert r.prefill_tokens == 1 + 64 + 1 + 25
     assert (held, after) == (1, 0)

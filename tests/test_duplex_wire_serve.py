@@ -25,7 +25,8 @@ from ray import serve  # noqa: E402
 
 APP = "duplex"
 CONFIG = {"capacity": 2, "duplex": {"max_sessions": 2, "max_queue": 1}}
-FIRST, UNIT = 16560, 16000
+UNIT = 16000  # a unit's samples: 1 s at 16 kHz, the first one too
+FIRST = UNIT
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +293,7 @@ def test_socket_drop_and_bad_events_leave_nothing(duplex_app):
 
 def test_openai_sdk_with_extra_query_duplex(duplex_app):
     openai = pytest.importorskip("openai")
-    pcm16 = base64.b64encode(np.zeros(24840 + 24000 + 4800, "<i2").tobytes()).decode()
+    pcm16 = base64.b64encode(np.zeros(2 * 24000 + 4800, "<i2").tobytes()).decode()
 
     async def main():
         client = openai.AsyncOpenAI(base_url=f"{duplex_app}/v1", api_key="unused",

@@ -8,7 +8,6 @@ stage-resident one, and over the scripted fake the tests use (tests/fakes.py).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -32,9 +31,8 @@ class DuplexInit:
     options: dict[str, Any] = field(default_factory=dict)  # DuplexConfig fields
 
 
-# TODO(integrator): import UnitResult from pipeline.duplex.session once it is merged; this
-# mirror has its fields plus `prefill_tokens` (positions the unit's prefill appended, for
-# usage), which the real one should gain.
+# A unit's outcome as the wires use it: pipeline.duplex.session.UnitResult's fields, with
+# its prefill schema (ids, ("audio", n) and ("img", n) rows) counted as `prefill_tokens`.
 @dataclass
 class UnitResult:
     is_listen: bool
@@ -44,6 +42,11 @@ class UnitResult:
     codes: list[int]
     pcm: np.ndarray | None                   # float32 24 kHz, None or empty when silent
     prefill_tokens: int = 0
+
+
+def prefill_positions(schema: Any) -> int:
+    """Positions a unit's prefill schema appended: one per id, n per ("audio"|"img", n)."""
+    return sum(item[1] if isinstance(item, tuple) else 1 for item in schema)
 
 
 class DuplexBackend(Protocol):
@@ -96,11 +99,15 @@ class InProcessBackend:
         session, slices = self._sessions[session_id]
         async with self._lock:
             r = await asyncio.to_thread(session.unit, audio, frames, force, slices)
-        return UnitResult(**{f.name: getattr(r, f.name) for f in dataclasses.fields(UnitResult)
-                             if hasattr(r, f.name)})
+        return UnitResult(r.is_listen, r.end_of_turn, r.text, list(r.token_ids),
+                          list(r.codes), r.pcm, prefill_positions(getattr(r, "prefill", ())))
 
     async def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        entry = self._sessions.pop(session_id, None)
+        close = getattr(entry[0], "close", None) if entry else None
+        if close is not None:
+            async with self._lock:
+                await asyncio.to_thread(close)
 
     def stats(self) -> dict[str, int]:
         return {"sessions": len(self._sessions)}

@@ -28,10 +28,11 @@ log = logging.getLogger(__name__)
 
 INPUT_RATE = 16000      # the audio encoder's rate: what a unit's samples are
 OUTPUT_RATE = 24000     # Token2Wav's
-# The reference's unit lengths (MiniCPMODuplex chunk_ms / first_chunk_ms): its first
-# streaming prefill takes 1035 ms of audio, each later one 1000 ms.
-# TODO(integrator): read both from pipeline.duplex.config.DuplexConfig once merged.
-FIRST_UNIT_MS, UNIT_MS = 1035, 1000
+# A unit's audio: what the official demo's server hands MiniCPMODuplex.streaming_prefill
+# per unit, `chunk_ms` of the client's stream, the first unit included (the reference pads
+# that one to its `first_chunk_ms` itself, with leading silence).
+# TODO(integrator): read it from pipeline.duplex.config.DuplexConfig (chunk_ms) once merged.
+UNIT_MS = 1000
 
 # Close codes (RFC 6455)
 NORMAL, POLICY, INTERNAL, TRY_LATER = 1000, 1008, 1011, 1013
@@ -54,22 +55,16 @@ class Unit:
 
 
 class UnitAssembler:
-    """Input audio (16 kHz float32, any chunking) -> whole units of the reference's sizes;
-    the latest camera frame and a one-unit force decision go with the unit being filled."""
+    """Input audio (16 kHz float32, any chunking) -> whole units of `UNIT_MS`; the latest
+    camera frame and a one-unit force decision go with the unit being filled."""
 
-    def __init__(self, first_ms: int = FIRST_UNIT_MS, unit_ms: int = UNIT_MS,
-                 rate: int = INPUT_RATE):
-        self.first = round(first_ms * rate / 1000)
+    def __init__(self, unit_ms: int = UNIT_MS, rate: int = INPUT_RATE):
         self.size = round(unit_ms * rate / 1000)
-        self.rate = rate
         self.units = 0
         self._parts: list[np.ndarray] = []
         self._have = 0
         self._frame: Any = None
         self._force: str | None = None
-
-    def need(self) -> int:
-        return self.first if self.units == 0 else self.size
 
     def frame(self, image: Any) -> None:
         self._frame = image
@@ -83,11 +78,11 @@ class UnitAssembler:
     def push(self, audio: np.ndarray) -> list[Unit]:
         out = []
         while len(audio):
-            take = min(self.need() - self._have, len(audio))
+            take = min(self.size - self._have, len(audio))
             self._parts.append(audio[:take])
             self._have += take
             audio = audio[take:]
-            if self._have == self.need():
+            if self._have == self.size:
                 frames = [self._frame] if self._frame is not None else None
                 out.append(Unit(np.concatenate(self._parts), frames, self._force))
                 self.units += 1
