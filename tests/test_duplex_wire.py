@@ -411,21 +411,6 @@ def test_openai_shape_force_listen_cancels_the_response_and_errors_go_on():
     free(server)
 
 
-def test_a_backend_that_cannot_run_sessions_refuses_at_connect():
-    from deployments.duplex.backend import InProcessBackend
-
-    server, client = make()
-    server.duplex = DuplexManager(server.cfg.duplex, InProcessBackend())  # no factory
-    for url in ("/v1/realtime?mode=audio", "/v1/realtime?duplex=1"):
-        with client.websocket_connect(url) as ws:
-            err = ws.receive_json()
-            assert err["type"] == "error" and err["error"]["code"] == "duplex_unavailable"
-            with pytest.raises(WebSocketDisconnect) as e:
-                ws.receive_json()
-            assert e.value.code == 1011
-    assert server.duplex.stats()["idle"]
-
-
 def test_a_session_the_model_falls_behind_on_ends():
     import time
 
@@ -440,46 +425,142 @@ def test_a_session_the_model_falls_behind_on_ends():
     free(server)
 
 
-def test_the_in_process_backend_drives_duplex_sessions_as_the_contract_says():
-    """InProcessBackend over stand-ins of pipeline.duplex.session.DuplexSession: prepare's
-    arguments, unit's (audio, frames, force, max_slice_nums), its UnitResult's fields and
-    prefill schema, close."""
+class StageStandIn:
+    """The Thinker stage's duplex methods (deployments/stages/duplex.py) over
+    pipeline.duplex directly: a session of its own weights each (the tiny default)."""
+
+    def __init__(self):
+        self.sessions: dict = {}
+
+    async def duplex_open(self, sid, init):
+        from pipeline.duplex.config import DuplexConfig
+        from pipeline.duplex.session import DuplexSession
+        from pipeline.duplex.speech import DuplexSpeech
+        from pipeline.duplex.thinker import DuplexThinker
+
+        opts = dict(init.options)
+        seed = opts.pop("seed", 0)
+        cfg = DuplexConfig(**opts)
+        session = DuplexSession(DuplexThinker.from_checkpoint(None, cfg, seed=seed),
+                                DuplexSpeech.from_checkpoint(None, cfg, seed=seed))
+        session.prepare(prefix=init.system_prompt, ref_audio=init.ref_audio,
+                        prompt_wav=init.prompt_wav)
+        self.sessions[sid] = (session, init.max_slice_nums)
+
+    async def duplex_unit(self, sid, audio, frames, force):
+        session, slices = self.sessions[sid]
+        r = session.unit(audio, frames, force, slices)
+        return {"is_listen": r.is_listen, "end_of_turn": r.end_of_turn, "text": r.text,
+                "token_ids": r.token_ids, "codes": r.codes, "pcm": r.pcm,
+                "prefill_tokens": len(r.prefill)}
+
+    async def duplex_close(self, sid):
+        self.sessions.pop(sid)[0].close()
+        return True
+
+
+def _group(stage) -> SimpleNamespace:
+    from fakes import LocalHandle
+
+    return SimpleNamespace(stages=SimpleNamespace(via=lambda name, nbytes=0: LocalHandle(stage)),
+                           asleep=False)
+
+
+def test_the_stage_backend_spreads_sessions_over_groups_and_routes_their_calls():
     import asyncio
 
-    from deployments.duplex.backend import DuplexInit, InProcessBackend
+    from deployments.duplex.backend import DuplexInit, StageBackend
 
-    calls: list = []
+    class Stage:
+        def __init__(self):
+            self.calls = []
 
-    class Session:
-        def __init__(self, init):
-            calls.append(("new", init.options))
+        async def duplex_open(self, sid, init):
+            if init.options.get("top_k") == -1:
+                raise ValueError("top_k must be positive")
+            self.calls.append(("open", sid))
 
-        def prepare(self, prefix=None, suffix=None, ref_audio=None, prompt_wav=None):
-            calls.append(("prepare", prefix, suffix, len(ref_audio), len(prompt_wav)))
+        async def duplex_unit(self, sid, audio, frames, force):
+            self.calls.append(("unit", sid, len(audio), len(frames or ()), force))
+            return {"is_listen": True, "end_of_turn": False, "text": "", "token_ids": [1],
+                    "codes": [], "pcm": None, "prefill_tokens": 12}
 
-        def unit(self, audio, frames=None, force=None, max_slice_nums=1):
-            calls.append(("unit", len(audio), frames, force, max_slice_nums))
-            return SimpleNamespace(is_listen=False, end_of_turn=True, text="hi",
-                                   token_ids=[5], codes=[1, 2], pcm=np.zeros(3, np.float32),
-                                   prefill=[7, ("img", 64), 8, ("audio", 25)])
+        async def duplex_close(self, sid):
+            self.calls.append(("close", sid))
+            return True
 
-        def close(self):
-            calls.append(("close",))
+    a, b = Stage(), Stage()
 
     async def main():
-        backend = InProcessBackend(Session)
-        ref = np.zeros(160, np.float32)
-        await backend.open("s", DuplexInit(system_prompt="p", ref_audio=ref, prompt_wav=ref,
-                                           max_slice_nums=3, options={"top_k": 5}))
-        r = await backend.unit("s", np.zeros(FIRST, np.float32), ["frame"], "speak")
+        backend = StageBackend([_group(a), _group(b)])
+        for sid in ("s1", "s2", "s3"):
+            await backend.open(sid, DuplexInit())
+        r = await backend.unit("s2", np.zeros(UNIT, np.float32), None, "listen")
         held = backend.stats()["sessions"]
-        await backend.close("s")
+        with pytest.raises(ValueError):
+            await backend.open("bad", DuplexInit(options={"top_k": -1}))
+        for sid in ("s1", "s2", "s3"):
+            await backend.close(sid)
         return r, held, backend.stats()["sessions"]
 
     r, held, after = asyncio.run(main())
-    assert calls == [("new", {"top_k": 5}), ("prepare", "p", None, 160, 160),
-                     ("unit", FIRST, ["frame"], "speak", 3), ("close",)]
-    assert (r.is_listen, r.end_of_turn, r.text, r.token_ids, r.codes) == (
-        False, True, "hi", [5], [1, 2])
-    assert r.prefill_tokens == 1 + 64 + 1 + 25
-    assert (held, after) == (1, 0)
+    assert a.calls == [("open", "s1"), ("open", "s3"), ("close", "s1"), ("close", "s3")]
+    assert b.calls == [("open", "s2"), ("unit", "s2", UNIT, 0, "listen"), ("close", "s2")]
+    assert (r.is_listen, r.token_ids, r.prefill_tokens) == (True, [1], 12)
+    assert (held, after) == (3, 0)
+
+
+def test_a_refused_option_is_an_error_event():
+    from deployments.duplex.backend import StageBackend
+
+    class Stage:
+        async def duplex_open(self, sid, init):
+            raise ValueError("listen_top_k must be positive")
+
+    server, client = make()
+    server.duplex = DuplexManager(server.cfg.duplex, StageBackend([_group(Stage())]))
+    with client.websocket_connect("/v1/realtime?mode=audio") as ws:
+        assert ws.receive_json()["type"] == "session.queue_done"
+        ws.send_json({"type": "session.init", "payload": {}})
+        err = ws.receive_json()
+        assert err["error"]["code"] == "invalid_value"
+        assert "listen_top_k must be positive" in err["error"]["message"]
+    free(server)
+
+
+def test_the_official_wire_over_the_real_duplex_session_on_the_tiny_default():
+    """The app's backend (StageBackend) over a stand-in of the Thinker stage's duplex
+    methods running pipeline.duplex on the embedded default, behind the official wire:
+    forced speak units come back as text and 1 s of 24 kHz audio each, seeded sessions
+    say the same, and closing frees the session."""
+    pytest.importorskip("pipeline.duplex.speech")
+    from deployments.duplex.backend import StageBackend
+
+    def session(seed: int) -> tuple[list, dict]:
+        server, client = make()
+        server.duplex = DuplexManager(server.cfg.duplex, StageBackend([_group(StageStandIn())]))
+        rng = np.random.default_rng(0)
+        with client.websocket_connect("/v1/realtime?mode=audio") as ws:
+            official_start(ws, system_prompt="You are kind.",
+                           config={"duplex_force": "speak", "seed": seed})
+            for _ in range(2):
+                audio = (0.1 * rng.standard_normal(UNIT)).astype("<f4")
+                ws.send_json({"type": "input.append",
+                              "input": {"audio": base64.b64encode(audio.tobytes()).decode()}})
+            events = until(ws, "response.output_audio.delta")
+            events += until(ws, "response.output_audio.delta")
+            ws.send_json({"type": "session.close"})
+            closed = until(ws, "session.closed")[-1]
+        free(server)
+        return events, closed["usage"]
+
+    events, usage = session(seed=3)
+    texts = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [t["unit"] for t in texts] == [0, 1] and all(t["text"] for t in texts)
+    for e in events:
+        if e["type"] == "response.output_audio.delta":
+            assert len(base64.b64decode(e["audio"])) == 4 * 24000
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+    assert usage["output_tokens_details"]["audio_tokens"] > 0
+    again, _ = session(seed=3)
+    assert [e.get("text") for e in again] == [e.get("text") for e in events]

@@ -1,13 +1,12 @@
 """What a duplex wire needs from the model side: open a session, run one 1 s unit, close.
 
 The wires (official.py, openai_shape.py) and the session manager only talk to a
-`DuplexBackend`, so they run unchanged over the in-process backend here, over a future
-stage-resident one, and over the scripted fake the tests use (tests/fakes.py).
+`DuplexBackend`: the app's is StageBackend (sessions resident in the Thinker stage), the
+tests' a scripted fake (tests/fakes.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -31,8 +30,8 @@ class DuplexInit:
     options: dict[str, Any] = field(default_factory=dict)  # DuplexConfig fields
 
 
-# A unit's outcome as the wires use it: pipeline.duplex.session.UnitResult's fields, with
-# its prefill schema (ids, ("audio", n) and ("img", n) rows) counted as `prefill_tokens`.
+# A unit's outcome as the wires use it: pipeline.duplex.session.UnitResult's fields, its
+# prefill schema counted (`prefill_tokens`, for usage) as the Thinker stage sends it.
 @dataclass
 class UnitResult:
     is_listen: bool
@@ -42,11 +41,6 @@ class UnitResult:
     codes: list[int]
     pcm: np.ndarray | None                   # float32 24 kHz, None or empty when silent
     prefill_tokens: int = 0
-
-
-def prefill_positions(schema: Any) -> int:
-    """Positions a unit's prefill schema appended: one per id, n per ("audio"|"img", n)."""
-    return sum(item[1] if isinstance(item, tuple) else 1 for item in schema)
 
 
 class DuplexBackend(Protocol):
@@ -62,52 +56,43 @@ class DuplexBackend(Protocol):
     async def close(self, session_id: str) -> None: ...
 
 
-class InProcessBackend:
-    """Each session a `pipeline.duplex.session.DuplexSession` in this process, its units run
-    one at a time on a worker thread (the model is shared; the event loop stays free).
+class StageBackend:
+    """Sessions resident in a stage group's Thinker stage (`duplex_open` / `duplex_unit` /
+    `duplex_close` on its handle: deployments/stages/duplex.py), so a session's state lives
+    beside the engine's model; each new session goes to the group holding the fewest.
 
-    `factory(init) -> DuplexSession` builds a prepared-to-be session over loaded modules.
-    TODO(integrator): build the default factory from the app's checkpoint and device once
-    pipeline/duplex is merged (DuplexThinker / DuplexSpeech over omniray's modules)."""
+    `groups`: the ingress's Groups (`stages.via(stage, nbytes)` and `asleep`)."""
 
-    def __init__(self, factory: Any = None):
-        self._factory = factory
-        self._sessions: dict[str, Any] = {}
-        self._lock = asyncio.Lock()  # one unit at a time over the shared modules
+    def __init__(self, groups: list[Any]):
+        self.groups = groups
+        self._where: dict[str, Any] = {}   # session id -> its group
 
-    def problem(self) -> str | None:
-        """Why this backend cannot run sessions, or None."""
-        if self._factory is None:
-            return "full duplex is not available in this build (no duplex session factory)"
-        return None
-
-    def _build(self, init: DuplexInit) -> Any:
-        if (why := self.problem()) is not None:
-            raise RuntimeError(why)
-        return self._factory(init)
+    def _pick(self) -> Any:
+        awake = [g for g in self.groups if not getattr(g, "asleep", False)] or self.groups
+        held = {id(g): 0 for g in awake}
+        for g in self._where.values():
+            if id(g) in held:
+                held[id(g)] += 1
+        return min(awake, key=lambda g: held[id(g)])
 
     async def open(self, session_id: str, init: DuplexInit) -> None:
-        async with self._lock:
-            session = await asyncio.to_thread(self._build, init)
-            await asyncio.to_thread(
-                session.prepare, prefix=init.system_prompt, ref_audio=init.ref_audio,
-                prompt_wav=init.prompt_wav)
-        self._sessions[session_id] = (session, init.max_slice_nums)
+        group = self._pick()
+        nbytes = sum(a.nbytes for a in (init.ref_audio, init.prompt_wav) if a is not None)
+        await group.stages.via("thinker", nbytes).duplex_open.remote(session_id, init)
+        self._where[session_id] = group
 
     async def unit(self, session_id: str, audio: np.ndarray, frames: list | None,
                    force: str | None) -> UnitResult:
-        session, slices = self._sessions[session_id]
-        async with self._lock:
-            r = await asyncio.to_thread(session.unit, audio, frames, force, slices)
-        return UnitResult(r.is_listen, r.end_of_turn, r.text, list(r.token_ids),
-                          list(r.codes), r.pcm, prefill_positions(getattr(r, "prefill", ())))
+        group = self._where[session_id]
+        nbytes = audio.nbytes + sum(f.width * f.height * 3 for f in frames or ())
+        out = await group.stages.via("thinker", nbytes).duplex_unit.remote(
+            session_id, audio, frames, force)
+        return UnitResult(**out)
 
     async def close(self, session_id: str) -> None:
-        entry = self._sessions.pop(session_id, None)
-        close = getattr(entry[0], "close", None) if entry else None
-        if close is not None:
-            async with self._lock:
-                await asyncio.to_thread(close)
+        group = self._where.pop(session_id, None)
+        if group is not None:
+            await group.stages.via("thinker").duplex_close.remote(session_id)
 
     def stats(self) -> dict[str, int]:
-        return {"sessions": len(self._sessions)}
+        return {"sessions": len(self._where)}

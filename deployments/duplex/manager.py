@@ -64,10 +64,6 @@ class DuplexManager:
             self.refused += 1
             raise Refused("duplex_unavailable", "full duplex is off on this server "
                           "(duplex.max_sessions is 0)", 1008)
-        problem = self.backend.problem() if hasattr(self.backend, "problem") else None
-        if problem is not None:
-            self.refused += 1
-            raise Refused("duplex_unavailable", problem, 1011)
         if len(self.active) < s.max_sessions and not self._queue:
             self.active[session_id] = time.monotonic()
             return

@@ -130,6 +130,8 @@ class OfficialConnection(DuplexConnection):
             p = f"payload.config.{key}"
             if key in _REFERENCE_KEYS:
                 options[key] = _number(v, *_REFERENCE_KEYS[key], p)
+            elif key == "seed":  # seeded sampling: the same draws in the same order
+                options["seed"] = _number(v, int, 0, 2**31 - 1, p)
             elif key == "duplex_force":
                 self.force = _force(v, p)
             elif key == "tts_enabled":

@@ -23,6 +23,7 @@ import numpy as np
 from deployments.config import DuplexSettings
 from deployments.duplex.backend import DuplexInit, UnitResult
 from deployments.duplex.manager import DuplexManager, Refused
+from deployments.wire import error_line
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,10 @@ class DuplexConnection:
             self._ending.set_result(ending)
 
     async def open_backend(self, init: DuplexInit) -> None:
-        await self.manager.open(self.id, init)
+        try:
+            await self.manager.open(self.id, init)
+        except ValueError as e:  # the model side refused an option or the voice
+            raise BadEvent("invalid_value", error_line(e)) from None
         self.opened = True
         self._clock = _Clock()  # real time starts with the session
         self._worker = asyncio.get_running_loop().create_task(self._run_units())
