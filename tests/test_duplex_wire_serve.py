@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import io
 import json
 import time
@@ -335,3 +336,32 @@ def test_bench_duplex_paces_sessions_and_counts_every_unit(duplex_app):
     assert r["errors"] == [] and r["decision_ms"]["p50"] is not None
     assert sum(len(u) for u in _log()["units"].values()) >= 6
     wait_free()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deployments.stages.duplex") is None,
+                    reason="the Thinker stage holds no duplex sessions in this tree")
+def test_sdk_against_the_real_app_on_the_tiny_default(serve_app):
+    """The app as it ships (conftest.py `serve_app`: real engines, the tiny default): the
+    official SDK's session resident in the Thinker stage, forced to speak, then closed; the
+    app's invariants after."""
+    from test_serve import wait_free as app_free
+
+    async def main():
+        session = await client(serve_app, _force_speak_factory()).audio.connect(
+            model="omniray", system_prompt="You are kind.")
+        rng = np.random.default_rng(0)
+        for _ in range(2):
+            await session.send_audio((0.1 * rng.standard_normal(UNIT)).astype("<f4").tobytes())
+        events = await events_until(
+            session, lambda ev: sum(isinstance(e, obr.AudioDelta) for e in ev) == 2, 300)
+        await session.close()
+        return session, events
+
+    session, events = asyncio.run(main())
+    assert len([e for e in events if isinstance(e, obr.TextDelta)]) == 2
+    for e in events:
+        if isinstance(e, obr.AudioDelta):
+            assert len(np.frombuffer(e.audio, "<f4")) == 24000
+    assert session.usage is not None and session.usage.completion_tokens > 0
+    st = app_free()
+    assert st["stages"]["thinker"]["duplex"]["sessions"] == 0
