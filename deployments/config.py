@@ -76,6 +76,33 @@ class RealtimeSettings(_Settings):
     max_items: int = Field(256, ge=2, description="conversation items per session")
 
 
+class DuplexSettings(_Settings):
+    """Full-duplex sessions on `WS /v1/realtime?mode=audio|video` and `?duplex=1` (docs/api.md
+    "Full duplex"): each lives in the ingress replica that accepted its socket."""
+
+    max_sessions: int = Field(4, ge=0, description=(
+        "duplex sessions running at once per ingress replica. A constant until the stage "
+        "engines hold duplex sessions and it can follow from what the GPU holds; 0 = off"))
+    max_queue: int = Field(16, ge=0, description=(
+        "sessions waiting for a slot (each told its position and ETA, session.queued); "
+        "past it a new socket gets an error event (server_busy) and close 1013"))
+    queue_timeout_s: float = Field(300.0, gt=0, description=(
+        "a queued session waiting longer is refused as past the queue"))
+    idle_timeout_s: float = Field(60.0, gt=0, description=(
+        "a session with no client event for this long is closed (the official demo's "
+        "pause timeout: a paused client sends nothing)"))
+    max_session_s: float = Field(3600.0, gt=0, description="a session's longest life")
+    max_ahead_s: float = Field(10.0, gt=0, description=(
+        "input audio past real time (seconds received minus seconds since the session "
+        "started), and input waiting for the model; more ends the session: duplex input "
+        "is a live stream"))
+    max_outbound_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024, description=(
+        "server events queued for a client that does not read them; past it the session "
+        "ends (client_too_slow)"))
+    max_event_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, description=(
+        "one client event's JSON text (a 1 s unit of audio and a camera frame)"))
+
+
 class LimitSettings(_Settings):
     """Input limits (pipeline.processing.MediaLimits) plus request-level ones."""
 
@@ -233,6 +260,7 @@ class AppConfig(_Settings):
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     realtime: RealtimeSettings = Field(default_factory=RealtimeSettings)
+    duplex: DuplexSettings = Field(default_factory=DuplexSettings)
     thinker: StageSettings = Field(default_factory=lambda: _stage_defaults("thinker"))
     talker: StageSettings = Field(default_factory=lambda: _stage_defaults("talker"))
     code2wav: StageSettings = Field(default_factory=lambda: _stage_defaults("code2wav"))

@@ -392,3 +392,64 @@ def build_local_app(
         cfg, LocalHandle(thinker), LocalHandle(talker), LocalHandle(c2w), source=source
     )
     return LocalApp(ingress, thinker, talker, c2w)
+
+
+# ---------------------------------------------------------------------------------------
+# Full duplex (deployments/duplex): a scripted backend (tests/duplex_app.py serves it)
+
+
+class FakeDuplexBackend:
+    """Scripted duplex sessions: of every `period` units the last `speak` speak (the
+    last of them ends the turn), the others listen; a forced unit does as forced. A speak
+    unit's text is "u<index> " and its PCM 1 s of a 440 Hz tone at 24 kHz; every unit
+    "prefills" 30 positions. Records each session's init and units for the tests, and can
+    fail at a unit (`fail_at`) or take `unit_delay_s` per unit."""
+
+    def __init__(self, period: int = 4, speak: int = 2, unit_delay_s: float = 0.0,
+                 fail_at: int | None = None):
+        self.period, self.speak = period, speak
+        self.unit_delay_s, self.fail_at = unit_delay_s, fail_at
+        self.sessions: set[str] = set()              # open now
+        self.units: dict[str, list] = {}             # every session's units, kept
+        self.inits: dict[str, Any] = {}
+        self.opened = 0
+        self.closed = 0
+
+    async def open(self, session_id: str, init: Any) -> None:
+        assert session_id not in self.units, "opened twice"
+        self.sessions.add(session_id)
+        self.units[session_id] = []
+        self.inits[session_id] = init
+        self.opened += 1
+
+    async def unit(self, session_id: str, audio: np.ndarray, frames: list | None,
+                   force: str | None) -> Any:
+        from deployments.duplex.backend import UnitResult
+
+        assert session_id in self.sessions, "unit of a session that is not open"
+        units = self.units[session_id]
+        i = len(units)
+        units.append((len(audio), len(frames or ()), force))
+        if self.unit_delay_s:
+            await asyncio.sleep(self.unit_delay_s)
+        if self.fail_at == i:
+            raise RuntimeError("scripted unit failure")
+        phase = i % self.period
+        speak = phase >= self.period - self.speak
+        if force is not None:
+            speak = force == "speak"
+        if not speak:
+            return UnitResult(True, False, "", [1], [], None, prefill_tokens=30)
+        end = force is None and phase == self.period - 1
+        t = np.arange(24000, dtype=np.float32) / 24000
+        pcm = (0.25 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+        return UnitResult(False, end, f"u{i} ", [2, 3, 4], list(range(25)), pcm,
+                          prefill_tokens=30)
+
+    async def close(self, session_id: str) -> None:
+        self.sessions.remove(session_id)
+        self.closed += 1
+
+    def stats(self) -> dict[str, int]:
+        return {"sessions": len(self.sessions), "opened": self.opened, "closed": self.closed}
+

@@ -71,6 +71,11 @@ def _client(ws: WebSocket) -> str:
 async def serve_websocket(server: Any, ws: WebSocket) -> None:
     """One session on `server` (an IngressServer: `chat`, `cfg`, `model_names`,
     `realtime_sessions`, `metrics`)."""
+    from deployments.duplex.socket import duplex_wire, serve_duplex
+
+    if (wire := duplex_wire(ws.query_params)) is not None:  # ?mode=audio|video, ?duplex=1
+        await serve_duplex(server, ws, wire)
+        return
     cfg = server.cfg.realtime
     await ws.accept(subprotocol=_subprotocol(ws))
     model = ws.query_params.get("model")

@@ -1,0 +1,98 @@
+"""What a duplex wire needs from the model side: open a session, run one 1 s unit, close.
+
+The wires (official.py, openai_shape.py) and the session manager only talk to a
+`DuplexBackend`: the app's is StageBackend (sessions resident in the Thinker stage), the
+tests' a scripted fake (tests/fakes.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+Force = Literal["listen", "speak"]
+FORCES: tuple[str, ...] = ("listen", "speak")
+
+
+@dataclass(frozen=True)
+class DuplexInit:
+    """One session's start: what `MiniCPMODuplex.prepare` takes, and the reference's own
+    sampling kwargs a client may set (names of pipeline.duplex.config.DuplexConfig)."""
+
+    mode: Literal["audio", "video"] = "audio"
+    system_prompt: str | None = None
+    ref_audio: np.ndarray | None = None      # 16 kHz float32: the voice in the prompt
+    prompt_wav: np.ndarray | None = None     # 16 kHz float32: the Token2Wav voice
+    max_slice_nums: int = 1
+    audio_out: bool = True                   # false: text only (no Talker / Token2Wav)
+    options: dict[str, Any] = field(default_factory=dict)  # DuplexConfig fields
+
+
+# A unit's outcome as the wires use it: pipeline.duplex.session.UnitResult's fields, its
+# prefill schema counted (`prefill_tokens`, for usage) as the Thinker stage sends it.
+@dataclass
+class UnitResult:
+    is_listen: bool
+    end_of_turn: bool
+    text: str
+    token_ids: list[int]
+    codes: list[int]
+    pcm: np.ndarray | None                   # float32 24 kHz, None or empty when silent
+    prefill_tokens: int = 0
+
+
+class DuplexBackend(Protocol):
+    """Sessions by id. `unit` runs one unit of a session and is never called again for that
+    session before it returns; `close` frees everything the session holds and is called
+    exactly once per `open` that returned, also after a failed `unit`."""
+
+    async def open(self, session_id: str, init: DuplexInit) -> None: ...
+
+    async def unit(self, session_id: str, audio: np.ndarray, frames: list | None,
+                   force: str | None) -> UnitResult: ...
+
+    async def close(self, session_id: str) -> None: ...
+
+
+class StageBackend:
+    """Sessions resident in a stage group's Thinker stage (`duplex_open` / `duplex_unit` /
+    `duplex_close` on its handle: deployments/stages/duplex.py), so a session's state lives
+    beside the engine's model; each new session goes to the group holding the fewest.
+
+    `groups`: the ingress's Groups (`stages.via(stage, nbytes)` and `asleep`)."""
+
+    def __init__(self, groups: list[Any]):
+        self.groups = groups
+        self._where: dict[str, Any] = {}   # session id -> its group
+
+    def _pick(self) -> Any:
+        awake = [g for g in self.groups if not getattr(g, "asleep", False)] or self.groups
+        held = {id(g): 0 for g in awake}
+        for g in self._where.values():
+            if id(g) in held:
+                held[id(g)] += 1
+        return min(awake, key=lambda g: held[id(g)])
+
+    async def open(self, session_id: str, init: DuplexInit) -> None:
+        group = self._pick()
+        nbytes = sum(a.nbytes for a in (init.ref_audio, init.prompt_wav) if a is not None)
+        await group.stages.via("thinker", nbytes).duplex_open.remote(session_id, init)
+        self._where[session_id] = group
+
+    async def unit(self, session_id: str, audio: np.ndarray, frames: list | None,
+                   force: str | None) -> UnitResult:
+        group = self._where[session_id]
+        nbytes = audio.nbytes + sum(f.width * f.height * 3 for f in frames or ())
+        out = await group.stages.via("thinker", nbytes).duplex_unit.remote(
+            session_id, audio, frames, force)
+        return UnitResult(**out)
+
+    async def close(self, session_id: str) -> None:
+        group = self._where.pop(session_id, None)
+        if group is not None:
+            await group.stages.via("thinker").duplex_close.remote(session_id)
+
+    def stats(self) -> dict[str, int]:
+        return {"sessions": len(self._where)}
