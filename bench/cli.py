@@ -1,4 +1,4 @@
-"""Command line: `python -m bench {run,synth,report,soak} ...`.
+"""Command line: `python -m bench {run,synth,report,soak,duplex} ...`.
 
 Examples (docs/bench.md has more):
   # synthetic 30 s clips, fixed-length output for random weights, c=1 and c=4
@@ -280,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", action="store_true", help="also check the app benchmark's targets")
     p.set_defaults(func=cmd_report)
 
+    sub.add_parser("duplex", help="realtime-paced full-duplex sessions: decision and first-audio "
+                   "latency, units behind, underruns (see python -m bench duplex -h)", add_help=False)
     sub.add_parser("soak", help="many turns of every kind, hang-ups, a stage killed; then "
                    "check nothing leaked (see python -m bench soak -h)", add_help=False)
     return ap
@@ -287,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "duplex":
+        from bench.duplex import main as duplex_main
+
+        return duplex_main(argv[1:])
     if argv and argv[0] == "soak":
         from bench.soak import main as soak_main
 

@@ -10,22 +10,14 @@ from fakes import FakeDuplexBackend
 
 
 class FakeDuplexIngress(IngressServer):
-    """`duplex_backend` kwargs script the fake backend; `stats()` adds the duplex manager's
-    stats and folds in its invariants; `duplex_backend_log()` shows what the backend got."""
+    """`duplex_backend` kwargs script the fake backend (the ingress's `stats()` folds in the
+    duplex manager's invariants); `duplex_backend_log()` shows what the backend got."""
 
     def __init__(self, *args: Any, duplex_backend: dict | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         from deployments.duplex.manager import DuplexManager
 
         self.duplex = DuplexManager(self.cfg.duplex, FakeDuplexBackend(**(duplex_backend or {})))
-
-    async def stats(self) -> dict[str, Any]:
-        st = await super().stats()
-        d = self.duplex.stats()
-        st["duplex"] = d
-        st["leaks"] = [*st["leaks"], *d["leaks"]]
-        st["idle"] = st["idle"] and d["idle"]
-        return st
 
     async def duplex_backend_log(self) -> dict[str, Any]:
         b = self.duplex.backend

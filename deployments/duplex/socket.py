@@ -12,7 +12,6 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from deployments.duplex.backend import StageBackend
 from deployments.duplex.manager import DuplexManager, Refused
 from deployments.duplex.official import OfficialConnection
 from deployments.duplex.openai_shape import OpenAIConnection
@@ -37,14 +36,8 @@ def duplex_wire(query: Any) -> str | None:
 
 
 def manager_for(server: Any) -> DuplexManager:
-    """The replica's DuplexManager (`server.duplex`), made on first use, its sessions
-    resident in the groups' Thinker stages.
-    TODO(integrator): IngressServer.__init__ should make it and report `manager.stats()` in
-    `stats()` (its `leaks`, its `idle`), as tests/duplex_app.py does."""
-    manager = getattr(server, "duplex", None)
-    if manager is None:
-        manager = server.duplex = DuplexManager(server.cfg.duplex, StageBackend(server.groups))
-    return manager
+    """The replica's DuplexManager (`server.duplex`, made by the ingress)."""
+    return server.duplex
 
 
 def _subprotocol(ws: WebSocket) -> str | None:

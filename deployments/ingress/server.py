@@ -32,6 +32,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from deployments.config import AppConfig
+from deployments.duplex.backend import StageBackend
+from deployments.duplex.manager import DuplexManager
 from deployments.ingress.formats import (
     ChunkWriter,
     completion_body,
@@ -120,6 +122,8 @@ class IngressServer:
                                  max_voices=lim.max_voices)
         self._voice_support: tuple[str | None] | None = None  # (reason,) once asked
         self.realtime_sessions: dict[str, Any] = {}  # id -> RealtimeSession on this replica
+        # full-duplex sessions (WS /v1/realtime?mode= / ?duplex=1), resident in the Thinkers
+        self.duplex = DuplexManager(cfg.duplex, StageBackend(self.groups))
         from pipeline.processing.vad import silero_problem
 
         # Realtime sessions start with server VAD on: a host without its model says so here
@@ -179,14 +183,16 @@ class IngressServer:
         if window["active"] + window["waiting"] > speech:
             leaks.append(f"window: {window['active']} active + {window['waiting']} waiting "
                          f"for {speech} speech turns in flight")
+        duplex = self.duplex.stats()
+        leaks += duplex["leaks"]
         idle = (not in_flight and window["active"] == 0 and window["waiting"] == 0
-                and all(st.get("idle", False) for st in stages.values()))
+                and duplex["idle"] and all(st.get("idle", False) for st in stages.values()))
         return {"window": window, "turns": {"in_flight": len(in_flight), "speech": speech},
                 "groups": [g.stats() for g in self.groups],
                 "media_cache": self.media_cache_stats(), "stages": stages, "idle": idle,
                 "realtime": {"sessions": len(self.realtime_sessions),
                              "server_vad": self.server_vad_problem or "ok"},
-                "leaks": leaks}
+                "duplex": duplex, "leaks": leaks}
 
     def media_cache_stats(self) -> dict[str, int]:
         return dataclasses.asdict(self.media_cache.stats())
