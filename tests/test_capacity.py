@@ -8,10 +8,11 @@ complete with the window at 8 (they queue) and at 32.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from test_api import light_source, user
+from test_turns import collect
+from test_turns import settled as _settled
 
 from deployments.config import CapacityError, check_holds
 from deployments.ingress.window import QUEUE_PER_SLOT, ActiveStreamWindow, QueueFull
@@ -22,17 +23,8 @@ SPEECH = {"messages": user("hi"), "modalities": ["text", "audio"], "max_tokens":
           "omniray": {"fixed_speech_codes": 8}}
 
 
-async def collect(ingress, body) -> list:
-    return [ev async for ev in ingress.chat(body)]
-
-
-async def idle(local, timeout: float = 10.0) -> dict:
-    deadline = time.perf_counter() + timeout
-    while True:
-        st = await local.ingress.stats()
-        if (st["idle"] and not st["leaks"]) or time.perf_counter() > deadline:
-            return st
-        await asyncio.sleep(0.02)
+async def idle(local) -> dict:
+    return await _settled(local, timeout=10.0)
 
 
 # -- the window's queue ------------------------------------------------------------------

@@ -58,6 +58,8 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
         where = f"unit {unit['index']}"
         assert (got["is_listen"], got["end_of_turn"]) == (want.is_listen, want.end_of_turn), where
         assert got["token_ids"] == want.token_ids and got["codes"] == want.codes, where
+        rows = sum(x[1] if isinstance(x, tuple) else 1 for x in want.prefill)
+        assert got["prefill_tokens"] == rows > 1, where  # <unit> + the unit's audio rows
         if want.pcm is None:
             assert got["pcm"] is None, where
         else:

@@ -75,7 +75,9 @@ class DuplexSessions:
         r = session.unit(audio, frames, force, slices)
         self.units += 1
         out = dataclasses.asdict(r)
-        out["prefill_tokens"] = len(out.pop("prefill", []) or [])
+        # the schema: a token id, or ("audio", n) / ("img", n) for n embedded rows
+        out["prefill_tokens"] = sum(x[1] if isinstance(x, tuple) else 1
+                                    for x in out.pop("prefill", None) or ())
         return out
 
     def close(self, sid: str) -> bool:
