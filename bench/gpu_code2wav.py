@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--prompt-codes", type=int, default=25)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--batches", default="1,2,4,8", help="chunks a step to time")
+    ap.add_argument("--batches", default="1,2,4,8", help="chunks a step to time (up to 32)")
     ap.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default="fp32",
                     help="token2wav_precision: the opt-ins are compared with fp32")
     ap.add_argument("--n-timesteps", type=int, default=10,
@@ -233,10 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     hift = random_vocoder(cfg, 0, args.layout).cuda().eval()
     voices = [voice(1, args.prompt_codes), voice(2, args.prompt_codes + 12)]
     ecfg = Code2WavEngineConfig(token2wav_precision=args.precision,
-                                n_timesteps=args.n_timesteps)
+                                n_timesteps=args.n_timesteps, max_streams=max(8, *batches))
     mode = f"{args.precision}, {args.n_timesteps} steps"
     # the flow is converted in place: the fp32 / 10-step engine gets a copy
-    fp32_flow = copy.deepcopy(flow) if ecfg != Code2WavEngineConfig() else None
+    exact = Code2WavEngineConfig(max_streams=ecfg.max_streams)
+    fp32_flow = copy.deepcopy(flow) if ecfg != exact else None
     engine = Code2WavEngine(flow, hift, cfg, ecfg)
     t0 = time.perf_counter()
     engine.warmup(voices[0])
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = worst <= 1e-4 and low >= 80
     result["batched_vs_alone"] = {"max_abs": worst, "min_snr_db": low}
     if fp32_flow is not None:
-        base = Code2WavEngine(fp32_flow, hift, cfg, Code2WavEngineConfig())
+        base = Code2WavEngine(fp32_flow, hift, cfg, exact)
         ref = play(base, schedule(STAGGERED, seed=8), voices)
         worst, low = compare(ref, together, f"{mode} vs fp32, 10 steps")
         every = overall_snr_db(ref, together)

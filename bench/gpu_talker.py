@@ -26,7 +26,6 @@ from pipeline.handoff import SpokenChunk, TalkerSpec
 from pipeline.talker.engine import TalkerEngine, TalkerEngineConfig
 from pipeline.talker.model import TalkerModel
 
-BATCHES = (1, 2, 4, 8)
 
 
 def build_model(cfg: TalkerConfig) -> TalkerModel:
@@ -103,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--prompt", type=int, default=40, help="spoken-span tokens per stream")
     ap.add_argument("--max-seq-len", type=int, default=1024, help="KV positions per slot")
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[1, 2, 4, 8], help="streams a step to time (up to 32)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -113,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                   max_position_embeddings=args.max_seq_len)
     model = build_model(cfg)
     t0 = time.perf_counter()
-    engine = TalkerEngine(model, TalkerEngineConfig(max_streams=max(BATCHES), mode="full_span"))
+    engine = TalkerEngine(model, TalkerEngineConfig(max_streams=max(args.batches), mode="full_span"))
     torch.cuda.synchronize()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, Talker "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params bf16; engine built "
           f"in {time.perf_counter() - t0:.1f} s")
-    rows = {b: run_batch(engine, b, args, "b") for b in BATCHES}
+    rows = {b: run_batch(engine, b, args, "b") for b in args.batches}
     bad = check_codes(rows, run_batch(engine, 4, args, "again"), cfg.eos_code,
                       args.steps)
     print(f"   {'batch':>5} {'step ms':>8} {'per code':>9} {'1st step':>9}")
