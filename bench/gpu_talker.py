@@ -3,7 +3,7 @@
 
 Checks (exit 1 on failure): every code a speech code (below EOS), every stream as long as
 asked, and the same seeds give the same codes when the batch runs again.
-Timings, batch 1, 2, 4, 8: wall ms a `engine.step()` (host work included: noise draws,
+Timings, each --batches size (1, 2, 4, 8 by default): wall ms a `engine.step()` (host work included: noise draws,
 reading the codes), per code, and the first step (every stream's prefill and first draw).
 `--profile`: one step at batch 1 and 8 under torch.profiler: kernel count, kernel ms (the
 GPU's time a step) and the top kernels.
