@@ -411,6 +411,40 @@ def test_openai_shape_force_listen_cancels_the_response_and_errors_go_on():
     free(server)
 
 
+def test_openai_shape_cancel_ends_the_response_at_once_and_drops_speech_in_flight():
+    """response.cancel while units are with the model: response.done (cancelled,
+    client_cancelled) comes at once, and nothing of the cancelled response follows, though
+    the model speaks the units already in flight."""
+    import time
+
+    server, client = make(unit_delay_s=0.3)
+    units = server.duplex.backend.units
+    with client.websocket_connect("/v1/realtime?duplex=1") as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"omniray": {"duplex_force": "speak"}}})
+        ws.receive_json()
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(3 * 24000 + 1200)})
+        until(ws, "response.output_audio.delta")  # the first unit spoke; two more in flight
+        ws.send_json({"type": "response.cancel"})
+        done = until(ws, "response.done")[-1]
+        ws.send_json({"type": "session.update", "session": {"omniray": {"duplex_force": None}}})
+        late = until(ws, "session.updated")
+        # the unit being filled listens (the cancel forced it); then the in-flight ones land
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(24000 + 4800)})
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and sum(len(u) for u in units.values()) < 4:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        ws.send_json({"type": "session.update", "session": {"instructions": "x"}})
+        late += until(ws, "error")
+    assert done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"]["reason"] == "client_cancelled"
+    assert not [e["type"] for e in late if e["type"].startswith("response.")], late
+    forced = [force for u in units.values() for _, _, force in u]
+    assert forced == ["speak", "speak", "speak", "listen"], forced
+    free(server)
+
+
 def test_a_session_the_model_falls_behind_on_ends():
     import time
 

@@ -5,11 +5,12 @@ events, the model deciding every unit whether a response runs.
     client: session.update {session: instructions, audio.input.format (pcm16 at 24 or
             16 kHz), omniray.duplex_force}; input_audio_buffer.append {audio: pcm16};
             input_audio_buffer.clear; input_audio_buffer.commit (a no-op: units are timed);
-            response.cancel (the next unit listens)
+            response.cancel (the response ends at once; the next unit listens)
     server: a speaking run of units is one response: response.created,
             response.output_audio_transcript.delta / response.output_audio.delta (pcm16
             24 kHz) per unit, then the .done events and response.done: completed at the
-            model's turn end, cancelled when it listens again (or the client cancelled).
+            model's turn end, cancelled when it listens again (turn_detected) or at the
+            client's response.cancel (client_cancelled: nothing of it is sent after).
 A refused event is an error event; the session goes on, as OpenAI's does.
 """
 
@@ -44,7 +45,7 @@ class OpenAIConnection(DuplexConnection):
         self.rate = 24000
         self._resampler: Any = None
         self.response: dict[str, Any] | None = None
-        self.cancel_requested = False
+        self.muted = False  # a cancelled response's later speech is dropped
 
     # -- events out ----------------------------------------------------------------------
 
@@ -97,8 +98,13 @@ class OpenAIConnection(DuplexConnection):
         elif kind == "input_audio_buffer.commit":
             pass  # units are cut by time; the model decides when it answers
         elif kind == "response.cancel":
+            # OpenAI's rule: the response ends now. Units already with the model finish
+            # there (the model's context keeps them), but their speech is not sent: the
+            # client hears nothing more until the model has listened again.
             self.units.force("listen")
-            self.cancel_requested = True
+            if self.response is not None:
+                self._end_response("cancelled", "client_cancelled")
+                self.muted = True
         else:
             raise BadEvent("unsupported_event", f"{kind!r} is not supported on a duplex "
                            f"session (?duplex=1): the model decides every second whether to "
@@ -175,9 +181,10 @@ class OpenAIConnection(DuplexConnection):
     def on_unit(self, index: int, r: UnitResult) -> None:
         if r.is_listen:
             if self.response is not None:
-                reason = "client_cancelled" if self.cancel_requested else "turn_detected"
-                self._end_response("cancelled", reason)
-            self.cancel_requested = False
+                self._end_response("cancelled", "turn_detected")
+            self.muted = False
+            return
+        if self.muted:  # spoken before the model saw the cancel
             return
         if self.response is None:
             self.response = {"id": new_id("resp"), "item": new_id("item"), "text": ""}
