@@ -279,3 +279,18 @@ def test_the_socket_route_bounds_sessions_per_client_and_by_history(monkeypatch)
                 break
             time.sleep(0.02)
         assert local.ingress.realtime_sessions == {}
+
+
+def test_the_ingress_stats_add_up_the_sessions_history_and_waiting_output():
+    from types import SimpleNamespace
+
+    from test_api import light_source
+
+    from fakes import build_local_app
+
+    local = build_local_app({}, light_source())
+    sessions = local.ingress.realtime_sessions
+    sessions["a"] = SimpleNamespace(history_bytes=1200, outbox=SimpleNamespace(bytes=300))
+    sessions["b"] = SimpleNamespace(history_bytes=34, outbox=SimpleNamespace(bytes=0))
+    rt = asyncio.run(local.ingress.stats())["realtime"]
+    assert (rt["sessions"], rt["history_bytes"], rt["outbound_bytes"]) == (2, 1234, 300)

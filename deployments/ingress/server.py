@@ -191,6 +191,11 @@ class IngressServer:
                 "groups": [g.stats() for g in self.groups],
                 "media_cache": self.media_cache_stats(), "stages": stages, "idle": idle,
                 "realtime": {"sessions": len(self.realtime_sessions),
+                             "history_bytes": sum(getattr(r, "history_bytes", 0)
+                                                  for r in self.realtime_sessions.values()),
+                             "outbound_bytes": sum(r.outbox.bytes for r in
+                                                   self.realtime_sessions.values()
+                                                   if hasattr(r, "outbox")),
                              "server_vad": self.server_vad_problem or "ok"},
                 "duplex": duplex, "leaks": leaks}
 
