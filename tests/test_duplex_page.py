@@ -211,17 +211,16 @@ def test_video_session_sends_a_camera_frame_a_unit(browser, server, ingress, sta
     wait_free(stats)
 
 
-def _hold_slot(server: str):
-    """A session of our own (raw socket, official wire) holding or queued for a slot."""
+def _session(server: str):
+    """A session of our own (raw socket, official wire): it holds a slot, or waits for one."""
     return ws_connect(server.replace("http", "ws") + "/v1/realtime?mode=audio",
                       open_timeout=10)
 
 
-def test_queue_position_shown_then_live(browser, server, ingress, stats) -> None:
-    holder = _hold_slot(server)
-    assert json.loads(holder.recv(timeout=10))["type"] == "session.queue_done"
+def test_queue_position_shown_then_live(browser, server, stats) -> None:
     page = open_page(browser, f"{server}/realtime?mode=audio", "audio")
-    try:
+    with _session(server) as holder:
+        assert json.loads(holder.recv(timeout=10))["type"] == "session.queue_done"
         _click(page, "live")
         page.wait_for("window.omniray.duplex?.phase === 'queued'", timeout_s=10)
         d = _duplex(page)
@@ -229,8 +228,7 @@ def test_queue_position_shown_then_live(browser, server, ingress, stats) -> None
         assert d["queue"]["etaS"] > 0
         assert "queued: 1 of 1" in page.evaluate("document.getElementById('status').textContent")
         assert "session.init" not in page.evaluate("window.omniray.sent")
-    finally:
-        holder.close()
+    # The holder's socket is gone: its slot goes to the page.
     page.wait_for("window.omniray.duplex.phase === 'live'", timeout_s=10)
     assert _duplex(page)["queue"] is None
     _click(page, "live")
@@ -240,30 +238,24 @@ def test_queue_position_shown_then_live(browser, server, ingress, stats) -> None
     wait_free(stats)
 
 
-def test_refusal_past_the_queue_is_shown(browser, server, ingress, stats) -> None:
-    holder, waiter = _hold_slot(server), None
-    try:
+def test_refusal_past_the_queue_is_shown(browser, server, stats) -> None:
+    page = open_page(browser, f"{server}/realtime?mode=audio", "audio")
+    with _session(server) as holder, _session(server) as waiter:
         assert json.loads(holder.recv(timeout=10))["type"] == "session.queue_done"
-        waiter = _hold_slot(server)
         assert json.loads(waiter.recv(timeout=10))["type"] == "session.queued"
-        page = open_page(browser, f"{server}/realtime?mode=audio", "audio")
         _click(page, "live")
         page.wait_for("window.omniray.duplex?.phase === 'closed'", timeout_s=10)
-        state = page.evaluate("window.omniray")
-        assert state["duplex"]["closeCode"] == 1013
-        (error,) = state["errors"]
-        assert error.startswith("server_busy: ")
-        assert error in page.evaluate("document.getElementById('log').innerText")
-        assert page.evaluate("document.getElementById('live').textContent") == "Start"
-        close_page(page, errors=[error])
-    finally:
-        holder.close()
-        if waiter is not None:
-            waiter.close()
+    state = page.evaluate("window.omniray")
+    assert state["duplex"]["closeCode"] == 1013 and state["duplex"]["sessionId"] is None
+    (error,) = state["errors"]
+    assert error.startswith("server_busy: ")
+    assert error in page.evaluate("document.getElementById('log').innerText")
+    assert page.evaluate("document.getElementById('live').textContent") == "Start"
+    close_page(page, errors=[error])
     wait_free(stats)
 
 
-def test_mode_switch_ends_one_session_and_starts_the_other(browser, server, ingress, stats) -> None:
+def test_mode_switch_ends_one_session_and_starts_the_other(browser, server, stats) -> None:
     page = open_page(browser, f"{server}/realtime", "turn")
     page.wait_for("window.omniray.sessionReady", timeout_s=10)
     page.evaluate("(() => { const m = document.getElementById('mode');"
