@@ -153,6 +153,7 @@ def test_audio_session_speaks_is_interrupted_and_stops(browser, server, ingress,
     page.wait_for(f"window.omniray.outputLevel > {100 * SILENT}")
     state = page.evaluate("window.omniray")
     assert state["sent"]["session.init"] == 1 and state["duplex"]["appends"] >= 2
+    assert state["duplex"]["micRate"] == 16000  # Chromium captures at the unit's rate
     assert state["received"]["session.created"] == 1
     # Each delta queued whole: 1 s of 24 kHz float32 (the fake's unit of speech).
     assert state["scheduledMs"] == pytest.approx(1000 * state["audioDeltas"], abs=1)
