@@ -169,6 +169,8 @@ def test_audio_session_speaks_is_interrupted_and_stops(browser, server, ingress,
     page.wait_for("window.omniray.duplex.listens >= 1", timeout_s=10)
     forces = [u[2] for u in ingress.duplex.backend.units[sid]]
     assert forces.count("listen") == 1 and set(forces) == {"speak", "listen"}, forces
+    # the page's count of units is the server's: the append it sent completed that unit
+    assert forces.index("listen") == _duplex(page)["forcedUnit"]
     # The model speaks again after listening: a new turn, heard.
     heard = page.evaluate("window.omniray.audioDeltas")
     page.wait_for(f"window.omniray.audioDeltas > {heard}", timeout_s=10)
