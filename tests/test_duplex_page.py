@@ -283,6 +283,23 @@ def test_mode_switch_ends_one_session_and_starts_the_other(browser, server, stat
     wait_free(stats)
 
 
+def test_a_turns_first_audio_waits_the_lead_then_plays_back_to_back(browser, server) -> None:
+    page = open_page(browser, f"{server}/realtime?mode=audio", "audio")
+    # Two 100 ms deltas of one turn queued at once: the first after the lead, the second
+    # where the first ends (read with the page's own clock).
+    t, lead, (a, da), (b, db) = page.evaluate(
+        "(() => { audioContext(); const t = ctx.currentTime;"
+        " for (let i = 0; i < 2; i++) playSamples('t', new Float32Array(2400), DUPLEX_LEAD_S);"
+        " const g = items.get('t').segments.map((x) => [x.start, x.dur]);"
+        " stopPlayback(); return [t, DUPLEX_LEAD_S, ...g]; })()",
+        user_gesture=True,
+    )
+    assert lead > 0 and da == db == pytest.approx(0.1)
+    assert a - t == pytest.approx(lead, abs=0.02)  # the clock may tick once meanwhile
+    assert b == pytest.approx(a + da, abs=1e-9)
+    close_page(page)
+
+
 # Renders a known 440 Hz buffer at 48 kHz through the page's mic worklet, as duplex mode runs it
 # (16 kHz float32, 1 s chunks), and returns the samples it posted, read little-endian.
 _RENDER_WORKLET_F32 = """
