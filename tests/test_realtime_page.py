@@ -30,9 +30,10 @@ FAKE_MIC_RATE = 24000
 
 
 def _write_mic_wav(path: Path, sr: int = FAKE_MIC_RATE) -> None:
-    """What the fake mic says, looped: 1.2 s of speech then 1.3 s of near silence, so the
-    server's VAD sees a turn start and end."""
-    write_wav(path, bursts([(1.2, True), (1.3, False)], sr, seed=0), sr)
+    """What the fake mic says, looped: 1.2 s of speech then 2.8 s of near silence, so the
+    server's VAD sees a turn start and end, and the reply's first audio comes before the
+    next burst barges in, even on a busy machine."""
+    write_wav(path, bursts([(1.2, True), (2.8, False)], sr, seed=0), sr)
 
 
 # Fake stages: 10 spoken words x 12 codes x 40 ms = 4.8 s of speech a reply, made in about
