@@ -66,7 +66,7 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
             spoke += 1
             np.testing.assert_allclose(got["pcm"], want.pcm, rtol=0, atol=1e-5, err_msg=where)
     assert spoke >= 2, "the scripted units include speak units"
-    assert sessions.stats() == {"sessions": 1, "units": UNITS}
+    assert sessions.stats() == {"sessions": 1, "units": UNITS, "batches": UNITS}
     assert sessions.close("s") and not sessions.close("s")
     with pytest.raises(KeyError):
         sessions.unit("s", inputs[0][0], None, None)
@@ -82,3 +82,57 @@ def test_stage_session_refuses_a_bad_option(ckpt):
     with pytest.raises((ValueError, TypeError)):
         sessions.open(engine, "x", init)
     assert len(sessions) == 0
+
+
+def test_concurrent_units_of_several_sessions_run_as_one_batch(ckpt):
+    """The served path (ThinkerServer.duplex_unit): units of three sessions that arrive
+    together run as one batch on the engine loop, and each equals its session alone."""
+    import asyncio
+
+    from deployments.stages.thinker import ThinkerServer
+
+    source = ModelSource.open(str(ckpt))
+    names = ["audio_greedy", "audio_sampling", "omni_greedy"]
+    scripts = [di.session(n) for n in names]
+    inputs = [di.session_inputs(s) for s in scripts]
+    rounds = range(6)  # quiet then loud units: listen, speak and a turn's start
+
+    server = ThinkerServer({"device": "cpu"}, source=source)
+    try:
+        async def main():
+            for name, s in zip(names, scripts, strict=True):
+                init = SimpleNamespace(
+                    options={"decode_mode": s.decode_mode, **s.duplex_kwargs, "seed": s.seed},
+                    audio_out=False, system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None,
+                    max_slice_nums=1)
+                await server.duplex_open(name, init)
+            out = []
+            for k in rounds:
+                out.append(await asyncio.gather(*(
+                    server.duplex_unit(name, *inputs[i][k], None) for i, name in enumerate(names))))
+            with pytest.raises(KeyError):
+                await server.duplex_unit("nobody", inputs[0][0][0], None, None)
+            stats = server._duplex_sessions().stats()
+            for name in names:
+                assert await server.duplex_close(name)
+            return out, stats
+
+        got, stats = asyncio.run(main())
+    finally:
+        server.loop.stop()
+    # one batch per round (the unknown session's unit is refused before any batch)
+    assert stats == {"sessions": 3, "units": 3 * len(rounds), "batches": len(rounds)}
+
+    kinds = set()
+    for i, (name, s) in enumerate(zip(names, scripts, strict=True)):
+        cfg = DuplexConfig(decode_mode=s.decode_mode, **s.duplex_kwargs)
+        alone = DuplexSession(DuplexThinker.from_checkpoint(ckpt, cfg, seed=s.seed))
+        alone.prepare(di.PREFIX)
+        for j, k in enumerate(rounds):
+            want, g = alone.unit(*inputs[i][k]), got[j][i]
+            where = f"{name} unit {k}"
+            assert (g["is_listen"], g["end_of_turn"], g["text"]) == (
+                want.is_listen, want.end_of_turn, want.text), where
+            assert g["token_ids"] == want.token_ids and g["pcm"] is None, where
+            kinds.add("listen" if want.is_listen else "speak")
+    assert kinds == {"listen", "speak"}
