@@ -8,8 +8,10 @@ session with frames in a turn; greedy and seeded sampling, forced decisions. Eve
 has a twin built the same way that runs alone.
 
 Precision contract: the batch shares the matmuls over the sessions' rows; attention is each
-session's own. The ids, decisions, text and speech codes must be equal; hidden rows and PCM
-within 1e-5 absolute (fp32 sums in another order; on this checkpoint they come out equal)."""
+session's own. The ids, decisions, text and speech codes must be equal; every layer's K/V and
+the PCM within 1e-5 (fp32 matmuls over more rows sum in another order: the K/V of the
+batched twins differ from the alone ones by about 2e-6 here, never enough to flip a token
+or a code)."""
 
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def assert_same_state(a: DuplexSession, b: DuplexSession, where: str) -> None:
     assert torch.equal(ta.generator.get_state(), tb.generator.get_state()), where
     n = ta.context_length
     for ka, kb in zip(ta.kv.kv, tb.kv.kv, strict=True):
-        torch.testing.assert_close(ka[:, :, :n], kb[:, :, :n], rtol=0, atol=ATOL, msg=where)
+        torch.testing.assert_close(ka[:, :, :n], kb[:, :, :n], rtol=ATOL, atol=ATOL, msg=where)
 
 
 def test_units_of_four_sessions_batched_equal_each_session_alone(shared, speech_models):

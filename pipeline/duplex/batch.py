@@ -23,8 +23,9 @@ session's rows are copied from there into its own KV before it attends.
 
 Exactness: one session alone through `run_units` computes what `DuplexSession.unit`
 computes (the same ops on the same rows). Across sessions only the batched matmuls' row
-count differs, which can move a logit in its last bits (fp32); the decisions, tokens and
-codes are the same as each session alone (tests/test_duplex_batch.py).
+count differs, which moves values in their last bits (fp32: about 1e-6 in the K/V on the
+duplex test checkpoint); the decisions, tokens and codes are the same as each session
+alone (tests/test_duplex_batch.py).
 
 A request that fails (bad input, a context over the model's length) fails alone: the
 others of the batch go on. A failure of the shared forward fails every session in it.
