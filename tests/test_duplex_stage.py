@@ -136,3 +136,50 @@ def test_concurrent_units_of_several_sessions_run_as_one_batch(ckpt):
             assert g["token_ids"] == want.token_ids and g["pcm"] is None, where
             kinds.add("listen" if want.is_listen else "speak")
     assert kinds == {"listen", "speak"}
+
+
+def test_unit_batcher_gathers_what_arrives_while_a_batch_runs():
+    """UnitBatcher: a lone unit runs at once; the units that arrive while it runs go as one
+    next batch; a session's second unit waits for the batch after its first; a caller that
+    goes away drops its unit; a batch that fails fails its own units only."""
+    import asyncio
+
+    from deployments.stages.duplex import UnitBatcher
+
+    batches: list[list[str]] = []
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def run(items):
+            batches.append([f"{sid}:{audio}" for sid, audio, _, _ in items])
+            if len(batches) == 1:
+                await gate.wait()  # the first batch runs until the others have arrived
+            if any(audio == "bad" for _, audio, _, _ in items):
+                raise RuntimeError("the engine failed")
+            return [ValueError("bad force") if force == "x" else f"{sid}:{audio}"
+                    for sid, audio, _, force in items]
+
+        b = UnitBatcher(run)
+        first = asyncio.create_task(b.submit("a", 0, None, None))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert batches == [["a:0"]]  # never waits for more units
+        later = [asyncio.create_task(b.submit(sid, n, None, f))
+                 for sid, n, f in (("b", 0, None), ("c", 0, "x"), ("a", 1, None), ("b", 1, None),
+                                   ("d", 0, None))]
+        await asyncio.sleep(0)
+        later[-1].cancel()  # d's caller goes away before its batch
+        gate.set()
+        assert await first == "a:0"
+        assert await later[0] == "b:0" and await later[2] == "a:1" and await later[3] == "b:1"
+        with pytest.raises(ValueError, match="bad force"):
+            await later[1]
+        with pytest.raises(asyncio.CancelledError):
+            await later[4]
+        bad = asyncio.gather(b.submit("e", "bad", None, None), return_exceptions=True)
+        assert isinstance((await bad)[0], RuntimeError)
+        assert await b.submit("e", 2, None, None) == "e:2"  # the next batch runs as usual
+
+    asyncio.run(main())
+    assert batches == [["a:0"], ["b:0", "c:0", "a:1"], ["b:1"], ["e:bad"], ["e:2"]]

@@ -94,8 +94,7 @@ class _SessionsForward(ForwardBatch):
         write_new_kv(stage, self.meta, self.rows, k, v)  # k None: the layer wrote them
         out = torch.empty_like(q)
         for p in self.parts:
-            n = p.hi - p.lo
-            start = int(p.meta.kv_lens[0]) - n
+            start, n = p.kv.length, p.hi - p.lo  # the length moves on after the forward
             kv = p.kv.kv[layer_idx]
             kv[0, :, start : start + n] = stage[0, :, p.lo : p.hi]
             out[p.lo : p.hi] = p.kv.backend.forward(kv, q[p.lo : p.hi], None, None, p.meta,
