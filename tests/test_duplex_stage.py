@@ -66,7 +66,7 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
             spoke += 1
             np.testing.assert_allclose(got["pcm"], want.pcm, rtol=0, atol=1e-5, err_msg=where)
     assert spoke >= 2, "the scripted units include speak units"
-    assert sessions.stats() == {"sessions": 1, "units": UNITS}
+    assert sessions.stats() == {"sessions": 1, "units": UNITS, "batches": UNITS}
     assert sessions.close("s") and not sessions.close("s")
     with pytest.raises(KeyError):
         sessions.unit("s", inputs[0][0], None, None)
@@ -82,3 +82,104 @@ def test_stage_session_refuses_a_bad_option(ckpt):
     with pytest.raises((ValueError, TypeError)):
         sessions.open(engine, "x", init)
     assert len(sessions) == 0
+
+
+def test_concurrent_units_of_several_sessions_run_as_one_batch(ckpt):
+    """The served path (ThinkerServer.duplex_unit): units of three sessions that arrive
+    together run as one batch on the engine loop, and each equals its session alone."""
+    import asyncio
+
+    from deployments.stages.thinker import ThinkerServer
+
+    source = ModelSource.open(str(ckpt))
+    names = ["audio_greedy", "audio_sampling", "omni_greedy"]
+    scripts = [di.session(n) for n in names]
+    inputs = [di.session_inputs(s) for s in scripts]
+    rounds = range(6)  # quiet then loud units: listen, speak and a turn's start
+
+    server = ThinkerServer({"device": "cpu"}, source=source)
+    try:
+        async def main():
+            for name, s in zip(names, scripts, strict=True):
+                init = SimpleNamespace(
+                    options={"decode_mode": s.decode_mode, **s.duplex_kwargs, "seed": s.seed},
+                    audio_out=False, system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None,
+                    max_slice_nums=1)
+                await server.duplex_open(name, init)
+            out = []
+            for k in rounds:
+                out.append(await asyncio.gather(*(
+                    server.duplex_unit(name, *inputs[i][k], None) for i, name in enumerate(names))))
+            with pytest.raises(KeyError):
+                await server.duplex_unit("nobody", inputs[0][0][0], None, None)
+            stats = server._duplex_sessions().stats()
+            for name in names:
+                assert await server.duplex_close(name)
+            return out, stats
+
+        got, stats = asyncio.run(main())
+    finally:
+        server.loop.stop()
+    # one batch per round (the unknown session's unit is refused before any batch)
+    assert stats == {"sessions": 3, "units": 3 * len(rounds), "batches": len(rounds)}
+
+    kinds = set()
+    for i, (name, s) in enumerate(zip(names, scripts, strict=True)):
+        cfg = DuplexConfig(decode_mode=s.decode_mode, **s.duplex_kwargs)
+        alone = DuplexSession(DuplexThinker.from_checkpoint(ckpt, cfg, seed=s.seed))
+        alone.prepare(di.PREFIX)
+        for j, k in enumerate(rounds):
+            want, g = alone.unit(*inputs[i][k]), got[j][i]
+            where = f"{name} unit {k}"
+            assert (g["is_listen"], g["end_of_turn"], g["text"]) == (
+                want.is_listen, want.end_of_turn, want.text), where
+            assert g["token_ids"] == want.token_ids and g["pcm"] is None, where
+            kinds.add("listen" if want.is_listen else "speak")
+    assert kinds == {"listen", "speak"}
+
+
+def test_unit_batcher_gathers_what_arrives_while_a_batch_runs():
+    """UnitBatcher: a lone unit runs at once; the units that arrive while it runs go as one
+    next batch; a session's second unit waits for the batch after its first; a caller that
+    goes away drops its unit; a batch that fails fails its own units only."""
+    import asyncio
+
+    from deployments.stages.duplex import UnitBatcher
+
+    batches: list[list[str]] = []
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def run(items):
+            batches.append([f"{sid}:{audio}" for sid, audio, _, _ in items])
+            if len(batches) == 1:
+                await gate.wait()  # the first batch runs until the others have arrived
+            if any(audio == "bad" for _, audio, _, _ in items):
+                raise RuntimeError("the engine failed")
+            return [ValueError("bad force") if force == "x" else f"{sid}:{audio}"
+                    for sid, audio, _, force in items]
+
+        b = UnitBatcher(run)
+        first = asyncio.create_task(b.submit("a", 0, None, None))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert batches == [["a:0"]]  # never waits for more units
+        later = [asyncio.create_task(b.submit(sid, n, None, f))
+                 for sid, n, f in (("b", 0, None), ("c", 0, "x"), ("a", 1, None), ("b", 1, None),
+                                   ("d", 0, None))]
+        await asyncio.sleep(0)
+        later[-1].cancel()  # d's caller goes away before its batch
+        gate.set()
+        assert await first == "a:0"
+        assert await later[0] == "b:0" and await later[2] == "a:1" and await later[3] == "b:1"
+        with pytest.raises(ValueError, match="bad force"):
+            await later[1]
+        with pytest.raises(asyncio.CancelledError):
+            await later[4]
+        bad = asyncio.gather(b.submit("e", "bad", None, None), return_exceptions=True)
+        assert isinstance((await bad)[0], RuntimeError)
+        assert await b.submit("e", 2, None, None) == "e:2"  # the next batch runs as usual
+
+    asyncio.run(main())
+    assert batches == [["a:0"], ["b:0", "c:0", "a:1"], ["b:1"], ["e:bad"], ["e:2"]]

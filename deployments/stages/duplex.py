@@ -2,18 +2,23 @@
 
 A session (pipeline.duplex.session.DuplexSession) keeps its Thinker state (KV, streaming
 audio encoder, decisions) and its speech state (the Talker's per-turn KV, the Token2Wav
-stream) between units. Its units run on the engine loop's worker thread between engine
-steps, one at a time, so the session's GPU work never races the engine's graphs and the
-Thinker's weights are shared with the turn-based engine (one copy). The speech side's
-Talker and Token2Wav weights are loaded once, on the first session that speaks.
+stream) between units. Units run on the engine loop's worker thread between engine steps,
+so the sessions' GPU work never races the engine's graphs and the Thinker's weights are
+shared with the turn-based engine (one copy). The speech side's Talker and Token2Wav
+weights are loaded once, on the first session that speaks.
 
-This is the exact per-session layer: a unit does not batch with other sessions' units.
+Units of many sessions run together (pipeline.duplex.batch): `UnitBatcher` (event-loop
+side) gathers the units that arrive while a batch runs and hands them to
+`DuplexSessions.units` as the next batch, one Thinker forward a step for all of them. It
+never waits for a unit that has not arrived: a lone unit runs at once, as a batch of one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -28,7 +33,8 @@ class DuplexSessions:
         self._sessions: dict[str, tuple[Any, Any]] = {}
         self._speech_models: Any = None
         self._special: set[str] | None = None
-        self.units = 0
+        self.units = 0  # units run
+        self.batches = 0  # batches they ran in
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -68,16 +74,46 @@ class DuplexSessions:
                             repetition_penalty=cfg.tts_repetition_penalty)
 
     def unit(self, sid: str, audio: Any, frames: Any, force: str | None) -> dict[str, Any]:
-        entry = self._sessions.get(sid)
-        if entry is None:
-            raise KeyError(f"no duplex session {sid!r}")
-        session, slices = entry
-        r = session.unit(audio, frames, force, slices)
-        self.units += 1
-        out = dataclasses.asdict(r)
-        # the schema: a token id, or ("audio", n) / ("img", n) for n embedded rows
-        out["prefill_tokens"] = sum(x[1] if isinstance(x, tuple) else 1
-                                    for x in out.pop("prefill", None) or ())
+        """One unit of one session (a batch of one); raises what failed it."""
+        out = self.units_batch([(sid, audio, frames, force)])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def units_batch(self, items: list[tuple[str, Any, Any, str | None]]
+                    ) -> list[dict[str, Any] | BaseException]:
+        """(sid, audio, frames, force) per unit, at most one per session, run as one batch:
+        per unit the fields of UnitResult (+ prefill_tokens), or the exception that failed
+        it (KeyError: no such session; ValueError: a bad input)."""
+        from pipeline.duplex.batch import UnitRequest, run_units
+
+        out: list[dict[str, Any] | BaseException] = []
+        requests, where = [], []
+        for sid, audio, frames, force in items:
+            entry = self._sessions.get(sid)
+            if entry is None:
+                out.append(KeyError(f"no duplex session {sid!r}"))
+                continue
+            session, slices = entry
+            if any(r.session is session for r in requests):
+                out.append(ValueError(f"duplex session {sid!r} has two units in one batch"))
+                continue
+            where.append(len(out))
+            out.append(None)  # its result, below
+            requests.append(UnitRequest(session, audio, frames, force, slices))
+        if not requests:
+            return out
+        self.batches += 1
+        for i, r in zip(where, run_units(requests), strict=True):
+            if isinstance(r, BaseException):
+                out[i] = r
+                continue
+            self.units += 1
+            d = dataclasses.asdict(r)
+            # the schema: a token id, or ("audio", n) / ("img", n) for n embedded rows
+            d["prefill_tokens"] = sum(x[1] if isinstance(x, tuple) else 1
+                                      for x in d.pop("prefill", None) or ())
+            out[i] = d
         return out
 
     def close(self, sid: str) -> bool:
@@ -92,4 +128,57 @@ class DuplexSessions:
             self.close(sid)
 
     def stats(self) -> dict[str, int]:
-        return {"sessions": len(self._sessions), "units": self.units}
+        return {"sessions": len(self._sessions), "units": self.units, "batches": self.batches}
+
+
+class UnitBatcher:
+    """Event-loop side of the stage's duplex units: `submit` queues one unit and returns its
+    result; while a batch runs (`run`, on the engine loop) the units that arrive wait, and
+    all of them run as the next batch. A session's second unit (the wire sends one at a
+    time) waits for the batch after its first."""
+
+    def __init__(self, run: Callable[[list[tuple]], Awaitable[list]]):
+        self._run = run
+        self._pending: list[tuple[tuple, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+
+    async def submit(self, sid: str, audio: Any, frames: Any, force: str | None) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append(((sid, audio, frames, force), fut))
+        if self._task is None:
+            self._task = asyncio.create_task(self._drain())
+        return await fut  # a caller that goes away cancels its future: its unit is dropped
+
+    async def _drain(self) -> None:
+        batch: list[tuple[tuple, asyncio.Future]] = []
+        try:
+            while self._pending:
+                batch, later, sids = [], [], set()
+                for item, fut in self._pending:
+                    if fut.done():
+                        continue
+                    (later if item[0] in sids else batch).append((item, fut))
+                    sids.add(item[0])
+                self._pending = later
+                if not batch:
+                    continue
+                try:
+                    results = await self._run([item for item, _ in batch])
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the whole batch failed
+                    results = [e] * len(batch)
+                for (_, fut), r in zip(batch, results, strict=True):
+                    if fut.done():
+                        continue
+                    if isinstance(r, BaseException):
+                        fut.set_exception(r)
+                    else:
+                        fut.set_result(r)
+        except asyncio.CancelledError:  # the stage is going away
+            for _, fut in batch + self._pending:
+                fut.cancel()
+            self._pending = []
+            raise
+        finally:
+            self._task = None

@@ -47,6 +47,7 @@ class ThinkerServer(StageServer):
         self.forward_at_least = self.model_config.talker.streaming_text_chunk
         self.forward_size = lambda chunk: len(chunk[0])  # (spoken ids, hidden rows)
         self._duplex: Any = None  # DuplexSessions, made by the first duplex session
+        self._duplex_units: Any = None  # its UnitBatcher
 
     def _default_engine(self, device: str, settings: dict[str, Any]) -> tuple[Any, dict]:
         from pipeline.thinker.engine import ThinkerEngine
@@ -121,9 +122,15 @@ class ThinkerServer(StageServer):
 
     async def duplex_unit(self, session_id: str, audio: np.ndarray, frames: list | None,
                           force: str | None) -> dict[str, Any]:
-        """One 1 s unit of a session: the fields of pipeline.duplex.session.UnitResult."""
-        return await self.loop.call(
-            lambda e: self._duplex_sessions().unit(session_id, audio, frames, force))
+        """One 1 s unit of a session: the fields of pipeline.duplex.session.UnitResult.
+        Units of other sessions that arrive while a batch runs run together as the next
+        batch (deployments/stages/duplex.py UnitBatcher)."""
+        if self._duplex_units is None:
+            from deployments.stages.duplex import UnitBatcher
+
+            self._duplex_units = UnitBatcher(
+                lambda items: self.loop.call(lambda e: self._duplex_sessions().units_batch(items)))
+        return await self._duplex_units.submit(session_id, audio, frames, force)
 
     async def duplex_close(self, session_id: str) -> bool:
         return await self.loop.call(lambda e: self._duplex_sessions().close(session_id))

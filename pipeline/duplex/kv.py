@@ -50,7 +50,8 @@ class SessionKV:
         self.backend = TorchAttention()
         self.scale = cfg.head_dim**-0.5
 
-    def _ensure(self, total: int) -> None:
+    def ensure(self, total: int) -> None:
+        """Room for `total` tokens (ValueError past the model's context)."""
         if total > self.max_len:
             raise ValueError(
                 f"the session's context would reach {total} tokens, over the model's "
@@ -71,21 +72,28 @@ class SessionKV:
         rows (T, H)."""
         t = embeds.shape[0]
         start = self.length
-        self._ensure(start + t)
+        self.ensure(start + t)
         positions = torch.arange(start, start + t, device=self.device)
-        meta = AttnMetadata(
-            qo_indptr=torch.tensor([0, t], dtype=torch.int32),
-            kv_lens=torch.tensor([start + t], dtype=torch.int32),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            block_tables_cpu=torch.zeros(1, 1, dtype=torch.int32),
-            slot_mapping=positions.to(torch.int64),
-            is_decode=t == 1,
-            block_size=self.capacity,
-        )
+        meta = self.metadata(t)
         with forward_batch(ForwardBatch(self.backend, meta, self.kv, self.scale)):
             hidden = self.llm(embeds.to(self.dtype), positions)
         self.length = start + t
         return hidden
+
+    def metadata(self, t: int) -> AttnMetadata:
+        """The attention layout of appending `t` rows at `length` (capacity ensured): the
+        session's one block, its rows at their positions. A batch of sessions
+        (pipeline.duplex.batch) attends each session through this same layout."""
+        start = self.length
+        return AttnMetadata(
+            qo_indptr=torch.tensor([0, t], dtype=torch.int32),
+            kv_lens=torch.tensor([start + t], dtype=torch.int32),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            block_tables_cpu=torch.zeros(1, 1, dtype=torch.int32),
+            slot_mapping=torch.arange(start, start + t, device=self.device),
+            is_decode=t == 1,
+            block_size=self.capacity,
+        )
 
     @torch.inference_mode()
     def drop(self, start: int, length: int) -> None:
@@ -122,7 +130,7 @@ class SessionKV:
         if keep <= 0:
             return
         new_start = self.length
-        self._ensure(new_start + keep)
+        self.ensure(new_start + keep)
         if old_start != new_start:
             old = torch.arange(old_start, old_start + keep, device=self.device)
             new = torch.arange(new_start, new_start + keep, device=self.device)

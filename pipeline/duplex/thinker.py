@@ -29,6 +29,7 @@ between sessions (the reference's audio encoder cache and log-mel mode outlive i
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,20 @@ class ThinkerUnit:
     spoken: list[tuple[int, torch.Tensor]]  # (id, final hidden [hidden_size]) for the Talker
     # the unit's prefill schema: ids and ("audio", n) / ("img", 64) for embedded rows
     prefill: list = field(default_factory=list)
+
+
+# (token to append, wants its logits) out; (its hidden row, its logits or None) in
+UnitSteps = Generator[tuple[int, bool], tuple[torch.Tensor, "torch.Tensor | None"], ThinkerUnit]
+
+
+@dataclass
+class UnitPrefill:
+    """A unit's input rows, planned (`DuplexThinker.plan_prefill`) but not yet in the KV."""
+
+    rows: torch.Tensor  # (T, H): <unit>, the frames' rows, the audio rows
+    ok: bool  # False: the audio did not complete a chunk (the rows go in, nothing pends)
+    mode: str  # "AUDIO" | "VISION" | "OMNI"
+    schema: list
 
 
 @dataclass
@@ -263,6 +278,19 @@ class DuplexThinker:
                      max_slice_nums: int | list[int] = 1) -> bool:
         """One unit's input. Returns False (nothing pending) when the unit has neither
         audio nor frames, or its audio does not complete a chunk yet."""
+        plan = self.plan_prefill(audio, frames, max_slice_nums)
+        if plan is None:
+            return False
+        hidden = self.kv.forward(plan.rows)
+        return self.finish_prefill(plan, self._logits(hidden[-1]) if plan.ok else None)
+
+    @torch.inference_mode()
+    def plan_prefill(self, audio: np.ndarray | None, frames: list | None = None,
+                     max_slice_nums: int | list[int] = 1) -> UnitPrefill | None:
+        """The unit's input rows (its audio and frames encoded, the session's audio state
+        advanced), to append to the KV and then hand to `finish_prefill` with the logits of
+        the last row. None: nothing to prefill. Split from `prefill_unit` so a batch can
+        run many sessions' rows in one forward (pipeline.duplex.batch)."""
         has_frames = frames is not None and len(frames) > 0
         if audio is not None:
             audio = np.asarray(audio, dtype=np.float32)
@@ -278,7 +306,7 @@ class DuplexThinker:
         elif has_audio:
             mode = "AUDIO"
         else:
-            return False
+            return None
         # bad frames are refused before the unit touches any state
         frame_rows, frame_schema = [], []
         if has_frames:
@@ -291,15 +319,19 @@ class DuplexThinker:
         ok = True
         if has_audio:
             ok = self._audio_rows(audio, rows, schema)
-        hidden = self.kv.forward(torch.cat([r.to(self.dtype) for r in rows], dim=0))
-        if not ok:
+        return UnitPrefill(torch.cat([r.to(self.dtype) for r in rows], dim=0), ok, mode, schema)
+
+    def finish_prefill(self, plan: UnitPrefill, logits: torch.Tensor | None) -> bool:
+        """After `plan.rows` went into the KV: `logits` (1, V) of its last row (None when
+        `plan.ok` is False) become the decision's pending logits."""
+        if not plan.ok:
             # the reference has fed <unit> and the frames when it finds the audio short
             return False
-        self.pending_logits = self._logits(hidden[-1])
-        self.current_mode = mode
-        if mode == "VISION":
+        self.pending_logits = logits
+        self.current_mode = plan.mode
+        if plan.mode == "VISION":
             self.audio_chunk_idx += 1  # the reference counts a frame-only unit as a chunk
-        self.last_prefill = schema
+        self.last_prefill = plan.schema
         return True
 
     def _audio_rows(self, audio: np.ndarray, rows: list, schema: list) -> bool:
@@ -340,8 +372,26 @@ class DuplexThinker:
         "listen" (as the reference's force_listen), or "speak" (omniray's option for
         benchmarks and tests on random weights: the first decision is <|speak|>, the rest
         is decoded as usual)."""
+        steps = self.unit_steps(force)
+        try:
+            token, wants_logits = next(steps)
+            while True:
+                hidden = self._feed_token(token)
+                logits = self._logits(hidden) if wants_logits else None
+                token, wants_logits = steps.send((hidden, logits))
+        except StopIteration as done:
+            return done.value
+
+    def unit_steps(self, force: str | None = None) -> UnitSteps:
+        """`generate_unit` as steps: yields (token, wants_logits), one token to append to
+        the KV, and takes back (its final hidden row [H], its logits (1, V) or None when
+        not wanted); returns the ThinkerUnit. `generate_unit` feeds each token alone; a
+        batch feeds the tokens of many sessions in one forward (pipeline.duplex.batch)."""
         if force not in FORCE_CHOICES:
             raise ValueError(f"force must be one of {FORCE_CHOICES}, got {force!r}")
+        return self._unit_steps(force)
+
+    def _unit_steps(self, force: str | None) -> UnitSteps:
         if self.pending_logits is None:  # nothing prefilled: the reference answers listen
             return ThinkerUnit(True, False, "", [], [], [])
         c, t = self.cfg, self.tokens
@@ -356,7 +406,7 @@ class DuplexThinker:
         n = c.max_new_speak_tokens_per_chunk
         for j in range(n):
             if j == n - 1:
-                self._feed_token(t.chunk_eos)
+                yield t.chunk_eos, False
                 ids.append(t.chunk_eos)
                 break
             if force_listen:
@@ -377,11 +427,10 @@ class DuplexThinker:
             is_listen = last == t.listen
             if last in self.chunk_terminators:
                 # the reference feeds the terminator and drops the logits it gets
-                self._feed_token(last)
+                yield last, False
                 break
             self.current_turn_ended = False
-            hidden = self._feed_token(last)
-            logits = self._logits(hidden)
+            hidden, logits = yield last, True
             end_of_turn = last == t.turn_eos
             if end_of_turn:
                 self.current_turn_ended = True
@@ -389,7 +438,7 @@ class DuplexThinker:
                 spoken.append((last, hidden))
                 spoken_ids.append(last)
 
-        self._feed_token(t.unit_end)
+        yield t.unit_end, False
         ids.append(t.unit_end)
         text = self.tokenizer.decode(spoken_ids, skip_special_tokens=True) if spoken_ids else ""
         self._register_unit_end(spoken_ids, is_listen, text)

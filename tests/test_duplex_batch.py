@@ -1,0 +1,166 @@
+"""Units of many duplex sessions batched in one step (pipeline/duplex/batch.py) equal each
+session run alone (DuplexSession.unit, the path the goldens hold to the reference).
+
+Sessions on the duplex test checkpoint (tests/_duplex_ckpt.py) with the scripted inputs of
+tests/_duplex_inputs.py, each in its own state when the batch starts: listening, speaking
+mid-turn (seeded sampling, with speech), past several "context" window slides, an omni
+session with frames in a turn; greedy and seeded sampling, forced decisions. Every session
+has a twin built the same way that runs alone.
+
+Precision contract: the batch shares the matmuls over the sessions' rows; attention is each
+session's own. The ids, decisions, text and speech codes must be equal; every layer's K/V and
+the PCM within 1e-5 (fp32 matmuls over more rows sum in another order: the K/V of the
+batched twins differ from the alone ones by about 2e-6 here, never enough to flip a token
+or a code)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.checkpoint import ModelSource
+from pipeline.duplex.batch import UnitRequest, run_units
+from pipeline.duplex.config import DuplexConfig
+from pipeline.duplex.session import DuplexSession
+from pipeline.duplex.speech import DuplexSpeech, SpeechModels
+from pipeline.duplex.thinker import DuplexThinker, reference_special_tokens
+from pipeline.thinker.model import ThinkerModel
+from pipeline.tokenizer import TextTokenizer
+from tests import _duplex_inputs as di
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def shared():
+    from tests._duplex_ckpt import duplex_test_checkpoint
+
+    source = ModelSource.open(str(duplex_test_checkpoint()))
+    model = ThinkerModel.load(source, device="cpu", dtype=torch.float32)
+    tok = TextTokenizer.from_dir(source.tokenizer_dir)
+    return model, tok, reference_special_tokens(source.tokenizer_dir), source
+
+
+@pytest.fixture(scope="module")
+def speech_models(shared):
+    return SpeechModels.from_source(shared[3], "cpu")
+
+
+def make(shared, name: str, speech_models=None, **kw) -> tuple[DuplexSession, list]:
+    """A session of a golden script over the shared Thinker model, prepared; its inputs."""
+    model, tok, special, _ = shared
+    script = di.session(name)
+    cfg = DuplexConfig(decode_mode=script.decode_mode, **{**script.duplex_kwargs, **kw})
+    th = DuplexThinker(model, tok, cfg, seed=script.seed, special_tokens=special)
+    speech = None
+    if speech_models is not None:
+        speech = DuplexSpeech(speech_models, seed=script.seed, temperature=cfg.tts_temperature,
+                              repetition_penalty=cfg.tts_repetition_penalty)
+    s = DuplexSession(th, speech)
+    s.prepare(di.PREFIX, di.SUFFIX, None, None)
+    return s, di.session_inputs(script)
+
+
+def assert_same(got, want, where: str) -> None:
+    assert not isinstance(got, BaseException), f"{where}: {got!r}"
+    assert (got.is_listen, got.end_of_turn, got.text) == (
+        want.is_listen, want.end_of_turn, want.text), where
+    assert got.token_ids == want.token_ids and got.codes == want.codes, where
+    assert got.prefill == want.prefill, where
+    if want.pcm is None:
+        assert got.pcm is None, where
+    else:
+        assert got.pcm.shape == want.pcm.shape and want.pcm.size > 0, where
+        np.testing.assert_allclose(got.pcm, want.pcm, rtol=0, atol=ATOL, err_msg=where)
+
+
+def assert_same_state(a: DuplexSession, b: DuplexSession, where: str) -> None:
+    ta, tb = a.thinker, b.thinker
+    assert (ta.context_length, ta.slides, ta.current_turn_ended, ta.decoder.draws) == (
+        tb.context_length, tb.slides, tb.current_turn_ended, tb.decoder.draws), where
+    # the same draws from the same seed: the generators stand at the same state
+    assert torch.equal(ta.generator.get_state(), tb.generator.get_state()), where
+    n = ta.context_length
+    for ka, kb in zip(ta.kv.kv, tb.kv.kv, strict=True):
+        torch.testing.assert_close(ka[:, :, :n], kb[:, :, :n], rtol=ATOL, atol=ATOL, msg=where)
+
+
+def test_units_of_four_sessions_batched_equal_each_session_alone(shared, speech_models):
+    # (script, units run alone first, speech, overrides, force per batched unit)
+    specs = [
+        ("audio_greedy", 1, False, {}, ["speak", None, None, None, "listen"]),  # listening
+        ("audio_sampling", 3, True, {"max_new_speak_tokens_per_chunk": 6}, [None] * 5),
+        ("text_context_greedy", 7, False, {}, [None] * 5),  # past context window slides
+        ("omni_greedy", 5, False, {}, [None, None, None, "listen", None]),  # frames, mid-turn
+    ]
+    alone, batched, inputs, starts = [], [], [], []
+    for name, start, speaks, kw, _ in specs:
+        (a, ins), (b, _) = (make(shared, name, speech_models if speaks else None, **kw)
+                            for _ in range(2))
+        for audio, frames in ins[:start]:  # the same history for both twins
+            a.unit(audio, frames)
+            b.unit(audio, frames)
+        alone.append(a), batched.append(b), inputs.append(ins), starts.append(start)
+
+    # the sessions enter the batch in different states, with contexts of different lengths
+    ths = [s.thinker for s in batched]
+    assert ths[0].current_turn_ended and ths[0].units[-1].is_listen and not ths[0].slides
+    assert ths[2].slides >= 1 and ths[2].cfg.sliding_window_mode == "context"
+    assert not ths[3].current_turn_ended  # in the middle of a turn
+    assert len({t.context_length for t in ths}) == 4
+
+    seen = set()
+    for k in range(len(specs[0][4])):
+        reqs, want = [], []
+        for i, (name, _, _, _, forces) in enumerate(specs):
+            audio, frames = inputs[i][starts[i] + k]
+            reqs.append(UnitRequest(batched[i], audio, frames, forces[k]))
+            want.append(alone[i].unit(audio, frames, forces[k]))
+        got = run_units(reqs)
+        kinds = set()
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            where = f"{specs[i][0]} unit {starts[i] + k}"
+            assert_same(g, w, where)
+            assert_same_state(alone[i], batched[i], where)
+            kinds.add("listen" if w.is_listen else "end" if w.end_of_turn else "speak")
+            if w.codes:
+                seen.add("codes")
+        if {"listen", "speak"} <= kinds:
+            seen.add("listen and speak in one batch")  # sessions leave the loop at different steps
+        seen |= kinds
+    assert {"listen", "speak", "end", "codes", "listen and speak in one batch"} <= seen, seen
+    assert ths[2].slides > 1 and ths[0].slides == 0  # a slide inside the batch too
+
+
+def test_one_session_through_the_batch_is_the_session_alone(shared):
+    """A batch of one runs the exact ops of DuplexSession.unit: identical tensors."""
+    (a, ins), (b, _) = (make(shared, "audio_sampling") for _ in range(2))
+    for k, (audio, frames) in enumerate(ins[:6]):
+        want = a.unit(audio, frames)
+        got = run_units([UnitRequest(b, audio, frames)])[0]
+        assert_same(got, want, f"unit {k}")
+        assert a.thinker.context_length == b.thinker.context_length
+        for ka, kb in zip(a.thinker.kv.kv, b.thinker.kv.kv, strict=True):
+            assert torch.equal(ka, kb), f"unit {k}"
+    assert torch.equal(a.thinker.generator.get_state(), b.thinker.generator.get_state())
+
+
+def test_a_bad_unit_fails_alone_and_the_others_go_on(shared):
+    (a, ins), (b, _) = (make(shared, "audio_greedy") for _ in range(2))
+    (c, _), (d, _) = (make(shared, "text_context_greedy") for _ in range(2))
+    e, _ = make(shared, "omni_greedy")
+    audio, _ = ins[3]
+    got = run_units([
+        UnitRequest(b, audio),
+        UnitRequest(d, np.zeros((2, 8), np.float32)),  # not 1-D
+        UnitRequest(e, audio, None, "sideways"),  # not a force
+    ])
+    assert_same(got[0], a.unit(audio), "the good unit")
+    assert isinstance(got[1], ValueError) and "1-D" in str(got[1])
+    assert isinstance(got[2], ValueError) and "force" in str(got[2])
+    # the refused units left their sessions as they were
+    assert d.thinker.context_length == c.thinker.context_length
+    assert e.thinker.units == [] and e.units == 0
+    with pytest.raises(ValueError, match="one unit in a batch"):
+        run_units([UnitRequest(b, audio), UnitRequest(b, audio)])
