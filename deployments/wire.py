@@ -110,6 +110,9 @@ def error_line(e: BaseException) -> str:
 class TextDelta:
     text: str
     kind: Literal["text"] = "text"
+    # the turn's token counts once this text is out (the stream's running usage)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 @dataclass

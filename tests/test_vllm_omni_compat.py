@@ -182,6 +182,21 @@ def test_bench_request_streams_vllm_omni_shape(client, media_dir, kind):
     assert pcm and sum(map(len, pcm)) > 0
     assert chunks[-1]["usage"]["completion_tokens"] == 6
     assert {c["model"] for c in chunks} == {OFFICIAL_MODEL_NAME}
+    # continuous_usage_stats: every chunk from the first text on carries the running usage
+    first = next(i for i, c in enumerate(chunks) if c.get("modality") == "text")
+    running = [c["usage"]["completion_tokens"] for c in chunks[first:]]
+    assert running == sorted(running) and running[-1] == 6 and running[0] >= 1, running
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n
+               and c["usage"]["prompt_tokens"] > 0 for c, n in zip(chunks[first:], running))
+
+
+def test_usage_comes_once_without_continuous_usage_stats(client):
+    body = {"model": OFFICIAL_MODEL_NAME, "stream": True, "max_tokens": 4,
+            "stream_options": {"include_usage": True}, "modalities": ["text", "audio"],
+            "messages": [{"role": "user", "content": "Hi."}]}
+    with client.stream("POST", URL, json=body) as r:
+        _, _, chunks = read_vllm_omni_stream(sse_events(r.iter_lines()))
+    assert [c for c in chunks if "usage" in c] == chunks[-1:]
 
 
 def test_bench_text_only_run_is_tagged_text(client):

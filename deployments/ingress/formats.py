@@ -60,13 +60,17 @@ class ChunkWriter:
     """Builds the SSE chunks of one streamed response."""
 
     def __init__(self, rid: str, model: str, audio_format: str, include_usage: bool,
-                 stream_format: str = "openai", speech: bool = False):
+                 stream_format: str = "openai", speech: bool = False,
+                 continuous_usage: bool = False):
         self.id = f"chatcmpl-{rid}"
         self.audio_id = f"audio-{rid}"
         self.model = model
         self.created = int(time.time())
         self.audio_format = canonical_format(audio_format)
         self.include_usage = include_usage
+        # vLLM's `continuous_usage_stats`: every chunk carries the running usage
+        self.continuous_usage = include_usage and continuous_usage
+        self.usage: dict[str, int] | None = None
         self.openai = stream_format == "openai"
         self.speech = speech
         self.encoder = StreamEncoder(self.audio_format, SAMPLE_RATE) if speech else None
@@ -77,6 +81,8 @@ class ChunkWriter:
                 "model": self.model}
         if not self.openai:
             head["modality"] = modality
+        if self.continuous_usage and self.usage is not None and "usage" not in extra:
+            extra["usage"] = self.usage
         return sse({**head, "choices": choices, **extra})
 
     def _delta(self, modality: str, **fields: Any) -> dict[str, Any]:
@@ -89,7 +95,10 @@ class ChunkWriter:
     def _choice(self, delta: dict[str, Any], **extra: Any) -> list[dict[str, Any]]:
         return [{"index": 0, "delta": delta, "finish_reason": None, **extra}]
 
-    def text(self, text: str) -> str:
+    def text(self, text: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> str:
+        if self.continuous_usage:
+            self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}
         if self.openai and self.speech:  # OpenAI: with audio out, the text is the transcript
             delta = self._delta("text", audio={"id": self.audio_id, "transcript": text})
         else:

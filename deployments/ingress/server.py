@@ -419,13 +419,14 @@ class IngressServer:
         opts = req.stream_options
         writer = ChunkWriter(turn.request_id, self.response_model(req), req.audio.format,
                              include_usage=opts.include_usage if opts else True,
-                             stream_format=self.stream_format(req), speech=turn.speech)
+                             stream_format=self.stream_format(req), speech=turn.speech,
+                             continuous_usage=bool(opts and opts.continuous_usage_stats))
         try:
             # closed on leaving, so that a stream ended here also ends the turn at once
             async with contextlib.aclosing(self.turns.run(turn)) as events:
                 async for ev in events:
                     if isinstance(ev, TextDelta):
-                        yield writer.text(ev.text)
+                        yield writer.text(ev.text, ev.prompt_tokens, ev.completion_tokens)
                     elif isinstance(ev, AudioChunk):
                         chunk = writer.audio(ev)
                         if chunk:

@@ -315,13 +315,14 @@ class TurnRunner:
                         self._tell(rid, [stages.via("thinker")], "resume")
                     continue
                 if src == "text":
+                    usage = Usage(item.prompt_tokens or usage.prompt_tokens,
+                                  item.completion_tokens or usage.completion_tokens)
                     if item.text:
                         ttft = ttft if ttft is not None else time.perf_counter() - t0
                         if turn.text:
-                            yield TextDelta(item.text)
+                            yield TextDelta(item.text, prompt_tokens=usage.prompt_tokens,
+                                            completion_tokens=usage.completion_tokens)
                     marks.update(getattr(item, "timings", None) or {})
-                    usage = Usage(item.prompt_tokens or usage.prompt_tokens,
-                                  item.completion_tokens or usage.completion_tokens)
                     if item.finished:
                         finish = item.finish_reason or "stop"
                 else:
