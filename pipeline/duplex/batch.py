@@ -258,7 +258,7 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
     for run in runs:
         if run.error is None:
             try:
-                out.append(_speak(run.req.session, run.unit))
+                out.append(run.req.session.finish_unit(run.unit))
             except Exception as e:  # noqa: BLE001
                 run.error = e
         if run.error is not None:
@@ -266,14 +266,3 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
     return out
 
 
-def _speak(session: DuplexSession, tu: ThinkerUnit) -> UnitResult:
-    """The rest of `DuplexSession.unit` after the Thinker's unit."""
-    session.units += 1
-    codes: list[int] = []
-    pcm: np.ndarray | None = None
-    if not tu.is_listen and session.speech is not None:
-        chunk = session.speech.speak(tu.spoken, tu.end_of_turn)
-        codes = [int(c) for c in chunk.codes]
-        pcm = chunk.pcm
-    return UnitResult(tu.is_listen, tu.end_of_turn, tu.text, tu.token_ids, codes, pcm,
-                      tu.prefill)

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pipeline.duplex.thinker import DuplexThinker
+from pipeline.duplex.thinker import DuplexThinker, ThinkerUnit
 
 
 class SpeechSide(Protocol):
@@ -67,7 +67,10 @@ class DuplexSession:
     def unit(self, audio: np.ndarray | None, frames: list | None = None,
              force: str | None = None, max_slice_nums: int | list[int] = 1) -> UnitResult:
         self.thinker.prefill_unit(audio, frames, max_slice_nums)
-        tu = self.thinker.generate_unit(force)
+        return self.finish_unit(self.thinker.generate_unit(force))
+
+    def finish_unit(self, tu: ThinkerUnit) -> UnitResult:
+        """A unit after the Thinker's part: a speak unit's speech chunk, and its result."""
         self.units += 1
         codes: list[int] = []
         pcm: np.ndarray | None = None
