@@ -66,8 +66,14 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
             spoke += 1
             np.testing.assert_allclose(got["pcm"], want.pcm, rtol=0, atol=1e-5, err_msg=where)
     assert spoke >= 2, "the scripted units include speak units"
-    assert sessions.stats() == {"sessions": 1, "units": UNITS, "batches": UNITS}
+    # the session's K/V are blocks of the engine's own pool, back in it at close
+    pool = engine.llm.block_manager
+    held = sessions.stats()["kv_blocks"]
+    assert held > 0 and pool.num_used == held
+    assert sessions.stats() == {"sessions": 1, "units": UNITS, "batches": UNITS,
+                                "kv_blocks": held}
     assert sessions.close("s") and not sessions.close("s")
+    assert pool.num_used == 0 and sessions.stats()["kv_blocks"] == 0
     with pytest.raises(KeyError):
         sessions.unit("s", inputs[0][0], None, None)
     assert len(sessions) == 0
@@ -121,7 +127,9 @@ def test_concurrent_units_of_several_sessions_run_as_one_batch(ckpt):
     finally:
         server.loop.stop()
     # one batch per round (the unknown session's unit is refused before any batch)
-    assert stats == {"sessions": 3, "units": 3 * len(rounds), "batches": len(rounds)}
+    assert stats["kv_blocks"] > 0
+    assert stats == {"sessions": 3, "units": 3 * len(rounds), "batches": len(rounds),
+                     "kv_blocks": stats["kv_blocks"]}
 
     kinds = set()
     for i, (name, s) in enumerate(zip(names, scripts, strict=True)):

@@ -19,7 +19,7 @@ import torch
 
 from pipeline.duplex.audio_stream import StreamingMel
 from pipeline.duplex.config import DuplexConfig
-from pipeline.duplex.kv import SessionKV
+from pipeline.duplex.kv import SessionKV, standalone_pages
 from pipeline.duplex.session import DuplexSession
 from pipeline.duplex.thinker import DuplexThinker
 from pipeline.thinker.model import ThinkerModel
@@ -192,9 +192,12 @@ def test_close_frees_the_session_state(parts):
     s.prepare(PREFIX, SUFFIX)
     s.unit(audio_units(1)[0], force="speak")
     th = s.thinker
-    assert th.kv.capacity > 0 and th.audio_encoder.k is not None
+    pool = th.pages.blocks
+    held, free = len(th.kv.table), pool.num_free
+    assert held > 0 and th.audio_encoder.k is not None
     s.close()
-    assert th.kv.kv == [] and th.kv.capacity == 0 and th.context_length == 0
+    # every block of the session back in the model's pool
+    assert th.kv.table == [] and th.context_length == 0 and pool.num_free == free + held
     assert th.audio_encoder.k is None and th.pending_logits is None and th.units == []
     assert log[-1] == ("speech.close",)
 
@@ -241,13 +244,13 @@ def test_dropping_a_span_realigns_the_rest_as_if_never_there(parts):
     model, _ = parts
     emb = model.llm.embed(torch.arange(1000, 1015))
     a, b, c = emb[:3], emb[3:8], emb[8:]
-    kv = SessionKV(model.llm)
+    kv = SessionKV(standalone_pages(model.llm))
     kv.forward(torch.cat([a, b, c]))
     kv.drop(3, 5)
-    fresh = SessionKV(model.llm)
+    fresh = SessionKV(standalone_pages(model.llm))
     fresh.forward(torch.cat([a, c]))
     assert kv.length == fresh.length == 10
-    got, want = kv.kv[0][0, :, :10], fresh.kv[0][0, :, :10]
+    got, want = kv.snapshot()[0][0], fresh.snapshot()[0][0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -256,7 +259,7 @@ def test_basic_window_slides_and_keeps_the_system_prompt(parts):
               basic_window_high_tokens=60, basic_window_low_tokens=40)
     th.prepare(PREFIX, SUFFIX)
     keep = th.preserve
-    system_k = [kv[0, 0, :keep].clone() for kv in th.kv.kv]
+    system_k = [kv[0, :keep] for kv in th.kv.snapshot()]
     lengths = []
     for i, a in enumerate(audio_units(6)):
         th.prefill_unit(a)
@@ -265,8 +268,8 @@ def test_basic_window_slides_and_keeps_the_system_prompt(parts):
         assert th.context_length <= 60
         assert th.context_length == keep + sum(u.length for u in th.units)
     assert th.slides >= 1
-    for before, kv in zip(system_k, th.kv.kv):
-        assert torch.equal(before, kv[0, 0, :keep])
+    for before, kv in zip(system_k, th.kv.snapshot(), strict=True):
+        assert torch.equal(before, kv[0, :keep])
 
 
 def test_context_window_carries_dropped_speech_into_the_previous_text(parts):
@@ -287,10 +290,10 @@ def test_context_window_carries_dropped_speech_into_the_previous_text(parts):
     assert th.ctx_previous == marker + [x for ids in spoken[:3] for x in ids][-8:]
     assert th.preserve == prefix_len + len(th.ctx_previous) + len(suffix)
     # the system part was recomputed: prefix, previous and suffix as if prefilled afresh
-    fresh = SessionKV(th.model.llm)
+    fresh = SessionKV(th.pages)
     fresh.forward(th._embed(th.tokenizer.encode(PREFIX) + th.ctx_previous + suffix))
-    for got, want in zip(th.kv.kv, fresh.kv):
-        torch.testing.assert_close(got[0, :, : th.preserve], want[0, :, : th.preserve],
+    for got, want in zip(th.kv.snapshot(), fresh.snapshot(), strict=True):
+        torch.testing.assert_close(got[:, : th.preserve], want[:, : th.preserve],
                                    rtol=1e-5, atol=1e-5)
 
 

@@ -4,7 +4,8 @@ A session (pipeline.duplex.session.DuplexSession) keeps its Thinker state (KV, s
 audio encoder, decisions) and its speech state (the Talker's per-turn KV, the Token2Wav
 stream) between units. Units run on the engine loop's worker thread between engine steps,
 so the sessions' GPU work never races the engine's graphs and the Thinker's weights are
-shared with the turn-based engine (one copy). The speech side's Talker and Token2Wav
+shared with the turn-based engine (one copy), as is its KV pool: a session's Thinker K/V
+are blocks of the engine's pool, taken as its context grows and given back at its close. The speech side's Talker and Token2Wav
 weights are loaded once, on the first session that speaks.
 
 Units of many sessions run together (pipeline.duplex.batch): `UnitBatcher` (event-loop
@@ -32,6 +33,7 @@ class DuplexSessions:
         self.device = device
         self._sessions: dict[str, tuple[Any, Any]] = {}
         self._speech_models: Any = None
+        self._pages: Any = None
         self._special: set[str] | None = None
         self.units = 0  # units run
         self.batches = 0  # batches they ran in
@@ -51,8 +53,12 @@ class DuplexSessions:
         cfg = DuplexConfig(**opts)  # ValueError for a bad option
         if self._special is None:
             self._special = reference_special_tokens(self.source.tokenizer_dir)
+        if self._pages is None:  # the engine's own KV pool: one budget with chat turns
+            from pipeline.duplex.kv import KVPages
+
+            self._pages = KVPages.of_engine(engine.llm)
         thinker = DuplexThinker(engine.model, engine.tokenizer, cfg, seed=seed,
-                                special_tokens=self._special)
+                                special_tokens=self._special, pages=self._pages)
         speech = self._speech(cfg, seed) if init.audio_out else None
         session = DuplexSession(thinker, speech)
         try:
@@ -128,7 +134,10 @@ class DuplexSessions:
             self.close(sid)
 
     def stats(self) -> dict[str, int]:
-        return {"sessions": len(self._sessions), "units": self.units, "batches": self.batches}
+        # read from the event loop while units run: a snapshot of the sessions
+        held = sum(len(s.thinker.kv.table) for s, _ in list(self._sessions.values()))
+        return {"sessions": len(self._sessions), "units": self.units, "batches": self.batches,
+                "kv_blocks": held}
 
 
 class UnitBatcher:

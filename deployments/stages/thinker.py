@@ -143,13 +143,14 @@ class ThinkerServer(StageServer):
         return self._duplex
 
     def _extra_stats(self) -> dict[str, Any]:
-        return {"duplex": self._duplex.stats() if self._duplex is not None else {"sessions": 0}}
+        return {"duplex": self._duplex.stats() if self._duplex is not None else {"sessions": 0, "kv_blocks": 0}}
 
     def _leaks(self, engine: dict[str, Any]) -> list[str]:
         total = engine.get("num_total_blocks")
         free = engine.get("num_free_blocks")
-        if not int(engine["open_streams"]) and total is not None and free != total:
-            return [f"{total - free} KV blocks in use with no request"]
+        duplex = self._duplex.stats()["kv_blocks"] if self._duplex is not None else 0
+        if not int(engine["open_streams"]) and total is not None and free + duplex != total:
+            return [f"{total - free - duplex} KV blocks in use with no request or duplex session"]
         return []
 
 

@@ -281,3 +281,17 @@ def load_code2wav(
     check_state_dict(vocoder, hift_state, what)
     vocoder.load_state_dict(hift_state, strict=True)
     return flow.to(device=device, dtype=dtype).eval(), vocoder.to(device).eval(), cfg
+
+
+def token2wav_from_source(source, device: torch.device | str = "cpu"
+                          ) -> tuple[Flow, HiFTGenerator | CausalHiFT, Code2WavConfig, Path]:
+    """A ModelSource's Token2Wav in fp32 (the reference's precision) and the folder its voices
+    come from: the checkpoint's files, or for a source without files (random-full) a seeded
+    random full-size flow + the causal vocoder as released, with the tiny default's voice."""
+    if source.path is None:
+        cfg = source.config.code2wav
+        flow, _ = random_code2wav(cfg, seed=0)
+        vocoder = random_vocoder(cfg, 0, "minicpmo-utils-1.0.7")
+        return flow.to(device), vocoder.to(device), cfg, Path(source.tokenizer_dir)
+    flow, vocoder, cfg = load_code2wav(source.path, device, torch.float32)
+    return flow, vocoder, cfg, Path(source.path)

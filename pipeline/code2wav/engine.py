@@ -187,22 +187,12 @@ class Code2WavEngine:
     ) -> Code2WavEngine:
         """The engine of a ModelSource's token2wav (a random full-size flow + the causal
         vocoder for a source without files), with its VoiceCache, warmed up."""
-        from pipeline.code2wav.assets import load_code2wav, token2wav_dir
+        from pipeline.code2wav.assets import token2wav_dir, token2wav_from_source
 
         config = config or Code2WavEngineConfig()
         # fp32 on every device: the reference runs the flow and HiFT in fp32, and a lower
         # precision would change the audio.
-        if source.path is None:  # random-full: full-size random flow + HiFT, default voice
-            from pipeline.code2wav.assets import random_code2wav, random_vocoder
-
-            c2w_cfg = source.config.code2wav
-            flow, _ = random_code2wav(c2w_cfg, seed=0)
-            hift = random_vocoder(c2w_cfg, 0, "minicpmo-utils-1.0.7")  # the causal one, as released
-            flow, hift = flow.to(device), hift.to(device)
-            voice_dir = source.tokenizer_dir  # the tiny default's assets: same voice format
-        else:
-            flow, hift, c2w_cfg = load_code2wav(source.path, device, torch.float32)
-            voice_dir = source.path
+        flow, hift, c2w_cfg, voice_dir = token2wav_from_source(source, device)
         engine = cls(flow, hift, c2w_cfg, config, voices=VoiceCache(token2wav_dir(voice_dir)))
         engine.warmup()  # default voice's template; graph captures before the first request
         return engine

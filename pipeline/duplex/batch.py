@@ -14,12 +14,10 @@ lockstep across the sessions:
    sliding window stay its own (the steps run on its DuplexThinker, as alone);
 3. the speech side (Talker chunk, Token2Wav) runs per session, after the Thinker batch.
 
-Attention is per session: the rows of each session attend over that session's own KV
-(`SessionKV`, one block of the paged layout, each of its own length) with the same layout
-and the same backend call as the session alone (`SessionKV.metadata`); the batch shares
-the matmuls, the norms and the MLPs. A layer writes its new K/V into a staging block of
-the step's rows (the layout the fused QK-norm + RoPE + K/V kernel writes into), and each
-session's rows are copied from there into its own KV before it attends.
+Attention: the sessions' K/V are blocks of one paged pool (pipeline/duplex/kv.py), so a
+step over many sessions is one forward with one attention call a layer over their block
+tables (FlashInfer on CUDA; the torch backend, a loop over the sequences, elsewhere), as
+the Thinker engine runs a step over its sequences.
 
 Exactness: one session alone through `run_units` computes what `DuplexSession.unit`
 computes (the same ops on the same rows). Across sessions only the batched matmuls' row
@@ -42,12 +40,6 @@ from pipeline.duplex.kv import SessionKV
 from pipeline.duplex.session import DuplexSession, UnitResult
 from pipeline.duplex.thinker import FORCE_CHOICES, ThinkerUnit, UnitPrefill, UnitSteps
 from pipeline.thinker.llm import Qwen3LM
-from pipeline.thinker.llm_engine.attention import (
-    AttnMetadata,
-    ForwardBatch,
-    forward_batch,
-    write_new_kv,
-)
 
 
 @dataclass
@@ -61,72 +53,16 @@ class UnitRequest:
     max_slice_nums: int | list[int] = 1
 
 
-@dataclass
-class _Part:
-    kv: SessionKV
-    meta: AttnMetadata  # the session's own layout for its rows (SessionKV.metadata)
-    lo: int  # its rows in the step's flat batch
-    hi: int
-
-
-class _SessionsForward(ForwardBatch):
-    """The forward context of one step over several sessions' rows. `kv_layers` are the
-    staging blocks every layer writes the step's new K/V into (by the rows of `meta`, a
-    single block holding the step's rows in order); `attend` copies each session's rows
-    into its own KV and attends them over it."""
-
-    def __init__(self, parts: list[_Part], staging: list[torch.Tensor], rows: int):
-        meta = AttnMetadata(
-            qo_indptr=torch.tensor([0, rows], dtype=torch.int32),
-            kv_lens=torch.tensor([rows], dtype=torch.int32),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=staging[0].device),
-            block_tables_cpu=torch.zeros(1, 1, dtype=torch.int32),
-            slot_mapping=torch.arange(rows, device=staging[0].device),
-            is_decode=False,
-            block_size=rows,
-        )
-        super().__init__(parts[0].kv.backend, meta, staging, parts[0].kv.scale)
-        self.parts = parts
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
-               v: torch.Tensor | None) -> torch.Tensor:
-        stage = self.kv_layers[layer_idx]
-        write_new_kv(stage, self.meta, self.rows, k, v)  # k None: the layer wrote them
-        out = torch.empty_like(q)
-        for p in self.parts:
-            start, n = p.kv.length, p.hi - p.lo  # the length moves on after the forward
-            kv = p.kv.kv[layer_idx]
-            kv[0, :, start : start + n] = stage[0, :, p.lo : p.hi]
-            out[p.lo : p.hi] = p.kv.backend.forward(kv, q[p.lo : p.hi], None, None, p.meta,
-                                                    p.kv.scale)
-        return out
-
-
 @torch.inference_mode()
 def forward_sessions(llm: Qwen3LM,
                      items: list[tuple[SessionKV, torch.Tensor]]) -> list[torch.Tensor]:
     """Append each session's rows (T_i, H) to its KV in one forward; returns each one's
-    final-norm hidden rows (T_i, H), as `SessionKV.forward` does for one. Every KV must
-    have room (`SessionKV.ensure`) and appear once."""
-    if len(items) == 1:
-        kv, embeds = items[0]
-        return [kv.forward(embeds)]
-    parts, positions, lo = [], [], 0
-    w = llm.lm_head.weight
-    for kv, embeds in items:
-        t = embeds.shape[0]
-        parts.append(_Part(kv, kv.metadata(t), lo, lo + t))
-        positions.append(torch.arange(kv.length, kv.length + t, device=w.device))
-        lo += t
-    c = llm.cfg
-    staging = torch.empty(c.num_hidden_layers, 1, 2, lo, c.num_key_value_heads, c.head_dim,
-                          device=w.device, dtype=w.dtype)
-    embeds = torch.cat([e.to(w.dtype) for _, e in items], dim=0)
-    with forward_batch(_SessionsForward(parts, list(staging.unbind(0)), lo)):
-        hidden = llm(embeds, torch.cat(positions))
-    for p in parts:
-        p.kv.length += p.hi - p.lo
-    return [hidden[p.lo : p.hi] for p in parts]
+    final-norm hidden rows (T_i, H), as `SessionKV.forward` does for one. The sessions share
+    one pool, every KV has room (`SessionKV.ensure`) and appears once."""
+    pages = items[0][0].pages
+    if any(kv.pages is not pages for kv, _ in items) or pages.llm is not llm:
+        raise ValueError("the sessions of a batch must share one KV pool of one model")
+    return pages.forward(items)
 
 
 def _logits(llm: Qwen3LM, rows: list[torch.Tensor]) -> list[torch.Tensor]:

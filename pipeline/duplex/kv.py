@@ -1,9 +1,19 @@
-"""One duplex session's Thinker KV cache: every layer's K/V in one block of the paged
-layout (`llm_engine.attention`: (1, 2, capacity, Hkv, D)), so the LLM runs on it through
-the usual forward context, and the sliding window can drop a span and re-rotate what
-follows it in place."""
+"""Duplex sessions' Thinker KV: pages of a paged KV pool (`llm_engine`'s layout, per layer
+(blocks, 2, block_size, Hkv, D)), so that the units of many sessions run through one
+attention call a layer (`forward_sessions`: FlashInfer on CUDA, torch elsewhere), and in a
+server the sessions' K/V are the Thinker engine's own blocks: one budget for chat turns and
+duplex sessions, a session's blocks back in the pool at its close.
+
+`KVPages` is the pool: the KV tensor, the block manager handing out its blocks, and an
+attention backend of its own (its planning never touches the engine's in-flight step).
+`SessionKV` is one session's block table and length; the sliding window drops a span and
+re-rotates the keys that follow it, gathering and scattering rows through the table.
+"""
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -11,11 +21,13 @@ from pipeline.thinker.llm import Qwen3LM
 from pipeline.thinker.llm_engine.attention import (
     AttnMetadata,
     ForwardBatch,
-    TorchAttention,
     forward_batch,
+    make_backend,
 )
+from pipeline.thinker.llm_engine.kv_cache import BlockManager
 
-GROW = 512  # capacity is grown in steps of this many tokens
+BLOCK_SIZE = 16  # a standalone pool's page (the engine's pool keeps its own)
+FIRST_BLOCKS = 64  # a standalone pool's first size; it doubles when full
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -34,66 +46,200 @@ def rope_cos_sin(head_dim: int, positions: torch.Tensor, theta: float, dtype: to
     return cos[:, None, :], sin[:, None, :]
 
 
-class SessionKV:
-    def __init__(self, llm: Qwen3LM):
+class KVPages:
+    """A paged KV pool the sessions of one Thinker model take their blocks from.
+
+    `of_engine`: the Thinker engine's pool (a server: sessions and chat turns share its
+    budget; a session that finds no free block fails its unit with a clear error).
+    `standalone`: a pool of its own that doubles when full (tests, scripts)."""
+
+    def __init__(self, llm: Qwen3LM, layers: list[torch.Tensor], blocks: BlockManager,
+                 growable: bool):
         cfg = llm.cfg
         self.llm = llm
-        self.layers = cfg.num_hidden_layers
-        self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
-        self.theta = float(cfg.rope_theta)
-        self.max_len = cfg.max_position_embeddings
+        self.layers = layers
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.growable = growable
         w = llm.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
-        self.kv: list[torch.Tensor] = []
-        self.capacity = 0
-        self.length = 0
-        self.backend = TorchAttention()
         self.scale = cfg.head_dim**-0.5
+        self._backend_pages = 0
+        self.backend = self._make_backend()
+
+    def _make_backend(self):
+        cfg = self.llm.cfg
+        self._backend_pages = self.layers[0].shape[0]
+        return make_backend(self.device, num_qo_heads=cfg.num_attention_heads,
+                            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                            block_size=self.block_size, max_num_pages=self._backend_pages,
+                            dtype=self.dtype)
+
+    @classmethod
+    def of_engine(cls, engine) -> KVPages:
+        """The pool of an `llm_engine.LLMEngine` (its KV tensor and block manager)."""
+        return cls(engine.model, engine.kv_cache.layers, engine.block_manager, growable=False)
+
+    @classmethod
+    def standalone(cls, llm: Qwen3LM, num_blocks: int = FIRST_BLOCKS,
+                   block_size: int = BLOCK_SIZE) -> KVPages:
+        cfg = llm.cfg
+        w = llm.lm_head.weight
+        layers = [torch.zeros(num_blocks, 2, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                              device=w.device, dtype=w.dtype)
+                  for _ in range(cfg.num_hidden_layers)]
+        return cls(llm, layers, BlockManager(num_blocks, block_size, enable_caching=False),
+                   growable=True)
+
+    def allocate(self, table: list[int], tokens: int) -> None:
+        """Grow `table` to cover `tokens` tokens (a standalone pool grows; an engine's pool
+        that has too few free blocks raises ValueError)."""
+        need = self.blocks.extra_blocks(table, tokens)
+        if need > self.blocks.num_free:
+            if not self.growable:
+                raise ValueError(
+                    f"the Thinker's KV cache is full: the session needs {need} more blocks of "
+                    f"{self.block_size} tokens, {self.blocks.num_free} are free")
+            self._grow(need - self.blocks.num_free)
+        self.blocks.allocate(table, tokens)
+
+    def _grow(self, at_least: int) -> None:
+        old = self.blocks.num_blocks
+        new = max(2 * old, old + at_least)
+        self.layers = [torch.cat([x, x.new_zeros((new - old, *x.shape[1:]))]) for x in self.layers]
+        self.blocks.add_blocks(new - old)
+        self.backend = self._make_backend()
+
+    def free(self, table: list[int]) -> None:
+        self.blocks.free(table)
+
+    def forward(self, items: Sequence[tuple[SessionKV, torch.Tensor]]) -> list[torch.Tensor]:
+        """Append each session's rows (T_i, H) to its KV in one forward (one attention call a
+        layer for all of them); returns each one's final-norm hidden rows. Each session
+        appears once; `ensure` first."""
+        bs = self.block_size
+        qo, kv_lens, slots, positions, tables = [0], [], [], [], []
+        for kv, rows in items:
+            t = rows.shape[0]
+            start = kv.length
+            qo.append(qo[-1] + t)
+            kv_lens.append(start + t)
+            positions.append(torch.arange(start, start + t))
+            p = torch.arange(start, start + t)
+            table = torch.tensor(kv.table, dtype=torch.long)
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(kv.table)
+        width = max(len(t) for t in tables)
+        bt = torch.zeros(len(items), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        meta = AttnMetadata(
+            qo_indptr=torch.tensor(qo, dtype=torch.int32),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+            block_tables=bt.to(self.device),
+            block_tables_cpu=bt,
+            slot_mapping=torch.cat(slots).to(self.device),
+            is_decode=all(rows.shape[0] == 1 for _, rows in items),
+            block_size=bs,
+        )
+        embeds = torch.cat([rows.to(self.dtype) for _, rows in items], dim=0)
+        self.backend.prepare(meta)
+        with forward_batch(ForwardBatch(self.backend, meta, self.layers, self.scale)):
+            hidden = self.llm(embeds, torch.cat(positions).to(self.device))
+        out = []
+        for (kv, rows), lo in zip(items, qo):
+            kv.length += rows.shape[0]
+            out.append(hidden[lo : lo + rows.shape[0]])
+        return out
+
+
+_STANDALONE: weakref.WeakKeyDictionary[Qwen3LM, KVPages] = weakref.WeakKeyDictionary()
+
+
+def standalone_pages(llm: Qwen3LM) -> KVPages:
+    """The standalone pool of `llm` (made on first use): what sessions made without a
+    server's pool share, so that they batch together."""
+    pages = _STANDALONE.get(llm)
+    if pages is None:
+        pages = _STANDALONE[llm] = KVPages.standalone(llm)
+    return pages
+
+
+class SessionKV:
+    """One session's block table in a `KVPages` pool and its length."""
+
+    def __init__(self, pages: KVPages):
+        cfg = pages.llm.cfg
+        self.pages = pages
+        self.head_dim = cfg.head_dim
+        self.theta = float(cfg.rope_theta)
+        self.max_len = cfg.max_position_embeddings
+        self.device, self.dtype = pages.device, pages.dtype
+        self.table: list[int] = []
+        self.length = 0
 
     def ensure(self, total: int) -> None:
-        """Room for `total` tokens (ValueError past the model's context)."""
+        """Room for `total` tokens (ValueError past the model's context, or when the pool
+        has no free block for them)."""
         if total > self.max_len:
             raise ValueError(
                 f"the session's context would reach {total} tokens, over the model's "
                 f"{self.max_len}; use sliding_window_mode 'basic'"
             )
-        if total <= self.capacity:
-            return
-        cap = min(self.max_len, ((total + GROW - 1) // GROW) * GROW)
-        new = [torch.zeros(1, 2, cap, self.kv_heads, self.head_dim, device=self.device,
-                           dtype=self.dtype) for _ in range(self.layers)]
-        for old, fresh in zip(self.kv, new):
-            fresh[:, :, : self.length] = old[:, :, : self.length]
-        self.kv, self.capacity = new, cap
+        self.pages.allocate(self.table, total)
+
+    def release(self) -> None:
+        """Every block back to the pool."""
+        self.pages.free(self.table)
+        self.length = 0
+
+    def trim(self) -> None:
+        """Blocks past the length back to the pool (after the window slid)."""
+        keep = self.pages.blocks.blocks_for(self.length)
+        if len(self.table) > keep:
+            extra = self.table[keep:]
+            del self.table[keep:]
+            self.pages.free(extra)
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor) -> torch.Tensor:
         """Append `embeds` (T, H) at the next positions; returns their final-norm hidden
         rows (T, H)."""
-        t = embeds.shape[0]
-        start = self.length
-        self.ensure(start + t)
-        positions = torch.arange(start, start + t, device=self.device)
-        meta = self.metadata(t)
-        with forward_batch(ForwardBatch(self.backend, meta, self.kv, self.scale)):
-            hidden = self.llm(embeds.to(self.dtype), positions)
-        self.length = start + t
-        return hidden
+        self.ensure(self.length + embeds.shape[0])
+        return self.pages.forward([(self, embeds)])[0]
 
-    def metadata(self, t: int) -> AttnMetadata:
-        """The attention layout of appending `t` rows at `length` (capacity ensured): the
-        session's one block, its rows at their positions. A batch of sessions
-        (pipeline.duplex.batch) attends each session through this same layout."""
-        start = self.length
-        return AttnMetadata(
-            qo_indptr=torch.tensor([0, t], dtype=torch.int32),
-            kv_lens=torch.tensor([start + t], dtype=torch.int32),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            block_tables_cpu=torch.zeros(1, 1, dtype=torch.int32),
-            slot_mapping=torch.arange(start, start + t, device=self.device),
-            is_decode=t == 1,
-            block_size=self.capacity,
-        )
+    # -- rows through the table ---------------------------------------------------------
+    def _where(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.pages.block_size
+        p = torch.arange(lo, hi)
+        blk = torch.tensor(self.table, dtype=torch.long)[p // bs]
+        return blk.to(self.device), (p % bs).to(self.device)
+
+    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V (hi - lo, Hkv, D) of tokens [lo, hi) in `layer` (copies)."""
+        blk, off = self._where(lo, hi)
+        x = self.pages.layers[layer]
+        return x[blk, 0, off], x[blk, 1, off]
+
+    def _write(self, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        blk, off = self._where(lo, lo + k.shape[0])
+        x = self.pages.layers[layer]
+        x[blk, 0, off] = k
+        x[blk, 1, off] = v
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Per layer (2, length, Hkv, D): the session's K/V in position order (tests)."""
+        return [torch.stack(self.read(i, 0, self.length))
+                for i in range(len(self.pages.layers))]
+
+    def _rerotate(self, k: torch.Tensor, old: int, new: int) -> torch.Tensor:
+        n = k.shape[0]
+        old_p = torch.arange(old, old + n, device=self.device)
+        new_p = torch.arange(new, new + n, device=self.device)
+        cos_o, sin_o = rope_cos_sin(self.head_dim, old_p, self.theta, self.dtype)
+        cos_n, sin_n = rope_cos_sin(self.head_dim, new_p, self.theta, self.dtype)
+        base = cos_o * k - sin_o * _rotate_half(k)
+        return cos_n * base + sin_n * _rotate_half(base)
 
     @torch.inference_mode()
     def drop(self, start: int, length: int) -> None:
@@ -101,19 +247,17 @@ class SessionKV:
         re-rotated from their old positions to the new ones (the reference's
         `drop_tokens_from_cache` + `realign_rotary_suffix`)."""
         end, total = start + length, self.length
-        rest = total - end
-        if rest > 0:
-            old = torch.arange(end, total, device=self.device)
-            new = torch.arange(start, start + rest, device=self.device)
-            cos_o, sin_o = rope_cos_sin(self.head_dim, old, self.theta, self.dtype)
-            cos_n, sin_n = rope_cos_sin(self.head_dim, new, self.theta, self.dtype)
-            for kv in self.kv:
-                k = kv[0, 0, end:total].clone()
-                v = kv[0, 1, end:total].clone()
-                base = cos_o * k - sin_o * _rotate_half(k)
-                kv[0, 0, start : start + rest] = cos_n * base + sin_n * _rotate_half(base)
-                kv[0, 1, start : start + rest] = v
+        if total - end > 0:
+            for i in range(len(self.pages.layers)):
+                k, v = self.read(i, end, total)
+                self._write(i, start, self._rerotate(k, end, start), v)
         self.length = total - length
+        self.trim()
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens."""
+        self.length = length
+        self.trim()
 
     @torch.inference_mode()
     def rebuild(self, prefix_end: int, embeds: torch.Tensor | None, keep: int) -> None:
@@ -122,24 +266,17 @@ class SessionKV:
         them, its keys re-rotated (the reference's `_rebuild_cache_with_previous`)."""
         total = self.length
         old_start = total - keep
-        tail = [(kv[0, 0, old_start:total].clone(), kv[0, 1, old_start:total].clone())
-                for kv in self.kv] if keep > 0 else []
+        tail = [self.read(i, old_start, total) for i in range(len(self.pages.layers))] \
+            if keep > 0 else []
         self.length = prefix_end
         if embeds is not None and embeds.shape[0] > 0:
             self.forward(embeds)
-        if keep <= 0:
-            return
-        new_start = self.length
-        self.ensure(new_start + keep)
-        if old_start != new_start:
-            old = torch.arange(old_start, old_start + keep, device=self.device)
-            new = torch.arange(new_start, new_start + keep, device=self.device)
-            cos_o, sin_o = rope_cos_sin(self.head_dim, old, self.theta, self.dtype)
-            cos_n, sin_n = rope_cos_sin(self.head_dim, new, self.theta, self.dtype)
-        for kv, (k, v) in zip(self.kv, tail):
-            if old_start != new_start:
-                base = cos_o * k - sin_o * _rotate_half(k)
-                k = cos_n * base + sin_n * _rotate_half(base)
-            kv[0, 0, new_start : new_start + keep] = k
-            kv[0, 1, new_start : new_start + keep] = v
-        self.length = new_start + keep
+        if keep > 0:
+            new_start = self.length
+            self.ensure(new_start + keep)
+            for i, (k, v) in enumerate(tail):
+                if old_start != new_start:
+                    k = self._rerotate(k, old_start, new_start)
+                self._write(i, new_start, k, v)
+            self.length = new_start + keep
+        self.trim()

@@ -102,7 +102,7 @@ class SpeechModels:
     def from_source(cls, source: Any, device: str = "cpu") -> SpeechModels:
         """As `from_checkpoint`, from an opened pipeline.checkpoint.ModelSource (a server's)."""
         from pipeline.checkpoint import load_into, load_part, talker_schema
-        from pipeline.code2wav.assets import load_code2wav, token2wav_dir
+        from pipeline.code2wav.assets import token2wav_dir, token2wav_from_source
         from pipeline.tokenizer import TextTokenizer
         from pipeline.utils import resolve_dtype
 
@@ -110,10 +110,10 @@ class SpeechModels:
         part = load_part(source.tensors, "tts.", talker_schema(model.cfg), "cpu", torch.float32)
         load_into(model, part, "talker")
         model = model.to(device=device, dtype=resolve_dtype("auto", device)).eval()
-        flow, vocoder, cfg = load_code2wav(source.path, device, torch.float32)
+        flow, vocoder, cfg, voice_dir = token2wav_from_source(source, device)
         tok = TextTokenizer.from_dir(source.tokenizer_dir)
         ids = tuple(tok.token_id(t) for t in ("<|listen|>", "<|chunk_eos|>", "<|chunk_tts_eos|>"))
-        voices = VoiceCache(token2wav_dir(source.path))
+        voices = VoiceCache(token2wav_dir(voice_dir))
         return cls(FusedTalker(model), flow, vocoder, cfg, voices, ids)
 
     def template(self, voice: VoicePrompt) -> StreamState:

@@ -21,7 +21,8 @@ re-rotates the keys that follow; "context" keeps `context_max_units` units and m
 spoken tokens of the dropped ones into a "previous:" text between the system prompt's
 prefix and suffix (the reference's `StreamDecoder` windows, op for op).
 
-State is per session: the KV cache (`SessionKV`), the streaming mel and audio encoder
+State is per session: the KV cache (`SessionKV`: blocks of a pool shared with the other
+sessions of the model, and in a server with the Thinker engine's turns), the streaming mel and audio encoder
 caches, the decoder's history and the session's random generator. Nothing is shared
 between sessions (the reference's audio encoder cache and log-mel mode outlive its
 `prepare`; here a new session starts clean).
@@ -40,7 +41,7 @@ from PIL import Image
 from pipeline.duplex.audio_stream import StreamingAudioEncoder, StreamingMel
 from pipeline.duplex.config import DuplexConfig
 from pipeline.duplex.decoder import DuplexDecoder
-from pipeline.duplex.kv import SessionKV
+from pipeline.duplex.kv import KVPages, SessionKV, standalone_pages
 from pipeline.processing.audio import process_audio
 from pipeline.processing.image import process_image
 from pipeline.thinker.model import ThinkerModel
@@ -119,8 +120,12 @@ class DuplexThinker:
     def __init__(self, model: ThinkerModel, tokenizer: TextTokenizer,
                  cfg: DuplexConfig | None = None, *, seed: int | None = None,
                  generator: torch.Generator | None = None,
-                 special_tokens: set[str] | None = None):
+                 special_tokens: set[str] | None = None, pages: KVPages | None = None):
         self.model = model
+        # the KV pool the session's blocks come from: a server passes its engine's; alone,
+        # the model's standalone pool (shared by the sessions of one model, so they batch)
+        self.pages = pages or standalone_pages(model.llm)
+        self.kv: SessionKV | None = None
         self.tokenizer = tokenizer
         self.cfg = cfg or DuplexConfig()
         tc = model.cfg
@@ -163,7 +168,9 @@ class DuplexThinker:
     # -- state ---------------------------------------------------------------------------
     def _reset(self) -> None:
         c = self.cfg
-        self.kv = SessionKV(self.model.llm)
+        if self.kv is not None:
+            self.kv.release()
+        self.kv = SessionKV(self.pages)
         self.mel = StreamingMel(c.chunk_ms, c.first_chunk_ms, c.cnn_redundancy_ms, c.sample_rate)
         self.audio_encoder = StreamingAudioEncoder(self.model.audio)
         self.decoder = DuplexDecoder(
@@ -530,7 +537,7 @@ class DuplexThinker:
                 if dropped > 0:
                     self.kv.drop(preserve, dropped)
             else:
-                self.kv.length = preserve
+                self.kv.truncate(preserve)
             return
         rows = previous + self.ctx_suffix
         self.kv.rebuild(self.ctx_prefix, self._embed(rows) if rows else None, keep)

@@ -152,6 +152,13 @@ class BlockManager:
         """Blocks to add so `block_table` covers `num_tokens` tokens."""
         return max(0, self.blocks_for(num_tokens) - len(block_table))
 
+    def add_blocks(self, n: int) -> None:
+        """`n` more free blocks, ids after the current ones (a pool whose tensor grew)."""
+        self._free.extend(range(self.num_blocks, self.num_blocks + n))
+        self._ref += [0] * n
+        self._hash += [None] * n
+        self.num_blocks += n
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free
 
