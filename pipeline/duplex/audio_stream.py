@@ -232,12 +232,10 @@ def encode_batch(encoders: list[StreamingAudioEncoder], mels: list[torch.Tensor]
         heads, hd = a.num_heads, a.head_dim
         h = layer.self_attn_layer_norm(x)
         q = a.q_proj(h).view(-1, heads, hd)
-        k = a.k_proj(h).view(-1, heads, hd)
-        v = a.v_proj(h).view(-1, heads, hd)
-        for i, e in enumerate(encoders):
+        kv = torch.stack((a.k_proj(h), a.v_proj(h))).view(2, -1, heads, hd)
+        for i, e in enumerate(encoders):  # each session's new K/V after its own past
             lo, hi, p = bounds[i], bounds[i + 1], pasts[i]
-            e.kv[li, 0, :, p : p + ts[i]] = k[lo:hi].transpose(0, 1)
-            e.kv[li, 1, :, p : p + ts[i]] = v[lo:hi].transpose(0, 1)
+            e.kv[li, :, :, p : p + ts[i]] = kv[:, lo:hi].transpose(1, 2)
         if b == 1:
             keys = encoders[0].kv[li, :, :, :kv_len][:, None]  # (2, 1, heads, L, hd)
         else:
