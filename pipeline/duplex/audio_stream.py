@@ -15,6 +15,12 @@ Two stages, each carrying the session's state from unit to unit, as the referenc
    session's encoder cache, and Whisper layers whose queries attend to every cached
    frame and to the unit's own (no mask); the cache restarts when it would pass the
    encoder's positions. Projection and 5-frame average pooling as in the offline path.
+
+The encoder stage runs many sessions' units in one pass (`encode_batch`, what a batch of
+duplex units uses; `StreamingAudioEncoder.encode` is a batch of one): the matmuls over all
+sessions' rows, the attention of each session over its own cache. A session's cache is one
+buffer of the encoder's full length, allocated at its first unit: the size the cache
+reaches anyway before it restarts (~30 s of units), written in place instead of grown.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@
                                            pending logits of the decision
     generate_unit(force)                   <|listen|> or <|speak|> + up to N-1 tokens up to a
                                            chunk terminator, then </unit>; the window slides
+    plan_prefill_batch(items)              the prefill rows of several sessions' units, their
+                                           audio in one streaming-encoder pass and their
+                                           frames in one vision call (pipeline.duplex.batch)
 
 Exact to the reference within a session, quirks kept where noted. Numerics: the reference
 feeds the system prompt one token at a time and a unit's pieces (<unit>, each image token
@@ -47,6 +50,9 @@ from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import TextTokenizer
 
 FORCE_CHOICES = (None, "listen", "speak")
+# The redundant mel frames the encoder cuts at a unit's edges (none in front of the first):
+# the reference passes 2 whatever its `cnn_redundancy_ms` (a quirk kept on purpose).
+EXTRA_FRAMES = 2
 # The "context" window's marker before the text of dropped units (the reference's default).
 CONTEXT_PREVIOUS_MARKER = "\n\nprevious: "
 # Ids the "context" window never carries into the previous text: the reference decoder's
@@ -366,7 +372,7 @@ class DuplexThinker:
         mel = self.mel.push(self.audio_buffer[:need])
         if mel.shape[-1] == 0:
             return None
-        prefix = 0 if self.audio_chunk_idx == 0 else 2
+        prefix = 0 if self.audio_chunk_idx == 0 else EXTRA_FRAMES
         if self.audio_chunk_idx == 0:
             # the reference rounds the aligned first chunk through whole milliseconds
             ms = int(self.mel.first_chunk_consumed / c.sample_rate * 1000.0)
@@ -639,7 +645,7 @@ def plan_prefill_batch(
         try:
             embs = encode_batch([items[i][0].audio_encoder for i in group],
                                 [mels[i][0] for i in group], [mels[i][1] for i in group],
-                                [2] * len(group))
+                                [EXTRA_FRAMES] * len(group))
         except Exception as e:  # noqa: BLE001 - the sessions of this pass fail
             fail(group, e)
             continue
