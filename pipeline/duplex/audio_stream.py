@@ -15,6 +15,12 @@ Two stages, each carrying the session's state from unit to unit, as the referenc
    session's encoder cache, and Whisper layers whose queries attend to every cached
    frame and to the unit's own (no mask); the cache restarts when it would pass the
    encoder's positions. Projection and 5-frame average pooling as in the offline path.
+
+The encoder stage runs many sessions' units in one pass (`encode_batch`, what a batch of
+duplex units uses; `StreamingAudioEncoder.encode` is a batch of one): the matmuls over all
+sessions' rows, the attention of each session over its own cache. A session's cache is one
+buffer of the encoder's full length, allocated at its first unit: the size the cache
+reaches anyway before it restarts (~30 s of units), written in place instead of grown.
 """
 
 from __future__ import annotations
@@ -119,62 +125,148 @@ class StreamingMel:
 
 class StreamingAudioEncoder:
     """The Whisper encoder + projection + pooling over one session's units, with the
-    session's encoder K/V carried between units (see the module docstring)."""
+    session's encoder K/V carried between units (see the module docstring). A batch of
+    sessions runs in one pass through `encode_batch`; `encode` is a batch of one."""
 
     def __init__(self, audio: AudioEncoder):
         self.audio = audio
         self.apm = audio.apm
-        self.k: list[torch.Tensor] | None = None  # per layer (heads, past, head_dim)
-        self.v: list[torch.Tensor] | None = None
+        # (layers, 2, heads, positions, head_dim): the K/V of the session's encoder frames,
+        # the first `length` positions valid; allocated at the first unit, zeroed so that a
+        # batch's masked-out positions never hold a NaN (0 weight times NaN is NaN)
+        self.kv: torch.Tensor | None = None
+        self.length = 0
 
     @property
     def past(self) -> int:
-        return 0 if self.k is None else self.k[0].shape[1]
+        return self.length
 
-    @torch.inference_mode()
+    @property
+    def k(self) -> list[torch.Tensor] | None:
+        """Per layer (heads, past, head_dim), or None before the first unit."""
+        return None if self.kv is None or not self.length else list(self.kv[:, 0, :, : self.length])
+
+    @property
+    def v(self) -> list[torch.Tensor] | None:
+        return None if self.kv is None or not self.length else list(self.kv[:, 1, :, : self.length])
+
     def encode(self, mel: torch.Tensor, prefix_frames: int, suffix_frames: int) -> torch.Tensor:
         """mel (80, n) with `prefix_frames` / `suffix_frames` redundant mel frames at the
         edges -> (tokens, llm_hidden)."""
-        apm = self.apm
-        w = apm.conv1.weight
-        n_mel = mel.shape[-1]
-        max_seq = (n_mel - 1) // 2 + 1
-        positions = apm.embed_positions.weight.shape[0]
-        if self.k is not None and self.past + max_seq >= positions:
-            self.k = self.v = None  # the reference restarts its encoder cache here
-        x = mel.to(device=w.device, dtype=w.dtype)[None]  # (1, 80, n)
-        x = F.gelu(apm.conv1(x))
-        x = F.gelu(apm.conv2(x))  # (1, d, max_seq)
-        cut_front = (prefix_frames + 1) // 2 if prefix_frames > 0 else 0
-        cut_back = (suffix_frames + 1) // 2 if suffix_frames > 0 else 0
-        if cut_front > 0:
-            x = x[:, :, cut_front:]
-        if 0 < cut_back < x.shape[2]:
-            x = x[:, :, :-cut_back]
-        x = x.transpose(1, 2)  # (1, t, d)
-        past, t = self.past, x.shape[1]
-        if past + t > positions:
+        return encode_batch([self], [mel], [prefix_frames], [suffix_frames])[0]
+
+
+@torch.inference_mode()
+def encode_batch(encoders: list[StreamingAudioEncoder], mels: list[torch.Tensor],
+                 prefix_frames: list[int], suffix_frames: list[int]) -> list[torch.Tensor]:
+    """One unit of each session (its own encoder, each once, all over one AudioEncoder) in
+    one pass: mel (80, n_i) with its redundant edge frames -> (tokens_i, llm_hidden) each,
+    every encoder's K/V advanced as if it ran alone.
+
+    The convs run per group of equal mel length; the positions, norms, projections and MLPs
+    over every session's rows at once; the attention in one call over the sessions padded
+    to the longest past + new frames, a key mask hiding each one's padding (no mask when
+    every session has the same length: a batch of one is the plain unmasked attention).
+    Across sessions only the matmuls' row count and the padding differ, which moves fp32
+    values in their last bits."""
+    b = len(encoders)
+    if not (b == len(mels) == len(prefix_frames) == len(suffix_frames)):
+        raise ValueError("encode_batch takes one mel and one prefix / suffix per encoder")
+    if not b:
+        return []
+    if len({id(e) for e in encoders}) != b:
+        raise ValueError("an encoder may have one unit in a batch")
+    audio = encoders[0].audio
+    if any(e.audio is not audio for e in encoders):
+        raise ValueError("the encoders of a batch must share one AudioEncoder")
+    apm = audio.apm
+    w = apm.conv1.weight
+    positions = apm.embed_positions.weight.shape[0]
+    n_mels = [int(m.shape[-1]) for m in mels]
+
+    # convs, one call per mel length; then each session's redundant conv2 frames are cut
+    frames: list[torch.Tensor | None] = [None] * b
+    for n in sorted(set(n_mels)):
+        idx = [i for i in range(b) if n_mels[i] == n]
+        x = torch.stack([mels[i] for i in idx]).to(device=w.device, dtype=w.dtype)
+        x = F.gelu(apm.conv2(F.gelu(apm.conv1(x))))  # (g, d, max_seq)
+        for j, i in enumerate(idx):
+            front = (prefix_frames[i] + 1) // 2 if prefix_frames[i] > 0 else 0
+            back = (suffix_frames[i] + 1) // 2 if suffix_frames[i] > 0 else 0
+            y = x[j, :, front:]
+            if 0 < back < y.shape[1]:
+                y = y[:, :-back]
+            frames[i] = y.transpose(0, 1)  # (t_i, d)
+    ts = [f.shape[0] for f in frames]
+
+    # each session's past: the reference restarts its encoder cache when the unit's frames
+    # would pass the encoder's positions
+    pasts = []
+    for e, n in zip(encoders, n_mels):
+        max_seq = (n - 1) // 2 + 1
+        pasts.append(0 if e.length and e.length + max_seq >= positions else e.length)
+    for p, t in zip(pasts, ts):
+        if p + t > positions:
             raise ValueError(f"audio unit of {t} encoder frames does not fit {positions} positions")
-        x = x + apm.embed_positions.weight[past : past + t]
-        new_k, new_v = [], []
-        for i, layer in enumerate(apm.layers):
-            a = layer.self_attn
-            h = layer.self_attn_layer_norm(x)
-            heads, hd = a.num_heads, a.head_dim
-            q = a.q_proj(h).view(1, t, heads, hd).transpose(1, 2)
-            k = a.k_proj(h).view(1, t, heads, hd).transpose(1, 2)[0]
-            v = a.v_proj(h).view(1, t, heads, hd).transpose(1, 2)[0]
-            if self.k is not None:
-                k = torch.cat([self.k[i], k], dim=1)
-                v = torch.cat([self.v[i], v], dim=1)
-            new_k.append(k)
-            new_v.append(v)
-            o = F.scaled_dot_product_attention(q, k[None], v[None])  # every key: no mask
-            x = x + a.out_proj(o.transpose(1, 2).reshape(1, t, heads * hd))
-            x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
-        self.k, self.v = new_k, new_v
-        h = apm.layer_norm(x)
-        pooled = self.audio.tokens(h)[0]  # (t // 5, llm)
-        after_cnn = (n_mel - 1) // 2 + 1
-        keep = (after_cnn - self.audio.pool_step) // self.audio.pool_step + 1
-        return pooled[:keep]
+    for e, p in zip(encoders, pasts):
+        e.length = p
+        if e.kv is None:
+            layer = apm.layers[0].self_attn
+            e.kv = torch.zeros(len(apm.layers), 2, layer.num_heads, positions, layer.head_dim,
+                               device=w.device, dtype=w.dtype)
+
+    x = torch.cat(frames) if b > 1 else frames[0]  # (N, d): every session's rows
+    pos = torch.cat([torch.arange(p, p + t) for p, t in zip(pasts, ts)]).to(w.device)
+    x = x + apm.embed_positions.weight[pos]
+    ends = [p + t for p, t in zip(pasts, ts)]
+    kv_len = max(ends)
+    uniform = len(set(ts)) == 1
+    # a key mask only where the sessions' lengths differ, True = attend
+    mask = None
+    if len(set(ends)) > 1:
+        mask = (torch.arange(kv_len)[None, :] < torch.tensor(ends)[:, None])[:, None, None]
+        mask = mask.to(w.device)
+    if not uniform:  # queries padded to the longest unit: (row of x) -> (session, frame)
+        rows_b = torch.cat([torch.full((t,), i) for i, t in enumerate(ts)]).to(w.device)
+        rows_t = torch.cat([torch.arange(t) for t in ts]).to(w.device)
+    bounds = [0]
+    for t in ts:
+        bounds.append(bounds[-1] + t)
+
+    for li, layer in enumerate(apm.layers):
+        a = layer.self_attn
+        heads, hd = a.num_heads, a.head_dim
+        h = layer.self_attn_layer_norm(x)
+        q = a.q_proj(h).view(-1, heads, hd)
+        kv = torch.stack((a.k_proj(h), a.v_proj(h))).view(2, -1, heads, hd)
+        for i, e in enumerate(encoders):  # each session's new K/V after its own past
+            lo, hi, p = bounds[i], bounds[i + 1], pasts[i]
+            e.kv[li, :, :, p : p + ts[i]] = kv[:, lo:hi].transpose(1, 2)
+        if b == 1:
+            keys = encoders[0].kv[li, :, :, :kv_len][:, None]  # (2, 1, heads, L, hd)
+        else:
+            keys = torch.stack([e.kv[li, :, :, :kv_len] for e in encoders], dim=1)
+        if uniform:
+            qb = q.view(b, ts[0], heads, hd).transpose(1, 2)
+        else:
+            qb = q.new_zeros(b, max(ts), heads, hd)
+            qb[rows_b, rows_t] = q
+            qb = qb.transpose(1, 2)
+        o = F.scaled_dot_product_attention(qb, keys[0], keys[1], attn_mask=mask)
+        o = o.transpose(1, 2)  # (b, t, heads, hd)
+        o = o.reshape(-1, heads * hd) if uniform else o[rows_b, rows_t].reshape(-1, heads * hd)
+        x = x + a.out_proj(o)
+        x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
+    for e, end in zip(encoders, ends):
+        e.length = end
+
+    h = apm.layer_norm(x)
+    if uniform:
+        pooled = list(audio.tokens(h.view(b, ts[0], -1)))
+    else:
+        pooled = [audio.tokens(h[bounds[i] : bounds[i + 1]][None])[0] for i in range(b)]
+    out = []
+    for n, p in zip(n_mels, pooled):
+        after_cnn = (n - 1) // 2 + 1
+        out.append(p[: (after_cnn - audio.pool_step) // audio.pool_step + 1])
+    return out

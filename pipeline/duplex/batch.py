@@ -3,8 +3,9 @@
 `run_units(requests)` does what `DuplexSession.unit` does for each request's session, in
 lockstep across the sessions:
 
-1. each session plans its unit's input (`DuplexThinker.plan_prefill`: its audio through its
-   own streaming encoder, its frames through the vision encoder), then all the planned rows
+1. the sessions plan their units' input together (`plan_prefill_batch`: every session's
+   audio through the streaming audio encoder in one pass, each over its own encoder K/V,
+   and every frame through the vision encoder in one call), then all the planned rows
    go through the LLM in one forward, and the last row of each through `lm_head` in one
    matmul (the decisions' logits);
 2. the decode loop runs every session's `DuplexThinker.unit_steps` side by side: each step
@@ -38,7 +39,13 @@ import torch
 
 from pipeline.duplex.kv import SessionKV
 from pipeline.duplex.session import DuplexSession, UnitResult
-from pipeline.duplex.thinker import FORCE_CHOICES, ThinkerUnit, UnitPrefill, UnitSteps
+from pipeline.duplex.thinker import (
+    FORCE_CHOICES,
+    ThinkerUnit,
+    UnitPrefill,
+    UnitSteps,
+    plan_prefill_batch,
+)
 from pipeline.thinker.llm import Qwen3LM
 
 
@@ -140,19 +147,22 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
         raise ValueError("the sessions of a batch must share one Thinker model")
     runs = [_Run(r) for r in requests]
 
-    # 1. the unit's input rows, planned per session, in one forward
-    planned = []
+    # 1. the unit's input rows, every session's audio and frames through the encoders
+    # together (plan_prefill_batch), then all the rows in one forward
+    todo = []
     for run in runs:
-        r = run.req
-        if r.force not in FORCE_CHOICES:
-            run.fail(ValueError(f"force must be one of {FORCE_CHOICES}, got {r.force!r}"))
-            continue
-        try:
-            run.plan = run.thinker.plan_prefill(r.audio, r.frames, r.max_slice_nums)
-        except Exception as e:  # noqa: BLE001 - bad input fails its own unit
-            run.fail(e)
-            continue
-        if run.plan is not None:
+        if run.req.force not in FORCE_CHOICES:
+            run.fail(ValueError(f"force must be one of {FORCE_CHOICES}, got {run.req.force!r}"))
+        else:
+            todo.append(run)
+    plans = plan_prefill_batch([(run.thinker, run.req.audio, run.req.frames,
+                                 run.req.max_slice_nums) for run in todo])
+    planned = []
+    for run, plan in zip(todo, plans):
+        if isinstance(plan, BaseException):  # bad input fails its own unit
+            run.fail(plan)
+        elif plan is not None:
+            run.plan = plan
             planned.append(run)
     hidden = _forward(llm, planned, [run.plan.rows for run in planned])
     if hidden is not None:

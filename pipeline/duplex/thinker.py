@@ -7,6 +7,9 @@
                                            pending logits of the decision
     generate_unit(force)                   <|listen|> or <|speak|> + up to N-1 tokens up to a
                                            chunk terminator, then </unit>; the window slides
+    plan_prefill_batch(items)              the prefill rows of several sessions' units, their
+                                           audio in one streaming-encoder pass and their
+                                           frames in one vision call (pipeline.duplex.batch)
 
 Exact to the reference within a session, quirks kept where noted. Numerics: the reference
 feeds the system prompt one token at a time and a unit's pieces (<unit>, each image token
@@ -38,7 +41,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.duplex.audio_stream import StreamingAudioEncoder, StreamingMel
+from pipeline.duplex.audio_stream import StreamingAudioEncoder, StreamingMel, encode_batch
 from pipeline.duplex.config import DuplexConfig
 from pipeline.duplex.decoder import DuplexDecoder
 from pipeline.duplex.kv import KVPages, SessionKV, standalone_pages
@@ -48,6 +51,9 @@ from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import TextTokenizer
 
 FORCE_CHOICES = (None, "listen", "speak")
+# The redundant mel frames the encoder cuts at a unit's edges (none in front of the first):
+# the reference passes 2 whatever its `cnn_redundancy_ms` (a quirk kept on purpose).
+EXTRA_FRAMES = 2
 # The "context" window's marker before the text of dropped units (the reference's default).
 CONTEXT_PREVIOUS_MARKER = "\n\nprevious: "
 # Ids the "context" window never carries into the previous text: the reference decoder's
@@ -105,6 +111,16 @@ class UnitPrefill:
     ok: bool  # False: the audio did not complete a chunk (the rows go in, nothing pends)
     mode: str  # "AUDIO" | "VISION" | "OMNI"
     schema: list
+
+
+@dataclass
+class _UnitInput:
+    """A unit's checked input, before it touches the session: its audio (None: none), its
+    frames sliced for the vision encoder, and the unit's mode."""
+
+    audio: np.ndarray | None
+    images: list
+    mode: str  # "AUDIO" | "VISION" | "OMNI"
 
 
 @dataclass
@@ -245,8 +261,31 @@ class DuplexThinker:
             self.preserve = self.kv.length
 
     # -- prefill -------------------------------------------------------------------------
-    def _frame_rows(self, frames: list, max_slice_nums) -> tuple[list[torch.Tensor], list]:
-        """Each frame: <image> source </image> then <slice> s </slice> per grid slice."""
+    def _check_input(self, audio: np.ndarray | None, frames: list | None,
+                     max_slice_nums) -> _UnitInput | None:
+        """The unit's input checked and its frames sliced, touching no session state (bad
+        input is refused here). None: neither audio nor frames."""
+        has_frames = frames is not None and len(frames) > 0
+        if audio is not None:
+            audio = np.asarray(audio, dtype=np.float32)
+            if audio.ndim != 1:
+                raise ValueError(f"audio must be 1-D 16 kHz samples, got shape {audio.shape}")
+            if not np.isfinite(audio).all():
+                raise ValueError("audio holds NaN or infinite samples")
+        has_audio = audio is not None and len(audio) > 0
+        if has_frames and has_audio:
+            mode = "OMNI"
+        elif has_frames:
+            mode = "VISION"
+        elif has_audio:
+            mode = "AUDIO"
+        else:
+            return None
+        images = self._frame_images(frames, max_slice_nums) if has_frames else []
+        return _UnitInput(audio if has_audio else None, images, mode)
+
+    def _frame_images(self, frames: list, max_slice_nums) -> list:
+        """Each frame sliced at its `max_slice_nums` (an int for all, or one per frame)."""
         if isinstance(max_slice_nums, int):
             per_frame = [max_slice_nums] * len(frames)
         else:
@@ -271,9 +310,13 @@ class DuplexThinker:
                     f"a frame must be a PIL image or an (H, W, 3) uint8 array, got {type(frame)}"
                 )
             images.append(process_image(frame.convert("RGB"), self.model.cfg.slicing, "", n).image)
+        return images
+
+    def _frame_rows(self, embs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        """Each encoded frame: <image> source </image> then <slice> s </slice> per grid slice."""
         t, q = self.tokens, self.model.cfg.query_num
         rows, schema = [], []
-        for emb in self.model.encode_images(images, self.model.cfg.vision_batch_size):
+        for emb in embs:
             for s in range(emb.shape[0] // q):
                 open_, close = (t.image, t.image_end) if s == 0 else (t.slice, t.slice_end)
                 rows += [self._embed([open_]), emb[s * q : (s + 1) * q], self._embed([close])]
@@ -291,42 +334,17 @@ class DuplexThinker:
         hidden = self.kv.forward(plan.rows)
         return self.finish_prefill(plan, self._logits(hidden[-1]) if plan.ok else None)
 
-    @torch.inference_mode()
     def plan_prefill(self, audio: np.ndarray | None, frames: list | None = None,
                      max_slice_nums: int | list[int] = 1) -> UnitPrefill | None:
         """The unit's input rows (its audio and frames encoded, the session's audio state
         advanced), to append to the KV and then hand to `finish_prefill` with the logits of
         the last row. None: nothing to prefill. Split from `prefill_unit` so a batch can
-        run many sessions' rows in one forward (pipeline.duplex.batch)."""
-        has_frames = frames is not None and len(frames) > 0
-        if audio is not None:
-            audio = np.asarray(audio, dtype=np.float32)
-            if audio.ndim != 1:
-                raise ValueError(f"audio must be 1-D 16 kHz samples, got shape {audio.shape}")
-            if not np.isfinite(audio).all():
-                raise ValueError("audio holds NaN or infinite samples")
-        has_audio = audio is not None and len(audio) > 0
-        if has_frames and has_audio:
-            mode = "OMNI"
-        elif has_frames:
-            mode = "VISION"
-        elif has_audio:
-            mode = "AUDIO"
-        else:
-            return None
-        # bad frames are refused before the unit touches any state
-        frame_rows, frame_schema = [], []
-        if has_frames:
-            frame_rows, frame_schema = self._frame_rows(frames, max_slice_nums)
-
-        self.pending_logits = None
-        self.unit_start = self.kv.length
-        rows = [self._embed([self.tokens.unit]), *frame_rows]
-        schema: list = [self.tokens.unit, *frame_schema]
-        ok = True
-        if has_audio:
-            ok = self._audio_rows(audio, rows, schema)
-        return UnitPrefill(torch.cat([r.to(self.dtype) for r in rows], dim=0), ok, mode, schema)
+        run many sessions' rows in one forward (pipeline.duplex.batch); a batch of one of
+        `plan_prefill_batch`."""
+        plan = plan_prefill_batch([(self, audio, frames, max_slice_nums)])[0]
+        if isinstance(plan, BaseException):
+            raise plan
+        return plan
 
     def finish_prefill(self, plan: UnitPrefill, logits: torch.Tensor | None) -> bool:
         """After `plan.rows` went into the KV: `logits` (1, V) of its last row (None when
@@ -341,7 +359,13 @@ class DuplexThinker:
         self.last_prefill = plan.schema
         return True
 
-    def _audio_rows(self, audio: np.ndarray, rows: list, schema: list) -> bool:
+    def _begin_unit(self) -> None:
+        self.pending_logits = None
+        self.unit_start = self.kv.length
+
+    def _take_audio(self, audio: np.ndarray) -> tuple[torch.Tensor, int] | None:
+        """The unit's audio into the session's buffer and streaming mel: (the mel frames to
+        encode, their redundant frames in front), or None when no chunk is complete."""
         c = self.cfg
         self.audio_buffer = np.concatenate([self.audio_buffer, audio])
         if self.audio_chunk_idx == 0:
@@ -351,14 +375,11 @@ class DuplexThinker:
                 self.audio_buffer = np.concatenate([pad, self.audio_buffer])
         need = self.mel.chunk_size()
         if len(self.audio_buffer) < need:
-            return False
+            return None
         mel = self.mel.push(self.audio_buffer[:need])
         if mel.shape[-1] == 0:
-            return False
-        prefix = 0 if self.audio_chunk_idx == 0 else 2
-        emb = self.audio_encoder.encode(mel, prefix, 2)
-        rows.append(emb)
-        schema.append(("audio", emb.shape[0]))
+            return None
+        prefix = 0 if self.audio_chunk_idx == 0 else EXTRA_FRAMES
         if self.audio_chunk_idx == 0:
             # the reference rounds the aligned first chunk through whole milliseconds
             ms = int(self.mel.first_chunk_consumed / c.sample_rate * 1000.0)
@@ -367,7 +388,21 @@ class DuplexThinker:
             consumed = int(c.chunk_ms * c.sample_rate / 1000)
         self.audio_buffer = self.audio_buffer[consumed:]
         self.audio_chunk_idx += 1
-        return True
+        return mel, prefix
+
+    def _assemble(self, inp: _UnitInput, frame_embs: list[torch.Tensor],
+                  audio_emb: torch.Tensor | None) -> UnitPrefill:
+        """<unit>, the frames' rows, the audio rows (none when the audio completed no chunk:
+        then nothing pends after the rows go in)."""
+        frame_rows, frame_schema = self._frame_rows(frame_embs)
+        rows = [self._embed([self.tokens.unit]), *frame_rows]
+        schema: list = [self.tokens.unit, *frame_schema]
+        if audio_emb is not None:
+            rows.append(audio_emb)
+            schema.append(("audio", audio_emb.shape[0]))
+        ok = inp.audio is None or audio_emb is not None
+        return UnitPrefill(torch.cat([r.to(self.dtype) for r in rows], dim=0), ok, inp.mode,
+                           schema)
 
     # -- generate ------------------------------------------------------------------------
     def _feed_token(self, token: int) -> torch.Tensor:
@@ -543,3 +578,90 @@ class DuplexThinker:
         self.kv.rebuild(self.ctx_prefix, self._embed(rows) if rows else None, keep)
         self.ctx_previous_len = len(previous)
         self.preserve = self.ctx_prefix + len(previous) + len(self.ctx_suffix)
+
+
+@torch.inference_mode()
+def plan_prefill_batch(
+    items: list[tuple[DuplexThinker, np.ndarray | None, list | None, int | list[int]]],
+) -> list[UnitPrefill | None | BaseException]:
+    """`plan_prefill` of several sessions (each once: (thinker, audio, frames,
+    max_slice_nums)), their encoders batched: every session's frames in one vision
+    encoder call and every session's audio unit in one streaming-encoder pass
+    (`audio_stream.encode_batch`), per shared model. Per item its UnitPrefill, None
+    (nothing to prefill) or the exception that failed it.
+
+    Bad input fails its own item before any of its session's state changes; a failure of
+    a shared encoder call fails the items in it (the vision call before their sessions'
+    state changes, the audio pass after their audio state advanced, as alone)."""
+    if len({id(th) for th, *_ in items}) != len(items):
+        raise ValueError("a session may have one unit in a batch")
+    out: list[UnitPrefill | None | BaseException] = [None] * len(items)
+    inputs: dict[int, _UnitInput] = {}
+    for i, (th, audio, frames, max_slice_nums) in enumerate(items):
+        try:
+            inp = th._check_input(audio, frames, max_slice_nums)
+        except Exception as e:  # noqa: BLE001 - bad input fails its own unit
+            out[i] = e
+            continue
+        if inp is not None:
+            inputs[i] = inp
+
+    def fail(group: list[int], e: BaseException) -> None:
+        for i in group:
+            out[i] = e
+            inputs.pop(i, None)
+
+    # every frame of the batch in one vision call per model
+    frame_embs: dict[int, list[torch.Tensor]] = {i: [] for i in inputs}
+    by_model: dict[int, list[int]] = {}
+    for i, inp in inputs.items():
+        if inp.images:
+            by_model.setdefault(id(items[i][0].model), []).append(i)
+    for group in by_model.values():
+        model = items[group[0]][0].model
+        try:
+            embs = model.encode_images([im for i in group for im in inputs[i].images],
+                                       model.cfg.vision_batch_size)
+        except Exception as e:  # noqa: BLE001 - the sessions of this call fail
+            fail(group, e)
+            continue
+        k = 0
+        for i in group:
+            n = len(inputs[i].images)
+            frame_embs[i], k = embs[k : k + n], k + n
+
+    # the sessions' audio state advances, then every unit's mel in one encoder pass
+    mels: dict[int, tuple[torch.Tensor, int]] = {}
+    for i, inp in list(inputs.items()):
+        th = items[i][0]
+        th._begin_unit()
+        if inp.audio is None:
+            continue
+        try:
+            taken = th._take_audio(inp.audio)
+        except Exception as e:  # noqa: BLE001
+            fail([i], e)
+            continue
+        if taken is not None:
+            mels[i] = taken
+    audio_embs: dict[int, torch.Tensor] = {}
+    by_encoder: dict[int, list[int]] = {}
+    for i in mels:
+        by_encoder.setdefault(id(items[i][0].audio_encoder.audio), []).append(i)
+    for group in by_encoder.values():
+        try:
+            embs = encode_batch([items[i][0].audio_encoder for i in group],
+                                [mels[i][0] for i in group], [mels[i][1] for i in group],
+                                [EXTRA_FRAMES] * len(group))
+        except Exception as e:  # noqa: BLE001 - the sessions of this pass fail
+            fail(group, e)
+            continue
+        audio_embs.update(zip(group, embs))
+
+    for i, inp in inputs.items():
+        th = items[i][0]
+        try:
+            out[i] = th._assemble(inp, frame_embs[i], audio_embs.get(i))
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+    return out
