@@ -5,11 +5,12 @@ TalkerPool) equal each session speaking alone, and the pool's rows come back.
 The tiny default's Talker with its EOS row scaled up (as tests/test_duplex_speech.py does),
 so that chunks end at EOS at different draws: in the same units one session ends its turn,
 one draws EOS early at a turn start, one runs all 26 draws mid-turn; seeded sampling and
-argmax. Every session has a twin over the same models that speaks alone (`speak`, a batch of
-one). Precision contract: the batch's decode runs more rows through the same matmuls, which
-moves the logits in their last bits only; the codes, the Talker positions and the
-generators' states must be equal, and the PCM too (Token2Wav runs per session on the same
-codes)."""
+argmax. Every session has a twin that speaks alone (`speak`, a batch of one) over the same
+models loaded again, so that the batch's pool grows and shrinks on its own.
+
+Precision contract: the batch's decode runs more rows through the same matmuls, which moves
+the logits in their last bits only; the codes, the Talker positions and the generators'
+states must be equal, and the PCM too (Token2Wav runs per session on the same codes)."""
 
 from __future__ import annotations
 
@@ -24,22 +25,31 @@ from pipeline.duplex.speech import CHUNK_CODES, DuplexSpeech, SpeechModels, spea
 
 # per session: (seed, greedy, its units as (spoken rows, end_of_turn))
 SESSIONS = [
-    (100, False, [(12, False), (20, False), (7, True), (9, False)]),
-    (101, False, [(3, True), (15, False), (20, False), (20, True)]),
-    (102, False, [(20, False), (20, False), (20, False), (20, False)]),
-    (103, True, [(0, False), (8, False), (0, True), (16, False)]),
+    (100, False, [(12, False), (20, False), (7, True), (9, False), (10, False)]),
+    (101, False, [(3, True), (15, False), (20, False), (20, True), (4, False)]),
+    (102, False, [(20, False), (20, False), (20, False), (20, True), (6, False)]),
+    (103, True, [(0, False), (8, True), (0, False), (16, False), (5, False)]),
 ]
+
+
+def _eos_prone(models: SpeechModels) -> SpeechModels:
+    """The Talker's EOS logit scaled up (its weight-norm gain)."""
+    head = models.talker.model.head_code[0]
+    with torch.no_grad():
+        head.parametrizations["weight"].original0[models.talker.model.cfg.eos_code] *= 60.0
+    head.materialize()
+    return models
 
 
 @pytest.fixture(scope="module")
 def models(tiny_checkpoint) -> SpeechModels:
-    """Models of this module alone, the Talker's EOS logit scaled up (its weight-norm gain)."""
-    m = SpeechModels.from_checkpoint(tiny_checkpoint)
-    head = m.talker.model.head_code[0]
-    with torch.no_grad():
-        head.parametrizations["weight"].original0[m.talker.model.cfg.eos_code] *= 60.0
-    head.materialize()
-    return m
+    return _eos_prone(SpeechModels.from_checkpoint(tiny_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def alone_models(tiny_checkpoint) -> SpeechModels:
+    """The same models again: the sessions alone keep their KV in a pool of their own."""
+    return _eos_prone(SpeechModels.from_checkpoint(tiny_checkpoint))
 
 
 def _spoken(g: torch.Generator, n: int, width: int) -> list[tuple[int, torch.Tensor]]:
@@ -47,18 +57,23 @@ def _spoken(g: torch.Generator, n: int, width: int) -> list[tuple[int, torch.Ten
     return [(i, torch.randn(width, generator=g)) for i in ids]
 
 
-def _twins(models: SpeechModels) -> tuple[list[DuplexSpeech], list[DuplexSpeech]]:
-    alone, batched = [], []
+def _sessions(models: SpeechModels) -> list[DuplexSpeech]:
+    out = []
     for seed, greedy, _ in SESSIONS:
-        for group in (alone, batched):
-            s = DuplexSpeech(models, seed=seed, greedy=greedy)
-            s.prepare(None)
-            group.append(s)
-    return alone, batched
+        s = DuplexSpeech(models, seed=seed, greedy=greedy)
+        s.prepare(None)
+        out.append(s)
+    return out
 
 
-def test_sessions_drawn_in_lockstep_equal_each_session_alone(models, monkeypatch):
-    # a short first length: the pool's rows grow (copied) while other sessions hold theirs
+def _twins(models: SpeechModels) -> tuple[list[DuplexSpeech], list[DuplexSpeech]]:
+    return _sessions(models), _sessions(models)
+
+
+def test_sessions_drawn_in_lockstep_equal_each_session_alone(models, alone_models,
+                                                             monkeypatch):
+    # a short first length: the batch's rows grow (copied) while other sessions hold theirs,
+    # and shrink (copied) when the longest turn ends while others go on
     monkeypatch.setattr(speech_mod, "FIRST_KV_POSITIONS", 16)
     steps: list[int] = []  # active rows of every decode
     decode = models.talker.decode
@@ -68,10 +83,10 @@ def test_sessions_drawn_in_lockstep_equal_each_session_alone(models, monkeypatch
         return decode(cache, codes, positions, active, read_len)
 
     monkeypatch.setattr(models.talker, "decode", counted)
-    alone, batched = _twins(models)
+    alone, batched = _sessions(alone_models), _sessions(models)
     width = models.talker.model.cfg.llm_dim
     inputs = [torch.Generator().manual_seed(k) for k in range(len(SESSIONS))]
-    lengths, seen = set(), set()
+    lengths, seen, sizes = set(), set(), []
     with torch.inference_mode():
         for u in range(len(SESSIONS[0][2])):
             items, want = [], []
@@ -100,16 +115,18 @@ def test_sessions_drawn_in_lockstep_equal_each_session_alone(models, monkeypatch
             assert max(steps[before:]) >= 3, f"unit {u}: {steps[before:]}"
             if {"turn end", "early EOS", "25 codes"} <= kinds:
                 seen.add(u)
+            sizes.append(models.pool.cache.max_len)
     assert seen, "no unit had a turn end, an early EOS and a full chunk together"
     assert 0 in lengths and CHUNK_CODES in lengths and any(0 < n < CHUNK_CODES for n in lengths)
-    pool = models.pool
-    assert pool.cache is not None and pool.cache.max_len > 16 and pool.cache.slots >= 8
+    # grown past the first length, then shrunk with turns still held (and spoken on after)
+    assert sizes[0] > 16 and max(sizes) > sizes[-1], sizes
     for s in alone + batched:
         s.close()
-    assert pool.rows_in_use == 0 and pool.cache is None
+    assert models.pool.rows_in_use == 0 and models.pool.cache is None
 
 
-def test_pool_rows_are_taken_per_turn_and_all_free_after_close(models):
+def test_pool_rows_are_taken_per_turn_and_all_free_after_close(models, monkeypatch):
+    monkeypatch.setattr(speech_mod, "FIRST_KV_POSITIONS", 16)
     sessions = [s for group in _twins(models) for s in group]
     pool = models.pool
     width = models.talker.model.cfg.llm_dim
@@ -120,9 +137,15 @@ def test_pool_rows_are_taken_per_turn_and_all_free_after_close(models):
     assert not any(isinstance(o, BaseException) for o in out)
     rows = [s.talker.row for s in sessions]
     assert sorted(rows) == list(range(len(sessions))) and pool.rows_in_use == len(sessions)
-    with torch.inference_mode():  # a turn's end gives its row back; the next turn takes one
+    short = max(s.talker.length for s in sessions[1:])
+    with torch.inference_mode():  # one long turn grows every row ...
+        for _ in range(4):
+            sessions[0].speak(_spoken(g, 20, width), False)
+        assert pool.cache.max_len >= sessions[0].talker.length > 4 * short
+        # ... and its end shrinks them back; a turn's end gives its row back
         sessions[0].speak([], True)
         assert sessions[0].talker.row is None and pool.rows_in_use == len(sessions) - 1
+        assert pool.cache.max_len < 4 * short
         sessions[0].speak(_spoken(g, 3, width), False)
         assert sessions[0].talker.row == rows[0]  # the lowest free row
     sessions[1].prepare(None)  # prepare mid-turn gives it back too

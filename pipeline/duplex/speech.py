@@ -1,4 +1,4 @@
-"""Duplex speech: one session's Talker chunks and Token2Wav stream, as `MiniCPMODuplex` runs them.
+"""Duplex speech: a session's Talker chunks and Token2Wav stream, as `MiniCPMODuplex` runs them.
 
 A speak unit's spoken rows (the Thinker's `total_hidden_in_unit`: each generated id after the
 unit's first, with its last-layer hidden state) become about one second of speech:
@@ -29,9 +29,28 @@ would pass `max_position_embeddings` restarts that context at position 0 (the re
 RoPE past the trained length with an unbounded KV); sampling draws from the session's own
 torch.Generator (the reference: the process-global RNG, in the same order).
 
+Many sessions. The sessions of one `SpeechModels` keep their turns' Talker KV in one
+`TalkerPool`: a row of one TalkerKVCache per session that is mid-turn, taken at the turn's
+first chunk and given back at its end (and at a context restart, prepare, close). The
+speak units of a batch (`speak_batch`) prefill per session (their conditions differ in
+length), then draw in lockstep: each step one `FusedTalker.decode` over the rows of every
+session still drawing, and each session's own draw on its logits row, so that a step costs
+one forward and one host read for all of them; Token2Wav then runs per session. A session
+draws the codes it draws alone (the decode's row count moves the logits in their last bits
+only: tests/test_duplex_speech_batch.py). `speak` is a batch of one.
+
+Memory: a pool row holds, per position, K and V of every layer: at full size (20 layers,
+12 kv heads x 64, bf16 on CUDA) 60 KiB a position, so 15 MiB a row at its first 256
+positions (+ the scratch column) and 240 MiB at max_position_embeddings 4096. All rows share
+the longest held turn's length (doubling as it grows, shrinking once long turns end), and
+the row count doubles when none is free (so it stays at the most turns held at once); a row
+is free again at its turn's end or the session's close, and once no row is held the pool
+drops its cache (back to the allocator).
+
 [DEMO]: the official demo's MiniCPMO45/modeling_minicpmo.py (`MiniCPMODuplex`, `MiniCPMTTS`);
 [MU7]: minicpmo-utils 1.0.7's `Token2wav` (pipeline/code2wav/stream.py). Parity:
-tests/test_duplex_speech.py. Not thread-safe: one caller drives a session.
+tests/test_duplex_speech.py. Not thread-safe: one caller (thread) drives all the sessions of
+one SpeechModels, as they share its pool.
 """
 
 from __future__ import annotations
@@ -145,8 +164,9 @@ class TalkerPool:
     context restart, at prepare and at close; a session dropped without closing loses its row
     to the next `take` (the pool holds its sessions weakly). Rows go out lowest first, so the
     rows a step spans stay few. All rows share one length, grown by doubling (from
-    FIRST_KV_POSITIONS up to max_position_embeddings) when a turn needs more, and the row
-    count doubles when no row is free; once no row is held the cache is dropped.
+    FIRST_KV_POSITIONS up to max_position_embeddings) when a turn needs more and shrunk
+    when the turns that needed it have ended (`give_back`); the row count doubles when no
+    row is free. Once no row is held the cache is dropped.
     """
 
     def __init__(self, decoder: FusedTalker) -> None:
@@ -180,9 +200,22 @@ class TalkerPool:
         return free[0]
 
     def give_back(self, row: int) -> None:
+        """Free `row`. With no row held the cache goes; when the longest turn still held
+        fills a quarter of the rows' length or less, the rows shrink to twice its length
+        (so one long turn does not keep every row long)."""
         self._owners[row] = None
-        if not self.rows_in_use:  # no turn in progress: the memory goes back
+        held = [ref() for ref in self._owners if ref is not None]
+        lengths = [c.length for c in held if c is not None]
+        if not lengths:
             self.cache, self._owners = None, []
+            return
+        assert self.cache is not None
+        first = min(FIRST_KV_POSITIONS, self.limit)
+        if self.cache.max_len > first and 4 * max(lengths) <= self.cache.max_len:
+            size = first
+            while size < 2 * max(lengths):
+                size *= 2
+            self._resize(self.cache.slots, min(size, self.cache.max_len))
 
     def reserve(self, length: int) -> TalkerKVCache:
         """The cache, its rows at least `length` positions long (at most the limit)."""
