@@ -243,16 +243,13 @@ class TalkerPool:
         rows = [c.row for c in contexts]
         assert None not in rows and len(set(rows)) == len(rows)
         lo, hi = min(rows), max(rows) + 1
-        code_in, position, active = [0] * (hi - lo), [0] * (hi - lo), [False] * (hi - lo)
+        step = [[0] * (hi - lo) for _ in range(3)]  # codes, positions, active
         for c, code in zip(contexts, codes, strict=True):
-            code_in[c.row - lo], position[c.row - lo], active[c.row - lo] = code, c.length, True
-        dev = self.device
+            step[0][c.row - lo], step[1][c.row - lo], step[2][c.row - lo] = code, c.length, 1
+        inputs = torch.tensor(step, dtype=torch.long).to(self.device)  # one copy to the device
         with any_shape():
-            logits = self.decoder.decode(
-                _RowSpan(cache, lo, hi), torch.tensor(code_in, dtype=torch.long, device=dev),
-                torch.tensor(position, dtype=torch.long, device=dev),
-                torch.tensor(active, dtype=torch.bool, device=dev),
-                max(position) + 1)
+            logits = self.decoder.decode(_RowSpan(cache, lo, hi), inputs[0], inputs[1],
+                                         inputs[2].bool(), max(step[1]) + 1)
         for c in contexts:
             c.length += 1
         return [logits[r - lo] for r in rows]
@@ -493,15 +490,17 @@ class DuplexSpeech:
                              f"got {hidden.shape[1]}")
         return torch.cat([model.build_condition(ids, hidden), bos], dim=0)
 
-    def _draw(self, logits: torch.Tensor, drawn: list[int], eos_masked: bool) -> torch.Tensor:
-        """One code from (V,) logits, in generate_chunk's order: a (1,) tensor on the
-        device (the caller reads the codes of all sessions of a step at once)."""
+    def _draw(self, logits: torch.Tensor, recent: torch.Tensor | None,
+              eos_masked: bool) -> torch.Tensor:
+        """One code from (V,) logits, in generate_chunk's order; recent: the chunk's last
+        REPETITION_WINDOW codes (k,) on the device, None before its first. Returns the code
+        as a (1,) tensor on the device: the caller reads the codes of all sessions of a step
+        at once, and nothing here copies from the host (no sync per session)."""
         logits = logits[None] / self.temperature  # (1, V)
-        if drawn:  # the first draw (after audio_bos) is temperature-only
-            recent = drawn[-REPETITION_WINDOW:]
-            history = torch.zeros(1, REPETITION_WINDOW, dtype=torch.long, device=logits.device)
-            history[0, REPETITION_WINDOW - len(recent) :] = torch.tensor(recent)
-            count = torch.tensor([len(recent)], device=logits.device)
+        if recent is not None:  # the first draw (after audio_bos) is temperature-only
+            k = recent.shape[0]
+            history = F.pad(recent, (REPETITION_WINDOW - k, 0))[None]  # right-aligned (1, W)
+            count = torch.full((1,), k, dtype=torch.long, device=logits.device)
             logits = apply_repetition_penalty(logits, history, count, self.repetition_penalty)
         if eos_masked:
             logits[:, self.eos] = -torch.inf
@@ -562,6 +561,7 @@ class _Chunk:
     min_draws: int  # EOS is masked at draws [0, min_draws)
     logits: torch.Tensor | None = None
     drawn: list[int] = field(default_factory=list)
+    recent: torch.Tensor | None = None  # the last REPETITION_WINDOW of `drawn`, on the device
 
 
 @torch.inference_mode()
@@ -569,7 +569,8 @@ def speak_batch(
     items: list[tuple[DuplexSpeech, list[tuple[int, torch.Tensor]], bool]],
 ) -> list[SpeechChunk | BaseException]:
     """`DuplexSpeech.speak` for several sessions, each (speech, spoken, end_of_turn), their
-    Talker draws in lockstep: per session its condition, its prefill and its first draw;
+    Talker chunks ([DEMO] `MiniCPMTTS.generate_chunk` over each turn's KV) drawn in
+    lockstep: per session its condition, its prefill and its first draw;
     then each step ONE decode over the Talker rows of every session still drawing (per
     TalkerPool), and each session's own draw on its logits row (`_draw`: its temperature,
     repetition window, EOS mask and generator, as alone); a session leaves at its EOS or its
@@ -601,18 +602,20 @@ def speak_batch(
         for i in list(drawing):
             chunk = chunks[i]
             try:
-                codes.append(chunk.speech._draw(chunk.logits, chunk.drawn, t < chunk.min_draws))
+                codes.append(chunk.speech._draw(chunk.logits, chunk.recent, t < chunk.min_draws))
             except Exception as e:  # noqa: BLE001
                 fail(i, e)
                 drawing.remove(i)
         # one host read for the step's codes of every session
         values = torch.cat(codes).tolist() if codes else []
         going = []
-        for i, code in zip(drawing, values, strict=True):
+        for i, code, tensor in zip(drawing, values, codes, strict=True):
             chunk = chunks[i]
             if code == chunk.speech.eos:
                 continue
             chunk.drawn.append(code)
+            chunk.recent = tensor if chunk.recent is None else (
+                torch.cat([chunk.recent, tensor])[-REPETITION_WINDOW:])
             if len(chunk.drawn) < CHUNK_DRAWS:
                 going.append(i)
         t += 1
