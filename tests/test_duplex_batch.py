@@ -4,8 +4,9 @@ session run alone (DuplexSession.unit, the path the goldens hold to the referenc
 Sessions on the duplex test checkpoint (tests/_duplex_ckpt.py) with the scripted inputs of
 tests/_duplex_inputs.py, each in its own state when the batch starts: listening, speaking
 mid-turn (seeded sampling, with speech), past several "context" window slides, an omni
-session with frames in a turn; greedy and seeded sampling, forced decisions. Every session
-has a twin built the same way that runs alone.
+session with frames in a turn (with speech too: two sessions' Talker chunks in one batch);
+greedy and seeded sampling, forced decisions. Every session has a twin built the same way
+that runs alone.
 
 Precision contract: the batch shares the matmuls over the sessions' rows; attention is each
 session's own. The ids, decisions, text and speech codes must be equal; every layer's K/V and
@@ -92,7 +93,7 @@ def test_units_of_four_sessions_batched_equal_each_session_alone(shared, speech_
         ("audio_greedy", 1, False, {}, ["speak", None, None, None, "listen"]),  # listening
         ("audio_sampling", 3, True, {"max_new_speak_tokens_per_chunk": 6}, [None] * 5),
         ("text_context_greedy", 7, False, {}, [None] * 5),  # past context window slides
-        ("omni_greedy", 5, False, {}, [None, None, None, "listen", None]),  # frames, mid-turn
+        ("omni_greedy", 5, True, {}, [None, None, None, "listen", None]),  # frames, mid-turn
     ]
     alone, batched, inputs, starts = [], [], [], []
     for name, start, speaks, kw, _ in specs:
@@ -128,8 +129,11 @@ def test_units_of_four_sessions_batched_equal_each_session_alone(shared, speech_
                 seen.add("codes")
         if {"listen", "speak"} <= kinds:
             seen.add("listen and speak in one batch")  # sessions leave the loop at different steps
+        if sum(bool(w.codes) for w in want) >= 2:
+            seen.add("two sessions' Talker draws in one batch")  # speech.speak_batch
         seen |= kinds
-    assert {"listen", "speak", "end", "codes", "listen and speak in one batch"} <= seen, seen
+    assert {"listen", "speak", "end", "codes", "listen and speak in one batch",
+            "two sessions' Talker draws in one batch"} <= seen, seen
     assert ths[2].slides > 1 and ths[0].slides == 0  # a slide inside the batch too
 
 

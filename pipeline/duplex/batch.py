@@ -199,16 +199,8 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
         for i, run in enumerate(fed):
             run.advance((hidden[i][-1], logits.get(i)))
 
-    # 3. the speech side, per session
-    out: list[UnitResult | BaseException] = []
-    for run in runs:
-        if run.error is None:
-            try:
-                out.append(run.req.session.finish_unit(run.unit))
-            except Exception as e:  # noqa: BLE001
-                run.error = e
-        if run.error is not None:
-            out.append(run.error)
-    return out
-
-
+    # 3. the speech side: the speak units' Talker draws in lockstep, Token2Wav per session
+    done = [run for run in runs if run.error is None]
+    results = DuplexSession.finish_units([(run.req.session, run.unit) for run in done])
+    result = dict(zip(map(id, done), results, strict=True))
+    return [run.error if run.error is not None else result[id(run)] for run in runs]

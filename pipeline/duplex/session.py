@@ -4,7 +4,9 @@
 the unit's input is prefilled, the Thinker decides listen or speak and decodes the chunk's
 tokens, and a speak unit's (id, hidden) rows go to the speech side, which keeps the
 Talker's and Token2Wav's per-turn state and resets it at the turn's end. With no speech
-side (text only) a speak unit carries its text and no audio.
+side (text only) a speak unit carries its text and no audio. `DuplexSession.finish_units`
+finishes the units of many sessions (pipeline/duplex/batch.py): their Talker chunks draw in
+lockstep (`pipeline.duplex.speech.speak_batch`), each as alone.
 """
 
 from __future__ import annotations
@@ -71,12 +73,45 @@ class DuplexSession:
 
     def finish_unit(self, tu: ThinkerUnit) -> UnitResult:
         """A unit after the Thinker's part: a speak unit's speech chunk, and its result."""
-        self.units += 1
-        codes: list[int] = []
-        pcm: np.ndarray | None = None
-        if not tu.is_listen and self.speech is not None:
-            chunk = self.speech.speak(tu.spoken, tu.end_of_turn)
-            codes = [int(c) for c in chunk.codes]
-            pcm = chunk.pcm
-        return UnitResult(tu.is_listen, tu.end_of_turn, tu.text, tu.token_ids, codes, pcm,
-                          tu.prefill)
+        (out,) = DuplexSession.finish_units([(self, tu)])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    @staticmethod
+    def finish_units(
+        items: list[tuple[DuplexSession, ThinkerUnit]],
+    ) -> list[UnitResult | BaseException]:
+        """`finish_unit` of several sessions (each once): the speak units whose speech side
+        is a DuplexSpeech draw their Talker codes together (speech.speak_batch, each as
+        alone); any other speech side speaks on its own. Per item its UnitResult or the
+        exception that failed it."""
+        chunks: dict[int, object] = {}
+        batched = [i for i, (s, tu) in enumerate(items)
+                   if not tu.is_listen and s.speech is not None]
+        if batched:
+            from pipeline.duplex.speech import DuplexSpeech, speak_batch
+
+            batched = [i for i in batched if isinstance(items[i][0].speech, DuplexSpeech)]
+            runs = [(items[i][0].speech, items[i][1].spoken, items[i][1].end_of_turn)
+                    for i in batched]
+            chunks = dict(zip(batched, speak_batch(runs) if runs else [], strict=True))
+        out: list[UnitResult | BaseException] = []
+        for i, (session, tu) in enumerate(items):
+            session.units += 1
+            codes: list[int] = []
+            pcm: np.ndarray | None = None
+            if not tu.is_listen and session.speech is not None:
+                try:
+                    chunk = chunks[i] if i in chunks else session.speech.speak(
+                        tu.spoken, tu.end_of_turn)
+                except Exception as e:  # noqa: BLE001 - this session's unit fails alone
+                    chunk = e
+                if isinstance(chunk, BaseException):
+                    out.append(chunk)
+                    continue
+                codes = [int(c) for c in chunk.codes]
+                pcm = chunk.pcm
+            out.append(UnitResult(tu.is_listen, tu.end_of_turn, tu.text, tu.token_ids, codes,
+                                  pcm, tu.prefill))
+        return out

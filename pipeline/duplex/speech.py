@@ -1,4 +1,4 @@
-"""Duplex speech: one session's Talker chunks and Token2Wav stream, as `MiniCPMODuplex` runs them.
+"""Duplex speech: a session's Talker chunks and Token2Wav stream, as `MiniCPMODuplex` runs them.
 
 A speak unit's spoken rows (the Thinker's `total_hidden_in_unit`: each generated id after the
 unit's first, with its last-layer hidden state) become about one second of speech:
@@ -29,13 +29,33 @@ would pass `max_position_embeddings` restarts that context at position 0 (the re
 RoPE past the trained length with an unbounded KV); sampling draws from the session's own
 torch.Generator (the reference: the process-global RNG, in the same order).
 
+Many sessions. The sessions of one `SpeechModels` keep their turns' Talker KV in one
+`TalkerPool`: a row of one TalkerKVCache per session that is mid-turn, taken at the turn's
+first chunk and given back at its end (and at a context restart, prepare, close). The
+speak units of a batch (`speak_batch`) prefill per session (their conditions differ in
+length), then draw in lockstep: each step one `FusedTalker.decode` over the rows of every
+session still drawing, and each session's own draw on its logits row, so that a step costs
+one forward and one host read for all of them; Token2Wav then runs per session. A session
+draws the codes it draws alone (the decode's row count moves the logits in their last bits
+only: tests/test_duplex_speech_batch.py). `speak` is a batch of one.
+
+Memory: a pool row holds, per position, K and V of every layer: at full size (20 layers,
+12 kv heads x 64, bf16 on CUDA) 60 KiB a position, so 15 MiB a row at its first 256
+positions (+ the scratch column) and 240 MiB at max_position_embeddings 4096. All rows share
+the longest held turn's length (doubling as it grows, shrinking once long turns end), and
+the row count doubles when none is free (so it stays at the most turns held at once); a row
+is free again at its turn's end or the session's close, and once no row is held the pool
+drops its cache (back to the allocator).
+
 [DEMO]: the official demo's MiniCPMO45/modeling_minicpmo.py (`MiniCPMODuplex`, `MiniCPMTTS`);
 [MU7]: minicpmo-utils 1.0.7's `Token2wav` (pipeline/code2wav/stream.py). Parity:
-tests/test_duplex_speech.py. Not thread-safe: one caller drives a session.
+tests/test_duplex_speech.py. Not thread-safe: one caller (thread) drives all the sessions of
+one SpeechModels, as they share its pool.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -89,6 +109,10 @@ class SpeechModels:
     voices: VoiceCache | None = None
     terminator_ids: tuple[int, ...] = ()
     templates: OrderedDict[str, StreamState] = field(default_factory=OrderedDict)
+    pool: TalkerPool = field(init=False)  # the sessions' Talker KV rows
+
+    def __post_init__(self) -> None:
+        self.pool = TalkerPool(self.talker)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | None, device: str = "cpu") -> SpeechModels:
@@ -132,8 +156,18 @@ class SpeechModels:
         return tpl
 
 
-class _TalkerContext:
-    """One turn's Talker KV: a one-slot TalkerKVCache, grown (doubling) as the turn goes."""
+class TalkerPool:
+    """The Talker KV of every session of one `SpeechModels`: a row of one TalkerKVCache per
+    session that is mid-turn, so that one `FusedTalker.decode` steps many sessions at once.
+
+    A session takes a row at its turn's first chunk and gives it back at the turn's end, at a
+    context restart, at prepare and at close; a session dropped without closing loses its row
+    to the next `take` (the pool holds its sessions weakly). Rows go out lowest first, so the
+    rows a step spans stay few. All rows share one length, grown by doubling (from
+    FIRST_KV_POSITIONS up to max_position_embeddings) when a turn needs more and shrunk
+    when the turns that needed it have ended (`give_back`); the row count doubles when no
+    row is free. Once no row is held the cache is dropped.
+    """
 
     def __init__(self, decoder: FusedTalker) -> None:
         self.decoder = decoder
@@ -142,41 +176,137 @@ class _TalkerContext:
         self.dtype, self.device = weight.dtype, weight.device
         self.limit = self.model.cfg.max_position_embeddings
         self.cache: TalkerKVCache | None = None
-        self.length = 0  # positions filled (= the reference's text_start_pos)
+        self._owners: list[weakref.ref | None] = []  # per row: the context holding it
 
-    def reset(self) -> None:
-        self.cache, self.length = None, 0
+    def _held(self, row: int) -> bool:
+        ref = self._owners[row]
+        return ref is not None and ref() is not None
 
-    def _reserve(self, length: int) -> TalkerKVCache:
-        have = 0 if self.cache is None else self.cache.max_len
-        if length > have:
-            size = max(min(FIRST_KV_POSITIONS, self.limit), have)
+    @property
+    def rows_in_use(self) -> int:
+        return sum(self._held(r) for r in range(len(self._owners)))
+
+    def take(self, owner: _TalkerContext) -> int:
+        """A free row for `owner` (the lowest; the rows double when none is free)."""
+        free = [r for r in range(len(self._owners)) if not self._held(r)]
+        if not free:
+            rows = len(self._owners)
+            length = min(FIRST_KV_POSITIONS, self.limit) if self.cache is None else (
+                self.cache.max_len)
+            self._resize(max(1, 2 * rows), length)
+            self._owners += [None] * (self.cache.slots - rows)
+            free = [rows]
+        self._owners[free[0]] = weakref.ref(owner)
+        return free[0]
+
+    def give_back(self, row: int) -> None:
+        """Free `row`. With no row held the cache goes; when the longest turn still held
+        fills a quarter of the rows' length or less, the rows shrink to twice its length
+        (so one long turn does not keep every row long)."""
+        self._owners[row] = None
+        held = [ref() for ref in self._owners if ref is not None]
+        lengths = [c.length for c in held if c is not None]
+        if not lengths:
+            self.cache, self._owners = None, []
+            return
+        assert self.cache is not None
+        first = min(FIRST_KV_POSITIONS, self.limit)
+        if self.cache.max_len > first and 4 * max(lengths) <= self.cache.max_len:
+            size = first
+            while size < 2 * max(lengths):
+                size *= 2
+            self._resize(self.cache.slots, min(size, self.cache.max_len))
+
+    def reserve(self, length: int) -> TalkerKVCache:
+        """The cache, its rows at least `length` positions long (at most the limit)."""
+        assert self.cache is not None, "reserve with no row taken"
+        if length > self.cache.max_len:
+            size = max(min(FIRST_KV_POSITIONS, self.limit), self.cache.max_len)
             while size < length:
                 size *= 2
-            grown = TalkerKVCache(self.model.cfg, 1, min(size, self.limit), self.dtype,
-                                  self.device)
-            if self.cache is not None:
-                grown.kv[..., : self.length, :].copy_(self.cache.kv[..., : self.length, :])
-            self.cache = grown
-        assert self.cache is not None
+            self._resize(self.cache.slots, min(size, self.limit))
         return self.cache
+
+    def _resize(self, slots: int, max_len: int) -> None:
+        grown = TalkerKVCache(self.model.cfg, slots, max_len, self.dtype, self.device)
+        old = self.cache
+        if old is not None:
+            n = min(old.max_len, max_len)
+            grown.kv[:, :, : old.slots, :, :n].copy_(old.kv[:, :, :, :, :n])
+        self.cache = grown
+
+    def step(self, contexts: list[_TalkerContext], codes: list[int]) -> list[torch.Tensor]:
+        """Feed each context its code at its next position, in one decode over the rows the
+        contexts span (rows between them that are not stepping idle, as in the Talker
+        engine). Returns each one's logits (V,) float32."""
+        cache = self.reserve(max(c.length for c in contexts) + 1)
+        rows = [c.row for c in contexts]
+        assert None not in rows and len(set(rows)) == len(rows)
+        lo, hi = min(rows), max(rows) + 1
+        step = [[0] * (hi - lo) for _ in range(3)]  # codes, positions, active
+        for c, code in zip(contexts, codes, strict=True):
+            step[0][c.row - lo], step[1][c.row - lo], step[2][c.row - lo] = code, c.length, 1
+        inputs = torch.tensor(step, dtype=torch.long).to(self.device)  # one copy to the device
+        with any_shape():
+            logits = self.decoder.decode(_RowSpan(cache, lo, hi), inputs[0], inputs[1],
+                                         inputs[2].bool(), max(step[1]) + 1)
+        for c in contexts:
+            c.length += 1
+        return [logits[r - lo] for r in rows]
+
+
+class _RowSpan:
+    """Rows [lo, hi) of a TalkerKVCache, read as `FusedTalker.decode` reads a cache (its rows
+    from 0): views of the cache's tensors, so the decode's writes land in the pool."""
+
+    def __init__(self, cache: TalkerKVCache, lo: int, hi: int) -> None:
+        self.kv = cache.kv[:, :, lo:hi]
+        self.slots, self.max_len = hi - lo, cache.max_len
+        self.rope_cs, self.position_ids = cache.rope_cs, cache.position_ids
+        self.row_ids = cache.row_ids[: hi - lo]
+        self.scratch_pos = cache.scratch_pos
+
+
+class _TalkerContext:
+    """One session's Talker KV for its turn: a row of the models' TalkerPool, held from the
+    turn's first chunk to its end, and the positions filled in it."""
+
+    def __init__(self, pool: TalkerPool) -> None:
+        self.pool = pool
+        self.decoder, self.model = pool.decoder, pool.model
+        self.device = pool.device
+        self.limit = pool.limit
+        self.row: int | None = None
+        self.length = 0  # positions filled (= the reference's text_start_pos)
+
+    @property
+    def cache(self) -> TalkerKVCache | None:
+        """The pool's cache while this context holds a row."""
+        return None if self.row is None else self.pool.cache
+
+    def reset(self) -> None:
+        if self.row is not None:
+            self.pool.give_back(self.row)
+        self.row, self.length = None, 0
 
     def extend(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows (L, E) at the next L positions, attending to the turn's KV and causally to
         each other. Returns the last row's logits (V,) float32."""
         start, n = self.length, rows.shape[0]
-        cache = self._reserve(start + n)
+        if self.row is None:
+            self.row = self.pool.take(self)
+        cache, row = self.pool.reserve(start + n), self.row
         with any_shape():
             if start == 0:
-                logits = self.decoder.prefill(cache, 0, rows)
+                logits = self.decoder.prefill(cache, row, rows)
             else:
                 positions = cache.position_ids[start : start + n][None, :]  # (1, L)
                 keys = cache.position_ids[: start + n]
                 allowed = keys[None, :] <= positions[0, :, None]  # (L, start + L)
                 mask = torch.zeros(allowed.shape, dtype=rows.dtype, device=rows.device)
                 mask.masked_fill_(allowed.logical_not(), float("-inf"))
-                batch = AttentionBatch(slice(0, 1), cache.row_ids[:1], positions, start + n,
-                                       mask[None, None])
+                batch = AttentionBatch(slice(row, row + 1), cache.row_ids[:1], positions,
+                                       start + n, mask[None, None])
                 hidden = self.decoder._forward(rows[None].clone(), positions, cache, batch)
                 logits = self.model.head(hidden[0])
         self.length = start + n
@@ -184,14 +314,7 @@ class _TalkerContext:
 
     def step(self, code: int) -> torch.Tensor:
         """Feed one code at the next position. Returns its logits (V,) float32."""
-        cache = self._reserve(self.length + 1)
-        codes = torch.tensor([code], dtype=torch.long, device=self.device)
-        pos = torch.tensor([self.length], dtype=torch.long, device=self.device)
-        active = torch.ones(1, dtype=torch.bool, device=self.device)
-        with any_shape():
-            logits = self.decoder.decode(cache, codes, pos, active, self.length + 1)
-        self.length += 1
-        return logits[0]
+        return self.pool.step([self], [code])[0]
 
 
 def trim_flow_cache(cache: FlowCache, prompt_frames: int) -> FlowCache:
@@ -240,7 +363,7 @@ class DuplexSpeech:
         if repetition_penalty <= 0:
             raise ValueError(f"tts repetition_penalty must be > 0, got {repetition_penalty}")
         self.models = models
-        self.talker = _TalkerContext(models.talker)
+        self.talker = _TalkerContext(models.pool)
         cfg = models.talker.model.cfg
         self.eos = cfg.eos_code
         self.audio_bos = cfg.audio_bos_token_id
@@ -321,7 +444,15 @@ class DuplexSpeech:
 
     @torch.inference_mode()
     def speak(self, spoken: list[tuple[int, torch.Tensor]], end_of_turn: bool) -> SpeechChunk:
-        """A speak unit's spoken rows -> its codes and PCM (module docstring)."""
+        """A speak unit's spoken rows -> its codes and PCM (module docstring): `speak_batch`
+        of this session alone."""
+        (out,) = speak_batch([(self, spoken, end_of_turn)])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _begin(self, spoken: list[tuple[int, torch.Tensor]], end_of_turn: bool) -> _Chunk:
+        """A chunk up to its first draw: the condition prefilled on the turn's KV."""
         if self.state is None:
             raise RuntimeError("DuplexSpeech.speak before prepare")
         condition = self._condition(spoken)
@@ -329,12 +460,19 @@ class DuplexSpeech:
         if self.talker.length + condition.shape[0] + CHUNK_CODES > self.talker.limit:
             self.talker.reset()  # bounded (module docstring); Token2Wav goes on
         min_draws = 0 if end_of_turn or turn_start else CHUNK_DRAWS
-        codes = self._talker_chunk(condition, min_draws)
-        if end_of_turn:
+        chunk = _Chunk(self, end_of_turn, turn_start, min_draws)
+        chunk.logits = self.talker.extend(condition)
+        return chunk
+
+    def _finish(self, chunk: _Chunk) -> SpeechChunk:
+        """A chunk after its draws: the turn's end, and its Token2Wav."""
+        # the code drawn last is dropped: EOS, or the one drawn at the cap, never fed back
+        codes = chunk.drawn[:CHUNK_CODES]
+        if chunk.end_of_turn:
             self.talker.reset()
         # Token2Wav before the turn's reset: the buffer's last codes go out with this chunk
-        pcm = self._token2wav(codes, last=end_of_turn, force_flush=turn_start)
-        if end_of_turn:
+        pcm = self._token2wav(codes, last=chunk.end_of_turn, force_flush=chunk.turn_start)
+        if chunk.end_of_turn:
             self._new_turn()
         return SpeechChunk(codes, pcm)
 
@@ -352,36 +490,24 @@ class DuplexSpeech:
                              f"got {hidden.shape[1]}")
         return torch.cat([model.build_condition(ids, hidden), bos], dim=0)
 
-    def _talker_chunk(self, condition: torch.Tensor, min_draws: int) -> list[int]:
-        """[DEMO] MiniCPMTTS.generate_chunk over the turn's KV: the kept codes."""
-        logits = self.talker.extend(condition)
-        drawn: list[int] = []
-        t = 0
-        for t in range(CHUNK_DRAWS):
-            if t > 0:
-                logits = self.talker.step(drawn[t - 1])
-            code = self._draw(logits, drawn, t < min_draws)
-            if code == self.eos:
-                break
-            drawn.append(code)
-        # the code drawn last is dropped: EOS, or the one drawn at the cap, never fed back
-        return drawn[:t]
-
-    def _draw(self, logits: torch.Tensor, drawn: list[int], eos_masked: bool) -> int:
-        """One code from (V,) logits, in generate_chunk's order."""
+    def _draw(self, logits: torch.Tensor, recent: torch.Tensor | None,
+              eos_masked: bool) -> torch.Tensor:
+        """One code from (V,) logits, in generate_chunk's order; recent: the chunk's last
+        REPETITION_WINDOW codes (k,) on the device, None before its first. Returns the code
+        as a (1,) tensor on the device: the caller reads the codes of all sessions of a step
+        at once, and nothing here copies from the host (no sync per session)."""
         logits = logits[None] / self.temperature  # (1, V)
-        if drawn:  # the first draw (after audio_bos) is temperature-only
-            recent = drawn[-REPETITION_WINDOW:]
-            history = torch.zeros(1, REPETITION_WINDOW, dtype=torch.long, device=logits.device)
-            history[0, REPETITION_WINDOW - len(recent) :] = torch.tensor(recent)
-            count = torch.tensor([len(recent)], device=logits.device)
+        if recent is not None:  # the first draw (after audio_bos) is temperature-only
+            k = recent.shape[0]
+            history = F.pad(recent, (REPETITION_WINDOW - k, 0))[None]  # right-aligned (1, W)
+            count = torch.full((1,), k, dtype=torch.long, device=logits.device)
             logits = apply_repetition_penalty(logits, history, count, self.repetition_penalty)
         if eos_masked:
             logits[:, self.eos] = -torch.inf
         scores = F.softmax(logits, dim=-1)
         if self.greedy:
-            return int(scores.argmax(dim=-1).item())
-        return int(torch.multinomial(scores, 1, generator=self.generator).item())
+            return scores.argmax(dim=-1)
+        return torch.multinomial(scores, 1, generator=self.generator)[0]
 
     # -- Token2Wav -------------------------------------------------------------------------
 
@@ -422,3 +548,97 @@ class DuplexSpeech:
         self.state = replace(voiced, flow=trim_flow_cache(cache, state.prompt_frames),
                              chunks=state.chunks + 1)
         return speech[0].float().cpu().numpy()
+
+
+@dataclass
+class _Chunk:
+    """One session's speak unit in `speak_batch`: its draws so far and the logits of the
+    next."""
+
+    speech: DuplexSpeech
+    end_of_turn: bool
+    turn_start: bool
+    min_draws: int  # EOS is masked at draws [0, min_draws)
+    logits: torch.Tensor | None = None
+    drawn: list[int] = field(default_factory=list)
+    recent: torch.Tensor | None = None  # the last REPETITION_WINDOW of `drawn`, on the device
+
+
+@torch.inference_mode()
+def speak_batch(
+    items: list[tuple[DuplexSpeech, list[tuple[int, torch.Tensor]], bool]],
+) -> list[SpeechChunk | BaseException]:
+    """`DuplexSpeech.speak` for several sessions, each (speech, spoken, end_of_turn), their
+    Talker chunks ([DEMO] `MiniCPMTTS.generate_chunk` over each turn's KV) drawn in
+    lockstep: per session its condition, its prefill and its first draw;
+    then each step ONE decode over the Talker rows of every session still drawing (per
+    TalkerPool), and each session's own draw on its logits row (`_draw`: its temperature,
+    repetition window, EOS mask and generator, as alone); a session leaves at its EOS or its
+    CHUNK_DRAWS-th draw. Then each session's Token2Wav, as alone.
+
+    So each session draws the codes it draws alone: only the decode's row count differs,
+    which moves the logits in their last bits. Per item its SpeechChunk or the exception
+    that failed it. A failed decode fails every session it stepped; a failed session keeps
+    its turn's Talker KV as its last complete prefill or step left it (a failed forward
+    wrote only past it)."""
+    if len({id(speech) for speech, _, _ in items}) != len(items):
+        raise ValueError("a session may speak once in a batch")
+    out: list[SpeechChunk | BaseException | None] = [None] * len(items)
+    chunks: dict[int, _Chunk] = {}
+
+    def fail(i: int, e: BaseException) -> None:
+        out[i] = e
+        chunks.pop(i)
+
+    for i, (speech, spoken, end_of_turn) in enumerate(items):
+        try:
+            chunks[i] = speech._begin(spoken, end_of_turn)
+        except Exception as e:  # noqa: BLE001 - this session's chunk fails, not the batch's
+            out[i] = e
+    drawing = sorted(chunks)
+    t = 0
+    while drawing:
+        codes = []
+        for i in list(drawing):
+            chunk = chunks[i]
+            try:
+                codes.append(chunk.speech._draw(chunk.logits, chunk.recent, t < chunk.min_draws))
+            except Exception as e:  # noqa: BLE001
+                fail(i, e)
+                drawing.remove(i)
+        # one host read for the step's codes of every session
+        values = torch.cat(codes).tolist() if codes else []
+        going = []
+        for i, code, tensor in zip(drawing, values, codes, strict=True):
+            chunk = chunks[i]
+            if code == chunk.speech.eos:
+                continue
+            chunk.drawn.append(code)
+            chunk.recent = tensor if chunk.recent is None else (
+                torch.cat([chunk.recent, tensor])[-REPETITION_WINDOW:])
+            if len(chunk.drawn) < CHUNK_DRAWS:
+                going.append(i)
+        t += 1
+        by_pool: dict[int, list[int]] = {}
+        for i in going:
+            by_pool.setdefault(id(chunks[i].speech.talker.pool), []).append(i)
+        drawing = []
+        for group in by_pool.values():
+            pool = chunks[group[0]].speech.talker.pool
+            try:
+                logits = pool.step([chunks[i].speech.talker for i in group],
+                                   [chunks[i].drawn[-1] for i in group])
+            except Exception as e:  # noqa: BLE001 - every session of the step is mid-chunk
+                for i in group:
+                    fail(i, e)
+                continue
+            for i, lg in zip(group, logits, strict=True):
+                chunks[i].logits = lg
+            drawing += group
+        drawing.sort()
+    for i, chunk in chunks.items():
+        try:
+            out[i] = chunk.speech._finish(chunk)
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+    return out  # type: ignore[return-value]

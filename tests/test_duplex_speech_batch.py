@@ -1,0 +1,185 @@
+"""The speak units of many duplex sessions drawn in lockstep (pipeline/duplex/speech.py
+`speak_batch`, one Talker decode a step over every drawing session's row of the shared
+TalkerPool) equal each session speaking alone, and the pool's rows come back.
+
+The tiny default's Talker with its EOS row scaled up (as tests/test_duplex_speech.py does),
+so that chunks end at EOS at different draws: in the same units one session ends its turn,
+one draws EOS early at a turn start, one runs all 26 draws mid-turn; seeded sampling and
+argmax. Every session has a twin that speaks alone (`speak`, a batch of one) over the same
+models loaded again, so that the batch's pool grows and shrinks on its own.
+
+Precision contract: the batch's decode runs more rows through the same matmuls, which moves
+the logits in their last bits only; the codes, the Talker positions and the generators'
+states must be equal, and the PCM too (Token2Wav runs per session on the same codes)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.duplex import speech as speech_mod
+from pipeline.duplex.speech import CHUNK_CODES, DuplexSpeech, SpeechModels, speak_batch
+
+# per session: (seed, greedy, its units as (spoken rows, end_of_turn))
+SESSIONS = [
+    (100, False, [(12, False), (20, False), (7, True), (9, False), (10, False)]),
+    (101, False, [(3, True), (15, False), (20, False), (20, True), (4, False)]),
+    (102, False, [(20, False), (20, False), (20, False), (20, True), (6, False)]),
+    (103, True, [(0, False), (8, True), (0, False), (16, False), (5, False)]),
+]
+
+
+def _eos_prone(models: SpeechModels) -> SpeechModels:
+    """The Talker's EOS logit scaled up (its weight-norm gain)."""
+    head = models.talker.model.head_code[0]
+    with torch.no_grad():
+        head.parametrizations["weight"].original0[models.talker.model.cfg.eos_code] *= 60.0
+    head.materialize()
+    return models
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint) -> SpeechModels:
+    return _eos_prone(SpeechModels.from_checkpoint(tiny_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def alone_models(tiny_checkpoint) -> SpeechModels:
+    """The same models again: the sessions alone keep their KV in a pool of their own."""
+    return _eos_prone(SpeechModels.from_checkpoint(tiny_checkpoint))
+
+
+def _spoken(g: torch.Generator, n: int, width: int) -> list[tuple[int, torch.Tensor]]:
+    ids = torch.randint(0, 151000, (n,), generator=g).tolist()
+    return [(i, torch.randn(width, generator=g)) for i in ids]
+
+
+def _sessions(models: SpeechModels) -> list[DuplexSpeech]:
+    out = []
+    for seed, greedy, _ in SESSIONS:
+        s = DuplexSpeech(models, seed=seed, greedy=greedy)
+        s.prepare(None)
+        out.append(s)
+    return out
+
+
+def _twins(models: SpeechModels) -> tuple[list[DuplexSpeech], list[DuplexSpeech]]:
+    return _sessions(models), _sessions(models)
+
+
+def test_sessions_drawn_in_lockstep_equal_each_session_alone(models, alone_models,
+                                                             monkeypatch):
+    # a short first length: the batch's rows grow (copied) while other sessions hold theirs,
+    # and shrink (copied) when the longest turn ends while others go on
+    monkeypatch.setattr(speech_mod, "FIRST_KV_POSITIONS", 16)
+    steps: list[int] = []  # active rows of every decode
+    decode = models.talker.decode
+
+    def counted(cache, codes, positions, active, read_len):
+        steps.append(int(active.sum()))
+        return decode(cache, codes, positions, active, read_len)
+
+    monkeypatch.setattr(models.talker, "decode", counted)
+    alone, batched = _sessions(alone_models), _sessions(models)
+    width = models.talker.model.cfg.llm_dim
+    inputs = [torch.Generator().manual_seed(k) for k in range(len(SESSIONS))]
+    lengths, seen, sizes = set(), set(), []
+    with torch.inference_mode():
+        for u in range(len(SESSIONS[0][2])):
+            items, want = [], []
+            for k, (_, _, units) in enumerate(SESSIONS):
+                n, eot = units[u]
+                spoken = _spoken(inputs[k], n, width)
+                want.append(alone[k].speak(spoken, eot))
+                items.append((batched[k], spoken, eot))
+            before = len(steps)
+            got = speak_batch(items)
+            kinds = set()
+            for k, (g, w) in enumerate(zip(got, want, strict=True)):
+                where = f"session {k} unit {u}"
+                assert not isinstance(g, BaseException), f"{where}: {g!r}"
+                assert g.codes == w.codes, where
+                assert g.pcm.shape == w.pcm.shape and np.array_equal(g.pcm, w.pcm), where
+                assert batched[k].talker.length == alone[k].talker.length, where
+                assert torch.equal(batched[k].generator.get_state(),
+                                   alone[k].generator.get_state()), where
+                eot = items[k][2]
+                n = len(w.codes)
+                kinds.add("turn end" if eot else "25 codes" if n == CHUNK_CODES
+                          else "early EOS" if n else "EOS first")
+                lengths.add(n)
+            # the batch stepped several sessions' rows in one decode
+            assert max(steps[before:]) >= 3, f"unit {u}: {steps[before:]}"
+            if {"turn end", "early EOS", "25 codes"} <= kinds:
+                seen.add(u)
+            sizes.append(models.pool.cache.max_len)
+    assert seen, "no unit had a turn end, an early EOS and a full chunk together"
+    assert 0 in lengths and CHUNK_CODES in lengths and any(0 < n < CHUNK_CODES for n in lengths)
+    # grown past the first length, then shrunk with turns still held (and spoken on after)
+    assert sizes[0] > 16 and max(sizes) > sizes[-1], sizes
+    for s in alone + batched:
+        s.close()
+    assert models.pool.rows_in_use == 0 and models.pool.cache is None
+
+
+def test_pool_rows_are_taken_per_turn_and_all_free_after_close(models, monkeypatch):
+    monkeypatch.setattr(speech_mod, "FIRST_KV_POSITIONS", 16)
+    sessions = [s for group in _twins(models) for s in group]
+    pool = models.pool
+    width = models.talker.model.cfg.llm_dim
+    g = torch.Generator().manual_seed(7)
+    assert pool.rows_in_use == 0  # prepared sessions hold no row: no turn yet
+    with torch.inference_mode():
+        out = speak_batch([(s, _spoken(g, 5, width), False) for s in sessions])
+    assert not any(isinstance(o, BaseException) for o in out)
+    rows = [s.talker.row for s in sessions]
+    assert sorted(rows) == list(range(len(sessions))) and pool.rows_in_use == len(sessions)
+    short = max(s.talker.length for s in sessions[1:])
+    with torch.inference_mode():  # one long turn grows every row ...
+        for _ in range(4):
+            sessions[0].speak(_spoken(g, 20, width), False)
+        assert pool.cache.max_len >= sessions[0].talker.length > 4 * short
+        # ... and its end shrinks them back; a turn's end gives its row back
+        sessions[0].speak([], True)
+        assert sessions[0].talker.row is None and pool.rows_in_use == len(sessions) - 1
+        assert pool.cache.max_len < 4 * short
+        sessions[0].speak(_spoken(g, 3, width), False)
+        assert sessions[0].talker.row == rows[0]  # the lowest free row
+    sessions[1].prepare(None)  # prepare mid-turn gives it back too
+    assert sessions[1].talker.row is None and pool.rows_in_use == len(sessions) - 1
+    dropped = sessions.pop()  # a session dropped without close loses its row
+    del dropped
+    gc.collect()
+    assert pool.rows_in_use == len(sessions) - 1
+    for s in sessions:
+        s.close()
+    assert pool.rows_in_use == 0 and pool.cache is None  # the memory goes back
+
+
+def test_a_bad_chunk_fails_alone_and_the_others_go_on(models):
+    alone, batched = _twins(models)
+    width = models.talker.model.cfg.llm_dim
+    unprepared = DuplexSpeech(models, seed=1)
+    g = torch.Generator().manual_seed(3)
+    spoken = [_spoken(g, n, width) for n in (4, 9)]
+    with torch.inference_mode():
+        want = [alone[0].speak(spoken[0], False), alone[2].speak(spoken[1], False)]
+        got = speak_batch([
+            (batched[0], spoken[0], False),
+            (batched[1], [(5, torch.zeros(width // 2))], False),  # hidden rows too narrow
+            (unprepared, [], False),
+            (batched[2], spoken[1], False),
+        ])
+    assert isinstance(got[1], ValueError) and "wide" in str(got[1])
+    assert isinstance(got[2], RuntimeError) and "before prepare" in str(got[2])
+    for g_, w in zip((got[0], got[3]), want, strict=True):
+        assert g_.codes == w.codes and np.array_equal(g_.pcm, w.pcm)
+    assert batched[1].talker.length == 0 and batched[1].talker.row is None  # nothing ran
+    with pytest.raises(ValueError, match="once in a batch"):
+        speak_batch([(batched[0], [], False), (batched[0], [], False)])
+    for s in alone + batched:
+        s.close()
+    assert models.pool.rows_in_use == 0
