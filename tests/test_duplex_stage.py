@@ -71,9 +71,10 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
     held = sessions.stats()["kv_blocks"]
     assert held > 0 and pool.num_used == held
     assert sessions.stats() == {"sessions": 1, "units": UNITS, "batches": UNITS,
-                                "kv_blocks": held}
+                                "kv_blocks": held, "talker_rows": sessions.stats()["talker_rows"]}
     assert sessions.close("s") and not sessions.close("s")
     assert pool.num_used == 0 and sessions.stats()["kv_blocks"] == 0
+    assert sessions.stats()["talker_rows"] == 0
     with pytest.raises(KeyError):
         sessions.unit("s", inputs[0][0], None, None)
     assert len(sessions) == 0
@@ -129,7 +130,7 @@ def test_concurrent_units_of_several_sessions_run_as_one_batch(ckpt):
     # one batch per round (the unknown session's unit is refused before any batch)
     assert stats["kv_blocks"] > 0
     assert stats == {"sessions": 3, "units": 3 * len(rounds), "batches": len(rounds),
-                     "kv_blocks": stats["kv_blocks"]}
+                     "kv_blocks": stats["kv_blocks"], "talker_rows": 0}  # text only
 
     kinds = set()
     for i, (name, s) in enumerate(zip(names, scripts, strict=True)):

@@ -136,8 +136,9 @@ class DuplexSessions:
     def stats(self) -> dict[str, int]:
         # read from the event loop while units run: a snapshot of the sessions
         held = sum(len(s.thinker.kv.table) for s, _ in list(self._sessions.values()))
+        rows = self._speech_models.pool.rows_in_use if self._speech_models is not None else 0
         return {"sessions": len(self._sessions), "units": self.units, "batches": self.batches,
-                "kv_blocks": held}
+                "kv_blocks": held, "talker_rows": rows}
 
 
 class UnitBatcher:

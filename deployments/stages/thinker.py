@@ -143,15 +143,22 @@ class ThinkerServer(StageServer):
         return self._duplex
 
     def _extra_stats(self) -> dict[str, Any]:
-        return {"duplex": self._duplex.stats() if self._duplex is not None else {"sessions": 0, "kv_blocks": 0}}
+        if self._duplex is None:
+            return {"duplex": {"sessions": 0, "kv_blocks": 0, "talker_rows": 0}}
+        return {"duplex": self._duplex.stats()}
 
     def _leaks(self, engine: dict[str, Any]) -> list[str]:
         total = engine.get("num_total_blocks")
         free = engine.get("num_free_blocks")
-        duplex = self._duplex.stats()["kv_blocks"] if self._duplex is not None else 0
-        if not int(engine["open_streams"]) and total is not None and free + duplex != total:
-            return [f"{total - free - duplex} KV blocks in use with no request or duplex session"]
-        return []
+        d = self._duplex.stats() if self._duplex is not None else {}
+        held = d.get("kv_blocks", 0)
+        leaks = []
+        if not int(engine["open_streams"]) and total is not None and free + held != total:
+            leaks.append(f"{total - free - held} KV blocks in use with no request or duplex "
+                         "session")
+        if not d.get("sessions") and d.get("talker_rows"):
+            leaks.append(f"{d['talker_rows']} duplex Talker rows held with no session")
+        return leaks
 
 
 def _numpy(h: Any) -> np.ndarray:

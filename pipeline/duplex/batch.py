@@ -13,7 +13,9 @@ lockstep across the sessions:
    logits of the sessions that want them in one matmul. A session leaves the loop at its
    own chunk terminator; its decisions, repetition window, generator, turn state and
    sliding window stay its own (the steps run on its DuplexThinker, as alone);
-3. the speech side (Talker chunk, Token2Wav) runs per session, after the Thinker batch.
+3. the speech side (`DuplexSession.finish_units`): the speak units' Talker draws in
+   lockstep, one decode a step over every drawing session's row of the shared TalkerPool
+   (`speech.speak_batch`), then Token2Wav per session.
 
 Attention: the sessions' K/V are blocks of one paged pool (pipeline/duplex/kv.py), so a
 step over many sessions is one forward with one attention call a layer over their block
