@@ -1,4 +1,4 @@
-"""A short soak in CI: about a minute at c=8 against the main app (real engines, tiny
+"""A short soak in CI: 35 s at c=8 against the main app (real engines, tiny
 default), every request kind, 15% of streamed turns hung up early (bench/soak.py). No turn
 may lack its one terminal event, bad requests must get 4xx, and at the end nothing may be
 left in any stage (Ingress.stats: idle, no leaks). The long version, with a stage killed
@@ -18,7 +18,7 @@ pytest.importorskip("aiohttp")
 
 from bench.soak import soak
 
-SOAK_S = float(os.environ.get("OMNIRAY_SOAK_S", "60"))
+SOAK_S = float(os.environ.get("OMNIRAY_SOAK_S", "35"))
 
 
 def test_soak_nothing_lost_nothing_leaked(serve_app):
