@@ -135,6 +135,32 @@ def _forward(llm: Qwen3LM, runs: list[_Run],
         return None
 
 
+def _decode(runs: list[_Run]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One decode step of `runs` (their pending tokens), as `_forward` runs rows: a session
+    whose KV has no room fails alone, a failed step fails them all. Returns the hidden rows
+    (and the logits, where a graph computed them) of the runs still alive."""
+    live = []
+    for run in runs:
+        kv = run.thinker.kv
+        try:
+            kv.ensure(kv.length + 1)
+        except ValueError as e:
+            run.fail(e)
+            continue
+        live.append(run)
+    runs[:] = live
+    if not live:
+        return None
+    try:
+        return live[0].thinker.kv.pages.decode([run.thinker.kv for run in live],
+                                               [run.token[0] for run in live])
+    except Exception as e:  # noqa: BLE001 - every session of the step is left mid-unit
+        for run in live:
+            run.fail(e)
+        runs.clear()
+        return None
+
+
 @torch.inference_mode()
 def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
     """Each request's unit, batched; per request its UnitResult or the exception that
@@ -189,17 +215,18 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
         active = [run for run in runs if run.token is not None]
         if not active:
             break
-        embeds = llm.embed(torch.tensor([run.token[0] for run in active], dtype=torch.long,
-                                        device=llm.lm_head.weight.device))
-        rows = [embeds[i : i + 1] for i in range(len(active))]
         fed = list(active)
-        hidden = _forward(llm, fed, rows)
-        if hidden is None:
+        out = _decode(fed)
+        if out is None:
             continue
+        hidden, all_logits = out
         want = [i for i, run in enumerate(fed) if run.token[1]]
-        logits = dict(zip(want, _logits(llm, [hidden[i][-1] for i in want]))) if want else {}
+        if all_logits is not None:
+            logits = {i: all_logits[i : i + 1] for i in want}
+        else:
+            logits = dict(zip(want, _logits(llm, [hidden[i] for i in want]))) if want else {}
         for i, run in enumerate(fed):
-            run.advance((hidden[i][-1], logits.get(i)))
+            run.advance((hidden[i], logits.get(i)))
 
     # 3. the speech side: the speak units' Talker draws in lockstep, Token2Wav per session
     done = [run for run in runs if run.error is None]
