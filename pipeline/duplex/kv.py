@@ -28,6 +28,7 @@ from pipeline.thinker.llm_engine.attention import (
     AttnMetadata,
     FlashInferAttention,
     ForwardBatch,
+    TorchAttention,
     forward_batch,
     make_backend,
 )
@@ -83,6 +84,8 @@ class KVPages:
     def _make_backend(self):
         cfg = self.llm.cfg
         self._backend_pages = self.layers[0].shape[0]
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return TorchAttention()  # FlashInfer's kernels are half precision only
         return make_backend(self.device, num_qo_heads=cfg.num_attention_heads,
                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                             block_size=self.block_size, max_num_pages=self._backend_pages,
