@@ -1,0 +1,188 @@
+"""Full-duplex units on one GPU, in process (no Serve): the served Thinker (its engine's
+model and KV pool, as `deployments/stages/duplex.py` builds sessions) and the duplex speech
+models, full size, random weights. N sessions' units run as one batch
+(`pipeline.duplex.batch.run_units`), forced speak / speak / listen, 1 s of audio each (and a
+320x240 frame in the video mode). Per batch: its wall time, and inside it the encoders
+(`plan_prefill_batch`), the speech side (`speak_batch`: Talker draws + Token2Wav) and its
+Token2Wav; the Thinker's share is the rest. A session is in real time while a batch of its
+speak units takes under 1 s.
+
+`--check` first runs 4 greedy sessions x 6 units with the decode step eager and then as the
+pool's CUDA graphs, and counts the units whose tokens agree (the graph path's GPU check).
+
+    python -m bench.gpu_duplex --plan audio:1:10,audio:16:10,video:16:10,audio:16:5 --check
+
+A plan entry is MODE:SESSIONS:STEPS (STEPS: Token2Wav's Euler steps, the reference's
+`n_timesteps`). The file runs on its own too (`python bench/gpu_duplex.py ...` from a tree
+whose `pipeline` is on PYTHONPATH): it imports nothing from `bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_duplex", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plan", default="audio:1:10,audio:8:10,audio:16:10,video:16:10")
+    ap.add_argument("--units", type=int, default=6, help="units a session, one batch each")
+    ap.add_argument("--check", action="store_true", help="graph vs eager decode, greedy")
+    ap.add_argument("--checkpoint", default="random-full")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kv-gib", type=float, default=8.0, help="the Thinker engine's KV pool")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    import pipeline.duplex.batch as batch_mod
+    import pipeline.duplex.speech as speech_mod
+    from pipeline.checkpoint import ModelSource
+    from pipeline.duplex.batch import UnitRequest, run_units
+    from pipeline.duplex.config import DuplexConfig
+    from pipeline.duplex.session import DuplexSession
+    from pipeline.duplex.speech import DuplexSpeech, SpeechModels
+    from pipeline.duplex.thinker import DuplexThinker, reference_special_tokens
+    from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+    from pipeline.thinker.llm_engine.engine import EngineConfig
+
+    try:
+        from pipeline.duplex.kv import KVPages
+    except ImportError:  # a tree before the paged pool (sessions own their KV)
+        KVPages = None
+
+    cuda = args.device == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def mem() -> int:
+        return torch.cuda.memory_allocated() if cuda else 0
+
+    t0 = time.perf_counter()
+    src = ModelSource.open(args.checkpoint)
+    engine = ThinkerEngine.from_source(src, ThinkerEngineConfig(
+        llm=EngineConfig(cuda_graphs=False, kv_cache_bytes=int(args.kv_gib * 2**30)),
+        warm_up=False), args.device)
+    pages = KVPages.of_engine(engine.llm) if KVPages else None
+    kw = {"pages": pages} if pages else {}
+    special = reference_special_tokens(src.tokenizer_dir)
+    speech_models = SpeechModels.from_source(src, args.device)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s; GPU {mem() / 2**30:.1f} GiB", flush=True)
+
+    spent: dict[str, list[float]] = {"speech": [], "token2wav": [], "encoders": []}
+
+    def timed(fn, key):
+        def wrapped(*a, **k):
+            sync()
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            sync()
+            spent[key].append(1e3 * (time.perf_counter() - t))
+            return r
+        return wrapped
+
+    if hasattr(speech_mod, "speak_batch"):
+        speech_mod.speak_batch = timed(speech_mod.speak_batch, "speech")
+    else:  # a tree before the speech side batched
+        DuplexSpeech.speak = timed(DuplexSpeech.speak, "speech")
+    DuplexSpeech._token2wav = timed(DuplexSpeech._token2wav, "token2wav")
+    if hasattr(batch_mod, "plan_prefill_batch"):
+        batch_mod.plan_prefill_batch = timed(batch_mod.plan_prefill_batch, "encoders")
+    rng = np.random.default_rng(0)
+
+    def frame():
+        from PIL import Image
+        return Image.fromarray(rng.integers(0, 255, (240, 320, 3), dtype=np.uint8))
+
+    def session(i: int, cfg, speech: bool):
+        th = DuplexThinker(engine.model, engine.tokenizer, cfg, seed=i, special_tokens=special,
+                           **kw)
+        s = DuplexSession(th, DuplexSpeech(speech_models, seed=i) if speech else None)
+        s.prepare(prefix=None)
+        return s
+
+    report: dict = {"runs": []}
+    if args.check and pages is not None:
+        def greedy(use_graphs: bool) -> list:
+            pages.use_graphs = use_graphs
+            r = np.random.default_rng(7)
+            ss = [session(i, DuplexConfig(decode_mode="greedy"), False) for i in range(4)]
+            out = []
+            for u in range(6):
+                reqs = [UnitRequest(s, (0.1 * r.standard_normal(16000)).astype(np.float32),
+                                    None, "speak" if u % 3 < 2 else "listen") for s in ss]
+                out.append([x.token_ids for x in run_units(reqs)])
+            for s in ss:
+                s.close()
+            pages.use_graphs = True
+            return out
+
+        t = time.perf_counter()
+        a, b = greedy(False), greedy(True)
+        pairs = [(x, y) for ua, ub in zip(a, b) for x, y in zip(ua, ub)]
+        same = sum(x == y for x, y in pairs)
+        decided = sum(x[:1] == y[:1] for x, y in pairs)
+        print(f"graph vs eager decode, greedy, 4 sessions x 6 units: units with equal tokens "
+              f"{same}/{len(pairs)}, equal decisions {decided}/{len(pairs)} "
+              f"({time.perf_counter() - t:.1f} s)", flush=True)
+        report["graph_check"] = {"equal_units": same, "equal_decisions": decided,
+                                 "units": len(pairs)}
+
+    pattern = "SSL"
+    for entry in args.plan.split(","):
+        mode, n, steps = entry.split(":")
+        n, steps = int(n), int(steps)
+        speech_models.flow.decoder.n_timesteps = steps
+        print(f"== {mode}: {n} sessions, Token2Wav {steps} steps", flush=True)
+        sessions = [session(i, DuplexConfig(), True) for i in range(n)]
+        sync()
+        mem0 = mem()
+        rows = []
+        for u in range(args.units):
+            force = "speak" if pattern[u % 3] == "S" else "listen"
+            reqs = [UnitRequest(s, (0.1 * rng.standard_normal(16000 if u else 16560))
+                                .astype(np.float32), [frame()] if mode == "video" else None,
+                                force) for s in sessions]
+            for v in spent.values():
+                v.clear()
+            sync()
+            t = time.perf_counter()
+            res = run_units(reqs)
+            sync()
+            total = 1e3 * (time.perf_counter() - t)
+            bad = [r for r in res if isinstance(r, BaseException)]
+            if bad:
+                print("unit failed:", repr(bad[0]), flush=True)
+            good = [r for r in res if not isinstance(r, BaseException)]
+            row = {"unit": u, "force": force, "total_ms": round(total, 1),
+                   **{f"{k}_ms": round(sum(v), 1) for k, v in spent.items()},
+                   "tokens": sum(len(r.token_ids) for r in good),
+                   "codes": sum(len(r.codes) for r in good), "failed": len(bad)}
+            row["thinker_ms"] = round(total - row["speech_ms"] - row["encoders_ms"], 1)
+            rows.append(row)
+            print(f"N={n} unit {u} {force}: {total:.0f} ms = encoders {row['encoders_ms']:.0f}"
+                  f" + thinker {row['thinker_ms']:.0f} + speech {row['speech_ms']:.0f} "
+                  f"(Token2Wav {row['token2wav_ms']:.0f}); tokens {row['tokens']}, codes "
+                  f"{row['codes']}", flush=True)
+        held = (mem() - mem0) / max(1, n)
+        for s in sessions:
+            s.close()
+        report["runs"].append({"mode": mode, "sessions": n, "token2wav_steps": steps,
+                               "units": rows, "gib_a_session": round(held / 2**30, 3)})
+        if cuda:
+            torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
