@@ -278,3 +278,48 @@ def test_token2wav_windows_of_many_sessions_batched_equal_each_session_alone(
     }, planned
     for s in alone + batched:
         s.close()
+
+
+def test_token2wav_sessions_own_their_state_and_a_failed_group_fails_alone(
+        models, alone_models, monkeypatch):
+    schedules = [[25, 25], [25, 25], [12, 25]]  # 0 and 1 share their groups, 2 is apart
+    g = torch.Generator().manual_seed(5)
+    eos = models.talker.model.cfg.eos_code
+    alone, batched = _sessions(alone_models), _sessions(models)
+    scripts = [[torch.randint(0, eos, (n,), generator=g).tolist() for n in schedule]
+               for schedule in schedules]
+    for k, units in enumerate(scripts):
+        _scripted_draws(alone[k], units)
+        _scripted_draws(batched[k], units)
+    with torch.inference_mode():
+        got = speak_batch([(s, [], False) for s in batched[:3]])
+        assert not any(isinstance(o, BaseException) for o in got)
+        # after a shared group, no tensor of one session's state is memory of another's
+        a, b = (s.state for s in batched[:2])
+        assert a.chunks == b.chunks == 1 and a.flow.shapes() == b.flow.shapes()
+        mine = {t.untyped_storage().data_ptr() for t in a.flow.tensors()}
+        theirs = {t.untyped_storage().data_ptr() for t in b.flow.tensors()}
+        mine |= {a.vocoder.mel.untyped_storage().data_ptr()}
+        theirs |= {b.vocoder.mel.untyped_storage().data_ptr()}
+        assert not mine & theirs
+        for s in alone[:3]:
+            s.speak([], False)
+        want = alone[2].speak([], False)
+        before = [list(s.buffer) for s in batched]
+        stream = speech_mod._stream
+
+        def failing(speeches, windows):
+            if len(speeches) > 1:
+                raise RuntimeError("flow failed")
+            return stream(speeches, windows)
+
+        monkeypatch.setattr(speech_mod, "_stream", failing)
+        got = speak_batch([(s, [], False) for s in batched[:3]])
+    for k in (0, 1):  # the failed group's sessions: their state as their last window left it
+        assert isinstance(got[k], RuntimeError) and "flow failed" in str(got[k])
+        assert batched[k].state.chunks == 1
+        assert batched[k].buffer == before[k] + scripts[k][1]  # the window still to decode
+    assert got[2].codes == want.codes and np.array_equal(got[2].pcm, want.pcm)
+    assert batched[2].state.chunks == 2
+    for s in alone + batched:
+        s.close()
