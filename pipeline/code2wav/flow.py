@@ -103,19 +103,17 @@ class FlowCache:
     def split(self) -> list[FlowCache]:
         """`cat`'s inverse: one cache per stream, each in memory of its own (a stream's
         cache never aliases its batch-mates'). A batch of one is its own."""
-        b, device = self.batch, self.lookahead_cnn.device
+        b = self.batch
         if b == 1:
             return [self]
-        out = []
-        for i in range(b):
-            one = torch.tensor([i], device=device)
-            cfg = torch.tensor([i, b + i], device=device)
-            out.append(FlowCache(**{
-                f.name: getattr(self, f.name).index_select(
-                    _BATCH_DIM[f.name], cfg if f.name.startswith("est_") else one)
-                for f in fields(self)
-            }))
-        return out
+
+        def rows(name: str, i: int) -> torch.Tensor:
+            t, dim = getattr(self, name), _BATCH_DIM[name]
+            if name.startswith("est_"):  # its cond row and its uncond row (cat copies)
+                return torch.cat([t.narrow(dim, i, 1), t.narrow(dim, b + i, 1)], dim)
+            return t.narrow(dim, i, 1).clone()
+
+        return [FlowCache(**{f.name: rows(f.name, i) for f in fields(self)}) for i in range(b)]
 
 
 # FlowCache's batch dim per tensor (the est_ tensors' rows are CFG-doubled)
