@@ -10,7 +10,10 @@ models loaded again, so that the batch's pool grows and shrinks on its own.
 
 Precision contract: the batch's decode runs more rows through the same matmuls, which moves
 the logits in their last bits only; the codes, the Talker positions and the generators'
-states must be equal, and the PCM too (Token2Wav runs per session on the same codes)."""
+states must be equal. Token2Wav decodes the windows of sessions in equal states together
+(`test_token2wav_windows_...`, its draws scripted so that the windows fall in shared groups):
+there the PCM may differ by 1 LSB of its int16 round trip; a window decoded in a group of
+one is the session's alone, bitwise."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import torch
 
 from pipeline.duplex import speech as speech_mod
 from pipeline.duplex.speech import CHUNK_CODES, DuplexSpeech, SpeechModels, speak_batch
+
+LSB = 1 / 32768  # the PCM goes through int16 as the reference's does
 
 # per session: (seed, greedy, its units as (spoken rows, end_of_turn))
 SESSIONS = [
@@ -183,3 +188,138 @@ def test_a_bad_chunk_fails_alone_and_the_others_go_on(models):
     for s in alone + batched:
         s.close()
     assert models.pool.rows_in_use == 0
+
+
+# per session: its units' (codes, end_of_turn); every session starts a turn at unit 0
+WINDOW_SCHEDULES = [
+    [(25, False), (25, False), (25, False), (25, True)],  # mid-turn, then its turn's end
+    [(25, False), (25, False), (25, False), (25, True)],  # the same phases: batched with 0
+    [(12, False), (25, False), (20, True), (25, False)],  # a short force-flushed window
+    [(25, False), (25, True), (25, False), (9, True)],  # a turn's end, a new turn's start
+]
+
+
+def _scripted_draws(speech: DuplexSpeech, units: list[list[int]]) -> None:
+    """The session's Talker draws replaced by a script: per unit its codes, then EOS (a
+    unit of CHUNK_CODES draws one more code, dropped at the cap), so that each session's
+    Token2Wav windows fall where the test puts them."""
+    script = iter(units)
+    queue: list[int] = []
+
+    def draw(logits, recent, eos_masked):
+        nonlocal queue
+        if recent is None:  # a chunk's first draw
+            codes = next(script)
+            queue = codes + ([codes[-1]] if len(codes) == CHUNK_CODES else [speech.eos])
+        return torch.tensor([queue.pop(0)])
+
+    speech._draw = draw
+
+
+def test_token2wav_windows_of_many_sessions_batched_equal_each_session_alone(
+        models, alone_models, monkeypatch):
+    """Each round of `speak_batch`'s Token2Wav decodes every session's k-th window, one flow
+    chunk and one vocoder call per group of equal `_batch_key`. Here: turn starts with
+    force-flushed windows of two lengths (two groups in one round), turns' ends whose last
+    flush is a second round (two sessions' flushes in one group), sessions of equal phases
+    in one group (a turn's last full window beside mid-turn ones), a session starting a
+    turn beside mid-turn ones.
+
+    Precision contract: a session whose windows all ran as groups of one equals the session
+    alone bitwise; in a group of several, the same matmuls run over more rows, which moves
+    the floats in their last bits, and after the int16 round trip a sample may differ by
+    1 LSB (1/32768; measured: about 0.1% of the samples). The codes, code buffers and the
+    caches' shapes are equal."""
+    groups: list[tuple[int, list[int], int, bool]] = []  # (unit, sessions, window, last)
+    stream = speech_mod._stream
+    unit = 0
+    g = torch.Generator().manual_seed(11)
+    eos = models.talker.model.cfg.eos_code
+    alone, batched = _sessions(alone_models), _sessions(models)
+    for k, schedule in enumerate(WINDOW_SCHEDULES):
+        units = [torch.randint(0, eos, (n,), generator=g).tolist() for n, _ in schedule]
+        _scripted_draws(alone[k], units)
+        _scripted_draws(batched[k], units)
+
+    def counted(speeches, windows):
+        who = [next(k for k, b in enumerate(batched) if b is s) for s in speeches]
+        groups.append((unit, who, len(windows[0].codes), windows[0].last))
+        return stream(speeches, windows)
+
+    diff: dict[int, float] = {}  # per session: its largest PCM difference
+    with torch.inference_mode():
+        for unit in range(len(WINDOW_SCHEDULES[0])):
+            want = [alone[k].speak([], s[unit][1]) for k, s in enumerate(WINDOW_SCHEDULES)]
+            monkeypatch.setattr(speech_mod, "_stream", counted)
+            got = speak_batch([(batched[k], [], s[unit][1])
+                               for k, s in enumerate(WINDOW_SCHEDULES)])
+            monkeypatch.setattr(speech_mod, "_stream", stream)
+            for k, (g_, w) in enumerate(zip(got, want, strict=True)):
+                where = f"session {k} unit {unit}"
+                assert not isinstance(g_, BaseException), f"{where}: {g_!r}"
+                assert g_.codes == w.codes and len(w.codes) == WINDOW_SCHEDULES[k][unit][0]
+                assert g_.pcm.shape == w.pcm.shape and w.pcm.size > 0, where
+                diff[k] = max(diff.get(k, 0.0), float(np.abs(g_.pcm - w.pcm).max()))
+                a, b = alone[k], batched[k]
+                assert a.buffer == b.buffer and a.state.chunks == b.state.chunks, where
+                assert a.state.flow.shapes() == b.state.flow.shapes(), where
+    assert max(diff.values()) <= LSB, diff
+    single = set(range(len(WINDOW_SCHEDULES))) - {k for _, who, _, _ in groups
+                                                  if len(who) > 1 for k in who}
+    assert single == {2} and diff[2] == 0.0, (single, diff)
+    # the windows' groups as planned: (sessions, window length, last) per unit
+    planned = {u: sorted((who, n, last) for u_, who, n, last in groups if u_ == u)
+               for u in range(len(WINDOW_SCHEDULES[0]))}
+    assert planned == {
+        0: [([0, 1, 3], 28, False), ([2], 15, False)],
+        1: [([0, 1, 3], 28, False), ([2], 28, False), ([3], 3, True)],
+        2: [([0, 1], 28, False), ([2], 23, True), ([3], 28, False)],
+        3: [([0, 1], 3, True), ([0, 1], 28, False), ([2], 28, False), ([3], 12, True)],
+    }, planned
+    for s in alone + batched:
+        s.close()
+
+
+def test_token2wav_sessions_own_their_state_and_a_failed_group_fails_alone(
+        models, alone_models, monkeypatch):
+    schedules = [[25, 25], [25, 25], [12, 25]]  # 0 and 1 share their groups, 2 is apart
+    g = torch.Generator().manual_seed(5)
+    eos = models.talker.model.cfg.eos_code
+    alone, batched = _sessions(alone_models), _sessions(models)
+    scripts = [[torch.randint(0, eos, (n,), generator=g).tolist() for n in schedule]
+               for schedule in schedules]
+    for k, units in enumerate(scripts):
+        _scripted_draws(alone[k], units)
+        _scripted_draws(batched[k], units)
+    with torch.inference_mode():
+        got = speak_batch([(s, [], False) for s in batched[:3]])
+        assert not any(isinstance(o, BaseException) for o in got)
+        # after a shared group, no tensor of one session's state is memory of another's
+        a, b = (s.state for s in batched[:2])
+        assert a.chunks == b.chunks == 1 and a.flow.shapes() == b.flow.shapes()
+        mine = {t.untyped_storage().data_ptr() for t in a.flow.tensors()}
+        theirs = {t.untyped_storage().data_ptr() for t in b.flow.tensors()}
+        mine |= {a.vocoder.mel.untyped_storage().data_ptr()}
+        theirs |= {b.vocoder.mel.untyped_storage().data_ptr()}
+        assert not mine & theirs
+        for s in alone[:3]:
+            s.speak([], False)
+        want = alone[2].speak([], False)
+        before = [list(s.buffer) for s in batched]
+        stream = speech_mod._stream
+
+        def failing(speeches, windows):
+            if len(speeches) > 1:
+                raise RuntimeError("flow failed")
+            return stream(speeches, windows)
+
+        monkeypatch.setattr(speech_mod, "_stream", failing)
+        got = speak_batch([(s, [], False) for s in batched[:3]])
+    for k in (0, 1):  # the failed group's sessions: their state as their last window left it
+        assert isinstance(got[k], RuntimeError) and "flow failed" in str(got[k])
+        assert batched[k].state.chunks == 1
+        assert batched[k].buffer == before[k] + scripts[k][1]  # the window still to decode
+    assert got[2].codes == want.codes and np.array_equal(got[2].pcm, want.pcm)
+    assert batched[2].state.chunks == 2
+    for s in alone + batched:
+        s.close()

@@ -79,6 +79,47 @@ class FlowCache:
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
 
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Every tensor's shape: caches with equal shapes stack into one batch (`cat`)."""
+        return tuple(tuple(t.shape) for t in self.tensors())
+
+    @staticmethod
+    def cat(caches: list[FlowCache]) -> FlowCache:
+        """The streams of equal-shape caches as one batch, in their order: the conformer
+        caches stacked on their batch dim, the estimator's CFG-doubled rows as
+        [every cond row, then every uncond row] (what `CausalCFM` splits)."""
+        if len(caches) == 1:
+            return caches[0]
+        out = {}
+        for f in fields(FlowCache):
+            parts = [getattr(c, f.name) for c in caches]
+            dim = _BATCH_DIM[f.name]
+            if f.name.startswith("est_"):
+                halves = [p.chunk(2, dim) for p in parts]
+                parts = [h[0] for h in halves] + [h[1] for h in halves]
+            out[f.name] = torch.cat(parts, dim)
+        return FlowCache(**out)
+
+    def split(self) -> list[FlowCache]:
+        """`cat`'s inverse: one cache per stream, each in memory of its own (a stream's
+        cache never aliases its batch-mates'). A batch of one is its own."""
+        b = self.batch
+        if b == 1:
+            return [self]
+
+        def rows(name: str, i: int) -> torch.Tensor:
+            t, dim = getattr(self, name), _BATCH_DIM[name]
+            if name.startswith("est_"):  # its cond row and its uncond row (cat copies)
+                return torch.cat([t.narrow(dim, i, 1), t.narrow(dim, b + i, 1)], dim)
+            return t.narrow(dim, i, 1).clone()
+
+        return [FlowCache(**{f.name: rows(f.name, i) for f in fields(self)}) for i in range(b)]
+
+
+# FlowCache's batch dim per tensor (the est_ tensors' rows are CFG-doubled)
+_BATCH_DIM = {"token_att": 1, "mel_att": 1, "lookahead_cnn": 0, "up_cnn": 0, "est_cnn": 2,
+              "est_att": 2}
+
 
 # ---------------------------------------------------------------------------------------
 # Slot pool (slots.py): every stream's caches in fixed-capacity buffers, batches of padded rows

@@ -35,9 +35,28 @@ first chunk and given back at its end (and at a context restart, prepare, close)
 speak units of a batch (`speak_batch`) prefill per session (their conditions differ in
 length), then draw in lockstep: each step one `FusedTalker.decode` over the rows of every
 session still drawing, and each session's own draw on its logits row, so that a step costs
-one forward and one host read for all of them; Token2Wav then runs per session. A session
-draws the codes it draws alone (the decode's row count moves the logits in their last bits
-only: tests/test_duplex_speech_batch.py). `speak` is a batch of one.
+one forward and one host read for all of them. A session draws the codes it draws alone (the
+decode's row count moves the logits in their last bits only: tests/test_duplex_speech_batch.py).
+`speak` is a batch of one.
+
+Then the Token2Wav of every session of the batch: each session plans its windows from its
+code buffer as alone (`_windows`), and the windows run in rounds, round k being every
+session's k-th window (a session's windows in order, each on the state its previous one
+left). Inside a round the windows group by `_batch_key`: the same SpeechModels, window length
+and `last`, flow caches of equal shapes and prompt length, and vocoder states that run the
+same vocoder windows (`StreamState.vocoder_key`). A group is ONE flow chunk (tokens (B, n),
+speaker rows (B, 192), the caches stacked: `FlowCache.cat`) and ONE vocoder call over the
+group's states; the batch shares the weights, the DiT's Euler steps and the flow noise
+(the fixed table read from the DiT cache's length on, equal in a group, so each row gets the
+noise it gets alone), while each session keeps its own vocoder noise generator, and after
+the call its own caches (`FlowCache.split`, trimmed as alone) and code buffer. Sessions of
+one voice mid-turn reach equal cache shapes after their turn's first windows (the caches are
+trimmed to prompt + 100 frames), so in steady state a round is one group; the windows of
+turns' starts (fresh caches, force-flushed lengths) and last flushes group with those of
+sessions in the same phase. A group of one computes what the session computes alone,
+bitwise; in a larger group the matmuls' row count moves the floats in their last bits, which
+after the int16 round trip leaves the PCM within 1 LSB (tests/test_duplex_speech_batch.py).
+A group that fails fails its sessions only; each stops at its last decoded window.
 
 Memory: a pool row holds, per position, K and V of every layer: at full size (20 layers,
 12 kv heads x 64, bf16 on CUDA) 60 KiB a position, so 15 MiB a row at its first 256
@@ -100,7 +119,7 @@ class SpeechModels:
 
     `terminator_ids` are the Thinker's chunk terminators (<|listen|>, <|chunk_eos|>,
     <|chunk_tts_eos|>): the reference looks for them among the speech codes before decoding
-    (see `DuplexSpeech._token2wav`)."""
+    (see `DuplexSpeech._windows`)."""
 
     talker: FusedTalker
     flow: Flow
@@ -464,17 +483,25 @@ class DuplexSpeech:
         chunk.logits = self.talker.extend(condition)
         return chunk
 
-    def _finish(self, chunk: _Chunk) -> SpeechChunk:
-        """A chunk after its draws: the turn's end, and its Token2Wav."""
+    def _finish(self, chunk: _Chunk) -> _Voicing:
+        """A chunk after its draws: the turn's end, and its Token2Wav windows (planned here,
+        decoded with the other sessions' windows by `_token2wav_batch`)."""
         # the code drawn last is dropped: EOS, or the one drawn at the cap, never fed back
         codes = chunk.drawn[:CHUNK_CODES]
         if chunk.end_of_turn:
             self.talker.reset()
         # Token2Wav before the turn's reset: the buffer's last codes go out with this chunk
-        pcm = self._token2wav(codes, last=chunk.end_of_turn, force_flush=chunk.turn_start)
-        if chunk.end_of_turn:
-            self._new_turn()
-        return SpeechChunk(codes, pcm)
+        windows = self._windows(codes, last=chunk.end_of_turn, force_flush=chunk.turn_start)
+        return _Voicing(self, codes, chunk.end_of_turn, windows)
+
+    def _token2wav(self, codes: list[int], last: bool, force_flush: bool) -> np.ndarray:
+        """[DEMO] _generate_waveform_from_tokens for this session alone: the PCM of the
+        windows this unit's codes complete (the turn's reset is the caller's)."""
+        voicing = _Voicing(self, codes, last, self._windows(codes, last, force_flush))
+        (error,) = _token2wav_batch([voicing])
+        if error is not None:
+            raise error
+        return voicing.pcm()
 
     def _condition(self, spoken: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """[DEMO] _convert_results_to_tts_input: (n + 1, E)."""
@@ -511,43 +538,128 @@ class DuplexSpeech:
 
     # -- Token2Wav -------------------------------------------------------------------------
 
-    def _token2wav(self, codes: list[int], last: bool, force_flush: bool) -> np.ndarray:
-        """[DEMO] _generate_waveform_from_tokens: the chunks this unit's codes complete."""
+    def _windows(self, codes: list[int], last: bool, force_flush: bool) -> list[_Window]:
+        """[DEMO] _generate_waveform_from_tokens' buffer: the windows this unit's codes
+        complete, in order. The codes join the buffer now; each window, once decoded, leaves
+        the buffer as its `rest`."""
         cfg = self.models.code2wav
         ahead, window = cfg.pre_lookahead, CHUNK_CODES + cfg.pre_lookahead
-        self.buffer += codes
+        self.buffer = buffer = self.buffer + codes
         # Kept as the reference has it: it looks for the Thinker's chunk terminators among
         # speech codes (ids of another vocabulary), which only a tiny vocabulary could match.
         flush = force_flush or any(c in self.models.terminator_ids for c in codes)
-        pieces = []
+        out = []
         if flush:
-            while len(self.buffer) >= ahead + FLUSH_MIN_CODES:
-                n = min(window, len(self.buffer))
-                pieces.append(self._stream(self.buffer[:n], False))
-                self.buffer = self.buffer[min(CHUNK_CODES, n - ahead) :]
+            while len(buffer) >= ahead + FLUSH_MIN_CODES:
+                n = min(window, len(buffer))
+                out.append(_Window(buffer[:n], False, buffer[min(CHUNK_CODES, n - ahead) :]))
+                buffer = out[-1].rest
         else:
-            while len(self.buffer) >= window:
-                pieces.append(self._stream(self.buffer[:window], False))
-                self.buffer = self.buffer[CHUNK_CODES:]
-        if last and self.buffer:
-            pieces.append(self._stream(self.buffer, True))
-            self.buffer = []
+            while len(buffer) >= window:
+                out.append(_Window(buffer[:window], False, buffer[CHUNK_CODES:]))
+                buffer = out[-1].rest
+        if last and buffer:
+            out.append(_Window(buffer, True, []))
+        return out
+
+    def _batch_key(self, window: _Window) -> tuple:
+        """Sessions whose next windows have equal keys decode them as one batch (`_stream`):
+        the same models, window length and `last`, flow caches of equal shapes trimmed
+        alike, and vocoder states that run the same vocoder windows."""
+        state = self.state
+        assert state is not None and state.flow is not None
+        return (id(self.models), len(window.codes), window.last, state.prompt_frames,
+                state.flow.shapes(), state.vocoder_key(window.last))
+
+
+@dataclass
+class _Window:
+    """A Token2Wav window of a session's unit: its codes (incl. lookahead), whether it ends
+    the turn, and the session's code buffer once it is decoded."""
+
+    codes: list[int]
+    last: bool
+    rest: list[int]
+
+
+@dataclass
+class _Voicing:
+    """A session's Token2Wav for one speak unit: its windows and the PCM of those decoded."""
+
+    speech: DuplexSpeech
+    codes: list[int]
+    end_of_turn: bool
+    windows: list[_Window]
+    pieces: list[np.ndarray] = field(default_factory=list)
+
+    def pcm(self) -> np.ndarray:
+        """The unit's PCM as the reference hands it out (module docstring)."""
+        pieces = self.pieces
         pcm = as_reference_pcm(np.concatenate(pieces)) if pieces else np.zeros(0, np.float32)
-        if pcm.size and not last and pcm.size < PCM_SR:
+        if pcm.size and not self.end_of_turn and pcm.size < PCM_SR:
             pcm = np.pad(pcm, (PCM_SR - pcm.size, 0))
         return pcm
 
-    def _stream(self, codes: list[int], last: bool) -> np.ndarray:
-        """[MU7] Token2wav.stream of one window: flow chunk, cache trimming, vocoder."""
-        state, flow = self.state, self.models.flow
-        assert state is not None and state.flow is not None
-        tokens = torch.tensor([codes], dtype=torch.long, device=state.spk.device)
-        mel, cache = flow._chunk(tokens, state.spk, state.flow, last, None)
-        speech, (voiced,) = vocode(self.models.vocoder, self.models.code2wav, [state], mel,
-                                   last, self.crossfade)
-        self.state = replace(voiced, flow=trim_flow_cache(cache, state.prompt_frames),
-                             chunks=state.chunks + 1)
-        return speech[0].float().cpu().numpy()
+
+def _token2wav_batch(voicings: list[_Voicing]) -> list[BaseException | None]:
+    """Decode the windows of every session's unit in rounds: round k takes each session's
+    k-th window (a session's windows run in order, each on the state its previous one left),
+    grouped by `DuplexSpeech._batch_key`, one `_stream` per group. Per voicing the exception
+    that failed it (its group's), or None; a failed session stops at its last decoded
+    window (its state and buffer as that window left them)."""
+    errors: list[BaseException | None] = [None] * len(voicings)
+    k = 0
+    while True:
+        due = [i for i, v in enumerate(voicings) if errors[i] is None and k < len(v.windows)]
+        if not due:
+            return errors
+        groups: dict[tuple, list[int]] = {}
+        for i in due:
+            v = voicings[i]
+            try:
+                key = v.speech._batch_key(v.windows[k])
+            except Exception as e:  # noqa: BLE001 - this session's Token2Wav fails alone
+                errors[i] = e
+                continue
+            groups.setdefault(key, []).append(i)
+        for group in groups.values():
+            try:
+                pcm = _stream([voicings[i].speech for i in group],
+                              [voicings[i].windows[k] for i in group])
+            except Exception as e:  # noqa: BLE001 - every session of the group failed
+                for i in group:
+                    errors[i] = e
+                continue
+            for i, row in zip(group, pcm, strict=True):
+                voicings[i].pieces.append(row)
+        k += 1
+
+
+def _stream(speeches: list[DuplexSpeech], windows: list[_Window]) -> np.ndarray:
+    """[MU7] Token2wav.stream of one window for B sessions of equal `_batch_key`: ONE flow
+    chunk over the stacked tokens, speaker rows and caches, the cache trimming, ONE vocoder
+    call over their states (each with its own noise generator); then each session owns its
+    new state. Returns the float PCM (B, N). The flow's noise is the fixed table from the DiT
+    cache's length on, which the batch shares, so every row gets the noise it gets alone; a
+    batch of one computes what the session computes alone."""
+    models, states = speeches[0].models, [s.state for s in speeches]
+    assert all(st is not None and st.flow is not None for st in states)
+    last = windows[0].last
+    spk = states[0].spk
+    tokens = torch.tensor([w.codes for w in windows], dtype=torch.long, device=spk.device)
+    if len(states) > 1:
+        spk = torch.cat([st.spk for st in states])
+    mel, cache = models.flow._chunk(tokens, spk, FlowCache.cat([st.flow for st in states]),
+                                    last, None)
+    # equal keys: one prompt length, so the batch trims as each alone
+    caches = trim_flow_cache(cache, states[0].prompt_frames).split()
+    speech, voiced = vocode(models.vocoder, models.code2wav, states, mel, last,
+                            speeches[0].crossfade)
+    pcm = speech.float().cpu().numpy()  # one host read for the batch
+    for s, st, v, c, w in zip(speeches, states, voiced, caches, windows, strict=True):
+        s.state = replace(v, flow=c, chunks=st.chunks + 1)
+        s.buffer = w.rest
+    return pcm
 
 
 @dataclass
@@ -574,13 +686,15 @@ def speak_batch(
     then each step ONE decode over the Talker rows of every session still drawing (per
     TalkerPool), and each session's own draw on its logits row (`_draw`: its temperature,
     repetition window, EOS mask and generator, as alone); a session leaves at its EOS or its
-    CHUNK_DRAWS-th draw. Then each session's Token2Wav, as alone.
+    CHUNK_DRAWS-th draw. Then the Token2Wav windows of all of them, in rounds and groups
+    of equal `_batch_key` (`_token2wav_batch`, module docstring).
 
     So each session draws the codes it draws alone: only the decode's row count differs,
-    which moves the logits in their last bits. Per item its SpeechChunk or the exception
-    that failed it. A failed decode fails every session it stepped; a failed session keeps
-    its turn's Talker KV as its last complete prefill or step left it (a failed forward
-    wrote only past it)."""
+    which moves the logits in their last bits (and the PCM by at most 1 LSB). Per item its
+    SpeechChunk or the exception that failed it. A failed decode fails every session it
+    stepped; a failed session keeps its turn's Talker KV as its last complete prefill or
+    step left it (a failed forward wrote only past it), and a failed Token2Wav group each
+    of its sessions' Token2Wav state as its last decoded window left it."""
     if len({id(speech) for speech, _, _ in items}) != len(items):
         raise ValueError("a session may speak once in a batch")
     out: list[SpeechChunk | BaseException | None] = [None] * len(items)
@@ -636,9 +750,22 @@ def speak_batch(
                 chunks[i].logits = lg
             drawing += group
         drawing.sort()
+    voicings: dict[int, _Voicing] = {}
     for i, chunk in chunks.items():
         try:
-            out[i] = chunk.speech._finish(chunk)
+            voicings[i] = chunk.speech._finish(chunk)
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+    errors = _token2wav_batch(list(voicings.values()))
+    for (i, voicing), error in zip(voicings.items(), errors, strict=True):
+        if error is not None:
+            out[i] = error
+            continue
+        try:
+            pcm = voicing.pcm()
+            if voicing.end_of_turn:
+                voicing.speech._new_turn()
+            out[i] = SpeechChunk(voicing.codes, pcm)
         except Exception as e:  # noqa: BLE001
             out[i] = e
     return out  # type: ignore[return-value]
