@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         speech_mod.speak_batch = timed(speech_mod.speak_batch, "speech")
     else:  # a tree before the speech side batched
         DuplexSpeech.speak = timed(DuplexSpeech.speak, "speech")
-    DuplexSpeech._token2wav = timed(DuplexSpeech._token2wav, "token2wav")
+    if hasattr(speech_mod, "_token2wav_batch"):
+        speech_mod._token2wav_batch = timed(speech_mod._token2wav_batch, "token2wav")
+    else:  # a tree before Token2Wav batched
+        DuplexSpeech._token2wav = timed(DuplexSpeech._token2wav, "token2wav")
     if hasattr(batch_mod, "plan_prefill_batch"):
         batch_mod.plan_prefill_batch = timed(batch_mod.plan_prefill_batch, "encoders")
     rng = np.random.default_rng(0)

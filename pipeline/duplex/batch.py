@@ -15,7 +15,8 @@ lockstep across the sessions:
    sliding window stay its own (the steps run on its DuplexThinker, as alone);
 3. the speech side (`DuplexSession.finish_units`): the speak units' Talker draws in
    lockstep, one decode a step over every drawing session's row of the shared TalkerPool
-   (`speech.speak_batch`), then Token2Wav per session.
+   (`speech.speak_batch`), then their Token2Wav windows in rounds, one flow chunk and one
+   vocoder call per group of sessions in equal state (`speech._token2wav_batch`).
 
 Attention: the sessions' K/V are blocks of one paged pool (pipeline/duplex/kv.py), so a
 step over many sessions is one forward with one attention call a layer over their block
@@ -26,7 +27,8 @@ Exactness: one session alone through `run_units` computes what `DuplexSession.un
 computes (the same ops on the same rows). Across sessions only the batched matmuls' row
 count differs, which moves values in their last bits (fp32: about 1e-6 in the K/V on the
 duplex test checkpoint); the decisions, tokens and codes are the same as each session
-alone (tests/test_duplex_batch.py).
+alone, the PCM within 1 LSB of its int16 round trip (Token2Wav groups;
+tests/test_duplex_batch.py).
 
 A request that fails (bad input, a context over the model's length) fails alone: the
 others of the batch go on. A failure of the shared forward fails every session in it.

@@ -6,7 +6,8 @@ tokens, and a speak unit's (id, hidden) rows go to the speech side, which keeps 
 Talker's and Token2Wav's per-turn state and resets it at the turn's end. With no speech
 side (text only) a speak unit carries its text and no audio. `DuplexSession.finish_units`
 finishes the units of many sessions (pipeline/duplex/batch.py): their Talker chunks draw in
-lockstep (`pipeline.duplex.speech.speak_batch`), each as alone.
+lockstep and their Token2Wav windows run batched (`pipeline.duplex.speech.speak_batch`),
+each as alone.
 """
 
 from __future__ import annotations
