@@ -3,7 +3,7 @@ model and KV pool, as `deployments/stages/duplex.py` builds sessions) and the du
 models, full size, random weights. N sessions' units run as one batch
 (`pipeline.duplex.batch.run_units`), forced speak / speak / listen, 1 s of audio each (and a
 320x240 frame in the video mode). Per batch: its wall time, and inside it the encoders
-(`plan_prefill_batch`), the speech side (`speak_batch`: Talker draws + Token2Wav) and its
+(`plan_prefill_batch`; the vision encoder eager, not compiled as served), the speech side (`speak_batch`: Talker draws + Token2Wav) and its
 Token2Wav; the Thinker's share is the rest. A session is in real time while a batch of its
 speak units takes under 1 s.
 
@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.duplex.session import DuplexSession
     from pipeline.duplex.speech import DuplexSpeech, SpeechModels
     from pipeline.duplex.thinker import DuplexThinker, reference_special_tokens
-    from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
-    from pipeline.thinker.llm_engine.engine import EngineConfig
+    from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+    from pipeline.thinker.model import ThinkerModel
+    from pipeline.tokenizer import TextTokenizer
+    from pipeline.utils import resolve_dtype
 
     try:
         from pipeline.duplex.kv import KVPages
@@ -67,10 +69,19 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     src = ModelSource.open(args.checkpoint)
-    engine = ThinkerEngine.from_source(src, ThinkerEngineConfig(
-        llm=EngineConfig(cuda_graphs=False, kv_cache_bytes=int(args.kv_gib * 2**30)),
-        warm_up=False), args.device)
-    pages = KVPages.of_engine(engine.llm) if KVPages else None
+    # the Thinker as its engine builds it (ThinkerEngine.from_source: fused projections,
+    # compiled ops, the fused QK-norm/RoPE/KV kernel) and its KV pool, without the vision
+    # encoder's compile and warm-up (the video mode's frames run it eagerly here)
+    dtype = resolve_dtype("auto", torch.device(args.device))
+    model = ThinkerModel.load(src, args.device, dtype)
+    model.llm.fuse_projections()
+    if cuda:
+        model.llm.compile_ops()
+    model.llm.fuse_qk_rope_kv()
+    llm_engine = LLMEngine(model.llm, EngineConfig(
+        cuda_graphs=False, kv_cache_bytes=int(args.kv_gib * 2**30)), args.device, dtype)
+    tokenizer = TextTokenizer.from_dir(src.tokenizer_dir)
+    pages = KVPages.of_engine(llm_engine) if KVPages else None
     kw = {"pages": pages} if pages else {}
     special = reference_special_tokens(src.tokenizer_dir)
     speech_models = SpeechModels.from_source(src, args.device)
@@ -105,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return Image.fromarray(rng.integers(0, 255, (240, 320, 3), dtype=np.uint8))
 
     def session(i: int, cfg, speech: bool):
-        th = DuplexThinker(engine.model, engine.tokenizer, cfg, seed=i, special_tokens=special,
+        th = DuplexThinker(model, tokenizer, cfg, seed=i, special_tokens=special,
                            **kw)
         s = DuplexSession(th, DuplexSpeech(speech_models, seed=i) if speech else None)
         s.prepare(prefix=None)
