@@ -57,6 +57,8 @@ class DuplexSessions:
             from pipeline.duplex.kv import KVPages
 
             self._pages = KVPages.of_engine(engine.llm)
+            # the decode step's graphs, captured here rather than inside a session's unit
+            self._pages.decode_graphs()
         thinker = DuplexThinker(engine.model, engine.tokenizer, cfg, seed=seed,
                                 special_tokens=self._special, pages=self._pages)
         speech = self._speech(cfg, seed) if init.audio_out else None
