@@ -192,3 +192,37 @@ def test_unit_batcher_gathers_what_arrives_while_a_batch_runs():
 
     asyncio.run(main())
     assert batches == [["a:0"], ["b:0", "c:0", "a:1"], ["b:1"], ["e:bad"], ["e:2"]]
+
+
+def test_a_full_kv_pool_fails_the_unit_that_needs_more_and_close_frees(ckpt):
+    """Sessions take their K/V blocks from the engine's pool: a unit that finds none free
+    fails alone with a clear error (the session's state up to its last unit stays), another
+    session's units go on, and closing gives every block back."""
+    from pipeline.thinker.llm_engine.engine import EngineConfig
+
+    source = ModelSource.open(str(ckpt))
+    # room for the two system prompts and a few units, not for many units of both
+    engine = ThinkerEngine.from_source(
+        source, ThinkerEngineConfig(llm=EngineConfig(num_blocks=14, block_size=16)), "cpu")
+    pool = engine.llm.block_manager
+    sessions = DuplexSessions(source, engine.device)
+    for sid in ("a", "b"):
+        sessions.open(engine, sid, SimpleNamespace(
+            options={"decode_mode": "greedy", "seed": 1}, audio_out=False,
+            system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None, max_slice_nums=1))
+    inputs = di.session_inputs(di.session("audio_greedy"))
+    failed = None
+    for k, (audio, _) in enumerate(inputs):
+        out = sessions.units_batch([("a", audio, None, "speak")])[0]
+        if isinstance(out, BaseException):
+            failed = (k, out)
+            break
+    assert failed is not None, "the pool never filled"
+    k, err = failed
+    assert isinstance(err, ValueError) and "KV cache is full" in str(err), err
+    assert pool.num_free < 2  # the pool was spent, not a context limit
+    assert sessions.close("a")  # a's blocks back: b goes on
+    out = sessions.units_batch([("b", inputs[0][0], None, "listen")])[0]
+    assert not isinstance(out, BaseException) and out["is_listen"], out
+    assert sessions.close("b")
+    assert pool.num_used == 0 and sessions.stats()["kv_blocks"] == 0
