@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from _browser import Browser, Page, find_chromium
 from test_api import light_source
-from test_realtime_page import SILENT, serve_asgi
+from test_realtime_page import SILENT, render_worklet_script, serve_asgi
 from websockets.sync.client import connect as ws_connect
 
 from fakes import (
@@ -300,41 +300,12 @@ def test_a_turns_first_audio_waits_the_lead_then_plays_back_to_back(browser, ser
     close_page(page)
 
 
-# Renders a known 440 Hz buffer at 48 kHz through the page's mic worklet, as duplex mode runs it
-# (16 kHz float32, 1 s chunks), and returns the samples it posted, read little-endian.
-_RENDER_WORKLET_F32 = """
-(async () => {
-  const rate = 48000, n = 2 * rate;
-  const ac = new OfflineAudioContext(1, n, rate);
-  const url = URL.createObjectURL(new Blob([WORKLET], { type: "text/javascript" }));
-  await ac.audioWorklet.addModule(url);
-  const buf = ac.createBuffer(1, n, rate);
-  const x = buf.getChannelData(0);
-  for (let i = 0; i < n; i++) x[i] = 0.5 * Math.sin(2 * Math.PI * 440 * i / rate);
-  const node = new AudioWorkletNode(ac, "pcm16-downsampler", {
-    numberOfInputs: 1, numberOfOutputs: 0, channelCount: 1, channelCountMode: "explicit",
-    processorOptions: { rate: DUPLEX_RATE, chunk: DUPLEX_CHUNK, float32: true },
-  });
-  const out = [];
-  let chunks = 0;
-  node.port.onmessage = (m) => {
-    const v = new DataView(m.data);
-    for (let i = 0; i < v.byteLength / 4; i++) out.push(v.getFloat32(4 * i, true));
-    chunks += 1;
-  };
-  const src = new AudioBufferSourceNode(ac, { buffer: buf });
-  src.connect(node);
-  src.start(0);
-  await ac.startRendering();
-  for (let k = 0; k < 100 && chunks < 1; k++) await new Promise((r) => setTimeout(r, 20));
-  return out;
-})()
-"""
-
-
 def test_mic_worklet_makes_16k_float32_units(browser, server) -> None:
     page = open_page(browser, f"{server}/realtime?mode=audio", "audio")
-    got = np.asarray(page.evaluate(_RENDER_WORKLET_F32), dtype=np.float32)
+    # 2 s at 48 kHz, as duplex mode runs the worklet: 16 kHz float32 in 1 s chunks
+    script = render_worklet_script(
+        48000, 2, "{ rate: DUPLEX_RATE, chunk: DUPLEX_CHUNK, float32: true }", True, 1)
+    got = np.asarray(page.evaluate(script), dtype=np.float32)
     assert len(got) >= UNIT and len(got) % UNIT == 0  # whole 1 s units only
     # The same linear interpolation over the same float32 input, rounded to float32.
     x = (0.5 * np.sin(2 * np.pi * 440 * np.arange(96000) / 48000)).astype(np.float32)

@@ -205,42 +205,48 @@ def test_text_turn_and_server_vad_barge_in(page: Page) -> None:
     page.wait_for("!window.omniray.micOn")
 
 
-# Renders a known 440 Hz buffer at `rate` through the page's mic worklet in an offline context
-# and returns the pcm16 samples it posted, read as little-endian like the wire format.
-_RENDER_WORKLET = """
-(async () => {
-  const rate = %d, n = rate;
+def render_worklet_script(rate: int, seconds: int, options: str, float32: bool,
+                          min_chunks: int) -> str:
+    """JS that renders a known 440 Hz buffer of `seconds` at `rate` through the page's mic
+    worklet (processorOptions `options`) in an offline context and returns the samples it
+    posted, read little-endian as the wire carries them (pcm16, or float32 in duplex mode),
+    once `min_chunks` chunks came (they arrive as messages after rendering)."""
+    width, read = (4, "getFloat32") if float32 else (2, "getInt16")
+    return f"""
+(async () => {{
+  const rate = {rate}, n = {seconds} * rate;
   const ac = new OfflineAudioContext(1, n, rate);
-  const url = URL.createObjectURL(new Blob([WORKLET], { type: "text/javascript" }));
+  const url = URL.createObjectURL(new Blob([WORKLET], {{ type: "text/javascript" }}));
   await ac.audioWorklet.addModule(url);
   const buf = ac.createBuffer(1, n, rate);
   const x = buf.getChannelData(0);
   for (let i = 0; i < n; i++) x[i] = 0.5 * Math.sin(2 * Math.PI * 440 * i / rate);
-  const node = new AudioWorkletNode(ac, "pcm16-downsampler", {
+  const node = new AudioWorkletNode(ac, "pcm16-downsampler", {{
     numberOfInputs: 1, numberOfOutputs: 0, channelCount: 1, channelCountMode: "explicit",
-    processorOptions: { rate: 24000, chunk: 2400 },
-  });
+    processorOptions: {options},
+  }});
   const out = [];
   let chunks = 0;
-  node.port.onmessage = (m) => {
+  node.port.onmessage = (m) => {{
     const v = new DataView(m.data);
-    for (let i = 0; i < v.byteLength / 2; i++) out.push(v.getInt16(2 * i, true));
+    for (let i = 0; i < v.byteLength / {width}; i++) out.push(v.{read}({width} * i, true));
     chunks += 1;
-  };
-  const src = new AudioBufferSourceNode(ac, { buffer: buf });
+  }};
+  const src = new AudioBufferSourceNode(ac, {{ buffer: buf }});
   src.connect(node);
   src.start(0);
   await ac.startRendering();
-  // The posted chunks arrive as messages after rendering; 24000 outputs make 10 of them.
-  for (let k = 0; k < 100 && chunks < 9; k++) await new Promise((r) => setTimeout(r, 20));
+  for (let k = 0; k < 100 && chunks < {min_chunks}; k++) await new Promise((r) => setTimeout(r, 20));
   return out;
-})()
+}})()
 """
 
 
 @pytest.mark.parametrize("rate", [24000, 44100, 48000])
 def test_mic_worklet_resamples_to_24k_pcm16(page: Page, rate: int) -> None:
-    got = np.asarray(page.evaluate(_RENDER_WORKLET % rate), dtype=np.int64)
+    # 1 s at `rate` -> 24000 outputs: 10 chunks of 100 ms
+    script = render_worklet_script(rate, 1, "{ rate: 24000, chunk: 2400 }", False, 9)
+    got = np.asarray(page.evaluate(script), dtype=np.int64)
     assert len(got) >= 9 * 2400 and len(got) % 2400 == 0  # whole 100 ms chunks only
     # The same linear interpolation computed here, over the same float32 input samples.
     x = (0.5 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)).astype(np.float32)
