@@ -112,55 +112,43 @@ class _Run:
             self.fail(e)
 
 
-def _forward(llm: Qwen3LM, runs: list[_Run],
-             rows: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """The rows of `runs` in one forward. A session whose KV has no room fails alone; a
-    failed forward fails them all. Returns the hidden rows of the runs still alive."""
-    live = []
-    for run, r in zip(runs, rows):
+def _step(runs: list[_Run], sizes: list[int], fn):
+    """`fn(live, kept)` over the runs whose KV has room for their `sizes` more tokens (`kept`:
+    their indices in `runs`); a session without room fails alone, a failed step fails them
+    all (None). `runs` is left holding the runs still alive."""
+    kept = []
+    for i, (run, n) in enumerate(zip(runs, sizes, strict=True)):
         kv = run.thinker.kv
         try:
-            kv.ensure(kv.length + r.shape[0])
+            kv.ensure(kv.length + n)
         except ValueError as e:
             run.fail(e)
             continue
-        live.append((run, r))
-    runs[:] = [run for run, _ in live]
+        kept.append(i)
+    runs[:] = live = [runs[i] for i in kept]
     if not live:
         return None
     try:
-        return forward_sessions(llm, [(run.thinker.kv, r) for run, r in live])
-    except Exception as e:  # noqa: BLE001 - every session of the forward is left mid-unit
-        for run in runs:
-            run.fail(e)
-        runs.clear()
-        return None
-
-
-def _decode(runs: list[_Run]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One decode step of `runs` (their pending tokens), as `_forward` runs rows: a session
-    whose KV has no room fails alone, a failed step fails them all. Returns the hidden rows
-    (and the logits, where a graph computed them) of the runs still alive."""
-    live = []
-    for run in runs:
-        kv = run.thinker.kv
-        try:
-            kv.ensure(kv.length + 1)
-        except ValueError as e:
-            run.fail(e)
-            continue
-        live.append(run)
-    runs[:] = live
-    if not live:
-        return None
-    try:
-        return live[0].thinker.kv.pages.decode([run.thinker.kv for run in live],
-                                               [run.token[0] for run in live])
+        return fn(live, kept)
     except Exception as e:  # noqa: BLE001 - every session of the step is left mid-unit
         for run in live:
             run.fail(e)
         runs.clear()
         return None
+
+
+def _forward(llm: Qwen3LM, runs: list[_Run],
+             rows: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The rows of `runs` in one forward (`_step`); the hidden rows of the runs still alive."""
+    return _step(runs, [r.shape[0] for r in rows], lambda live, kept: forward_sessions(
+        llm, [(run.thinker.kv, rows[i]) for run, i in zip(live, kept)]))
+
+
+def _decode(runs: list[_Run]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One decode step of `runs` (their pending tokens; `_step`): the hidden rows, and the
+    logits where a graph computed them, of the runs still alive."""
+    return _step(runs, [1] * len(runs), lambda live, _: live[0].thinker.kv.pages.decode(
+        [run.thinker.kv for run in live], [run.token[0] for run in live]))
 
 
 @torch.inference_mode()

@@ -274,31 +274,34 @@ class SessionKV:
         blk = torch.tensor(self.table, dtype=torch.long)[p // bs]
         return blk.to(self.device), (p % bs).to(self.device)
 
-    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V (hi - lo, Hkv, D) of tokens [lo, hi) in `layer` (copies)."""
-        blk, off = self._where(lo, hi)
-        x = self.pages.layers[layer]
-        return x[blk, 0, off], x[blk, 1, off]
+    def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + n, device=self.device)
+        return rope_cos_sin(self.head_dim, positions, self.theta, self.dtype)
 
-    def _write(self, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        blk, off = self._where(lo, lo + k.shape[0])
-        x = self.pages.layers[layer]
-        x[blk, 0, off] = k
-        x[blk, 1, off] = v
+    def _gather(self, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer K, V (hi - lo, Hkv, D) of tokens [lo, hi) (copies)."""
+        blk, off = self._where(lo, hi)
+        return [(x[blk, 0, off], x[blk, 1, off]) for x in self.pages.layers]
+
+    def _scatter(self, lo: int, rows: list[tuple[torch.Tensor, torch.Tensor]],
+                 old: int) -> None:
+        """Write per-layer K, V rows at [lo, lo + n), the keys re-rotated from positions
+        [old, old + n) to theirs (as they are when old == lo)."""
+        n = rows[0][0].shape[0]
+        blk, off = self._where(lo, lo + n)
+        if old != lo:  # the angles once for every layer
+            cos_o, sin_o = self._rope(old, n)
+            cos_n, sin_n = self._rope(lo, n)
+        for x, (k, v) in zip(self.pages.layers, rows, strict=True):
+            if old != lo:
+                base = cos_o * k - sin_o * _rotate_half(k)
+                k = cos_n * base + sin_n * _rotate_half(base)
+            x[blk, 0, off] = k
+            x[blk, 1, off] = v
 
     def snapshot(self) -> list[torch.Tensor]:
         """Per layer (2, length, Hkv, D): the session's K/V in position order (tests)."""
-        return [torch.stack(self.read(i, 0, self.length))
-                for i in range(len(self.pages.layers))]
-
-    def _rerotate(self, k: torch.Tensor, old: int, new: int) -> torch.Tensor:
-        n = k.shape[0]
-        old_p = torch.arange(old, old + n, device=self.device)
-        new_p = torch.arange(new, new + n, device=self.device)
-        cos_o, sin_o = rope_cos_sin(self.head_dim, old_p, self.theta, self.dtype)
-        cos_n, sin_n = rope_cos_sin(self.head_dim, new_p, self.theta, self.dtype)
-        base = cos_o * k - sin_o * _rotate_half(k)
-        return cos_n * base + sin_n * _rotate_half(base)
+        return [torch.stack(kv) for kv in self._gather(0, self.length)]
 
     @torch.inference_mode()
     def drop(self, start: int, length: int) -> None:
@@ -307,9 +310,7 @@ class SessionKV:
         `drop_tokens_from_cache` + `realign_rotary_suffix`)."""
         end, total = start + length, self.length
         if total - end > 0:
-            for i in range(len(self.pages.layers)):
-                k, v = self.read(i, end, total)
-                self._write(i, start, self._rerotate(k, end, start), v)
+            self._scatter(start, self._gather(end, total), old=end)
         self.length = total - length
         self.trim()
 
@@ -325,17 +326,13 @@ class SessionKV:
         them, its keys re-rotated (the reference's `_rebuild_cache_with_previous`)."""
         total = self.length
         old_start = total - keep
-        tail = [self.read(i, old_start, total) for i in range(len(self.pages.layers))] \
-            if keep > 0 else []
+        tail = self._gather(old_start, total) if keep > 0 else []
         self.length = prefix_end
         if embeds is not None and embeds.shape[0] > 0:
             self.forward(embeds)
         if keep > 0:
             new_start = self.length
             self.ensure(new_start + keep)
-            for i, (k, v) in enumerate(tail):
-                if old_start != new_start:
-                    k = self._rerotate(k, old_start, new_start)
-                self._write(i, new_start, k, v)
+            self._scatter(new_start, tail, old=old_start)
             self.length = new_start + keep
         self.trim()
