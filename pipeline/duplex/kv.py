@@ -78,17 +78,15 @@ class KVPages:
         w = llm.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
         self.scale = cfg.head_dim**-0.5
-        self._backend_pages = 0
         self.backend = self._make_backend()
 
     def _make_backend(self):
         cfg = self.llm.cfg
-        self._backend_pages = self.layers[0].shape[0]
         if self.dtype not in (torch.bfloat16, torch.float16):
             return TorchAttention()  # FlashInfer's kernels are half precision only
         return make_backend(self.device, num_qo_heads=cfg.num_attention_heads,
                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                            block_size=self.block_size, max_num_pages=self._backend_pages,
+                            block_size=self.block_size, max_num_pages=self.layers[0].shape[0],
                             dtype=self.dtype)
 
     @classmethod
@@ -141,15 +139,14 @@ class KVPages:
             start = kv.length
             qo.append(qo[-1] + t)
             kv_lens.append(start + t)
-            positions.append(torch.arange(start, start + t))
             p = torch.arange(start, start + t)
             table = torch.tensor(kv.table, dtype=torch.long)
+            positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
-            tables.append(kv.table)
-        width = max(len(t) for t in tables)
-        bt = torch.zeros(len(items), width, dtype=torch.int32)
+            tables.append(table)
+        bt = torch.zeros(len(items), max(len(t) for t in tables), dtype=torch.int32)
         for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            bt[i, : len(t)] = t
         meta = AttnMetadata(
             qo_indptr=torch.tensor(qo, dtype=torch.int32),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
