@@ -230,6 +230,51 @@ def test_batched_streams_equal_one_at_a_time(model, voice):
         )
 
 
+def test_batch_sizes_cover_every_count():
+    """12 captured sizes at 32 streams; any count of rows is a sum of them, a padded step is
+    at most a third larger than its rows."""
+    from pipeline.code2wav.engine import batch_sizes, split_sizes
+
+    assert batch_sizes(32) == (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32)
+    assert batch_sizes(4) == (1, 2, 3, 4) and batch_sizes(10) == (1, 2, 3, 4, 6, 8, 10)
+    sizes = batch_sizes(32)
+    for n in range(1, 33):
+        parts = split_sizes(n, sizes)
+        assert sum(parts) == n and all(p in sizes for p in parts)
+        assert min(b for b in sizes if b >= n) <= max(n + 1, 4 * n / 3)
+
+
+def test_padded_step_and_split_vocoder_equal_one_at_a_time(model, voice, monkeypatch):
+    """Five streams at eight slots: the flow step runs six rows (a padding row on the pool's
+    spare slot, speaker zeros) and the vocoder a group of four and one of one; each stream's
+    audio is what the plain path gives it alone."""
+    flow, hift, cfg = model
+    eng = Code2WavEngine(flow, hift, cfg, Code2WavEngineConfig(max_streams=8))
+    from pipeline.code2wav import engine as engine_mod
+
+    planned, vocoded = [], []
+    plan, vocode_fn = eng.pool.plan, engine_mod.vocode
+
+    def spy_plan(rows, batch=None):
+        out = plan(rows, batch)
+        planned.append((len(rows), len(out.tokens)))
+        return out
+
+    def spy_vocode(hift_, cfg_, states, *a, **k):
+        vocoded.append(len(states))
+        return vocode_fn(hift_, cfg_, states, *a, **k)
+
+    monkeypatch.setattr(eng.pool, "plan", spy_plan)
+    monkeypatch.setattr(engine_mod, "vocode", spy_vocode)
+    out_b = _run(eng, _feeds(5), voice)
+    assert planned[0] == (5, 6) and sorted(vocoded[:2]) == [1, 4]
+    out_s = _run(PlainEngine(flow, hift, cfg), _feeds(5), voice)
+    for sid in out_s:
+        d = np.abs(out_b[sid] - out_s[sid])
+        assert out_b[sid].shape == out_s[sid].shape and d.max() < 1e-4, (sid, d.max())
+    assert len(eng.pool.free) == 8
+
+
 def test_final_flush_and_short_streams(model, voice):
     flow, hift, cfg = model
     eng = Code2WavEngine(flow, hift, cfg)

@@ -11,8 +11,10 @@ The StageEngine protocol (pipeline/stage_engine.py):
 
 Every stream's flow caches live in a slot pool (slots.py), one slot a stream, `max_streams`
 slots: a turn beyond them is refused at open. Every ready chunk, of any phase, voice or final
-length, is one padded row of a single step. The step's flow runs as one CUDA graph per (batch
-size, DiT window) and the vocoder as CUDA graphs per chunk shape on CUDA, eagerly elsewhere;
+length, is one padded row of a single step, and the step is padded up to one of a few batch
+sizes (`batch_sizes`). The step's flow runs as one CUDA graph per (batch size, DiT window) and
+the vocoder, a group of equal state split into those sizes, as CUDA graphs per chunk shape on
+CUDA, eagerly elsewhere;
 the DiT blocks and the vocoder's Snakes are compiled on CUDA only. The padded rows reorder
 float sums only (masked softmax over padded keys): tests/test_code2wav_slots.py bounds the
 step against one stream at a time through the reference modules.
@@ -52,7 +54,7 @@ from pipeline.graphs import GraphRunner
 from pipeline.handoff import CodeChunk, PcmChunk
 
 MAX_GRAPHS = 96  # per runner, at least; the vocoder's holds ~2 per batch size + 52 last chunks
-# Graphs kept per batch size (max_graphs scales with max_streams past MAX_GRAPHS): the flow's
+# Graphs kept per batch size (max_graphs scales with the batch sizes past MAX_GRAPHS): the flow's
 # WARMUP_CHUNKS growing DiT windows and a first-and-last chunk's window at each size, so
 # none that the warm-up captured is evicted and captured again under load.
 GRAPHS_PER_BATCH = 6
@@ -60,6 +62,27 @@ VOICE_TEMPLATES = 8  # unpinned voice templates kept (least recently used evicte
 # `warmup` decodes this many throwaway full chunks at each batch size, so the first requests
 # find the graphs captured and the compiled blocks built
 WARMUP_CHUNKS = 4
+
+
+def batch_sizes(max_streams: int) -> tuple[int, ...]:
+    """The step's batch sizes (each a flow graph per DiT window and vocoder graphs of its
+    own): every size up to 4, then 6, 8 and every 4th, and `max_streams`. A step of other
+    sizes pads its flow rows up to the next one and splits a vocoder group into these sizes,
+    so the warm-up captures 12 sizes at 32 streams instead of 32, and a padded flow step
+    does at most a third more rows than it needs."""
+    sizes = [b for b in (1, 2, 3, 4, 6, 8) if b < max_streams]
+    sizes += range(12, max_streams, 4)
+    return tuple(sorted({*sizes, max_streams}))
+
+
+def split_sizes(n: int, sizes: tuple[int, ...]) -> list[int]:
+    """`n` rows as a sum of `sizes` (largest first; 1 is always one of them)."""
+    parts = []
+    while n:
+        part = max(b for b in sizes if b <= n)
+        parts.append(part)
+        n -= part
+    return parts
 
 
 @dataclass(frozen=True)
@@ -144,8 +167,8 @@ class Code2WavEngine:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
         self.fp16_autocast = cuda and engine_cfg.token2wav_precision == "fp16"
-        self.graph_sizes = tuple(range(1, engine_cfg.max_streams + 1))
-        self.max_graphs = max(MAX_GRAPHS, GRAPHS_PER_BATCH * engine_cfg.max_streams)
+        self.graph_sizes = batch_sizes(engine_cfg.max_streams)
+        self.max_graphs = max(MAX_GRAPHS, GRAPHS_PER_BATCH * len(self.graph_sizes))
         self.pool = FlowSlotPool(flow, engine_cfg.max_streams, engine_cfg.slot_prompt_frames,
                                  self.device, next(flow.parameters()).dtype)
         self.graphs = GraphRunner(self.max_graphs) if cuda else None
@@ -340,16 +363,24 @@ class Code2WavEngine:
         """One padded flow step for the ready streams, then the vocoder per shape."""
         streams = [self.streams[i] for i in ids]
         rows = [Row(s.slot, *ready[i]) for i, s in zip(ids, streams)]
-        plan = self.pool.plan(rows)
+        # padding rows (the pool's spare slot, speaker zeros) up to a captured batch size
+        batch = min(b for b in self.graph_sizes if b >= len(rows))
+        plan = self.pool.plan(rows, batch)
         spk = torch.cat([s.state.spk for s in streams])
+        spk = torch.cat([spk, spk.new_zeros(batch - len(rows), *spk.shape[1:])])
         mel = self._flow_slots(plan, spk)
         self.pool.commit(plan)
         groups: dict[tuple, list[int]] = {}
         for row, s in enumerate(streams):
             key = (plan.mel_frames[row], *s.state.vocoder_key(rows[row].last))
             groups.setdefault(key, []).append(row)
-        voiced = []  # every group's vocoder enqueued before the first copy to the host
+        pieces = []  # each group in pieces of captured batch sizes
         for (frames, *_), members in groups.items():
+            for n in split_sizes(len(members), self.graph_sizes):
+                pieces.append((frames, members[:n]))
+                members = members[n:]
+        voiced = []  # every piece's vocoder enqueued before the first copy to the host
+        for frames, members in pieces:
             last = rows[members[0]].last
             speech, states = vocode(
                 self.hift_graphs or self.hift,
