@@ -64,7 +64,9 @@ class DuplexDecoder:
         if first == self.chunk_eos:
             return first
 
-        logits[:, self.forbidden.to(logits.device)] = float("-inf")
+        if self.forbidden.device != logits.device:  # moved once: a copy a step would wait
+            self.forbidden = self.forbidden.to(logits.device)
+        logits[:, self.forbidden] = float("-inf")
         if repetition_penalty != 1.0 and self.generated:
             recent = torch.tensor(sorted(set(self.generated[-repetition_window:])),
                                   dtype=torch.long, device=logits.device)
