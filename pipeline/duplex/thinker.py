@@ -43,7 +43,7 @@ from PIL import Image
 
 from pipeline.duplex.audio_stream import StreamingAudioEncoder, StreamingMel, encode_batch
 from pipeline.duplex.config import DuplexConfig
-from pipeline.duplex.decoder import DuplexDecoder
+from pipeline.duplex.decoder import DecodeParams, DuplexDecoder
 from pipeline.duplex.kv import KVPages, SessionKV, standalone_pages
 from pipeline.processing.audio import process_audio
 from pipeline.processing.image import process_image
@@ -219,6 +219,16 @@ class DuplexThinker:
     @property
     def context_length(self) -> int:
         return self.kv.length
+
+    @property
+    def decode_params(self) -> DecodeParams:
+        c = self.cfg
+        return DecodeParams(
+            mode=c.decode_mode, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+            listen_top_k=c.listen_top_k, listen_prob_scale=c.listen_prob_scale,
+            repetition_penalty=c.text_repetition_penalty,
+            repetition_window=c.text_repetition_window_size,
+        )
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.model.llm.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
@@ -456,13 +466,7 @@ class DuplexThinker:
             elif force == "speak" and j == 0:
                 last = t.speak
             else:
-                last = self.decoder.decode(
-                    logits, mode=c.decode_mode, temperature=c.temperature, top_k=c.top_k,
-                    top_p=c.top_p, listen_top_k=c.listen_top_k,
-                    listen_prob_scale=c.listen_prob_scale,
-                    repetition_penalty=c.text_repetition_penalty,
-                    repetition_window=c.text_repetition_window_size,
-                )
+                last = self.decoder.decode(logits, self.decode_params)
                 if last == t.listen and not self.current_turn_ended:
                     last = t.tts_bos  # a turn in progress may not listen
             ids.append(last)
