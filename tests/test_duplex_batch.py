@@ -180,3 +180,16 @@ def test_a_bad_unit_fails_alone_and_the_others_go_on(shared):
     assert e.thinker.units == [] and e.units == 0
     with pytest.raises(ValueError, match="one unit in a batch"):
         run_units([UnitRequest(b, audio), UnitRequest(b, audio)])
+
+
+def test_a_failed_draw_fails_the_sessions_drawing_and_the_others_go_on(shared, monkeypatch):
+    (a, ins), (b, _), (c, _) = (make(shared, "audio_greedy") for _ in range(3))
+
+    def broken(*args):
+        raise RuntimeError("no draw")
+
+    monkeypatch.setattr(batch, "decode_batch", broken)
+    audio, _ = ins[0]
+    got = run_units([UnitRequest(a, audio), UnitRequest(b, audio, None, "listen")])
+    assert isinstance(got[0], RuntimeError)
+    assert_same(got[1], c.unit(audio, None, "listen"), "a forced listen draws nothing")
