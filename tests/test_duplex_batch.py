@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from pipeline.checkpoint import ModelSource
+from pipeline.duplex import batch
 from pipeline.duplex.batch import UnitRequest, run_units
 from pipeline.duplex.config import DuplexConfig
+from pipeline.duplex.decoder import decode_batch
 from pipeline.duplex.session import DuplexSession
 from pipeline.duplex.speech import DuplexSpeech, SpeechModels
 from pipeline.duplex.thinker import DuplexThinker, reference_special_tokens
@@ -88,7 +90,8 @@ def assert_same_state(a: DuplexSession, b: DuplexSession, where: str) -> None:
         torch.testing.assert_close(ka[:, :n], kb[:, :n], rtol=ATOL, atol=ATOL, msg=where)
 
 
-def test_units_of_four_sessions_batched_equal_each_session_alone(shared, speech_models):
+def test_units_of_four_sessions_batched_equal_each_session_alone(shared, speech_models,
+                                                                 monkeypatch):
     # (script, units run alone first, speech, overrides, force per batched unit)
     specs = [
         ("audio_greedy", 1, False, {}, ["speak", None, None, None, "listen"]),  # listening
@@ -112,6 +115,13 @@ def test_units_of_four_sessions_batched_equal_each_session_alone(shared, speech_
     assert not ths[3].current_turn_ended  # in the middle of a turn
     assert len({t.context_length for t in ths}) == 4
 
+    draws = []  # the sessions of each decode_batch call: one call a step for all of them
+
+    def counted(decoders, *args):
+        draws.append(len(decoders))
+        return decode_batch(decoders, *args)
+
+    monkeypatch.setattr(batch, "decode_batch", counted)
     seen = set()
     for k in range(len(specs[0][4])):
         reqs, want = [], []
@@ -136,6 +146,7 @@ def test_units_of_four_sessions_batched_equal_each_session_alone(shared, speech_
     assert {"listen", "speak", "end", "codes", "listen and speak in one batch",
             "two sessions' Talker draws in one batch"} <= seen, seen
     assert ths[2].slides > 1 and ths[0].slides == 0  # a slide inside the batch too
+    assert max(draws) >= 3  # greedy and sampling sessions' draws in one call
 
 
 def test_one_session_through_the_batch_is_the_session_alone(shared):
@@ -169,3 +180,16 @@ def test_a_bad_unit_fails_alone_and_the_others_go_on(shared):
     assert e.thinker.units == [] and e.units == 0
     with pytest.raises(ValueError, match="one unit in a batch"):
         run_units([UnitRequest(b, audio), UnitRequest(b, audio)])
+
+
+def test_a_failed_draw_fails_the_sessions_drawing_and_the_others_go_on(shared, monkeypatch):
+    (a, ins), (b, _), (c, _) = (make(shared, "audio_greedy") for _ in range(3))
+
+    def broken(*args):
+        raise RuntimeError("no draw")
+
+    monkeypatch.setattr(batch, "decode_batch", broken)
+    audio, _ = ins[0]
+    got = run_units([UnitRequest(a, audio), UnitRequest(b, audio, None, "listen")])
+    assert isinstance(got[0], RuntimeError)
+    assert_same(got[1], c.unit(audio, None, "listen"), "a forced listen draws nothing")

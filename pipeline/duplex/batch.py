@@ -9,10 +9,13 @@ lockstep across the sessions:
    go through the LLM in one forward, and the last row of each through `lm_head` in one
    matmul (the decisions' logits);
 2. the decode loop runs every session's `DuplexThinker.unit_steps` side by side: each step
-   appends one token to every session still decoding, in one forward, and computes the
-   logits of the sessions that want them in one matmul. A session leaves the loop at its
-   own chunk terminator; its decisions, repetition window, generator, turn state and
-   sliding window stay its own (the steps run on its DuplexThinker, as alone);
+   appends one token to every session still decoding, in one forward, computes the
+   logits of the sessions that want them in one matmul, and draws the next id of every
+   session that asks one in one `decode_batch` (each from its own generator; the host
+   reads the device two or three times a step, not a few times a session). A session
+   leaves the loop at its own chunk terminator; its decisions, repetition window,
+   generator, turn state and sliding window stay its own (the steps run on its
+   DuplexThinker, as alone);
 3. the speech side (`DuplexSession.finish_units`): the speak units' Talker draws in
    lockstep, one decode a step over every drawing session's row of the shared TalkerPool
    (`speech.speak_batch`), then their Token2Wav windows in rounds, one flow chunk and one
@@ -31,7 +34,8 @@ alone, the PCM within 1 LSB of its int16 round trip (Token2Wav groups;
 tests/test_duplex_batch.py).
 
 A request that fails (bad input, a context over the model's length) fails alone: the
-others of the batch go on. A failure of the shared forward fails every session in it.
+others of the batch go on. A failure of the shared forward, or of a step's draws, fails
+every session in it.
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.duplex.decoder import decode_batch
 from pipeline.duplex.kv import SessionKV
 from pipeline.duplex.session import DuplexSession, UnitResult
 from pipeline.duplex.thinker import (
     FORCE_CHOICES,
+    Draw,
     ThinkerUnit,
     UnitPrefill,
     UnitSteps,
@@ -92,7 +98,8 @@ class _Run:
         self.thinker = req.session.thinker
         self.plan: UnitPrefill | None = None
         self.steps: UnitSteps | None = None
-        self.token: tuple[int, bool] | None = None  # the step it waits on: (token, wants logits)
+        # the step it waits on: (token, wants logits) or a Draw; None: done or failed
+        self.ask: tuple[int, bool] | Draw | None = None
         self.unit: ThinkerUnit | None = None
         self.error: BaseException | None = None
 
@@ -100,14 +107,14 @@ class _Run:
         self.error = e
         if self.steps is not None:
             self.steps.close()
-        self.steps = self.token = None
+        self.steps = self.ask = None
 
-    def advance(self, sent: tuple | None) -> None:
+    def advance(self, sent: tuple | int | None) -> None:
         """Start (sent None) or resume its steps; records the next step or the unit."""
         try:
-            self.token = next(self.steps) if sent is None else self.steps.send(sent)
+            self.ask = next(self.steps) if sent is None else self.steps.send(sent)
         except StopIteration as done:
-            self.unit, self.steps, self.token = done.value, None, None
+            self.unit, self.steps, self.ask = done.value, None, None
         except Exception as e:  # noqa: BLE001 - this session's unit fails, not the batch's
             self.fail(e)
 
@@ -148,7 +155,22 @@ def _decode(runs: list[_Run]) -> tuple[torch.Tensor, torch.Tensor | None] | None
     """One decode step of `runs` (their pending tokens; `_step`): the hidden rows, and the
     logits where a graph computed them, of the runs still alive."""
     return _step(runs, [1] * len(runs), lambda live, _: live[0].thinker.kv.pages.decode(
-        [run.thinker.kv for run in live], [run.token[0] for run in live]))
+        [run.thinker.kv for run in live], [run.ask[0] for run in live]))
+
+
+def _draw(runs: list[_Run]) -> None:
+    """Answers the Draw of every run in one `decode_batch`; a failure fails them all (their
+    generators may have drawn)."""
+    try:
+        ids = decode_batch([run.thinker.decoder for run in runs],
+                           [run.ask.logits for run in runs],
+                           [run.thinker.decode_params for run in runs])
+    except Exception as e:  # noqa: BLE001 - every session of the draws is left mid-unit
+        for run in runs:
+            run.fail(e)
+        return
+    for run, token in zip(runs, ids, strict=True):
+        run.advance(token)
 
 
 @torch.inference_mode()
@@ -202,7 +224,11 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
                 continue
             run.advance(None)
     while True:
-        active = [run for run in runs if run.token is not None]
+        drawing = [run for run in runs if isinstance(run.ask, Draw)]
+        if drawing:
+            _draw(drawing)
+            continue
+        active = [run for run in runs if run.ask is not None]
         if not active:
             break
         fed = list(active)
@@ -210,7 +236,7 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
         if out is None:
             continue
         hidden, all_logits = out
-        want = [i for i, run in enumerate(fed) if run.token[1]]
+        want = [i for i, run in enumerate(fed) if run.ask[1]]
         if all_logits is not None:
             logits = {i: all_logits[i : i + 1] for i in want}
         else:

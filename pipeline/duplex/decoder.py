@@ -6,15 +6,39 @@ tokenizer's bad ids, `<|tts_pad|>`, `<|chunk_eos|>`) masked, the repetition pena
 the last `window` decoded ids, the turn-end length penalty, the listen scale and
 `listen_top_k`, then greedy or temperature / top-k / top-p sampling. Draws come from the
 session's generator, in the reference's order, so a seed replays the same tokens.
+
+`DuplexDecoder.decode` is that path for one session; `decode_batch` draws the next ids of
+many sessions at once (pipeline.duplex.batch), with the same values, draws and ids as each
+session's `decode`, and two or three host reads in all instead of three or four a session.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 # `StreamDecoder.decode`'s own default: streaming_generate never passes another.
 TURN_EOS_LENGTH_PENALTY = 1.1
+# `decode_batch` lays its rows out where tensors of their own would start (the CUDA caching
+# allocator's 512-byte blocks): CUDA's softmax splits a row among its threads by the row's
+# alignment, so a row of a packed (B, V) tensor may sum its exps in another order.
+ROW_ALIGN_BYTES = 512
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """A session's decoding options: its DuplexConfig's, under the decoder's names."""
+
+    mode: str  # "greedy" | "sampling"
+    temperature: float
+    top_k: int
+    top_p: float
+    listen_top_k: int | None
+    listen_prob_scale: float
+    repetition_penalty: float
+    repetition_window: int
 
 
 def top_k_top_p_filtering(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -42,7 +66,8 @@ class DuplexDecoder:
         # not `<|listen|>`: listen_prob_scale and listen_top_k act on that id. Kept on
         # purpose; both are off by default.
         self.listen_id = listen_id
-        self.forbidden = torch.tensor(sorted(set(forbidden)), dtype=torch.long)
+        self.forbidden_ids = tuple(sorted(set(forbidden)))
+        self.forbidden = torch.tensor(self.forbidden_ids, dtype=torch.long)
         self.generator = generator
         self.generated: list[int] = []  # every id decode returned past the chunk_eos check
         self.draws = 0  # samples drawn from the generator so far
@@ -51,48 +76,235 @@ class DuplexDecoder:
         self.draws += 1
         return torch.multinomial(probs, num_samples=1, generator=self.generator)
 
+    def _forbidden_on(self, device: torch.device) -> torch.Tensor:
+        if self.forbidden.device != device:  # moved once: a copy a step would wait
+            self.forbidden = self.forbidden.to(device)
+        return self.forbidden
+
+    def _record(self, token: int, window: int) -> None:
+        self.generated.append(token)
+        if len(self.generated) > 2 * window:  # only the last window is read
+            del self.generated[:-window]
+
     @torch.inference_mode()
-    def decode(self, logits: torch.Tensor, *, mode: str, temperature: float, top_k: int,
-               top_p: float, listen_top_k: int | None, listen_prob_scale: float,
-               repetition_penalty: float, repetition_window: int) -> int:
+    def decode(self, logits: torch.Tensor, p: DecodeParams) -> int:
         """logits (1, V) -> the next id."""
         logits = logits.clone()
-        if mode == "greedy":
+        if p.mode == "greedy":
             first = int(torch.argmax(logits[0]).item())
         else:
             first = int(self._multinomial(F.softmax(logits[0], dim=-1)).item())
         if first == self.chunk_eos:
             return first
 
-        if self.forbidden.device != logits.device:  # moved once: a copy a step would wait
-            self.forbidden = self.forbidden.to(logits.device)
-        logits[:, self.forbidden] = float("-inf")
-        if repetition_penalty != 1.0 and self.generated:
-            recent = torch.tensor(sorted(set(self.generated[-repetition_window:])),
+        logits[:, self._forbidden_on(logits.device)] = float("-inf")
+        if p.repetition_penalty != 1.0 and self.generated:
+            recent = torch.tensor(sorted(set(self.generated[-p.repetition_window:])),
                                   dtype=torch.long, device=logits.device)
             recent = recent[recent < logits.size(-1)]
-            if repetition_penalty > 1.0:
-                logits[0, recent] /= repetition_penalty
+            if p.repetition_penalty > 1.0:
+                logits[0, recent] /= p.repetition_penalty
             else:
-                logits[0, recent] *= 1.0 / repetition_penalty
+                logits[0, recent] *= 1.0 / p.repetition_penalty
         if TURN_EOS_LENGTH_PENALTY != 1.0:
             if logits[0, self.turn_eos] > 0:
                 logits[0, self.turn_eos] = logits[0, self.turn_eos] / TURN_EOS_LENGTH_PENALTY
             else:
                 logits[0, self.turn_eos] = logits[0, self.turn_eos] * TURN_EOS_LENGTH_PENALTY
-        if listen_prob_scale != 1.0:
-            logits[0, self.listen_id] *= listen_prob_scale
-        if listen_top_k is not None:
+        if p.listen_prob_scale != 1.0:
+            logits[0, self.listen_id] *= p.listen_prob_scale
+        if p.listen_top_k is not None:
             rank = int((logits[0] > logits[0, self.listen_id]).sum().item())
-            if rank < listen_top_k:
+            if rank < p.listen_top_k:
                 return self.listen_id  # not recorded in `generated`, as in the reference
 
-        if mode == "greedy":
+        if p.mode == "greedy":
             token = int(torch.argmax(logits, dim=-1).item())
         else:
-            logits = top_k_top_p_filtering(logits / temperature, top_k, top_p)
+            logits = top_k_top_p_filtering(logits / p.temperature, p.top_k, p.top_p)
             token = int(self._multinomial(F.softmax(logits, dim=-1)).squeeze(1).item())
-        self.generated.append(token)
-        if len(self.generated) > 2 * repetition_window:  # only the last window is read
-            del self.generated[:-repetition_window]
+        self._record(token, p.repetition_window)
         return token
+
+
+@torch.inference_mode()
+def decode_batch(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
+                 params: list[DecodeParams]) -> list[int]:
+    """`decoders[i].decode(logits[i], params[i])` for every row: the same ids, the same draws
+    from each decoder's generator, the same `generated` after. The host reads the device
+    twice (three times when a row has a `listen_top_k`), whatever the row count.
+
+    Ops whose value in a row does not depend on the other rows (elementwise, masks, argmax,
+    top-k, sort) run over the stacked rows, one call per group of rows with equal settings;
+    softmax and cumsum run per row, as (1, V) calls (CUDA sums one row and several rows in
+    different orders), and each row draws from its own generator. Rows that share a
+    generator (or a decoder) draw in rounds, in row order, as they would one after another.
+    """
+    if not len(decoders) == len(logits) == len(params):
+        raise ValueError("one logits row and one DecodeParams per decoder")
+    out = [0] * len(decoders)
+    for rows in _rounds(decoders):
+        ids = _decode_rows([decoders[i] for i in rows], [logits[i] for i in rows],
+                           [params[i] for i in rows])
+        for i, token in zip(rows, ids):
+            out[i] = token
+    return out
+
+
+def _rounds(decoders: list[DuplexDecoder]) -> list[list[int]]:
+    """The row indices in rounds holding each generator once, each round in row order."""
+    rounds: list[list[int]] = []
+    uses: dict[int, int] = {}
+    for i, d in enumerate(decoders):
+        k = uses.get(id(d.generator), 0)  # None, the global generator, is one generator too
+        uses[id(d.generator)] = k + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(i)
+    return rounds
+
+
+def _decode_rows(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
+                 params: list[DecodeParams]) -> list[int]:
+    """`decode_batch` over rows with distinct generators."""
+    rows = _aligned(torch.cat(logits))  # decode's clone
+    device = rows.device
+
+    # 1. the first draw of every row, read in one go: a row that draws chunk_eos is done
+    firsts: list[torch.Tensor | None] = [None] * len(decoders)
+    greedy = [j for j, p in enumerate(params) if p.mode == "greedy"]
+    if greedy:
+        for j, first in zip(greedy, torch.argmax(rows[_on(greedy, device)], dim=-1).split(1)):
+            firsts[j] = first
+    for j, p in enumerate(params):
+        if p.mode != "greedy":
+            firsts[j] = decoders[j]._multinomial(F.softmax(rows[j], dim=-1))
+    out = torch.cat(firsts).tolist()
+    live = [j for j, d in enumerate(decoders) if out[j] != d.chunk_eos]
+    if not live:
+        return out
+    decs, ps = [decoders[j] for j in live], [params[j] for j in live]
+    x = rows if len(live) == len(rows) else _aligned(rows[_on(live, device)])
+
+    # 2. the masks and penalties, in decode's order
+    _mask_forbidden(x, decs)
+    _penalize_repeats(x, decs, ps)
+    if TURN_EOS_LENGTH_PENALTY != 1.0:
+        index = (torch.arange(len(decs), device=device), _on([d.turn_eos for d in decs], device))
+        v = x[index]
+        x[index] = torch.where(v > 0, v / TURN_EOS_LENGTH_PENALTY, v * TURN_EOS_LENGTH_PENALTY)
+    scaled = [(p.listen_prob_scale, j, d.listen_id) for j, (d, p) in enumerate(zip(decs, ps))
+              if p.listen_prob_scale != 1.0]
+    for scale, (r, c) in _by_value(scaled).items():
+        x[_on(r, device), _on(c, device)] *= scale
+
+    # 3. listen_top_k: a listen ranked high enough is the answer, with no draw
+    todo = list(range(len(live)))
+    ranked = [j for j, p in enumerate(ps) if p.listen_top_k is not None]
+    if ranked:
+        r, c = _on(ranked, device), _on([decs[j].listen_id for j in ranked], device)
+        ranks = (x[r] > x[r, c].unsqueeze(-1)).sum(-1).tolist()
+        for j, rank in zip(ranked, ranks):
+            if rank < ps[j].listen_top_k:
+                out[live[j]] = decs[j].listen_id  # not recorded, as in decode
+                todo.remove(j)
+
+    # 4. greedy argmax or the filtered draw, read in one go
+    picked: dict[int, torch.Tensor] = {}
+    greedy = [j for j in todo if ps[j].mode == "greedy"]
+    if greedy:
+        picked.update(zip(greedy, torch.argmax(x[_on(greedy, device)], dim=-1).split(1)))
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for j in todo:
+        if ps[j].mode != "greedy":
+            groups.setdefault((ps[j].temperature, ps[j].top_k, ps[j].top_p), []).append(j)
+    for (temperature, top_k, top_p), group in groups.items():
+        y = _aligned_empty(len(group), x)
+        torch.div(x[_on(group, device)], temperature, out=y)
+        _filter_rows(y, top_k, top_p)
+        for k, j in enumerate(group):
+            picked[j] = decs[j]._multinomial(F.softmax(y[k : k + 1], dim=-1)).squeeze(1)
+    if picked:
+        order = sorted(picked)
+        for j, token in zip(order, torch.cat([picked[j] for j in order]).tolist()):
+            decs[j]._record(token, ps[j].repetition_window)
+            out[live[j]] = token
+    return out
+
+
+def _mask_forbidden(x: torch.Tensor, decoders: list[DuplexDecoder]) -> None:
+    if len({d.forbidden_ids for d in decoders}) == 1:
+        x[:, decoders[0]._forbidden_on(x.device)] = float("-inf")
+        return
+    for j, d in enumerate(decoders):
+        x[j, d._forbidden_on(x.device)] = float("-inf")
+
+
+def _penalize_repeats(x: torch.Tensor, decoders: list[DuplexDecoder],
+                      params: list[DecodeParams]) -> None:
+    """Each row's penalty over its last window's ids, one indexed divide per penalty: a
+    Python scalar as in decode (CUDA divides by a scalar through its reciprocal, by a
+    tensor exactly)."""
+    vocab = x.shape[-1]
+    items = []
+    for j, (d, p) in enumerate(zip(decoders, params)):
+        if p.repetition_penalty != 1.0 and d.generated:
+            recent = sorted(set(d.generated[-p.repetition_window:]))
+            items += [(p.repetition_penalty, j, t) for t in recent if t < vocab]
+    for penalty, (r, c) in _by_value(items).items():
+        index = (_on(r, x.device), _on(c, x.device))
+        if penalty > 1.0:
+            x[index] /= penalty
+        else:
+            x[index] *= 1.0 / penalty
+
+
+def _filter_rows(y: torch.Tensor, top_k: int, top_p: float) -> None:
+    """`top_k_top_p_filtering` of every row of y (B, V) in place."""
+    if top_k > 0:
+        top_k = min(top_k, y.size(-1))
+        y.masked_fill_(y < torch.topk(y, top_k)[0][..., -1, None], float("-inf"))
+    if top_p > 0.0:
+        sorted_logits, sorted_indices = torch.sort(y, descending=True)
+        sorted_logits = _aligned(sorted_logits)
+        # per row: CUDA scans one row with a device-wide cub scan, rows with another kernel
+        cumulative = torch.cat([torch.cumsum(F.softmax(sorted_logits[k : k + 1], dim=-1), dim=-1)
+                                for k in range(len(y))])
+        remove = cumulative > top_p
+        remove[..., 1:] = remove[..., :-1].clone()  # keep the token that crosses top_p
+        remove[..., 0] = 0
+        y.masked_fill_(torch.zeros_like(remove).scatter_(-1, sorted_indices, remove),
+                       float("-inf"))
+
+
+def _aligned_empty(n: int, like: torch.Tensor) -> torch.Tensor:
+    """(n, V) like `like`, each row starting ROW_ALIGN_BYTES-aligned (a view of wider rows)."""
+    per = ROW_ALIGN_BYTES // like.element_size()
+    vocab = like.shape[-1]
+    width = -(-vocab // per) * per
+    return torch.empty(n, width, dtype=like.dtype, device=like.device)[:, :vocab]
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    out = _aligned_empty(t.shape[0], t)
+    out.copy_(t)
+    return out
+
+
+def _on(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an index tensor on `device`. On CUDA through pinned memory: a copy from
+    pageable memory waits for the stream, a host sync."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _by_value(items) -> dict[float, tuple[list[int], list[int]]]:
+    """(value, row, column) triples -> per value its rows and columns."""
+    out: dict[float, tuple[list[int], list[int]]] = {}
+    for value, r, c in items:
+        rows, cols = out.setdefault(value, ([], []))
+        rows.append(r)
+        cols.append(c)
+    return out

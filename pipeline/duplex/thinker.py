@@ -43,7 +43,7 @@ from PIL import Image
 
 from pipeline.duplex.audio_stream import StreamingAudioEncoder, StreamingMel, encode_batch
 from pipeline.duplex.config import DuplexConfig
-from pipeline.duplex.decoder import DuplexDecoder
+from pipeline.duplex.decoder import DecodeParams, DuplexDecoder
 from pipeline.duplex.kv import KVPages, SessionKV, standalone_pages
 from pipeline.processing.audio import process_audio
 from pipeline.processing.image import process_image
@@ -99,8 +99,19 @@ class ThinkerUnit:
     prefill: list = field(default_factory=list)
 
 
-# (token to append, wants its logits) out; (its hidden row, its logits or None) in
-UnitSteps = Generator[tuple[int, bool], tuple[torch.Tensor, "torch.Tensor | None"], ThinkerUnit]
+@dataclass
+class Draw:
+    """A step's request for the next id, drawn from `logits` (1, V) by the session's decoder:
+    answered by `DuplexDecoder.decode` alone, by one `decode_batch` for the sessions of a
+    batch (pipeline.duplex.batch)."""
+
+    logits: torch.Tensor
+
+
+# Out: (token to append, wants its logits), answered with (its hidden row, its logits or
+# None); or a Draw, answered with the id drawn.
+UnitSteps = Generator[tuple[int, bool] | Draw,
+                      "tuple[torch.Tensor, torch.Tensor | None] | int", ThinkerUnit]
 
 
 @dataclass
@@ -219,6 +230,16 @@ class DuplexThinker:
     @property
     def context_length(self) -> int:
         return self.kv.length
+
+    @property
+    def decode_params(self) -> DecodeParams:
+        c = self.cfg
+        return DecodeParams(
+            mode=c.decode_mode, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+            listen_top_k=c.listen_top_k, listen_prob_scale=c.listen_prob_scale,
+            repetition_penalty=c.text_repetition_penalty,
+            repetition_window=c.text_repetition_window_size,
+        )
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.model.llm.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
@@ -416,19 +437,25 @@ class DuplexThinker:
         is decoded as usual)."""
         steps = self.unit_steps(force)
         try:
-            token, wants_logits = next(steps)
+            ask = next(steps)
             while True:
+                if isinstance(ask, Draw):
+                    ask = steps.send(self.decoder.decode(ask.logits, self.decode_params))
+                    continue
+                token, wants_logits = ask
                 hidden = self._feed_token(token)
                 logits = self._logits(hidden) if wants_logits else None
-                token, wants_logits = steps.send((hidden, logits))
+                ask = steps.send((hidden, logits))
         except StopIteration as done:
             return done.value
 
     def unit_steps(self, force: str | None = None) -> UnitSteps:
         """`generate_unit` as steps: yields (token, wants_logits), one token to append to
         the KV, and takes back (its final hidden row [H], its logits (1, V) or None when
-        not wanted); returns the ThinkerUnit. `generate_unit` feeds each token alone; a
-        batch feeds the tokens of many sessions in one forward (pipeline.duplex.batch)."""
+        not wanted), or a Draw, and takes back the id the session's decoder draws; returns
+        the ThinkerUnit. `generate_unit` answers each step alone; a batch feeds the tokens
+        of many sessions in one forward and draws their ids in one `decode_batch`
+        (pipeline.duplex.batch)."""
         if force not in FORCE_CHOICES:
             raise ValueError(f"force must be one of {FORCE_CHOICES}, got {force!r}")
         return self._unit_steps(force)
@@ -456,13 +483,7 @@ class DuplexThinker:
             elif force == "speak" and j == 0:
                 last = t.speak
             else:
-                last = self.decoder.decode(
-                    logits, mode=c.decode_mode, temperature=c.temperature, top_k=c.top_k,
-                    top_p=c.top_p, listen_top_k=c.listen_top_k,
-                    listen_prob_scale=c.listen_prob_scale,
-                    repetition_penalty=c.text_repetition_penalty,
-                    repetition_window=c.text_repetition_window_size,
-                )
+                last = yield Draw(logits)
                 if last == t.listen and not self.current_turn_ended:
                     last = t.tts_bos  # a turn in progress may not listen
             ids.append(last)
