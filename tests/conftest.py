@@ -38,13 +38,28 @@ def metrics_url(ray_http) -> str:
     return _RAY["metrics_url"]
 
 
+def _free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range (32768-60999) and above Ray's
+    worker ports (10002-19999): no outgoing connection is given it while Ray starts."""
+    import random
+    import socket
+
+    for port in random.sample(range(20000, 32768), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port in 20000-32767")
+
+
 @pytest.fixture(scope="session")
 def ray_http():
     """One local Ray + Serve for the whole session (ray-notes.md), HTTP on a free loopback
     port; every Ray test file deploys its apps on it. Yields the HTTP base URL."""
     pytest.importorskip("ray.serve")
     import os
-    import socket
 
     import ray
     from ray import serve
@@ -58,17 +73,20 @@ def ray_http():
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if here not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, paths)])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    metrics_port = _free_port()
     # One logical GPU: the main app's builder applies its GPU fractions (the scheduling path
     # of a GPU machine) while torch runs on the CPU; other apps are built with use_gpu=False.
     ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False,
              object_store_memory=384 * 2**20, _metrics_export_port=metrics_port)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    for attempt in range(3):  # a port found free can be taken before the proxy binds it
+        port = _free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            break
+        except ray.exceptions.RayTaskError as e:
+            if "Failed to bind" not in str(e) or attempt == 2:
+                raise
+            serve.shutdown()
     base = f"http://127.0.0.1:{port}"
     _RAY["metrics_url"] = f"http://127.0.0.1:{metrics_port}/metrics"
     yield base
