@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="the Thinker engine's KV pool")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="profile the last plan entry's last speak unit (torch.profiler), "
+                         "its kernel table to FILE")
     args = ap.parse_args(argv)
 
     import pipeline.duplex.batch as batch_mod
@@ -166,11 +169,23 @@ def main(argv: list[str] | None = None) -> int:
                                 force) for s in sessions]
             for v in spent.values():
                 v.clear()
+            last = entry == args.plan.split(",")[-1] and u == args.units - 2
+            prof = None
+            if args.profile and last:
+                prof = torch.profiler.profile(activities=[
+                    torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
             sync()
             t = time.perf_counter()
             res = run_units(reqs)
             sync()
             total = 1e3 * (time.perf_counter() - t)
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.profile).write_text(
+                    prof.key_averages().table(sort_by="cuda_time_total", row_limit=60) + "\n"
+                    + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
             bad = [r for r in res if isinstance(r, BaseException)]
             if bad:
                 print("unit failed:", repr(bad[0]), flush=True)
