@@ -81,8 +81,9 @@ class DuplexSettings(_Settings):
     "Full duplex"): each lives in the ingress replica that accepted its socket."""
 
     max_sessions: int = Field(4, ge=0, description=(
-        "duplex sessions running at once per ingress replica. A constant until the stage "
-        "engines hold duplex sessions and it can follow from what the GPU holds; 0 = off"))
+        "duplex sessions running at once per ingress replica, at most: fewer when the "
+        "Thinkers' KV pools hold fewer beside the window's chat turns (each session at its "
+        "sliding window's bound); 0 = off"))
     max_queue: int = Field(16, ge=0, description=(
         "sessions waiting for a slot (each told its position and ETA, session.queued); "
         "past it a new socket gets an error event (server_busy) and close 1013"))

@@ -226,3 +226,51 @@ def test_a_full_kv_pool_fails_the_unit_that_needs_more_and_close_frees(ckpt):
     assert not isinstance(out, BaseException) and out["is_listen"], out
     assert sessions.close("b")
     assert pool.num_used == 0 and sessions.stats()["kv_blocks"] == 0
+
+
+def test_served_sessions_slide_and_stay_within_their_bound(ckpt):
+    """A served session runs the reference's basic window (the wires offer no other mode):
+    its context stays under the window's high mark plus one unit (`session_tokens_max`), the
+    bound its K/V may take of the pool; a session whose system prompt alone passes the bound
+    is refused at its start, saying so."""
+    from deployments.stages.duplex import sessions_held
+    from pipeline.duplex.config import session_tokens_max, unit_tokens_max
+
+    source = ModelSource.open(str(ckpt))
+    engine = ThinkerEngine.from_source(source, ThinkerEngineConfig(), "cpu")
+    q = engine.model.cfg.query_num
+    sessions = DuplexSessions(source, engine.device)
+    window = {"basic_window_high_tokens": 80, "basic_window_low_tokens": 60}
+
+    def init(prompt, **extra):
+        return SimpleNamespace(options={"decode_mode": "greedy", "seed": 1, **window, **extra},
+                               audio_out=False, system_prompt=prompt, ref_audio=None,
+                               prompt_wav=None, max_slice_nums=1)
+
+    sessions.open(engine, "a", init(None))
+    thinker = sessions._sessions["a"][0].thinker
+    cfg = thinker.cfg
+    assert cfg.sliding_window_mode == "basic"
+    bound = 80 + unit_tokens_max(cfg, q)
+    assert thinker.max_tokens == session_tokens_max(cfg, q) == bound == thinker.kv.max_len
+    inputs = di.session_inputs(di.session("audio_greedy"))
+    longest = 0
+    for k, (audio, _) in enumerate(inputs[:12]):
+        out = sessions.units_batch([("a", audio, None, "speak" if k % 3 else "listen")])[0]
+        assert not isinstance(out, BaseException), out
+        longest = max(longest, thinker.kv.length)
+    assert thinker.slides > 0 and longest <= bound
+    assert sessions.close("a")
+
+    with pytest.raises(ValueError, match="over a session's limit of"):
+        sessions.open(engine, "long", init(" ".join(["a long system prompt"] * 30)))
+    assert len(sessions) == 0 and engine.llm.block_manager.num_used == 0
+
+    # the pool's sessions beside the chat window, at the default session's bound
+    llm = engine.llm
+    blocks, block = llm.block_manager.num_blocks, llm.config.block_size
+    held = sessions_held(llm, 8, 512, q)
+    per = -(-held["session_tokens"] // block)
+    assert held["session_tokens"] == 4000 + unit_tokens_max(DuplexConfig(), q)
+    assert held["sessions"] == (blocks - 8 * -(-512 // block)) // per
+    assert sessions_held(llm, blocks, block, q)["sessions"] == 0  # chat takes it all

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from deployments.config import AppConfig
-from deployments.duplex.manager import DuplexManager
+from deployments.duplex.manager import DuplexManager, Refused
 from deployments.duplex.session import UnitAssembler
 from fakes import FakeDuplexBackend
 
@@ -466,6 +466,9 @@ class StageStandIn:
     def __init__(self):
         self.sessions: dict = {}
 
+    async def duplex_holds(self):
+        return {"sessions": 8}
+
     async def duplex_open(self, sid, init):
         from pipeline.duplex.config import DuplexConfig
         from pipeline.duplex.session import DuplexSession
@@ -544,10 +547,67 @@ def test_the_stage_backend_spreads_sessions_over_groups_and_routes_their_calls()
     assert (held, after) == (3, 0)
 
 
+def test_sessions_run_at_most_what_the_thinkers_hold_and_the_rest_queue():
+    """max_sessions is 4, but the two groups' Thinkers hold 3 and 2 sessions beside their
+    chat turns, shared by 2 ingress replicas: this replica runs 1 + 1; a third waits; each
+    group gets one; a group whose pool holds none refuses duplex."""
+    import asyncio
+
+    from deployments.duplex.backend import DuplexInit, StageBackend
+
+    class Stage:
+        def __init__(self, held):
+            self.held, self.open = held, set()
+
+        async def duplex_holds(self):
+            return {"sessions": self.held}
+
+        async def duplex_open(self, sid, init):
+            self.open.add(sid)
+
+        async def duplex_close(self, sid):
+            self.open.discard(sid)
+            return True
+
+    a, b = Stage(3), Stage(2)
+    cfg = AppConfig.model_validate({"duplex": {"max_sessions": 4, "max_queue": 2}})
+    manager = DuplexManager(cfg.duplex, StageBackend([_group(a), _group(b)], share=2))
+    moves = []
+
+    async def notify(pos, eta, n):
+        moves.append(pos)
+
+    async def main():
+        async with manager.slot("s1", notify), manager.slot("s2", notify):
+            for sid in ("s1", "s2"):
+                await manager.open(sid, DuplexInit())
+            assert (a.open, b.open) == ({"s1"}, {"s2"})
+            assert manager.stats()["limit"] == 2
+            third = asyncio.create_task(manager._acquire("s3", notify))
+            await asyncio.sleep(0.05)
+            assert not third.done() and moves == [1]
+            for sid in ("s1", "s2"):
+                await manager.close(sid)
+        await third  # a slot came free
+        manager._release("s3")
+        return manager.stats()
+
+    st = asyncio.run(main())
+    assert st["active"] == 0 and not st["leaks"] and st["backend"]["holds"] == 2
+
+    none = DuplexManager(cfg.duplex, StageBackend([_group(Stage(0))]))
+    with pytest.raises(Refused) as e:
+        asyncio.run(none._acquire("x", notify))
+    assert e.value.code == "duplex_unavailable"
+
+
 def test_a_refused_option_is_an_error_event():
     from deployments.duplex.backend import StageBackend
 
     class Stage:
+        async def duplex_holds(self):
+            return {"sessions": 4}
+
         async def duplex_open(self, sid, init):
             raise ValueError("listen_top_k must be positive")
 

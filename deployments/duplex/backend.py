@@ -59,21 +59,43 @@ class DuplexBackend(Protocol):
 class StageBackend:
     """Sessions resident in a stage group's Thinker stage (`duplex_open` / `duplex_unit` /
     `duplex_close` on its handle: deployments/stages/duplex.py), so a session's state lives
-    beside the engine's model; each new session goes to the group holding the fewest.
+    beside the engine's model; each new session goes to the group holding the fewest, of
+    those with room.
 
-    `groups`: the ingress's Groups (`stages.via(stage, nbytes)` and `asleep`)."""
+    `groups`: the ingress's Groups (`stages.via(stage, nbytes)` and `asleep`); `share`: the
+    ingress replicas, each of which runs its share of every group's sessions."""
 
-    def __init__(self, groups: list[Any]):
+    def __init__(self, groups: list[Any], share: int = 1):
         self.groups = groups
+        self.share = share
         self._where: dict[str, Any] = {}   # session id -> its group
+        self._room: dict[int, int] = {}    # id(group) -> its sessions, this replica's share
+
+    def _awake(self) -> list[Any]:
+        return [g for g in self.groups if not getattr(g, "asleep", False)] or self.groups
+
+    async def holds(self) -> int | None:
+        """The sessions this replica may run in the awake groups: each group's Thinker
+        tells what its KV pool holds (asked once a group), divided among the replicas.
+        None: a Thinker without a KV pool (no bound from here)."""
+        total = 0
+        for g in self._awake():
+            if id(g) not in self._room:
+                held = await g.stages.via("thinker").duplex_holds.remote()
+                if held.get("sessions") is None:
+                    return None
+                self._room[id(g)] = held["sessions"] // self.share
+            total += self._room[id(g)]
+        return total
 
     def _pick(self) -> Any:
-        awake = [g for g in self.groups if not getattr(g, "asleep", False)] or self.groups
+        awake = self._awake()
         held = {id(g): 0 for g in awake}
         for g in self._where.values():
             if id(g) in held:
                 held[id(g)] += 1
-        return min(awake, key=lambda g: held[id(g)])
+        room = [g for g in awake if held[id(g)] < self._room.get(id(g), held[id(g)] + 1)]
+        return min(room or awake, key=lambda g: held[id(g)])
 
     async def open(self, session_id: str, init: DuplexInit) -> None:
         group = self._pick()
@@ -95,4 +117,4 @@ class StageBackend:
             await group.stages.via("thinker").duplex_close.remote(session_id)
 
     def stats(self) -> dict[str, int]:
-        return {"sessions": len(self._where)}
+        return {"sessions": len(self._where), "holds": sum(self._room.values())}

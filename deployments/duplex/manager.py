@@ -1,5 +1,7 @@
-"""Duplex sessions per ingress replica: at most `max_sessions` run, up to `max_queue` wait
-in FIFO order (told their position and an ETA as it changes), the rest are refused."""
+"""Duplex sessions per ingress replica: at most `max_sessions` run, and never more than the
+backend holds (`backend.holds()`: what the Thinkers' KV pools have room for), up to
+`max_queue` wait in FIFO order (told their position and an ETA as it changes), the rest are
+refused."""
 
 from __future__ import annotations
 
@@ -45,6 +47,15 @@ class DuplexManager:
         self._queue: deque[_Waiter] = deque()
         self._durations: deque[float] = deque(maxlen=64)
         self.refused = 0
+        self.limit = settings.max_sessions  # sessions that may run: max_sessions, or fewer
+
+    async def _limit(self) -> int:
+        """`max_sessions`, or what the backend holds if that is fewer."""
+        holds = getattr(self.backend, "holds", None)
+        held = await holds() if holds is not None and self.settings.max_sessions else None
+        self.limit = self.settings.max_sessions if held is None else min(
+            self.settings.max_sessions, held)
+        return self.limit
 
     # -- admission ---------------------------------------------------------------------
 
@@ -64,12 +75,17 @@ class DuplexManager:
             self.refused += 1
             raise Refused("duplex_unavailable", "full duplex is off on this server "
                           "(duplex.max_sessions is 0)", 1008)
-        if len(self.active) < s.max_sessions and not self._queue:
+        limit = await self._limit()
+        if limit == 0:
+            self.refused += 1
+            raise Refused("duplex_unavailable", "the Thinker's KV cache holds no duplex "
+                          "session beside the chat turns (raise thinker.kv_cache_gib)", 1008)
+        if len(self.active) < limit and not self._queue:
             self.active[session_id] = time.monotonic()
             return
         if len(self._queue) >= s.max_queue:
             self.refused += 1
-            raise Refused("server_busy", f"all {s.max_sessions} duplex sessions of this "
+            raise Refused("server_busy", f"all {limit} duplex sessions of this "
                           f"replica are taken and {len(self._queue)} are waiting; try again "
                           f"later")
         w = _Waiter(session_id)
@@ -103,7 +119,7 @@ class DuplexManager:
         if start is None:
             return
         self._durations.append(time.monotonic() - start)
-        while self._queue and len(self.active) < self.settings.max_sessions:
+        while self._queue and len(self.active) < self.limit:
             w = self._queue.popleft()
             w.granted = True
             self.active[w.session_id] = time.monotonic()
@@ -144,13 +160,13 @@ class DuplexManager:
         if not self.opened <= set(self.active):
             leaks.append(f"duplex: backend sessions {sorted(self.opened - set(self.active))} "
                          f"hold no slot")
-        if len(self.active) > self.settings.max_sessions:
-            leaks.append(f"duplex: {len(self.active)} sessions over max_sessions "
-                         f"{self.settings.max_sessions}")
+        if len(self.active) > self.limit:
+            leaks.append(f"duplex: {len(self.active)} sessions over their limit {self.limit}")
         backend = self.backend.stats() if hasattr(self.backend, "stats") else {}
         if "sessions" in backend and backend["sessions"] != len(self.opened):
             leaks.append(f"duplex: backend holds {backend['sessions']} sessions, "
                          f"{len(self.opened)} open")
         return {"active": len(self.active), "queued": len(self._queue), "refused": self.refused,
+                "limit": self.limit,
                 "backend": backend, "idle": not self.active and not self._queue,
                 "leaks": leaks}

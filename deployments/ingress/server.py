@@ -123,7 +123,7 @@ class IngressServer:
         self._voice_support: tuple[str | None] | None = None  # (reason,) once asked
         self.realtime_sessions: dict[str, Any] = {}  # id -> RealtimeSession on this replica
         # full-duplex sessions (WS /v1/realtime?mode= / ?duplex=1), resident in the Thinkers
-        self.duplex = DuplexManager(cfg.duplex, StageBackend(self.groups))
+        self.duplex = DuplexManager(cfg.duplex, StageBackend(self.groups, cfg.ingress.num_replicas))
         from pipeline.processing.vad import silero_problem
 
         # Realtime sessions start with server VAD on: a host without its model says so here

@@ -24,6 +24,28 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# Served sessions slide: the reference's basic window (its own thresholds) keeps a session's
+# K/V under a bound, so the sessions a KV pool holds follow from its size (`sessions_held`).
+# The wires offer no other mode (the official protocol has no such option).
+SERVED = {"sliding_window_mode": "basic"}
+
+
+def sessions_held(llm: Any, chat_turns: int, turn_tokens: int, query_num: int) -> dict[str, Any]:
+    """The duplex sessions an engine's KV pool holds beside `chat_turns` chat turns of
+    `turn_tokens` each, at the served session's bound (`session_tokens_max`: the basic window's
+    high mark and one unit of one frame, 1 slice, `max_new_speak_tokens_per_chunk` tokens). A
+    session that asks for more slices or speak tokens may hold more; the pool is shared, so
+    a unit that finds no free block fails alone, with that said."""
+    from pipeline.duplex.config import DuplexConfig, session_tokens_max
+
+    blocks, block = llm.block_manager.num_blocks, llm.config.block_size
+    session = session_tokens_max(DuplexConfig(**SERVED), query_num)
+    session_blocks = -(-session // block)
+    chat_blocks = chat_turns * -(-turn_tokens // block)
+    free = max(0, blocks - chat_blocks)
+    return {"sessions": free // session_blocks, "session_tokens": session,
+            "pool_tokens": blocks * block, "chat_tokens": chat_blocks * block}
+
 
 class DuplexSessions:
     """The stage's sessions by id; every method runs on the engine loop's worker thread."""
@@ -42,7 +64,7 @@ class DuplexSessions:
         return len(self._sessions)
 
     def open(self, engine: Any, sid: str, init: Any) -> None:
-        from pipeline.duplex.config import DuplexConfig
+        from pipeline.duplex.config import DuplexConfig, session_tokens_max
         from pipeline.duplex.session import DuplexSession
         from pipeline.duplex.thinker import DuplexThinker, reference_special_tokens
 
@@ -50,7 +72,9 @@ class DuplexSessions:
             raise ValueError(f"duplex session {sid!r} is already open")
         opts = dict(init.options or {})
         seed = opts.pop("seed", None)
-        cfg = DuplexConfig(**opts)  # ValueError for a bad option
+        cfg = DuplexConfig(**{**SERVED, **opts})  # ValueError for a bad option
+        slices = init.max_slice_nums
+        max_tokens = session_tokens_max(cfg, engine.model.cfg.query_num, slices)
         if self._special is None:
             self._special = reference_special_tokens(self.source.tokenizer_dir)
         if self._pages is None:  # the engine's own KV pool: one budget with chat turns
@@ -60,7 +84,8 @@ class DuplexSessions:
             # the decode step's graphs, captured here rather than inside a session's unit
             self._pages.decode_graphs()
         thinker = DuplexThinker(engine.model, engine.tokenizer, cfg, seed=seed,
-                                special_tokens=self._special, pages=self._pages)
+                                special_tokens=self._special, pages=self._pages,
+                                max_tokens=max_tokens)
         speech = self._speech(cfg, seed) if init.audio_out else None
         session = DuplexSession(thinker, speech)
         try:

@@ -120,6 +120,19 @@ class ThinkerServer(StageServer):
         """Open and prepare a duplex session (ValueError: a bad option or input)."""
         await self.loop.call(lambda e: self._duplex_sessions().open(e, session_id, init))
 
+    async def duplex_holds(self) -> dict[str, Any]:
+        """The duplex sessions this replica's KV pool holds beside the group's window of
+        chat turns (`capacity`, `limits.default_max_tokens` each): `sessions`, and the token
+        counts it follows from (stages/duplex.py `sessions_held`)."""
+        from deployments.stages.duplex import sessions_held
+
+        engine = self.engine
+        llm = getattr(engine, "llm", None)
+        if llm is None or not hasattr(llm, "block_manager"):  # an engine without a KV pool
+            return {"sessions": None}
+        return sessions_held(llm, self.cfg.capacity, self.cfg.limits.default_max_tokens,
+                             engine.model.cfg.query_num)
+
     async def duplex_unit(self, session_id: str, audio: np.ndarray, frames: list | None,
                           force: str | None) -> dict[str, Any]:
         """One 1 s unit of a session: the fields of pipeline.duplex.session.UnitResult.

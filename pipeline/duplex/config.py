@@ -74,3 +74,24 @@ class DuplexConfig:
             raise ValueError(
                 "context window: need context_max_units >= 1, context_previous_max_tokens >= 0"
             )
+
+
+def unit_tokens_max(cfg: DuplexConfig, query_num: int, max_slice_nums: int = 1) -> int:
+    """The most rows one unit adds to a session's context (one frame, as the wires send):
+    <unit>; the frame's source image and, when it slices, at most `max_slice_nums` slices,
+    each `query_num` rows between two markers; the audio at 10 rows a second (the first
+    unit's `first_chunk_ms`, rounded up, and one more for the encoder's redundancy); the
+    decision and at most `max_new_speak_tokens_per_chunk` tokens, the chunk terminator and
+    </unit>."""
+    images = 1 + (max_slice_nums if max_slice_nums > 1 else 0)
+    audio = -(-max(cfg.chunk_ms, cfg.first_chunk_ms) // 100) + 1
+    return 1 + images * (query_num + 2) + audio + 1 + cfg.max_new_speak_tokens_per_chunk + 2
+
+
+def session_tokens_max(cfg: DuplexConfig, query_num: int, max_slice_nums: int = 1) -> int | None:
+    """A session's context at most: the basic window slides after the unit that takes it
+    past `basic_window_high_tokens`, so it holds that mark and one unit; None for the other
+    modes (`context` keeps a prefix and a previous text of any length, `off` grows)."""
+    if cfg.sliding_window_mode != "basic":
+        return None
+    return cfg.basic_window_high_tokens + unit_tokens_max(cfg, query_num, max_slice_nums)

@@ -222,14 +222,17 @@ def standalone_pages(llm: Qwen3LM) -> KVPages:
 
 
 class SessionKV:
-    """One session's block table in a `KVPages` pool and its length."""
+    """One session's block table in a `KVPages` pool and its length, at most `max_tokens`
+    (a server's bound on what one session holds of the shared pool; default: the model's
+    context)."""
 
-    def __init__(self, pages: KVPages):
+    def __init__(self, pages: KVPages, max_tokens: int | None = None):
         cfg = pages.llm.cfg
         self.pages = pages
         self.head_dim = cfg.head_dim
         self.theta = float(cfg.rope_theta)
-        self.max_len = cfg.max_position_embeddings
+        self.model_len = cfg.max_position_embeddings
+        self.max_len = self.model_len if max_tokens is None else min(max_tokens, self.model_len)
         self.device, self.dtype = pages.device, pages.dtype
         self.table: list[int] = []
         self.length = 0
@@ -237,10 +240,16 @@ class SessionKV:
     def ensure(self, total: int) -> None:
         """Room for `total` tokens (ValueError past the model's context, or when the pool
         has no free block for them)."""
-        if total > self.max_len:
+        if total > self.max_len == self.model_len:
             raise ValueError(
                 f"the session's context would reach {total} tokens, over the model's "
                 f"{self.max_len}; use sliding_window_mode 'basic'"
+            )
+        if total > self.max_len:
+            raise ValueError(
+                f"the session's context would reach {total} tokens, over a session's limit "
+                f"of {self.max_len} (its sliding window's high mark and one unit): the "
+                f"system prompt and voice must leave room for the window's units"
             )
         self.pages.allocate(self.table, total)
 

@@ -147,8 +147,10 @@ class DuplexThinker:
     def __init__(self, model: ThinkerModel, tokenizer: TextTokenizer,
                  cfg: DuplexConfig | None = None, *, seed: int | None = None,
                  generator: torch.Generator | None = None,
-                 special_tokens: set[str] | None = None, pages: KVPages | None = None):
+                 special_tokens: set[str] | None = None, pages: KVPages | None = None,
+                 max_tokens: int | None = None):
         self.model = model
+        self.max_tokens = max_tokens  # the session's context at most (None: the model's)
         # the KV pool the session's blocks come from: a server passes its engine's; alone,
         # the model's standalone pool (shared by the sessions of one model, so they batch)
         self.pages = pages or standalone_pages(model.llm)
@@ -197,7 +199,7 @@ class DuplexThinker:
         c = self.cfg
         if self.kv is not None:
             self.kv.release()
-        self.kv = SessionKV(self.pages)
+        self.kv = SessionKV(self.pages, self.max_tokens)
         self.mel = StreamingMel(c.chunk_ms, c.first_chunk_ms, c.cnn_redundancy_ms, c.sample_rate)
         self.audio_encoder = StreamingAudioEncoder(self.model.audio)
         self.decoder = DuplexDecoder(
