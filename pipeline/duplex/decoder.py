@@ -304,6 +304,13 @@ def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
     aligned row; in the dtype `torch.cat` promotes them to."""
     dtype = functools.reduce(torch.promote_types, [r.dtype for r in rows])
     out = _aligned_empty(len(rows), rows[0], dtype)
+    first = rows[0]
+    step = first.stride(0)
+    if all(r.dtype == first.dtype and r.stride() == first.stride()
+           and r.data_ptr() == first.data_ptr() + k * step * first.element_size()
+           for k, r in enumerate(rows)):  # consecutive rows of one tensor: one copy
+        out.copy_(first.as_strided((len(rows), first.shape[-1]), first.stride()))
+        return out
     for k, r in enumerate(rows):
         out[k : k + 1].copy_(r)
     return out
