@@ -14,6 +14,7 @@ session's `decode`, and two or three host reads in all instead of three or four 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -167,7 +168,7 @@ def _rounds(decoders: list[DuplexDecoder]) -> list[list[int]]:
 def _decode_rows(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
                  params: list[DecodeParams]) -> list[int]:
     """`decode_batch` over rows with distinct generators."""
-    rows = _aligned(torch.cat(logits))  # decode's clone
+    rows = _stacked(logits)  # decode's clone
     device = rows.device
 
     # 1. the first draw of every row, read in one go: a row that draws chunk_eos is done
@@ -184,7 +185,7 @@ def _decode_rows(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
     if not live:
         return out
     decs, ps = [decoders[j] for j in live], [params[j] for j in live]
-    x = rows if len(live) == len(rows) else _aligned(rows[_on(live, device)])
+    x = rows if len(live) == len(rows) else _stacked([rows[j : j + 1] for j in live])
 
     # 2. the masks and penalties, in decode's order
     _mask_forbidden(x, decs)
@@ -260,7 +261,11 @@ def _penalize_repeats(x: torch.Tensor, decoders: list[DuplexDecoder],
 
 
 def _filter_rows(y: torch.Tensor, top_k: int, top_p: float) -> None:
-    """`top_k_top_p_filtering` of every row of y (B, V) in place."""
+    """`top_k_top_p_filtering` of every row of y (B, V) in place: its batched twin, so that
+    the rows of a group with equal settings take one top-k and one sort, not one a row.
+    The same ops in the same order, each row left as the (1, V) call leaves it: softmax
+    and cumsum run per row on aligned rows (ROW_ALIGN_BYTES), and the cut entries go to
+    -inf through masks, where the one-row filter indexes its row 0."""
     if top_k > 0:
         top_k = min(top_k, y.size(-1))
         y.masked_fill_(y < torch.topk(y, top_k)[0][..., -1, None], float("-inf"))
@@ -277,17 +282,37 @@ def _filter_rows(y: torch.Tensor, top_k: int, top_p: float) -> None:
                        float("-inf"))
 
 
-def _aligned_empty(n: int, like: torch.Tensor) -> torch.Tensor:
-    """(n, V) like `like`, each row starting ROW_ALIGN_BYTES-aligned (a view of wider rows)."""
-    per = ROW_ALIGN_BYTES // like.element_size()
+def _aligned_empty(n: int, like: torch.Tensor,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(n, V) like `like` (in `dtype` if given), each row starting ROW_ALIGN_BYTES-aligned
+    (a view of wider rows)."""
+    dtype = dtype or like.dtype
+    per = ROW_ALIGN_BYTES // dtype.itemsize
     vocab = like.shape[-1]
     width = -(-vocab // per) * per
-    return torch.empty(n, width, dtype=like.dtype, device=like.device)[:, :vocab]
+    return torch.empty(n, width, dtype=dtype, device=like.device)[:, :vocab]
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     out = _aligned_empty(t.shape[0], t)
     out.copy_(t)
+    return out
+
+
+def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+    """`_aligned(torch.cat(rows))` of (1, V) rows, each copied once, straight into its
+    aligned row; in the dtype `torch.cat` promotes them to."""
+    dtype = functools.reduce(torch.promote_types, [r.dtype for r in rows])
+    out = _aligned_empty(len(rows), rows[0], dtype)
+    first = rows[0]
+    step = first.stride(0)
+    if all(r.dtype == first.dtype and r.stride() == first.stride()
+           and r.data_ptr() == first.data_ptr() + k * step * first.element_size()
+           for k, r in enumerate(rows)):  # consecutive rows of one tensor: one copy
+        out.copy_(first.as_strided((len(rows), first.shape[-1]), first.stride()))
+        return out
+    for k, r in enumerate(rows):
+        out[k : k + 1].copy_(r)
     return out
 
 

@@ -156,7 +156,15 @@ class DuplexThinker:
         self.pages = pages or standalone_pages(model.llm)
         self.kv: SessionKV | None = None
         self.tokenizer = tokenizer
-        self.cfg = cfg or DuplexConfig()
+        self._cfg = c = cfg or DuplexConfig()
+        # what every draw passes the decoder: built once, as the config is frozen and cannot
+        # be swapped (`cfg` has no setter)
+        self.decode_params = DecodeParams(
+            mode=c.decode_mode, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+            listen_top_k=c.listen_top_k, listen_prob_scale=c.listen_prob_scale,
+            repetition_penalty=c.text_repetition_penalty,
+            repetition_window=c.text_repetition_window_size,
+        )
         tc = model.cfg
         self.tokens = tc.tokens
         w = model.llm.lm_head.weight
@@ -234,14 +242,9 @@ class DuplexThinker:
         return self.kv.length
 
     @property
-    def decode_params(self) -> DecodeParams:
-        c = self.cfg
-        return DecodeParams(
-            mode=c.decode_mode, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-            listen_top_k=c.listen_top_k, listen_prob_scale=c.listen_prob_scale,
-            repetition_penalty=c.text_repetition_penalty,
-            repetition_window=c.text_repetition_window_size,
-        )
+    def cfg(self) -> DuplexConfig:
+        """The session's options, fixed for its life."""
+        return self._cfg
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.model.llm.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
