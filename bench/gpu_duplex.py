@@ -3,7 +3,7 @@ model and KV pool, as `deployments/stages/duplex.py` builds sessions) and the du
 models, full size, random weights. N sessions' units run as one batch
 (`pipeline.duplex.batch.run_units`), forced speak / speak / listen, 1 s of audio each (and a
 320x240 frame in the video mode). Per batch: its wall time, and inside it the encoders
-(`plan_prefill_batch`; the vision encoder eager, not compiled as served), the speech side (`speak_batch`: Talker draws + Token2Wav) and its
+(`plan_prefill_batch`; the vision encoder eager, not compiled as served), the speech side (`speak_steps`: Talker draws + Token2Wav) and its
 Token2Wav; the Thinker's share is the rest. A session is in real time while a batch of its
 speak units takes under 1 s.
 
@@ -102,11 +102,27 @@ def main(argv: list[str] | None = None) -> int:
             return r
         return wrapped
 
-    if hasattr(speech_mod, "speak_batch"):
+    def timed_steps(fn, key):
+        """A step-wise generator function timed over its steps (run_units runs nothing
+        between them)."""
+        def wrapped(*a, **k):
+            sync()
+            t = time.perf_counter()
+            r = yield from fn(*a, **k)
+            sync()
+            spent[key].append(1e3 * (time.perf_counter() - t))
+            return r
+        return wrapped
+
+    if hasattr(speech_mod, "speak_steps"):
+        speech_mod.speak_steps = timed_steps(speech_mod.speak_steps, "speech")
+    elif hasattr(speech_mod, "speak_batch"):  # a tree before the batch ran in steps
         speech_mod.speak_batch = timed(speech_mod.speak_batch, "speech")
     else:  # a tree before the speech side batched
         DuplexSpeech.speak = timed(DuplexSpeech.speak, "speech")
-    if hasattr(speech_mod, "_token2wav_batch"):
+    if hasattr(speech_mod, "_token2wav_steps"):
+        speech_mod._token2wav_steps = timed_steps(speech_mod._token2wav_steps, "token2wav")
+    elif hasattr(speech_mod, "_token2wav_batch"):
         speech_mod._token2wav_batch = timed(speech_mod._token2wav_batch, "token2wav")
     else:  # a tree before Token2Wav batched
         DuplexSpeech._token2wav = timed(DuplexSpeech._token2wav, "token2wav")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -50,3 +53,13 @@ def fuse_into_views(linears: list[nn.Linear], name: str = "weight") -> torch.Ten
         setattr(lin, name, nn.Parameter(fused[row : row + n], requires_grad=p.requires_grad))
         row += n
     return fused
+
+
+def drain(steps: Generator[object, None, T]) -> T:
+    """Run a step-wise generator (one that yields between its GPU steps) to its end, with
+    nothing between the steps; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

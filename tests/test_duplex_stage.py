@@ -194,6 +194,87 @@ def test_unit_batcher_gathers_what_arrives_while_a_batch_runs():
     assert batches == [["a:0"], ["b:0", "c:0", "a:1"], ["b:1"], ["e:bad"], ["e:2"]]
 
 
+def test_unit_batcher_idle_waits_for_the_batch_holding_the_session():
+    """`idle(sid)` returns at once for a session with no unit in flight, and after the
+    batch's end for one whose unit is in the batch (a close must not free its state
+    mid-batch)."""
+    import asyncio
+
+    from deployments.stages.duplex import UnitBatcher
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def run(items):
+            await gate.wait()
+            return [sid for sid, _, _, _ in items]
+
+        b = UnitBatcher(run)
+        unit = asyncio.create_task(b.submit("a", 0, None, None))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the batch is in flight
+        await asyncio.wait_for(b.idle("b"), 1)
+        waiting = asyncio.create_task(b.idle("a"))
+        await asyncio.sleep(0.01)
+        early = waiting.done()
+        gate.set()
+        await asyncio.wait_for(waiting, 1)
+        return early, unit.done(), await unit
+
+    early, unit_done, result = asyncio.run(main())
+    assert not early and unit_done and result == "a"
+
+
+def test_chat_steps_between_a_unit_batchs_steps_and_a_close_waits_for_it(ckpt):
+    """The served path runs a unit batch as a side job of the engine loop: a chat turn's
+    steps come between the batch's steps, and a close that comes while the batch runs waits
+    for its end."""
+    import asyncio
+
+    from deployments.stages.thinker import ThinkerServer
+    from pipeline.handoff import SamplingParams, ThinkerRequest
+
+    source = ModelSource.open(str(ckpt))
+    script = di.session(NAME)
+    inputs = di.session_inputs(script)
+    server = ThinkerServer({"device": "cpu"}, source=source)
+    order: list[str] = []
+    step, side_step = server.engine.step, server.loop._side_step
+    server.engine.step = lambda: order.append("E") or step()
+    server.loop._side_step = lambda: order.append("S") or side_step()
+    try:
+        async def main():
+            init = SimpleNamespace(
+                options={"decode_mode": script.decode_mode, **script.duplex_kwargs,
+                         "seed": script.seed},
+                audio_out=False, system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None,
+                max_slice_nums=1)
+            await server.duplex_open("s", init)
+            for k in range(4):  # to the first speak unit: a batch of several decode steps
+                await server.duplex_unit("s", *inputs[k], "speak" if k == 3 else None)
+            q = server.loop.open("chat")
+            await server.loop.call(lambda e: e.open("chat", ThinkerRequest(
+                "chat", [1, 2, 3], sampling=SamplingParams(max_tokens=400, ignore_eos=True))))
+            order.clear()
+            unit = asyncio.create_task(server.duplex_unit("s", *inputs[4], "speak"))
+            while server.loop.side_steps == 0 or "S" not in order:
+                await asyncio.sleep(0.001)
+            closed = await server.duplex_close("s")  # mid-batch: waits for its end
+            result = await unit
+            await server.loop.call(lambda e: e.abort("chat"))
+            server.loop.close("chat")
+            return q, closed, result
+
+        _, closed, result = asyncio.run(main())
+    finally:
+        server.loop.stop()
+    assert closed and isinstance(result, dict) and not result["is_listen"]
+    side = [i for i, x in enumerate(order) if x == "S"]
+    assert len(side) > 2, order
+    between = order[side[0] : side[-1]]
+    assert between.count("E") >= len(side) - 1, order  # an engine step between side steps
+
+
 def test_a_full_kv_pool_fails_the_unit_that_needs_more_and_close_frees(ckpt):
     """Sessions take their K/V blocks from the engine's pool: a unit that finds none free
     fails alone with a clear error (the session's state up to its last unit stays), another

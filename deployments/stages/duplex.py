@@ -2,7 +2,7 @@
 
 A session (pipeline.duplex.session.DuplexSession) keeps its Thinker state (KV, streaming
 audio encoder, decisions) and its speech state (the Talker's per-turn KV, the Token2Wav
-stream) between units. Units run on the engine loop's worker thread between engine steps,
+stream) between units. Units run on the engine loop's worker thread beside engine steps,
 so the sessions' GPU work never races the engine's graphs and the Thinker's weights are
 shared with the turn-based engine (one copy), as is its KV pool: a session's Thinker K/V
 are blocks of the engine's pool, taken as its context grows and given back at its close. The speech side's Talker and Token2Wav
@@ -10,8 +10,15 @@ weights are loaded once, on the first session that speaks.
 
 Units of many sessions run together (pipeline.duplex.batch): `UnitBatcher` (event-loop
 side) gathers the units that arrive while a batch runs and hands them to
-`DuplexSessions.units` as the next batch, one Thinker forward a step for all of them. It
-never waits for a unit that has not arrived: a lone unit runs at once, as a batch of one.
+`DuplexSessions.units_steps` as the next batch, one Thinker forward a step for all of them.
+It never waits for a unit that has not arrived: a lone unit runs at once, as a batch of one.
+A batch runs as a side job of the engine loop (`EngineLoop.call_steps`): one GPU step of the
+batch, then one step of the engine's chat turns, and so on, so chat streams keep stepping
+while a batch runs; the loop's commands (opens, closes, stats) run between the steps too.
+A close that comes while its session's unit is in the batch waits for the batch's end
+(`UnitBatcher.idle`): the batch's later steps still use the session's KV blocks and Talker
+row. Chat turns take KV blocks between the batch's steps too: a session that finds none
+free at a step fails its unit alone, as at the batch's start.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -115,10 +122,19 @@ class DuplexSessions:
 
     def units_batch(self, items: list[tuple[str, Any, Any, str | None]]
                     ) -> list[dict[str, Any] | BaseException]:
-        """(sid, audio, frames, force) per unit, at most one per session, run as one batch:
-        per unit the fields of UnitResult (+ prefill_tokens), or the exception that failed
-        it (KeyError: no such session; ValueError: a bad input)."""
-        from pipeline.duplex.batch import UnitRequest, run_units
+        """`units_steps` run to its end, with nothing between its steps."""
+        from pipeline.utils import drain
+
+        return drain(self.units_steps(items))
+
+    def units_steps(self, items: list[tuple[str, Any, Any, str | None]]
+                    ) -> Generator[None, None, list[dict[str, Any] | BaseException]]:
+        """(sid, audio, frames, force) per unit, at most one per session, run as one batch
+        (pipeline.duplex.batch.unit_batch), one GPU step a `next()`; returns per unit the
+        fields of UnitResult (+ prefill_tokens), or the exception that failed it (KeyError:
+        no such session; ValueError: a bad input). The sessions are looked up at the first
+        step."""
+        from pipeline.duplex.batch import UnitRequest, unit_batch
 
         out: list[dict[str, Any] | BaseException] = []
         requests, where = [], []
@@ -137,7 +153,7 @@ class DuplexSessions:
         if not requests:
             return out
         self.batches += 1
-        for i, r in zip(where, run_units(requests), strict=True):
+        for i, r in zip(where, (yield from unit_batch(requests)), strict=True):
             if isinstance(r, BaseException):
                 out[i] = r
                 continue
@@ -172,12 +188,16 @@ class UnitBatcher:
     """Event-loop side of the stage's duplex units: `submit` queues one unit and returns its
     result; while a batch runs (`run`, on the engine loop) the units that arrive wait, and
     all of them run as the next batch. A session's second unit (the wire sends one at a
-    time) waits for the batch after its first."""
+    time) waits for the batch after its first. `idle(sid)` waits until no batch in flight
+    holds a unit of `sid`."""
 
     def __init__(self, run: Callable[[list[tuple]], Awaitable[list]]):
         self._run = run
         self._pending: list[tuple[tuple, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
+        self._running: set[str] = set()  # the sessions of the batch in flight
+        self._batch_over = asyncio.Event()  # set whenever no batch is in flight
+        self._batch_over.set()
 
     async def submit(self, sid: str, audio: Any, frames: Any, force: str | None) -> Any:
         fut = asyncio.get_running_loop().create_future()
@@ -185,6 +205,13 @@ class UnitBatcher:
         if self._task is None:
             self._task = asyncio.create_task(self._drain())
         return await fut  # a caller that goes away cancels its future: its unit is dropped
+
+    async def idle(self, sid: str) -> None:
+        """Return once no batch in flight holds a unit of `sid`. A command sent to the
+        engine loop right after (no await in between) runs before any later batch looks its
+        sessions up (at its first step)."""
+        while sid in self._running:
+            await self._batch_over.wait()
 
     async def _drain(self) -> None:
         batch: list[tuple[tuple, asyncio.Future]] = []
@@ -199,12 +226,17 @@ class UnitBatcher:
                 self._pending = later
                 if not batch:
                     continue
+                self._running = {item[0] for item, _ in batch}
+                self._batch_over.clear()
                 try:
                     results = await self._run([item for item, _ in batch])
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # noqa: BLE001 - the whole batch failed
                     results = [e] * len(batch)
+                finally:
+                    self._running = set()
+                    self._batch_over.set()
                 for (_, fut), r in zip(batch, results, strict=True):
                     if fut.done():
                         continue

@@ -14,9 +14,21 @@ items for unknown keys (aborted requests) are dropped. If `step()` raises, every
 receives a `StageFailure` and `on_failure` (e.g. abort everything) runs on the worker
 thread, so the next request starts clean.
 
-`health(wedge_s)` tells a live loop from a wedged one: the worker thread died, or one step
-or command has run longer than `wedge_s`. Stages report it through Serve's `check_health`
-and in their streams' heartbeats, so a stuck engine ends its turns instead of hanging them.
+Side jobs (`call_steps`): work that is not the engine's own but shares its thread and GPU,
+in steps, e.g. a batch of duplex units (deployments/stages/duplex.py). `fn(engine)` makes a
+generator on the worker thread; the loop advances it one `next()` an iteration, after the
+engine's step when the engine has work (one engine step, one side step), back to back when
+it has none, with the commands still run between steps. So a long side job delays each
+engine step by one of its steps, never by all of them. Its return value (or what it
+raised) settles its caller; a failed side step fails that job only, not the engine's
+streams. Side jobs run one at a time, in the order they came (the duplex batcher has one
+in flight at most); a job whose caller went away still runs to its end, as a command does,
+its result dropped.
+
+`health(wedge_s)` tells a live loop from a wedged one: the worker thread died, or one step,
+side step or command has run longer than `wedge_s`. Stages report it through Serve's
+`check_health` and in their streams' heartbeats, so a stuck engine ends its turns instead of
+hanging them.
 
 `start(build)` builds the engine on the worker thread itself and then serves: its warm-up
 runs on the thread that serves, so what CUDA keeps per thread (cuBLAS and cuDNN handles,
@@ -32,7 +44,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -87,14 +100,18 @@ class EngineLoop:
         self._on_failure = on_failure
         self._on_streams = on_streams  # told the number of open keys when it changes
         self._commands: queue.Queue[tuple[Callable, Future | None]] = queue.Queue()
+        # side jobs (`call_steps`), the running one first; touched by the worker thread only
+        self._jobs: deque[tuple[Generator, Future]] = deque()
         self._queues: dict[str, asyncio.Queue] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
+        self.side_steps = 0
         self.failures = 0
         self.step_started_at = 0.0
-        self._busy_since = 0.0  # monotonic start of the running step / command; 0 = waiting
+        # monotonic start of the running step / side step / command; 0 = waiting
+        self._busy_since = 0.0
         self._busy_what = ""
         self._profiler: Any = None  # a StepProfiler while steps are to be profiled
 
@@ -156,6 +173,15 @@ class EngineLoop:
         self._ensure_started()
         fut: Future = Future()
         self._commands.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def call_steps(self, fn: Callable[[StageEngine], Generator[Any, None, Any]]) -> Any:
+        """Run the generator `fn(engine)` makes (on the worker thread, in order with the
+        commands) one `next()` a loop iteration beside the engine's steps; return its return
+        value, or raise what it raised (module docstring)."""
+        self._ensure_started()
+        fut: Future = Future()
+        self._commands.put((lambda e: self._add_job(fn, fut), None))
         return await asyncio.wrap_future(fut)
 
     def profile(self, steps: int) -> Any:
@@ -245,6 +271,33 @@ class EngineLoop:
             except queue.Empty:
                 return n
 
+    def _add_job(self, fn: Callable[[StageEngine], Generator], fut: Future) -> None:
+        try:
+            steps = fn(self.engine)
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            if not _settle(fut, exception=e):
+                log.warning("%s: side job failed: %r", self.name, e)
+            return
+        self._jobs.append((steps, fut))
+
+    def _side_step(self) -> None:
+        """One `next()` of the oldest side job; its end (its return or what it raised)
+        settles its caller and lets the next job start."""
+        steps, fut = self._jobs[0]
+        self._mark_busy("side step")
+        try:
+            next(steps)
+        except StopIteration as done:
+            self._jobs.popleft()
+            _settle(fut, result=done.value)
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller, not the streams
+            self._jobs.popleft()
+            if not _settle(fut, exception=e):
+                log.warning("%s: side job failed: %r", self.name, e)
+        finally:
+            self._busy_since = 0.0
+        self.side_steps += 1
+
     def _run(self, build: Callable[[], StageEngine] | None = None,
              built: Future | None = None) -> None:
         if build is not None:  # start(): the engine is made here first
@@ -268,19 +321,25 @@ class EngineLoop:
                 self._fail(e)
 
     def _iterate(self) -> None:
-        """Commands, then one step if there is work.
+        """Commands, then one step if there is work, then one side step if a side job is
+        live.
 
         Steps follow each other with no wait while `has_work()` holds, whether or not they
         emit anything: a Talker step that draws a code mid-chunk emits nothing and is still
         the stream's progress, so any pause after it would be paid on every code. Streams
         that only wait for input are not work (the StageEngine contract), so a waiting
-        engine blocks on its commands instead of spinning."""
-        if not self.engine.has_work():
+        engine with no side job blocks on its commands instead of spinning."""
+        if not self.engine.has_work() and not self._jobs:
             self._run_commands(block=True, timeout=IDLE_POLL_S)
             return
         n_cmds = self._run_commands(block=False, timeout=0)
-        if not self.engine.has_work():
-            return
+        if self.engine.has_work():
+            self._step(n_cmds)
+        if self._jobs:
+            self._side_step()
+
+    def _step(self, n_cmds: int) -> None:
+        """One engine step; its outputs to their queues."""
         self.step_started_at = time.time()  # wall clock, read by route() for timings
         t0 = time.perf_counter()
         self._mark_busy("step")

@@ -13,6 +13,7 @@ with a StageFailure: the turn cannot speak any more.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -137,15 +138,24 @@ class ThinkerServer(StageServer):
                           force: str | None) -> dict[str, Any]:
         """One 1 s unit of a session: the fields of pipeline.duplex.session.UnitResult.
         Units of other sessions that arrive while a batch runs run together as the next
-        batch (deployments/stages/duplex.py UnitBatcher)."""
+        batch (deployments/stages/duplex.py UnitBatcher), step by step beside the engine's
+        steps (EngineLoop.call_steps)."""
         if self._duplex_units is None:
             from deployments.stages.duplex import UnitBatcher
 
-            self._duplex_units = UnitBatcher(
-                lambda items: self.loop.call(lambda e: self._duplex_sessions().units_batch(items)))
+            self._duplex_units = UnitBatcher(lambda items: self.loop.call_steps(
+                lambda e: self._duplex_sessions().units_steps(items)))
         return await self._duplex_units.submit(session_id, audio, frames, force)
 
     async def duplex_close(self, session_id: str) -> bool:
+        # shielded: a close whose caller goes away still runs, as a command would
+        return await asyncio.shield(self._duplex_close(session_id))
+
+    async def _duplex_close(self, session_id: str) -> bool:
+        if self._duplex_units is not None:
+            # the batch holding the session's unit still steps over its KV blocks and
+            # Talker row between the engine's commands
+            await self._duplex_units.idle(session_id)
         return await self.loop.call(lambda e: self._duplex_sessions().close(session_id))
 
     def _duplex_sessions(self) -> Any:

@@ -1,7 +1,11 @@
 """The units of many duplex sessions, run together: one LLM forward a step for all of them.
 
-`run_units(requests)` does what `DuplexSession.unit` does for each request's session, in
-lockstep across the sessions:
+`unit_batch(requests)` does what `DuplexSession.unit` does for each request's session, in
+lockstep across the sessions, as a generator that yields after each GPU step and returns
+the per-request results; `run_units(requests)` runs it to its end with nothing between the
+steps. A server advances it one step at a time between the Thinker engine's steps
+(deployments/stages/loop.py `EngineLoop.call_steps`), so chat turns keep stepping while a
+batch runs. The steps:
 
 1. the sessions plan their units' input together (`plan_prefill_batch`: every session's
    audio through the streaming audio encoder in one pass, each over its own encoder K/V,
@@ -15,18 +19,26 @@ lockstep across the sessions:
    reads the device two or three times a step, not a few times a session). A session
    leaves the loop at its own chunk terminator; its decisions, repetition window,
    generator, turn state and sliding window stay its own (the steps run on its
-   DuplexThinker, as alone);
-3. the speech side (`DuplexSession.finish_units`): the speak units' Talker draws in
+   DuplexThinker, as alone). One step a forward and the draws of its logits (the
+   prefill's step ends with the draws of the prefill's logits);
+3. the speech side (`DuplexSession.finish_units_steps`): the speak units' Talker draws in
    lockstep, one decode a step over every drawing session's row of the shared TalkerPool
-   (`speech.speak_batch`), then their Token2Wav windows in rounds, one flow chunk and one
-   vocoder call per group of sessions in equal state (`speech._token2wav_batch`).
+   (`speech.speak_steps`: the prefills one step, then one step a draw), then their
+   Token2Wav windows in rounds, one flow chunk and one vocoder call per group of sessions
+   in equal state (`speech._token2wav_steps`: one step a round).
+
+Between two steps nothing of the batch is held in a buffer another forward overwrites (the
+decode graphs' outputs are cloned, kv.py), and every session's state is its own, so a
+step of the engine in between changes nothing the batch computes. What must not run in
+between is what frees a session of the batch (its close): the server waits for the batch
+first (deployments/stages/duplex.py `UnitBatcher.idle`).
 
 Attention: the sessions' K/V are blocks of one paged pool (pipeline/duplex/kv.py), so a
 step over many sessions is one forward with one attention call a layer over their block
 tables (FlashInfer on CUDA; the torch backend, a loop over the sequences, elsewhere), as
 the Thinker engine runs a step over its sequences.
 
-Exactness: one session alone through `run_units` computes what `DuplexSession.unit`
+Exactness: one session alone through `unit_batch` computes what `DuplexSession.unit`
 computes (the same ops on the same rows). Across sessions only the batched matmuls' row
 count differs, which moves values in their last bits (fp32: about 1e-6 in the K/V on the
 duplex test checkpoint); the decisions, tokens and codes are the same as each session
@@ -40,6 +52,7 @@ every session in it.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +70,7 @@ from pipeline.duplex.thinker import (
     plan_prefill_batch,
 )
 from pipeline.thinker.llm import Qwen3LM
+from pipeline.utils import drain
 
 
 @dataclass
@@ -173,10 +187,18 @@ def _draw(runs: list[_Run]) -> None:
         run.advance(token)
 
 
-@torch.inference_mode()
 def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
-    """Each request's unit, batched; per request its UnitResult or the exception that
-    failed it. The sessions share one Thinker model and appear once each."""
+    """`unit_batch` run to its end, with nothing between its steps."""
+    return drain(unit_batch(requests))
+
+
+@torch.inference_mode()
+def unit_batch(
+    requests: list[UnitRequest],
+) -> Generator[None, None, list[UnitResult | BaseException]]:
+    """Each request's unit, batched, one GPU step a `next()` (module docstring); returns per
+    request its UnitResult or the exception that failed it. The sessions share one Thinker
+    model and appear once each."""
     if not requests:
         return []
     llm = requests[0].session.thinker.model.llm
@@ -228,6 +250,7 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
         if drawing:
             _draw(drawing)
             continue
+        yield  # a step: the prefill or one decode forward, and the draws of its logits
         active = [run for run in runs if run.ask is not None]
         if not active:
             break
@@ -246,6 +269,7 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
 
     # 3. the speech side: the speak units' Talker draws in lockstep, Token2Wav per session
     done = [run for run in runs if run.error is None]
-    results = DuplexSession.finish_units([(run.req.session, run.unit) for run in done])
+    results = yield from DuplexSession.finish_units_steps(
+        [(run.req.session, run.unit) for run in done])
     result = dict(zip(map(id, done), results, strict=True))
     return [run.error if run.error is not None else result[id(run)] for run in runs]

@@ -6,12 +6,14 @@ tokens, and a speak unit's (id, hidden) rows go to the speech side, which keeps 
 Talker's and Token2Wav's per-turn state and resets it at the turn's end. With no speech
 side (text only) a speak unit carries its text and no audio. `DuplexSession.finish_units`
 finishes the units of many sessions (pipeline/duplex/batch.py): their Talker chunks draw in
-lockstep and their Token2Wav windows run batched (`pipeline.duplex.speech.speak_batch`),
-each as alone.
+lockstep and their Token2Wav windows run batched (`pipeline.duplex.speech.speak_steps`),
+each as alone; `finish_units_steps` is the same as a generator that yields after each GPU
+step, for a batch that runs beside the Thinker engine's steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from pipeline.duplex.thinker import DuplexThinker, ThinkerUnit
+from pipeline.utils import drain
 
 
 class SpeechSide(Protocol):
@@ -83,20 +86,29 @@ class DuplexSession:
     def finish_units(
         items: list[tuple[DuplexSession, ThinkerUnit]],
     ) -> list[UnitResult | BaseException]:
-        """`finish_unit` of several sessions (each once): the speak units whose speech side
-        is a DuplexSpeech draw their Talker codes together (speech.speak_batch, each as
-        alone); any other speech side speaks on its own. Per item its UnitResult or the
-        exception that failed it."""
+        """`finish_unit` of several sessions (each once): `finish_units_steps` run to its
+        end, with nothing between its steps."""
+        return drain(DuplexSession.finish_units_steps(items))
+
+    @staticmethod
+    def finish_units_steps(
+        items: list[tuple[DuplexSession, ThinkerUnit]],
+    ) -> Generator[None, None, list[UnitResult | BaseException]]:
+        """`finish_unit` of several sessions (each once), one GPU step a `next()`: the speak
+        units whose speech side is a DuplexSpeech draw their Talker codes together
+        (speech.speak_steps, each as alone); any other speech side speaks on its own.
+        Returns per item its UnitResult or the exception that failed it."""
         chunks: dict[int, object] = {}
         batched = [i for i, (s, tu) in enumerate(items)
                    if not tu.is_listen and s.speech is not None]
         if batched:
-            from pipeline.duplex.speech import DuplexSpeech, speak_batch
+            from pipeline.duplex.speech import DuplexSpeech, speak_steps
 
             batched = [i for i in batched if isinstance(items[i][0].speech, DuplexSpeech)]
             runs = [(items[i][0].speech, items[i][1].spoken, items[i][1].end_of_turn)
                     for i in batched]
-            chunks = dict(zip(batched, speak_batch(runs) if runs else [], strict=True))
+            spoken = (yield from speak_steps(runs)) if runs else []
+            chunks = dict(zip(batched, spoken, strict=True))
         out: list[UnitResult | BaseException] = []
         for i, (session, tu) in enumerate(items):
             session.units += 1

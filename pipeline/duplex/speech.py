@@ -32,12 +32,15 @@ torch.Generator (the reference: the process-global RNG, in the same order).
 Many sessions. The sessions of one `SpeechModels` keep their turns' Talker KV in one
 `TalkerPool`: a row of one TalkerKVCache per session that is mid-turn, taken at the turn's
 first chunk and given back at its end (and at a context restart, prepare, close). The
-speak units of a batch (`speak_batch`) prefill per session (their conditions differ in
+speak units of a batch (`speak_steps`) prefill per session (their conditions differ in
 length), then draw in lockstep: each step one `FusedTalker.decode` over the rows of every
 session still drawing, and each session's own draw on its logits row, so that a step costs
 one forward and one host read for all of them. A session draws the codes it draws alone (the
 decode's row count moves the logits in their last bits only: tests/test_duplex_speech_batch.py).
-`speak` is a batch of one.
+`speak_steps` is a generator that yields after each GPU step (the prefills, each lockstep
+step, each Token2Wav round) so that a server steps its engine in between
+(pipeline/duplex/batch.py); `speak_batch` runs it with nothing in between, and `speak` is a
+batch of one.
 
 Then the Token2Wav of every session of the batch: each session plans its windows from its
 code buffer as alone (`_windows`), and the windows run in rounds, round k being every
@@ -76,6 +79,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,6 +98,7 @@ from pipeline.sdpa import any_shape
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel
 from pipeline.talker.sampling import apply_repetition_penalty
+from pipeline.utils import drain
 
 if TYPE_CHECKING:
     from pipeline.duplex.config import DuplexConfig
@@ -602,11 +607,19 @@ class _Voicing:
 
 
 def _token2wav_batch(voicings: list[_Voicing]) -> list[BaseException | None]:
-    """Decode the windows of every session's unit in rounds: round k takes each session's
-    k-th window (a session's windows run in order, each on the state its previous one left),
-    grouped by `DuplexSpeech._batch_key`, one `_stream` per group. Per voicing the exception
-    that failed it (its group's), or None; a failed session stops at its last decoded
-    window (its state and buffer as that window left them)."""
+    """`_token2wav_steps` run to its end, with nothing between its rounds."""
+    return drain(_token2wav_steps(voicings))
+
+
+def _token2wav_steps(
+    voicings: list[_Voicing],
+) -> Generator[None, None, list[BaseException | None]]:
+    """Decode the windows of every session's unit in rounds, yielding after each: round k
+    takes each session's k-th window (a session's windows run in order, each on the state
+    its previous one left), grouped by `DuplexSpeech._batch_key`, one `_stream` per group.
+    Returns per voicing the exception that failed it (its group's), or None; a failed
+    session stops at its last decoded window (its state and buffer as that window left
+    them)."""
     errors: list[BaseException | None] = [None] * len(voicings)
     k = 0
     while True:
@@ -633,6 +646,7 @@ def _token2wav_batch(voicings: list[_Voicing]) -> list[BaseException | None]:
             for i, row in zip(group, pcm, strict=True):
                 voicings[i].pieces.append(row)
         k += 1
+        yield
 
 
 def _stream(speeches: list[DuplexSpeech], windows: list[_Window]) -> np.ndarray:
@@ -676,25 +690,33 @@ class _Chunk:
     recent: torch.Tensor | None = None  # the last REPETITION_WINDOW of `drawn`, on the device
 
 
-@torch.inference_mode()
 def speak_batch(
     items: list[tuple[DuplexSpeech, list[tuple[int, torch.Tensor]], bool]],
 ) -> list[SpeechChunk | BaseException]:
-    """`DuplexSpeech.speak` for several sessions, each (speech, spoken, end_of_turn), their
+    """`speak_steps` run to its end, with nothing between its steps."""
+    return drain(speak_steps(items))
+
+
+@torch.inference_mode()
+def speak_steps(
+    items: list[tuple[DuplexSpeech, list[tuple[int, torch.Tensor]], bool]],
+) -> Generator[None, None, list[SpeechChunk | BaseException]]:
+    """`DuplexSpeech.speak` for several sessions, each (speech, spoken, end_of_turn), one
+    GPU step a `next()` (the prefills, each lockstep step, each Token2Wav round); their
     Talker chunks ([DEMO] `MiniCPMTTS.generate_chunk` over each turn's KV) drawn in
     lockstep: per session its condition, its prefill and its first draw;
     then each step ONE decode over the Talker rows of every session still drawing (per
     TalkerPool), and each session's own draw on its logits row (`_draw`: its temperature,
     repetition window, EOS mask and generator, as alone); a session leaves at its EOS or its
     CHUNK_DRAWS-th draw. Then the Token2Wav windows of all of them, in rounds and groups
-    of equal `_batch_key` (`_token2wav_batch`, module docstring).
+    of equal `_batch_key` (`_token2wav_steps`, module docstring).
 
     So each session draws the codes it draws alone: only the decode's row count differs,
-    which moves the logits in their last bits (and the PCM by at most 1 LSB). Per item its
-    SpeechChunk or the exception that failed it. A failed decode fails every session it
-    stepped; a failed session keeps its turn's Talker KV as its last complete prefill or
-    step left it (a failed forward wrote only past it), and a failed Token2Wav group each
-    of its sessions' Token2Wav state as its last decoded window left it."""
+    which moves the logits in their last bits (and the PCM by at most 1 LSB). Returns per
+    item its SpeechChunk or the exception that failed it. A failed decode fails every
+    session it stepped; a failed session keeps its turn's Talker KV as its last complete
+    prefill or step left it (a failed forward wrote only past it), and a failed Token2Wav
+    group each of its sessions' Token2Wav state as its last decoded window left it."""
     if len({id(speech) for speech, _, _ in items}) != len(items):
         raise ValueError("a session may speak once in a batch")
     out: list[SpeechChunk | BaseException | None] = [None] * len(items)
@@ -709,6 +731,8 @@ def speak_batch(
             chunks[i] = speech._begin(spoken, end_of_turn)
         except Exception as e:  # noqa: BLE001 - this session's chunk fails, not the batch's
             out[i] = e
+    if chunks:
+        yield
     drawing = sorted(chunks)
     t = 0
     while drawing:
@@ -750,13 +774,14 @@ def speak_batch(
                 chunks[i].logits = lg
             drawing += group
         drawing.sort()
+        yield
     voicings: dict[int, _Voicing] = {}
     for i, chunk in chunks.items():
         try:
             voicings[i] = chunk.speech._finish(chunk)
         except Exception as e:  # noqa: BLE001
             out[i] = e
-    errors = _token2wav_batch(list(voicings.values()))
+    errors = yield from _token2wav_steps(list(voicings.values()))
     for (i, voicing), error in zip(voicings.items(), errors, strict=True):
         if error is not None:
             out[i] = error
