@@ -37,18 +37,25 @@ def job(log: list[str], n: int, result="job done", fail_at: int | None = None):
     return result
 
 
+def beside(log: list[str], left: int, steps):
+    """A loop over a Counting engine with its stream "r" open, and the `call_steps` fn that
+    gives the engine `left` steps of work as it starts the side job `steps`: both are ready
+    at the same iteration."""
+    loop = EngineLoop(Counting(log), name="t", route=lambda d: ("r", d))
+    q = loop.open("r")
+
+    def start(e):
+        e.left = left
+        return steps
+
+    return loop, q, start
+
+
 def test_side_steps_alternate_with_engine_steps_and_return_the_job_result():
     log: list[str] = []
 
     async def main():
-        engine = Counting(log)
-        loop = EngineLoop(engine, name="t", route=lambda d: ("r", d))
-        q = loop.open("r")
-
-        def start(e):
-            e.left = 3  # the engine's work and the side job are ready at the same iteration
-            return job(log, 5)
-
+        loop, q, start = beside(log, 3, job(log, 5))
         result = await asyncio.wait_for(loop.call_steps(start), 5)
         out = await asyncio.wait_for(q.get(), 5)
         loop.stop()
@@ -64,14 +71,7 @@ def test_a_failed_side_step_fails_its_job_only():
     log: list[str] = []
 
     async def main():
-        engine = Counting(log)
-        loop = EngineLoop(engine, name="t", route=lambda d: ("r", d))
-        q = loop.open("r")
-
-        def start(e):
-            e.left = 4
-            return job(log, 5, fail_at=2)
-
+        loop, q, start = beside(log, 4, job(log, 5, fail_at=2))
         with pytest.raises(RuntimeError, match="side step 2 failed"):
             await asyncio.wait_for(loop.call_steps(start), 5)
         out = await asyncio.wait_for(q.get(), 5)  # the engine's stream goes on to its end
