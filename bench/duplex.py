@@ -14,6 +14,13 @@ random weights give the same load as a talkative model. Per unit:
     python -m bench.duplex --url http://127.0.0.1:8000 --sessions 1,4,8,16 --seconds 30
 
 GPU memory per session is the app's own figure (`Ingress.stats()`), not this client's.
+
+`--chat C` measures ordinary chat turns beside the sessions: C closed-loop workers send
+text prompts answered in speech (48 text tokens, 108 speech codes: the turn-based
+benchmark's shape, docs/performance.md) for `--seconds`, first alone, then beside each run's
+sessions; per run the turns' req/s and TTFP p50 both ways, and their ratio.
+
+    python -m bench.duplex --url http://127.0.0.1:8000 --sessions 8 --chat 4 --seconds 30
 """
 
 from __future__ import annotations
@@ -167,11 +174,46 @@ def summarize(results: list[SessionResult]) -> dict[str, Any]:
             "decision_mean_ms": statistics.fmean(decision) if decision else None}
 
 
+async def chat_load(url: str, concurrency: int, seconds: float, model: str | None
+                    ) -> dict[str, Any]:
+    """`concurrency` closed-loop chat workers for `seconds` (a turn under way then finishes):
+    the turns completed, their req/s over the span and TTFP p50 in ms."""
+    import aiohttp
+
+    from bench.client import ClientOptions, RequestSpec, send_request
+    from bench.metrics import RequestRecord
+
+    opts = ClientOptions(url=url, model=model or "omniray", fixed_text_tokens=48,
+                         fixed_speech_codes=108)
+    spec = RequestSpec("chat", [{"role": "user", "content": "Tell me about the sea."}])
+    records: list[RequestRecord] = []
+    start = time.perf_counter()
+
+    async def worker(w: int, session: aiohttp.ClientSession) -> None:
+        k = 0
+        while time.perf_counter() - start < seconds:
+            rec = RequestRecord(f"chat-{w}-{k}")
+            records.append(await send_request(session, spec, opts, rec))
+            k += 1
+
+    timeout = aiohttp.ClientTimeout(total=opts.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(worker(w, session) for w in range(concurrency)))
+    span = time.perf_counter() - start
+    ok = [r for r in records if r.ok]
+    ttfp = [(r.t_first_audio - r.t_send) * 1e3 for r in ok if r.t_first_audio is not None]
+    return {"turns": len(ok), "failed": len(records) - len(ok),
+            "req_s": len(ok) / span, "ttfp_p50_ms": _pct(ttfp, 50)}
+
+
 async def run(url: str, sessions: int, seconds: float, pattern: str, mode: str,
-              model: str | None) -> dict[str, Any]:
-    results = await asyncio.gather(*(one_session(url, seconds, pattern, mode, seed=i,
-                                                 model=model) for i in range(sessions)))
-    return summarize(list(results))
+              model: str | None, chat: int = 0) -> dict[str, Any]:
+    jobs = [one_session(url, seconds, pattern, mode, seed=i, model=model)
+            for i in range(sessions)]
+    if not chat:
+        return summarize(list(await asyncio.gather(*jobs)))
+    *results, beside = await asyncio.gather(*jobs, chat_load(url, chat, seconds, model))
+    return {**summarize(list(results)), "chat": beside}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,13 +225,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pattern", default="SSL", help="forced decisions, S / L, cycled")
     ap.add_argument("--mode", choices=["audio", "video"], default="video")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--chat", type=int, default=0, metavar="C",
+                    help="C chat workers beside the sessions, and alone first")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if set(args.pattern) - {"S", "L"} or not args.pattern:
         ap.error("--pattern is a string of S (speak) and L (listen)")
-    report = {"mode": args.mode, "pattern": args.pattern, "runs": []}
+    report: dict[str, Any] = {"mode": args.mode, "pattern": args.pattern, "runs": []}
+    if args.chat:
+        report["chat_alone"] = asyncio.run(chat_load(args.url, args.chat, args.seconds,
+                                                     args.model))
+        print(json.dumps({"chat_alone": report["chat_alone"]}), flush=True)
     for n in (int(x) for x in args.sessions.split(",") if x.strip()):
-        r = asyncio.run(run(args.url, n, args.seconds, args.pattern, args.mode, args.model))
+        r = asyncio.run(run(args.url, n, args.seconds, args.pattern, args.mode, args.model,
+                            args.chat))
+        if args.chat and report["chat_alone"]["req_s"]:
+            r["chat"]["req_s_ratio"] = r["chat"]["req_s"] / report["chat_alone"]["req_s"]
         report["runs"].append(r)
         print(json.dumps(r), flush=True)
     if args.out:

@@ -365,3 +365,20 @@ def test_sdk_against_the_real_app_on_the_tiny_default(serve_app):
     assert session.usage is not None and session.usage.completion_tokens > 0
     st = app_free()
     assert st["stages"]["thinker"]["duplex"]["sessions"] == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deployments.stages.duplex") is None,
+                    reason="the Thinker stage holds no duplex sessions in this tree")
+def test_bench_duplex_runs_chat_turns_beside_the_sessions(serve_app):
+    """`bench.duplex --chat`: chat turns answered in speech, closed-loop, beside a session
+    resident in the real app's Thinker stage (the tiny default); both complete."""
+    from bench.duplex import run
+    from test_serve import wait_free as app_free
+
+    r = asyncio.run(run(serve_app, sessions=1, seconds=3, pattern="SL", mode="audio",
+                        model="omniray", chat=2))
+    assert (r["units"], r["decided"]) == (3, 3) and r["errors"] == []
+    chat = r["chat"]
+    assert chat["turns"] >= 2 and chat["failed"] == 0 and chat["req_s"] > 0
+    assert chat["ttfp_p50_ms"] is not None
+    app_free()
