@@ -94,7 +94,8 @@ class StageBackend:
         for g in self._where.values():
             if id(g) in held:
                 held[id(g)] += 1
-        room = [g for g in awake if held[id(g)] < self._room.get(id(g), held[id(g)] + 1)]
+        # a group not yet asked (`holds`) has room as far as this replica knows
+        room = [g for g in awake if id(g) not in self._room or held[id(g)] < self._room[id(g)]]
         return min(room or awake, key=lambda g: held[id(g)])
 
     async def open(self, session_id: str, init: DuplexInit) -> None:

@@ -14,7 +14,6 @@ session's `decode`, and two or three host reads in all instead of three or four 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -282,15 +281,12 @@ def _filter_rows(y: torch.Tensor, top_k: int, top_p: float) -> None:
                        float("-inf"))
 
 
-def _aligned_empty(n: int, like: torch.Tensor,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(n, V) like `like` (in `dtype` if given), each row starting ROW_ALIGN_BYTES-aligned
-    (a view of wider rows)."""
-    dtype = dtype or like.dtype
-    per = ROW_ALIGN_BYTES // dtype.itemsize
+def _aligned_empty(n: int, like: torch.Tensor) -> torch.Tensor:
+    """(n, V) like `like`, each row starting ROW_ALIGN_BYTES-aligned (a view of wider rows)."""
+    per = ROW_ALIGN_BYTES // like.element_size()
     vocab = like.shape[-1]
     width = -(-vocab // per) * per
-    return torch.empty(n, width, dtype=dtype, device=like.device)[:, :vocab]
+    return torch.empty(n, width, dtype=like.dtype, device=like.device)[:, :vocab]
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -300,20 +296,17 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
-    """`_aligned(torch.cat(rows))` of (1, V) rows, each copied once, straight into its
-    aligned row; in the dtype `torch.cat` promotes them to."""
-    dtype = functools.reduce(torch.promote_types, [r.dtype for r in rows])
-    out = _aligned_empty(len(rows), rows[0], dtype)
+    """`_aligned(torch.cat(rows))` of (1, V) rows; consecutive rows of one tensor (a decode
+    graph's logits) go to the aligned rows in one copy."""
     first = rows[0]
     step = first.stride(0)
     if all(r.dtype == first.dtype and r.stride() == first.stride()
            and r.data_ptr() == first.data_ptr() + k * step * first.element_size()
-           for k, r in enumerate(rows)):  # consecutive rows of one tensor: one copy
+           for k, r in enumerate(rows)):
+        out = _aligned_empty(len(rows), first)
         out.copy_(first.as_strided((len(rows), first.shape[-1]), first.stride()))
         return out
-    for k, r in enumerate(rows):
-        out[k : k + 1].copy_(r)
-    return out
+    return _aligned(torch.cat(rows))
 
 
 def _on(values: list[int], device: torch.device) -> torch.Tensor:
