@@ -174,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         n, steps = int(n), int(steps)
         speech_models.flow.decoder.n_timesteps = steps
         print(f"== {mode}: {n} sessions, Token2Wav {steps} steps", flush=True)
-        sessions = [session(i, DuplexConfig(), True) for i in range(n)]
         sync()
-        mem0 = mem()
+        mem0 = mem()  # the sessions' memory outside the KV pool (its blocks are allocated)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        sessions = [session(i, DuplexConfig(), True) for i in range(n)]
         rows = []
         for u in range(args.units):
             force = "speak" if pattern[u % 3] == "S" else "listen"
@@ -216,11 +218,16 @@ def main(argv: list[str] | None = None) -> int:
                   f" + thinker {row['thinker_ms']:.0f} + speech {row['speech_ms']:.0f} "
                   f"(Token2Wav {row['token2wav_ms']:.0f}); tokens {row['tokens']}, codes "
                   f"{row['codes']}", flush=True)
+        sync()
         held = (mem() - mem0) / max(1, n)
+        peak = ((torch.cuda.max_memory_allocated() if cuda else 0) - mem0) / max(1, n)
+        print(f"N={n}: outside the KV pool, GiB a session held {held / 2**30:.3f}, at the "
+              f"peak {peak / 2**30:.3f}", flush=True)
         for s in sessions:
             s.close()
         report["runs"].append({"mode": mode, "sessions": n, "token2wav_steps": steps,
-                               "units": rows, "gib_a_session": round(held / 2**30, 3)})
+                               "units": rows, "gib_a_session": round(held / 2**30, 3),
+                               "peak_gib_a_session": round(peak / 2**30, 3)})
         if cuda:
             torch.cuda.empty_cache()
     if args.out:
