@@ -24,6 +24,7 @@ from pipeline.duplex.decoder import (
     DuplexDecoder,
     _aligned,
     decode_batch,
+    multinomial,
 )
 
 VOCAB = 1003
@@ -77,7 +78,8 @@ def step_logits(step: int, n: int, g: torch.Generator, device: str, dtype: torch
     if step % 3 == 0:
         x = (x * 2).round() / 2
     x[step % n, CHUNK_EOS] += 12 if step % 4 == 0 else 0
-    x[(step + 1) % n, LISTEN] += 6 if step % 5 == 0 else 0
+    if step % 5 == 0:  # listen on top of its row: a listen_top_k row answers listen
+        x[(step + 1) % n, LISTEN] = x[(step + 1) % n].max() + 1
     x[:, 10 + step % 7] += 4
     rows = x.to(device=device, dtype=dtype)
     return [rows[i : i + 1] for i in range(n)]  # views of one tensor, as a batch's logits
@@ -109,6 +111,26 @@ def test_decode_batch_equals_each_decoder_alone(device, dtype):
         assert torch.equal(a.generator.get_state(), b.generator.get_state())
     assert seen == {"chunk_eos", "listen_top_k", "greedy", "sampling"}, seen
     assert all(len(d.generated) <= 2 * 8 for d in batched)  # the window trims
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multinomial_draws_what_torch_multinomial_draws(device, dtype):
+    """The draw without multinomial's checks: the same index from the same generator state
+    and the generator left where multinomial leaves it, for (V,) and (1, V) rows, flat and
+    peaked distributions, at both vocabularies."""
+    g = torch.Generator().manual_seed(5)
+    for vocab in (VOCAB, MODEL_VOCAB):
+        ours = torch.Generator(device=device).manual_seed(vocab)
+        theirs = torch.Generator(device=device).manual_seed(vocab)
+        for i in range(40):
+            scale = (0.1, 1.0, 8.0)[i % 3]
+            logits = (torch.randn(vocab, generator=g) * scale).to(device, dtype)
+            probs = F.softmax(logits if i % 2 else logits[None], dim=-1)
+            want = torch.multinomial(probs, 1, generator=theirs)
+            got = multinomial(probs, ours)
+            assert got.shape == want.shape and torch.equal(got, want), (vocab, i)
+        assert torch.equal(ours.get_state(), theirs.get_state())
 
 
 def test_rows_of_one_decoder_draw_in_row_order():

@@ -41,6 +41,15 @@ class DecodeParams:
     repetition_window: int
 
 
+def multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """`torch.multinomial(probs, 1, generator=generator)`: the same index, drawn with the same
+    draws from the generator, without multinomial's checks of `probs` (reductions and device
+    asserts: most of a draw's kernels and host time). One sample is the exponential race
+    argmax(probs / q), q ~ Exp(1) of probs' shape, in multinomial as here."""
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.argmax(probs / q, dim=-1, keepdim=True)
+
+
 def top_k_top_p_filtering(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """(1, V) -> (1, V) with the filtered entries at -inf (the reference's filter)."""
     logits = logits.clone()
@@ -74,7 +83,7 @@ class DuplexDecoder:
 
     def _multinomial(self, probs: torch.Tensor) -> torch.Tensor:
         self.draws += 1
-        return torch.multinomial(probs, num_samples=1, generator=self.generator)
+        return multinomial(probs, self.generator)
 
     def _forbidden_on(self, device: torch.device) -> torch.Tensor:
         if self.forbidden.device != device:  # moved once: a copy a step would wait

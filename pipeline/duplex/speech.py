@@ -94,6 +94,7 @@ from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, vocode
 from pipeline.code2wav.voice import PROMPT_SR, VoiceCache, VoicePrompt
 from pipeline.config import Code2WavConfig
+from pipeline.duplex.decoder import multinomial
 from pipeline.sdpa import any_shape
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel
@@ -539,7 +540,7 @@ class DuplexSpeech:
         scores = F.softmax(logits, dim=-1)
         if self.greedy:
             return scores.argmax(dim=-1)
-        return torch.multinomial(scores, 1, generator=self.generator)[0]
+        return multinomial(scores, self.generator)[0]
 
     # -- Token2Wav -------------------------------------------------------------------------
 
