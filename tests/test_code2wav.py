@@ -267,3 +267,55 @@ def test_streaming_chunk_by_chunk_matches_reference():
     # bounded caches: prompt + 100 frames once trimming started (chunk 3 on)
     assert state.flow.est_len == 2 * p + 100 and state.flow.mel_len == 2 * p + 100
     assert state.flow.token_att.shape[3] == p + 50
+
+
+def _trimmed_then_split(cache, prompt: int) -> list:
+    """The plain path: [MU7]'s trim of the whole batch (`[:prompt] ++ [-100:]` along time),
+    then each stream's rows of it."""
+    from pipeline.code2wav.flow import HISTORY_FRAMES, FlowCache
+
+    def keep(t, dim, p, h):
+        return torch.cat([t.narrow(dim, 0, p), t.narrow(dim, t.shape[dim] - h, h)], dim)
+
+    t = {f: getattr(cache, f) for f in ("token_att", "mel_att", "lookahead_cnn", "up_cnn",
+                                        "est_cnn", "est_att")}
+    if cache.est_len > prompt + HISTORY_FRAMES:
+        t["est_att"] = keep(t["est_att"], 4, prompt, HISTORY_FRAMES)
+    if cache.mel_len > prompt + HISTORY_FRAMES:
+        t["token_att"] = keep(t["token_att"], 3, prompt // 2, HISTORY_FRAMES // 2)
+        t["mel_att"] = keep(t["mel_att"], 3, prompt, HISTORY_FRAMES)
+    b = cache.batch
+    out = []
+    for i in range(b):
+        row = {}
+        for name, x in t.items():
+            if name.startswith("est_"):
+                row[name] = torch.cat([x.narrow(2, i, 1), x.narrow(2, b + i, 1)], 2)
+            else:
+                row[name] = x.narrow(1 if name.endswith("_att") else 0, i, 1)
+        out.append(FlowCache(**row))
+    return out
+
+
+@pytest.mark.parametrize("batch,est_len,mel_len", [(3, 330, 330), (3, 200, 200), (1, 330, 200),
+                                                   (2, 200, 330)])
+def test_flow_cache_split_trims_each_stream_as_the_batch_trimmed_then_split(batch, est_len,
+                                                                            mel_len):
+    from pipeline.code2wav.flow import FlowCache
+
+    g = torch.Generator().manual_seed(batch + est_len)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    cache = FlowCache(token_att=r(2, batch, 2, mel_len // 2, 8), mel_att=r(3, batch, 2, mel_len, 8),
+                      lookahead_cnn=r(batch, 4, 2), up_cnn=r(batch, 4, 4),
+                      est_cnn=r(5, 2, 2 * batch, 6, 2), est_att=r(5, 2, 2 * batch, 2, est_len, 8))
+    prompt = 150
+    got, want = cache.split(prompt), _trimmed_then_split(cache, prompt)
+    assert len(got) == len(want) == batch
+    for a, b in zip(got, want):
+        assert a.shapes() == b.shapes()
+        for x, y in zip(a.tensors(), b.tensors()):
+            assert torch.equal(x, y)
+    if batch > 1:  # each stream in memory of its own
+        ptrs = [{t.untyped_storage().data_ptr() for t in c.tensors()} for c in got]
+        assert not ptrs[0] & ptrs[1] and not ptrs[0] & {t.untyped_storage().data_ptr()
+                                                        for t in cache.tensors()}

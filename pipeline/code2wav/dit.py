@@ -464,9 +464,11 @@ class DiT(nn.Module):
         cond: torch.Tensor,
         cnn_cache: torch.Tensor | None = None,
         att_cache: torch.Tensor | None = None,
+        att_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Streaming: returns v (B,80,T), new cnn_cache (depth,B,2D,2), new att_cache
-        (depth,B,H,T+L,2dh) with this chunk's keys first."""
+        (depth,B,H,T+L,2dh) with this chunk's keys first, written into `att_out` when given
+        (the caller's buffer for every Euler step: no stacked copy of the steps after)."""
         c = t_emb[:, None]
         h = self.in_proj(self._inputs(x, mu, spks, cond))
         new_cnn, new_att = [], []
@@ -477,7 +479,8 @@ class DiT(nn.Module):
             h, cc, ac = block(h, c, cnn, att)
             new_cnn.append(cc)
             new_att.append(ac)
-        return self.final_layer(h, c).transpose(1, 2).to(x.dtype), torch.stack(new_cnn), torch.stack(new_att)
+        return (self.final_layer(h, c).transpose(1, 2).to(x.dtype), torch.stack(new_cnn),
+                torch.stack(new_att, out=att_out))
 
     def forward_slots(
         self,

@@ -100,20 +100,58 @@ class FlowCache:
             out[f.name] = torch.cat(parts, dim)
         return FlowCache(**out)
 
-    def split(self) -> list[FlowCache]:
+    def split(self, prompt_frames: int | None = None) -> list[FlowCache]:
         """`cat`'s inverse: one cache per stream, each in memory of its own (a stream's
-        cache never aliases its batch-mates'). A batch of one is its own."""
+        cache never aliases its batch-mates'); a batch of one is its own. With
+        `prompt_frames`, each stream also under [MU7] Token2wav's bound after a chunk: a
+        cache longer than the prompt + HISTORY_FRAMES mel frames keeps the prompt's part and
+        HISTORY_FRAMES of history. The DiT cache is newest-first and the package keeps
+        `[:prompt] ++ [-HISTORY_FRAMES:]` of it all the same (so: the newest `prompt` frames
+        and the oldest ones); the conformer caches are oldest-first (prompt + the newest
+        history), the token-rate layers at half rate. A stream's tensors are copied once,
+        from the batch's straight into their kept frames."""
         b = self.batch
-        if b == 1:
+        p = prompt_frames
+        est = p is not None and self.est_len > p + HISTORY_FRAMES
+        conformer = p is not None and self.mel_len > p + HISTORY_FRAMES
+        if b == 1 and not est and not conformer:
             return [self]
 
-        def rows(name: str, i: int) -> torch.Tensor:
-            t, dim = getattr(self, name), _BATCH_DIM[name]
-            if name.startswith("est_"):  # its cond row and its uncond row (cat copies)
-                return torch.cat([t.narrow(dim, i, 1), t.narrow(dim, b + i, 1)], dim)
-            return t.narrow(dim, i, 1).clone()
+        def kept(name: str, t: torch.Tensor) -> tuple[int, list[tuple[int, int]]]:
+            """The time dim of `name` and its kept (start, length) spans; none: all."""
+            if name == "est_att" and est:
+                return 4, [(0, p), (t.shape[4] - HISTORY_FRAMES, HISTORY_FRAMES)]
+            if name == "token_att" and conformer:
+                half_p, half_h = p // 2, HISTORY_FRAMES // 2
+                return 3, [(0, half_p), (t.shape[3] - half_h, half_h)]
+            if name == "mel_att" and conformer:
+                return 3, [(0, p), (t.shape[3] - HISTORY_FRAMES, HISTORY_FRAMES)]
+            return 0, []
 
-        return [FlowCache(**{f.name: rows(f.name, i) for f in fields(self)}) for i in range(b)]
+        def stream(i: int) -> FlowCache:
+            out = {}
+            for f in fields(self):
+                t, dim = getattr(self, f.name), _BATCH_DIM[f.name]
+                rows = [i, b + i] if f.name.startswith("est_") else [i]  # cond, uncond
+                tdim, spans = kept(f.name, t)
+                shape = list(t.shape)
+                shape[dim] = len(rows)
+                if spans:
+                    shape[tdim] = sum(n for _, n in spans)
+                x = t.new_empty(shape)
+                for r, row in enumerate(rows):
+                    dst, src = x.narrow(dim, r, 1), t.narrow(dim, row, 1)
+                    if not spans:
+                        dst.copy_(src)
+                        continue
+                    at = 0
+                    for start, n in spans:
+                        dst.narrow(tdim, at, n).copy_(src.narrow(tdim, start, n))
+                        at += n
+                out[f.name] = x
+            return FlowCache(**out)
+
+        return [stream(i) for i in range(b)]
 
 
 # FlowCache's batch dim per tensor (the est_ tensors' rows are CFG-doubled)
@@ -524,7 +562,9 @@ class CausalCFM(nn.Module):
         mu_in = torch.cat([mu, torch.zeros_like(mu)])
         spk_in = torch.cat([spks, torch.zeros_like(spks)])
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        cnn_out, att_out = [], []
+        # the steps' new DiT caches go straight into one buffer, sized at the first step:
+        # no list of them stacked into a second copy at the end
+        cnn_out, att_out = [], None
         for i in range(self.n_timesteps):
             v, cnn, att = self.estimator.forward_chunk(
                 torch.cat([x, x]),
@@ -534,11 +574,15 @@ class CausalCFM(nn.Module):
                 cond_in,
                 None if cnn_cache is None else cnn_cache[i],
                 None if att_cache is None else att_cache[i],
+                None if att_out is None else att_out[i],
             )
+            if att_out is None:
+                att_out = att.new_empty((self.n_timesteps, *att.shape))
+                att_out[0] = att
+                del att
             x = x + dt[i] * self._guide(v, b)
             cnn_out.append(cnn)
-            att_out.append(att)
-        return x, torch.stack(cnn_out), torch.stack(att_out)
+        return x, torch.stack(cnn_out), att_out
 
     def forward_slots(self, mu, spks, cond, pool: DiTPool, ix: FlowSlots, time_table):
         """`forward_chunk` for padded rows with the DiT caches in `pool`; each row's noise

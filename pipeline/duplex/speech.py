@@ -342,29 +342,6 @@ class _TalkerContext:
         return self.pool.step([self], [code])[0]
 
 
-def trim_flow_cache(cache: FlowCache, prompt_frames: int) -> FlowCache:
-    """[MU7] Token2wav's bound after each chunk: a cache longer than the prompt + 100 mel
-    frames keeps the prompt's part and 100 frames of history. The DiT cache is newest-first
-    and the package keeps `[:prompt] ++ [-100:]` of it all the same (so: the newest
-    `prompt` frames and the oldest 100); the conformer caches are oldest-first (prompt + the
-    newest history), the token-rate layers at half rate."""
-    out = cache
-    if cache.est_len > prompt_frames + HISTORY_FRAMES:
-        a = cache.est_att
-        out = replace(out, est_att=torch.cat(
-            [a[..., :prompt_frames, :], a[..., -HISTORY_FRAMES:, :]], dim=4))
-    if cache.mel_len > prompt_frames + HISTORY_FRAMES:
-        t, m = cache.token_att, cache.mel_att
-        half_p, half_h = prompt_frames // 2, HISTORY_FRAMES // 2
-        out = replace(
-            out,
-            token_att=torch.cat([t[:, :, :, :half_p], t[:, :, :, t.shape[3] - half_h :]], dim=3),
-            mel_att=torch.cat(
-                [m[:, :, :, :prompt_frames], m[:, :, :, m.shape[3] - HISTORY_FRAMES :]], dim=3),
-        )
-    return out
-
-
 def as_reference_pcm(speech: np.ndarray) -> np.ndarray:
     """The float PCM the reference hands out: Token2wav's int16 bytes (clip to [-1, 1],
     x 32767, truncated) read back as int16 / 32768."""
@@ -667,7 +644,8 @@ def _stream(speeches: list[DuplexSpeech], windows: list[_Window]) -> np.ndarray:
     mel, cache = models.flow._chunk(tokens, spk, FlowCache.cat([st.flow for st in states]),
                                     last, None)
     # equal keys: one prompt length, so the batch trims as each alone
-    caches = trim_flow_cache(cache, states[0].prompt_frames).split()
+    caches = cache.split(states[0].prompt_frames)
+    del cache  # the batch's cache, before the vocoder's memory
     speech, voiced = vocode(models.vocoder, models.code2wav, states, mel, last,
                             speeches[0].crossfade)
     pcm = speech.float().cpu().numpy()  # one host read for the batch
