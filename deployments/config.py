@@ -158,11 +158,11 @@ class TimeoutSettings(_Settings):
 # fit an 80 GB GPU with one CUDA context each and the graph reserves), and for the Thinker
 # its KV budget. A stage section in the YAML overrides these key by key.
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "thinker": {"num_gpus": 0.55, "memory_fraction": 0.5, "graph_reserve_gib": 2.0,
+    "thinker": {"num_gpus": 0.55, "memory_fraction": 0.55, "graph_reserve_gib": 2.0,
                 "kv_cache_gib": 16.0},
     "talker": {"num_gpus": 0.15, "memory_fraction": 0.1, "graph_reserve_gib": 1.0,
                "max_ongoing_requests": 1024},
-    "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.28, "graph_reserve_gib": 1.0,
+    "code2wav": {"num_gpus": 0.2, "memory_fraction": 0.23, "graph_reserve_gib": 1.0,
                  "max_ongoing_requests": 1024},
 }
 

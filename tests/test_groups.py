@@ -250,7 +250,7 @@ def test_engine_sections_fail_in_the_builder_and_the_yaml_ships_the_code_default
     # a partial stage section keeps the stage's other defaults
     partial = AppConfig.model_validate({"code2wav": {"engine": {"slot_prompt_frames": 600}}})
     assert partial.code2wav.engine == {"slot_prompt_frames": 600}
-    assert partial.code2wav.num_gpus == 0.2 and partial.code2wav.memory_fraction == 0.28
+    assert partial.code2wav.num_gpus == 0.2 and partial.code2wav.memory_fraction == 0.23
 
 
 def test_a_reference_voice_fits_a_code2wav_slot():
