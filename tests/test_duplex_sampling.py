@@ -151,7 +151,10 @@ def test_rows_of_one_decoder_draw_in_row_order():
 def test_row_ops_on_stacked_rows_equal_the_single_row_calls(device, dtype):
     """What decode_batch runs over stacked rows gives each row what the (1, V) call gives:
     top-k values, sort (with ties) and argmax; the per-row softmax and cumsum on the
-    aligned rows equal the same calls on a tensor of their own."""
+    aligned rows equal the same calls on a tensor of their own. CUDA's cumsum over a
+    vocabulary row is not deterministic in float32 (the same call on the same tensor
+    differs in its last bits from run to run, H100): there the reference's own top-p cut
+    moves as much, and the aligned row's sums are held to that spread."""
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(6, MODEL_VOCAB, generator=g) * 4).round() / 4
     x = x.to(device=device, dtype=dtype)
@@ -165,8 +168,16 @@ def test_row_ops_on_stacked_rows_equal_the_single_row_calls(device, dtype):
         assert torch.equal(torch.argmax(rows, -1)[i], torch.argmax(one))
         assert rows[i : i + 1].is_contiguous()
         assert rows[i : i + 1].data_ptr() % 16 == 0  # where a tensor of its own starts
-        assert torch.equal(torch.cumsum(F.softmax(rows[i : i + 1], -1), -1),
-                           torch.cumsum(F.softmax(one, -1), -1))
+        probs = F.softmax(rows[i : i + 1], -1)
+        assert torch.equal(probs, F.softmax(one, -1))
+        got, want = torch.cumsum(probs, -1), torch.cumsum(F.softmax(one, -1), -1)
+        if device == "cpu":
+            assert torch.equal(got, want)
+        else:
+            # a float32 sum of 151k terms, summed in another order: ~1e-7 to 1e-6 apart;
+            # bfloat16 rounds the float sums to its own ulp near 1 (2**-7)
+            atol = 1e-5 if dtype == torch.float32 else 2.0**-7
+            assert torch.allclose(got, want, rtol=0, atol=atol)
 
 
 class _HostReads:
