@@ -304,7 +304,10 @@ def test_flow_cache_split_trims_each_stream_as_the_batch_trimmed_then_split(batc
     from pipeline.code2wav.flow import FlowCache
 
     g = torch.Generator().manual_seed(batch + est_len)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
     cache = FlowCache(token_att=r(2, batch, 2, mel_len // 2, 8), mel_att=r(3, batch, 2, mel_len, 8),
                       lookahead_cnn=r(batch, 4, 2), up_cnn=r(batch, 4, 4),
                       est_cnn=r(5, 2, 2 * batch, 6, 2), est_att=r(5, 2, 2 * batch, 2, est_len, 8))

@@ -89,7 +89,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.code2wav.causal_hift import CausalHiFT
-from pipeline.code2wav.flow import HISTORY_FRAMES, Flow, FlowCache
+from pipeline.code2wav.flow import Flow, FlowCache
 from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, vocode
 from pipeline.code2wav.voice import PROMPT_SR, VoiceCache, VoicePrompt
