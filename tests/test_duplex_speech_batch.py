@@ -22,9 +22,20 @@ import gc
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pipeline.duplex import speech as speech_mod
-from pipeline.duplex.speech import CHUNK_CODES, DuplexSpeech, SpeechModels, speak_batch
+from pipeline.duplex.speech import (
+    CHUNK_CODES,
+    REPETITION_WINDOW,
+    DuplexSpeech,
+    LockstepRows,
+    SpeechModels,
+    TalkerPool,
+    draw_rows,
+    speak_batch,
+)
+from pipeline.talker.sampling import apply_repetition_penalty
 
 LSB = 1 / 32768  # the PCM goes through int16 as the reference's does
 
@@ -200,24 +211,37 @@ WINDOW_SCHEDULES = [
 
 
 def _scripted_draws(speech: DuplexSpeech, units: list[list[int]]) -> None:
-    """The session's Talker draws replaced by a script: per unit its codes, then EOS (a
-    unit of CHUNK_CODES draws one more code, dropped at the cap), so that each session's
-    Token2Wav windows fall where the test puts them."""
+    """The session's Talker draws replaced by a script (`scripted`): per unit its codes,
+    then EOS (a unit of CHUNK_CODES draws one more code, dropped at the cap), so that each
+    session's Token2Wav windows fall where the test puts them."""
     script = iter(units)
-    queue: list[int] = []
 
-    def draw(logits, recent, eos_masked):
-        nonlocal queue
-        if recent is None:  # a chunk's first draw
-            codes = next(script)
-            queue = codes + ([codes[-1]] if len(codes) == CHUNK_CODES else [speech.eos])
-        return torch.tensor([queue.pop(0)])
+    def start() -> list[int]:
+        codes = next(script)
+        return codes + ([codes[-1]] if len(codes) == CHUNK_CODES else [speech.eos])
 
-    speech._draw = draw
+    speech.script = start
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """TalkerPool's draws read the sessions' scripts (`_scripted_draws`)."""
+    queues: dict[int, list[int]] = {}
+
+    def first_draw(pool, chunks):
+        for c in chunks:
+            queues[id(c.speech)] = c.speech.script()
+        return step(pool, chunks)
+
+    def step(pool, chunks):
+        return [queues[id(c.speech)].pop(0) for c in chunks]
+
+    monkeypatch.setattr(TalkerPool, "first_draw", first_draw)
+    monkeypatch.setattr(TalkerPool, "step", step)
 
 
 def test_token2wav_windows_of_many_sessions_batched_equal_each_session_alone(
-        models, alone_models, monkeypatch):
+        models, alone_models, monkeypatch, scripted):
     """Each round of `speak_batch`'s Token2Wav decodes every session's k-th window, one flow
     chunk and one vocoder call per group of equal `_batch_key`. Here: turn starts with
     force-flushed windows of two lengths (two groups in one round), turns' ends whose last
@@ -281,7 +305,7 @@ def test_token2wav_windows_of_many_sessions_batched_equal_each_session_alone(
 
 
 def test_token2wav_sessions_own_their_state_and_a_failed_group_fails_alone(
-        models, alone_models, monkeypatch):
+        models, alone_models, monkeypatch, scripted):
     schedules = [[25, 25], [25, 25], [12, 25]]  # 0 and 1 share their groups, 2 is apart
     g = torch.Generator().manual_seed(5)
     eos = models.talker.model.cfg.eos_code
@@ -322,4 +346,112 @@ def test_token2wav_sessions_own_their_state_and_a_failed_group_fails_alone(
     assert got[2].codes == want.codes and np.array_equal(got[2].pcm, want.pcm)
     assert batched[2].state.chunks == 2
     for s in alone + batched:
+        s.close()
+
+
+def _plain_draw(logits, recent, eos_masked, temperature, penalty, greedy, generator, eos):
+    """One code as `MiniCPMTTS.generate_chunk` draws it for one session, on a (1, V) row:
+    the plain path `draw_rows` batches."""
+    x = logits[None] / torch.tensor([[temperature]], dtype=torch.float32, device=logits.device)
+    if recent:
+        k = len(recent)
+        history = F.pad(torch.tensor(recent, device=logits.device), (REPETITION_WINDOW - k, 0))
+        x = apply_repetition_penalty(x, history[None], torch.tensor([k], device=logits.device),
+                                     penalty)
+    if eos_masked:
+        x[:, eos] = -torch.inf
+    scores = F.softmax(x, dim=-1)
+    if greedy:
+        return int(scores.argmax(dim=-1))
+    return int(torch.multinomial(scores, 1, generator=generator))
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="no CUDA"))])
+def test_lockstep_draws_equal_each_row_drawn_alone(tiny_checkpoint, device):
+    """`draw_rows` over 12 rows (some idle, greedy and sampling, EOS masked or not, other
+    temperatures and penalties, windows from empty to past full) for 40 steps: every
+    active row draws what the plain (1, V) draw with `torch.multinomial` draws from the
+    same generator, leaves the generator where it leaves it, and keeps its window, count
+    and next code as the chunk's codes say; idle rows keep their state."""
+    from pipeline.checkpoint import ModelSource
+
+    cfg = ModelSource.open(str(tiny_checkpoint)).config.talker
+    vocab, eos, slots = cfg.num_audio_tokens, cfg.eos_code, 16
+    dev = torch.device(device)
+    st = LockstepRows.of(slots, cfg, dev, None)
+    g = torch.Generator().manual_seed(0)
+    rows = 12
+    active = [r not in (3, 7) for r in range(rows)]
+    greedy = [r % 4 == 1 for r in range(rows)]
+    temps = [0.8 if r % 3 else 0.6 for r in range(rows)]
+    pens = [1.05 if r % 2 else 1.3 for r in range(rows)]
+    min_draws = [CHUNK_CODES + 1 if r % 5 == 0 else 0 for r in range(rows)]
+    gens = [torch.Generator(device=dev).manual_seed(50 + r) for r in range(rows)]
+    twins = [torch.Generator(device=dev).manual_seed(50 + r) for r in range(rows)]
+    st.active[:rows] = torch.tensor(active)
+    st.temperature[:rows, 0] = torch.tensor(temps)
+    st.penalty[:rows, 0] = torch.tensor(pens)
+    st.min_draws[:rows] = torch.tensor(min_draws)
+    st.noise[:rows][torch.tensor(greedy)] = 1.0
+    drawn: list[list[int]] = [[] for _ in range(rows)]
+    live = list(active)
+    for step in range(40):
+        # a logits row per row; EOS pushed up now and then so that chunks end
+        logits = torch.randn(rows, vocab, generator=g) * 3
+        logits[:, eos] += torch.where(torch.rand(rows, generator=g) < 0.08, 30.0, -30.0)
+        logits = logits.to(dev)
+        for r in range(rows):
+            if live[r] and not greedy[r]:
+                st.noise[r].exponential_(generator=gens[r])
+        idle_before = st.history[3].clone(), int(st.codes[3])
+        draw_rows(st, logits, rows)
+        out = st.out[:rows].tolist()
+        for r in range(rows):
+            if not live[r]:
+                continue
+            want = _plain_draw(logits[r], drawn[r][-REPETITION_WINDOW:], len(drawn[r]) <
+                               min_draws[r], temps[r], pens[r], greedy[r], twins[r], eos)
+            assert out[r] == want, (step, r)
+            assert torch.equal(gens[r].get_state(), twins[r].get_state()), (step, r)
+            if want != eos:
+                drawn[r].append(want)
+                assert int(st.codes[r]) == want
+            live[r] = want != eos and len(drawn[r]) < CHUNK_CODES + 1
+            k = min(len(drawn[r]), REPETITION_WINDOW)
+            assert int(st.count[r]) == k and int(st.drawn[r]) == len(drawn[r])
+            assert st.history[r, REPETITION_WINDOW - k :].tolist() == drawn[r][-k:] if k else True
+        assert st.active[:rows].tolist() == live, step
+        assert torch.equal(st.history[3], idle_before[0]) and int(st.codes[3]) == idle_before[1]
+        if not any(live):
+            break
+    ends = {len(d) for d in drawn}
+    assert CHUNK_CODES + 1 in ends and any(0 < n < CHUNK_CODES + 1 for n in ends), ends
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_lockstep_graphs_replay_the_eager_steps_cuda(tiny_checkpoint):
+    """On CUDA the lockstep's steps are graphs (a (rows, keys read) bucket each, captured
+    with every row idle): the same codes and PCM as the same steps run eagerly."""
+    graphed = _eos_prone(SpeechModels.from_checkpoint(tiny_checkpoint, "cuda"))
+    eager = _eos_prone(SpeechModels.from_checkpoint(tiny_checkpoint, "cuda"))
+    eager.pool.use_graphs = False
+    a, b = _sessions(graphed), _sessions(eager)
+    width = graphed.talker.model.cfg.llm_dim
+    inputs = [torch.Generator().manual_seed(k) for k in range(len(SESSIONS))]
+    codes = 0
+    with torch.inference_mode():
+        for u in range(len(SESSIONS[0][2])):
+            spoken = [_spoken(inputs[k], units[u][0], width)
+                      for k, (_, _, units) in enumerate(SESSIONS)]
+            ends = [units[u][1] for _, _, units in SESSIONS]
+            got = speak_batch([(s, sp, e) for s, sp, e in zip(a, spoken, ends, strict=True)])
+            want = speak_batch([(s, sp, e) for s, sp, e in zip(b, spoken, ends, strict=True)])
+            for k, (g_, w) in enumerate(zip(got, want, strict=True)):
+                assert not isinstance(g_, BaseException) and not isinstance(w, BaseException)
+                assert g_.codes == w.codes and np.array_equal(g_.pcm, w.pcm), (u, k)
+                codes += len(w.codes)
+    assert codes > 0 and graphed.pool.graph_steps > 0 and eager.pool.graph_steps == 0
+    for s in a + b:
         s.close()

@@ -228,7 +228,7 @@ def _decode_rows(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
         if ps[j].mode != "greedy":
             groups.setdefault((ps[j].temperature, ps[j].top_k, ps[j].top_p), []).append(j)
     for (temperature, top_k, top_p), group in groups.items():
-        y = _aligned_empty(len(group), x)
+        y = aligned_empty(len(group), x)
         torch.div(x[_on(group, device)], temperature, out=y)
         _filter_rows(y, top_k, top_p)
         for k, j in enumerate(group):
@@ -290,7 +290,7 @@ def _filter_rows(y: torch.Tensor, top_k: int, top_p: float) -> None:
                        float("-inf"))
 
 
-def _aligned_empty(n: int, like: torch.Tensor) -> torch.Tensor:
+def aligned_empty(n: int, like: torch.Tensor) -> torch.Tensor:
     """(n, V) like `like`, each row starting ROW_ALIGN_BYTES-aligned (a view of wider rows)."""
     per = ROW_ALIGN_BYTES // like.element_size()
     vocab = like.shape[-1]
@@ -299,7 +299,7 @@ def _aligned_empty(n: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    out = _aligned_empty(t.shape[0], t)
+    out = aligned_empty(t.shape[0], t)
     out.copy_(t)
     return out
 
@@ -312,7 +312,7 @@ def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
     if all(r.dtype == first.dtype and r.stride() == first.stride()
            and r.data_ptr() == first.data_ptr() + k * step * first.element_size()
            for k, r in enumerate(rows)):
-        out = _aligned_empty(len(rows), first)
+        out = aligned_empty(len(rows), first)
         out.copy_(first.as_strided((len(rows), first.shape[-1]), first.stride()))
         return out
     return _aligned(torch.cat(rows))

@@ -34,9 +34,10 @@ Many sessions. The sessions of one `SpeechModels` keep their turns' Talker KV in
 first chunk and given back at its end (and at a context restart, prepare, close). The
 speak units of a batch (`speak_steps`) prefill per session (their conditions differ in
 length), then draw in lockstep: each step one `FusedTalker.decode` over the rows of every
-session still drawing, and each session's own draw on its logits row, so that a step costs
-one forward and one host read for all of them. A session draws the codes it draws alone (the
-decode's row count moves the logits in their last bits only: tests/test_duplex_speech_batch.py).
+session still drawing, and each row's own draw, on the pool's device-side state (a CUDA
+graph a step on CUDA), so that a step costs one forward, one launch and one host read for
+all of them. A session draws the codes it draws alone (the decode's row count moves the
+logits in their last bits only: tests/test_duplex_speech_batch.py).
 `speak_steps` is a generator that yields after each GPU step (the prefills, each lockstep
 step, each Token2Wav round) so that a server steps its engine in between
 (pipeline/duplex/batch.py); `speak_batch` runs it with nothing in between, and `speak` is a
@@ -79,7 +80,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,8 +95,10 @@ from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, vocode
 from pipeline.code2wav.voice import PROMPT_SR, VoiceCache, VoicePrompt
 from pipeline.config import Code2WavConfig
-from pipeline.duplex.decoder import multinomial
+from pipeline.duplex.decoder import aligned_empty
+from pipeline.graphs import GraphRunner
 from pipeline.sdpa import any_shape
+from pipeline.talker.engine import bucket_up, power_of_two_buckets
 from pipeline.talker.fused import FusedTalker
 from pipeline.talker.model import AttentionBatch, TalkerKVCache, TalkerModel
 from pipeline.talker.sampling import apply_repetition_penalty
@@ -192,6 +195,13 @@ class TalkerPool:
     FIRST_KV_POSITIONS up to max_position_embeddings) when a turn needs more and shrunk
     when the turns that needed it have ended (`give_back`); the row count doubles when no
     row is free. Once no row is held the cache is dropped.
+
+    The lockstep (`begin`, `first_draw`, `step`, `end`): each row's draw state lives on the
+    device (`LockstepRows`), so that a step (the decode of every drawing row's code, then each
+    row's draw) runs on static tensors: on CUDA a graph per (rows, keys read) bucket,
+    captured on first use; the graphs read the cache's tensors, so a resize drops them. The
+    host adds each drawing row's noise from its session's generator before a step and reads
+    the step's codes once after it.
     """
 
     def __init__(self, decoder: FusedTalker) -> None:
@@ -202,6 +212,10 @@ class TalkerPool:
         self.limit = self.model.cfg.max_position_embeddings
         self.cache: TalkerKVCache | None = None
         self._owners: list[weakref.ref | None] = []  # per row: the context holding it
+        self.rows: LockstepRows | None = None  # the rows' draw state, one per cache row
+        self.graphs: GraphRunner | None = None  # the steps' graphs over this cache (CUDA)
+        self.use_graphs = self.device.type == "cuda"
+        self.graph_steps = 0  # lockstep steps replayed as graphs
 
     def _held(self, row: int) -> bool:
         ref = self._owners[row]
@@ -232,7 +246,7 @@ class TalkerPool:
         held = [ref() for ref in self._owners if ref is not None]
         lengths = [c.length for c in held if c is not None]
         if not lengths:
-            self.cache, self._owners = None, []
+            self.cache, self._owners, self.rows, self.graphs = None, [], None, None
             return
         assert self.cache is not None
         first = min(FIRST_KV_POSITIONS, self.limit)
@@ -259,37 +273,220 @@ class TalkerPool:
             n = min(old.max_len, max_len)
             grown.kv[:, :, : old.slots, :, :n].copy_(old.kv[:, :, :, :, :n])
         self.cache = grown
+        self.graphs = None  # captured over the old cache's tensors
+        if self.rows is None or self.rows.slots != slots:
+            self.rows = LockstepRows.of(slots, self.model.cfg, self.device, self.rows)
 
-    def step(self, contexts: list[_TalkerContext], codes: list[int]) -> list[torch.Tensor]:
-        """Feed each context its code at its next position, in one decode over the rows the
-        contexts span (rows between them that are not stepping idle, as in the Talker
-        engine). Returns each one's logits (V,) float32."""
-        cache = self.reserve(max(c.length for c in contexts) + 1)
-        rows = [c.row for c in contexts]
-        assert None not in rows and len(set(rows)) == len(rows)
-        lo, hi = min(rows), max(rows) + 1
-        step = [[0] * (hi - lo) for _ in range(3)]  # codes, positions, active
-        for c, code in zip(contexts, codes, strict=True):
-            step[0][c.row - lo], step[1][c.row - lo], step[2][c.row - lo] = code, c.length, 1
-        inputs = torch.tensor(step, dtype=torch.long).to(self.device)  # one copy to the device
+    def extend(self, contexts: list[_TalkerContext], conditions: list[torch.Tensor]
+               ) -> list[torch.Tensor]:
+        """Each context's rows (L_i, E) at its next L_i positions (a turn's first chunk
+        takes a row), attending to its turn's KV and causally to each other, all in ONE
+        forward over rows [0, R): each session's rows right-aligned in (R, max L_i), the
+        padding before them and the rows of other sessions idle (written to the scratch
+        column, attending to key 0 only). Returns each context's last-row logits (V,)
+        float32, in order."""
+        for c in contexts:
+            if c.row is None:
+                c.row = self.take(c)
+        longest = max(c.length + x.shape[0] for c, x in zip(contexts, conditions, strict=True))
+        cache = self.reserve(longest)
+        width = max(x.shape[0] for x in conditions)
+        rows = bucket_up(max(c.row for c in contexts) + 1, power_of_two_buckets(1, cache.slots))
+        read_len = bucket_up(longest, power_of_two_buckets(
+            min(FIRST_KV_POSITIONS, cache.max_len), cache.max_len))
+        positions = [[0] * width for _ in range(rows)]
+        writes = [[cache.scratch_pos] * width for _ in range(rows)]
+        x = torch.zeros(rows, width, conditions[0].shape[1], dtype=conditions[0].dtype,
+                        device=self.device)
+        for c, cond in zip(contexts, conditions, strict=True):
+            n = cond.shape[0]
+            span = list(range(c.length, c.length + n))
+            positions[c.row][width - n :] = writes[c.row][width - n :] = span
+            x[c.row, width - n :] = cond
+        at = torch.tensor([positions, writes], dtype=torch.long).to(self.device)
+        keys = cache.position_ids[:read_len]
+        allowed = (keys <= at[0][..., None])[:, None]  # (R, 1, L, read_len)
+        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=self.device)
+        mask.masked_fill_(allowed.logical_not(), float("-inf"))
+        batch = AttentionBatch(slice(0, rows), cache.row_ids[:rows], at[1], read_len, mask)
         with any_shape():
-            logits = self.decoder.decode(_RowSpan(cache, lo, hi), inputs[0], inputs[1],
-                                         inputs[2].bool(), max(step[1]) + 1)
+            logits = self.model.head(self.decoder._forward(x, at[0], cache, batch))
+        for c, cond in zip(contexts, conditions, strict=True):
+            c.length += cond.shape[0]
+        return [logits[c.row] for c in contexts]
+
+    # -- the lockstep ----------------------------------------------------------------------
+
+    def begin(self, chunks: list[_Chunk]) -> None:
+        """Lay out the chunks' rows for a lockstep: each one's prefill logits, position,
+        sampler settings and an empty repetition window; no other row draws."""
+        st = self.rows
+        assert st is not None
+        st.active.zero_()
+        speeches = [c.speech for c in chunks]
+        settings = torch.tensor([[s.talker.row, s.talker.length, c.min_draws, int(s.greedy)]
+                                 for s, c in zip(speeches, chunks, strict=True)],
+                                dtype=torch.long).to(self.device)
+        index = settings[:, 0]
+        st.positions.index_copy_(0, index, settings[:, 1])
+        st.min_draws.index_copy_(0, index, settings[:, 2])
+        st.drawn.index_fill_(0, index, 0)
+        st.count.index_fill_(0, index, 0)
+        st.temperature.index_copy_(0, index, torch.cat([s.temperature for s in speeches]))
+        st.penalty.index_copy_(0, index, torch.tensor(
+            [[s.repetition_penalty] for s in speeches], dtype=torch.float32).to(self.device))
+        # a greedy row draws argmax(probs / 1): the argmax of its probs, with no draw
+        st.noise.index_fill_(0, index[settings[:, 3].bool()], 1.0)
+        st.logits.index_copy_(0, index, torch.stack([c.logits for c in chunks]))
+        st.active.index_fill_(0, index, True)
+
+    def end(self) -> None:
+        """No row draws (after a lockstep, or a failed step)."""
+        if self.rows is not None:
+            self.rows.active.zero_()
+
+    def first_draw(self, chunks: list[_Chunk]) -> list[int]:
+        """Each chunk's first code, drawn on its prefill's logits. Returns the codes, in
+        the chunks' order."""
+        rows = self._noise(chunks)
+        draw_rows(self.rows, self.rows.logits[:rows], rows)
+        return self._read(chunks, rows)
+
+    def step(self, chunks: list[_Chunk]) -> list[int]:
+        """Feed each chunk its last code at its next position and draw its next: one
+        decode over rows [0, R) (other rows idle), then each row's draw. Returns the codes,
+        in the chunks' order."""
+        contexts = [c.speech.talker for c in chunks]
+        longest = max(c.length for c in contexts) + 1
+        cache = self.reserve(longest)
+        rows = self._noise(chunks)
+        read_len = bucket_up(longest, power_of_two_buckets(
+            min(FIRST_KV_POSITIONS, cache.max_len), cache.max_len))
+        with any_shape():
+            if self.use_graphs:
+                if self.graphs is None:
+                    self.graphs = GraphRunner(max_graphs=64)
+                key = (rows, read_len)
+                if key not in self.graphs:
+                    self._capture(key)
+                self.graphs.run(key, (), lambda: self._step_rows(*key))
+                self.graph_steps += 1
+            else:
+                self._step_rows(rows, read_len)
         for c in contexts:
             c.length += 1
-        return [logits[r - lo] for r in rows]
+        return self._read(chunks, rows)
+
+    def _noise(self, chunks: list[_Chunk]) -> int:
+        """Each sampling row's Exp(1) noise from its session's generator (the draws
+        `torch.multinomial` makes for one sample); returns the rows' bucket R."""
+        st = self.rows
+        assert st is not None
+        for c in chunks:
+            s = c.speech
+            if not s.greedy:
+                st.noise[s.talker.row].exponential_(generator=s.generator)
+        top = max(c.speech.talker.row for c in chunks) + 1
+        return bucket_up(top, power_of_two_buckets(1, st.slots))
+
+    def _read(self, chunks: list[_Chunk], rows: int) -> list[int]:
+        codes = self.rows.out[:rows].tolist()  # one host read for every row
+        return [codes[c.speech.talker.row] for c in chunks]
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        """Capture the step of `key` with every row idle, so that its warm-up runs change
+        nothing (an idle row writes to the cache's scratch column and keeps its state)."""
+        st = self.rows
+        active = st.active.clone()
+        st.active.zero_()
+        self.graphs.add(key, lambda: self._step_rows(*key))
+        st.active.copy_(active)
+
+    def _step_rows(self, rows: int, read_len: int) -> None:
+        """One lockstep step over rows [0, rows) on the static tensors (a graph's body)."""
+        st = self.rows
+        active = st.active[:rows]
+        logits = self.decoder.decode(self.cache, st.codes[:rows], st.positions[:rows],
+                                     active, read_len)
+        st.positions[:rows].add_(active.long())
+        draw_rows(st, logits, rows)
 
 
-class _RowSpan:
-    """Rows [lo, hi) of a TalkerKVCache, read as `FusedTalker.decode` reads a cache (its rows
-    from 0): views of the cache's tensors, so the decode's writes land in the pool."""
+@dataclass
+class LockstepRows:
+    """The lockstep's state per pool row, on the device (S rows: the pool's)."""
 
-    def __init__(self, cache: TalkerKVCache, lo: int, hi: int) -> None:
-        self.kv = cache.kv[:, :, lo:hi]
-        self.slots, self.max_len = hi - lo, cache.max_len
-        self.rope_cs, self.position_ids = cache.rope_cs, cache.position_ids
-        self.row_ids = cache.row_ids[: hi - lo]
-        self.scratch_pos = cache.scratch_pos
+    slots: int
+    eos: int
+    codes: torch.Tensor  # (S,) long: the code a row feeds at its next step
+    positions: torch.Tensor  # (S,) long: where it goes
+    active: torch.Tensor  # (S,) bool: the row draws at the next step
+    drawn: torch.Tensor  # (S,) long: codes kept this chunk
+    min_draws: torch.Tensor  # (S,) long: EOS masked while drawn < this
+    history: torch.Tensor  # (S, W) long: the chunk's last codes, right-aligned
+    count: torch.Tensor  # (S,) long: valid entries of history
+    temperature: torch.Tensor  # (S, 1) float32
+    penalty: torch.Tensor  # (S, 1) float32
+    noise: torch.Tensor  # (S, V) float32: Exp(1) of the next draw (1 for greedy rows)
+    logits: torch.Tensor  # (S, V) float32: a chunk's prefill logits, for its first draw
+    scaled: torch.Tensor  # (S, V) float32, rows 512-byte aligned: the draw's logits
+    out: torch.Tensor  # (S,) long: the codes of the last draw
+    eos_column: torch.Tensor  # (1, V) bool: True at EOS
+
+    @classmethod
+    def of(cls, slots: int, cfg: Any, device: torch.device,
+           old: LockstepRows | None) -> LockstepRows:
+        """Rows for `slots`, keeping the old rows' state."""
+        vocab, f32 = cfg.num_audio_tokens, torch.float32
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        eos_column = zeros(1, vocab, dtype=torch.bool)
+        eos_column[0, cfg.eos_code] = True
+        new = cls(slots, cfg.eos_code, zeros(slots), zeros(slots), zeros(slots, dtype=torch.bool),
+                  zeros(slots), zeros(slots), zeros(slots, REPETITION_WINDOW), zeros(slots),
+                  zeros(slots, 1, dtype=f32), zeros(slots, 1, dtype=f32),
+                  torch.ones(slots, vocab, dtype=f32, device=device),
+                  zeros(slots, vocab, dtype=f32), aligned_empty(slots, eos_column.float()),
+                  zeros(slots), eos_column)
+        if old is not None:
+            n = min(old.slots, slots)
+            for name in ("codes", "positions", "active", "drawn", "min_draws", "history",
+                         "count", "temperature", "penalty", "noise", "logits", "out"):
+                getattr(new, name)[:n].copy_(getattr(old, name)[:n])
+        return new
+
+
+def draw_rows(st: LockstepRows, logits: torch.Tensor, rows: int) -> None:
+    """One draw for each active row of `st` among rows [0, rows), on their `logits`,
+    as `MiniCPMTTS.generate_chunk` draws: logits / its temperature -> the repetition
+    penalty over the chunk's codes (none at the first draw: it changes nothing) -> EOS
+    masked while fewer than its `min_draws` codes were kept -> softmax -> the exponential
+    race on its noise (`torch.multinomial`'s own; greedy rows' noise is 1). Then its
+    state: a code other than EOS joins the window and is fed next, and the row draws on
+    until EOS or CHUNK_DRAWS codes. The softmax runs per row, on a row laid out as a
+    (1, V) tensor of its own is (`aligned_empty`), so that it sums as alone. No host sync:
+    a CUDA graph captures it."""
+    active = st.active[:rows]
+    x = st.scaled[:rows]
+    torch.div(logits, st.temperature[:rows], out=x)
+    x.copy_(apply_repetition_penalty(x, st.history[:rows], st.count[:rows],
+                                     st.penalty[:rows]))
+    x.masked_fill_((st.drawn[:rows] < st.min_draws[:rows])[:, None] & st.eos_column,
+                   -torch.inf)
+    probs = torch.cat([F.softmax(x[r : r + 1], dim=-1) for r in range(rows)])
+    codes = torch.argmax(probs / st.noise[:rows], dim=-1)
+    st.out[:rows].copy_(codes)
+    keep = active & (codes != st.eos)
+    history = st.history[:rows]
+    history.copy_(torch.where(keep[:, None],
+                              torch.cat([history[:, 1:], codes[:, None]], dim=1), history))
+    count = st.count[:rows]
+    count.copy_(torch.where(keep, (count + 1).clamp_max(REPETITION_WINDOW), count))
+    st.drawn[:rows].add_(keep.long())
+    st.codes[:rows].copy_(torch.where(keep, codes, st.codes[:rows]))
+    active.copy_(keep & (st.drawn[:rows] < CHUNK_DRAWS))
 
 
 class _TalkerContext:
@@ -313,33 +510,6 @@ class _TalkerContext:
         if self.row is not None:
             self.pool.give_back(self.row)
         self.row, self.length = None, 0
-
-    def extend(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows (L, E) at the next L positions, attending to the turn's KV and causally to
-        each other. Returns the last row's logits (V,) float32."""
-        start, n = self.length, rows.shape[0]
-        if self.row is None:
-            self.row = self.pool.take(self)
-        cache, row = self.pool.reserve(start + n), self.row
-        with any_shape():
-            if start == 0:
-                logits = self.decoder.prefill(cache, row, rows)
-            else:
-                positions = cache.position_ids[start : start + n][None, :]  # (1, L)
-                keys = cache.position_ids[: start + n]
-                allowed = keys[None, :] <= positions[0, :, None]  # (L, start + L)
-                mask = torch.zeros(allowed.shape, dtype=rows.dtype, device=rows.device)
-                mask.masked_fill_(allowed.logical_not(), float("-inf"))
-                batch = AttentionBatch(slice(row, row + 1), cache.row_ids[:1], positions,
-                                       start + n, mask[None, None])
-                hidden = self.decoder._forward(rows[None].clone(), positions, cache, batch)
-                logits = self.model.head(hidden[0])
-        self.length = start + n
-        return logits
-
-    def step(self, code: int) -> torch.Tensor:
-        """Feed one code at the next position. Returns its logits (V,) float32."""
-        return self.pool.step([self], [code])[0]
 
 
 def as_reference_pcm(speech: np.ndarray) -> np.ndarray:
@@ -454,7 +624,7 @@ class DuplexSpeech:
         return out
 
     def _begin(self, spoken: list[tuple[int, torch.Tensor]], end_of_turn: bool) -> _Chunk:
-        """A chunk up to its first draw: the condition prefilled on the turn's KV."""
+        """A chunk up to its prefill: its condition, on a Talker context that holds it."""
         if self.state is None:
             raise RuntimeError("DuplexSpeech.speak before prepare")
         condition = self._condition(spoken)
@@ -462,9 +632,7 @@ class DuplexSpeech:
         if self.talker.length + condition.shape[0] + CHUNK_CODES > self.talker.limit:
             self.talker.reset()  # bounded (module docstring); Token2Wav goes on
         min_draws = 0 if end_of_turn or turn_start else CHUNK_DRAWS
-        chunk = _Chunk(self, end_of_turn, turn_start, min_draws)
-        chunk.logits = self.talker.extend(condition)
-        return chunk
+        return _Chunk(self, end_of_turn, turn_start, min_draws, condition)
 
     def _finish(self, chunk: _Chunk) -> _Voicing:
         """A chunk after its draws: the turn's end, and its Token2Wav windows (planned here,
@@ -499,25 +667,6 @@ class DuplexSpeech:
             raise ValueError(f"spoken hidden rows must be {model.cfg.llm_dim} wide, "
                              f"got {hidden.shape[1]}")
         return torch.cat([model.build_condition(ids, hidden), bos], dim=0)
-
-    def _draw(self, logits: torch.Tensor, recent: torch.Tensor | None,
-              eos_masked: bool) -> torch.Tensor:
-        """One code from (V,) logits, in generate_chunk's order; recent: the chunk's last
-        REPETITION_WINDOW codes (k,) on the device, None before its first. Returns the code
-        as a (1,) tensor on the device: the caller reads the codes of all sessions of a step
-        at once, and nothing here copies from the host (no sync per session)."""
-        logits = logits[None] / self.temperature  # (1, V)
-        if recent is not None:  # the first draw (after audio_bos) is temperature-only
-            k = recent.shape[0]
-            history = F.pad(recent, (REPETITION_WINDOW - k, 0))[None]  # right-aligned (1, W)
-            count = torch.full((1,), k, dtype=torch.long, device=logits.device)
-            logits = apply_repetition_penalty(logits, history, count, self.repetition_penalty)
-        if eos_masked:
-            logits[:, self.eos] = -torch.inf
-        scores = F.softmax(logits, dim=-1)
-        if self.greedy:
-            return scores.argmax(dim=-1)
-        return multinomial(scores, self.generator)[0]
 
     # -- Token2Wav -------------------------------------------------------------------------
 
@@ -664,9 +813,35 @@ class _Chunk:
     end_of_turn: bool
     turn_start: bool
     min_draws: int  # EOS is masked at draws [0, min_draws)
-    logits: torch.Tensor | None = None
+    condition: torch.Tensor  # (n + 1, E): the rows its prefill feeds
+    logits: torch.Tensor | None = None  # the prefill's, for the first draw
     drawn: list[int] = field(default_factory=list)
-    recent: torch.Tensor | None = None  # the last REPETITION_WINDOW of `drawn`, on the device
+
+
+def _lockstep(pool: TalkerPool, chunks: list[_Chunk],
+              fail: Callable[[BaseException], None]) -> Generator[None, None, None]:
+    """The chunks' draws on one pool, one `next()` a GPU step: each chunk's first draw,
+    then one `TalkerPool.step` a draw for the chunks still drawing; a chunk ends at EOS (not
+    kept) or at its CHUNK_DRAWS-th code. A failed step fails every chunk (`fail`)."""
+    try:
+        pool.begin(chunks)
+        codes = pool.first_draw(chunks)
+        while True:
+            drawing = []
+            for chunk, code in zip(chunks, codes, strict=True):
+                if code != chunk.speech.eos:
+                    chunk.drawn.append(code)
+                    if len(chunk.drawn) < CHUNK_DRAWS:
+                        drawing.append(chunk)
+            yield
+            if not drawing:
+                return
+            chunks = drawing
+            codes = pool.step(chunks)
+    except Exception as e:  # noqa: BLE001 - every chunk of the lockstep is mid-draw
+        fail(e)
+    finally:
+        pool.end()
 
 
 def speak_batch(
@@ -683,10 +858,10 @@ def speak_steps(
     """`DuplexSpeech.speak` for several sessions, each (speech, spoken, end_of_turn), one
     GPU step a `next()` (the prefills, each lockstep step, each Token2Wav round); their
     Talker chunks ([DEMO] `MiniCPMTTS.generate_chunk` over each turn's KV) drawn in
-    lockstep: per session its condition, its prefill and its first draw;
-    then each step ONE decode over the Talker rows of every session still drawing (per
-    TalkerPool), and each session's own draw on its logits row (`_draw`: its temperature,
-    repetition window, EOS mask and generator, as alone); a session leaves at its EOS or its
+    lockstep: per session its condition and its prefill; then per TalkerPool each one's
+    first draw, and each step ONE decode over the Talker rows of every session still
+    drawing with each row's own draw (`TalkerPool._sample`: its temperature, repetition
+    window, EOS mask and generator, as alone); a session leaves at its EOS or its
     CHUNK_DRAWS-th draw. Then the Token2Wav windows of all of them, in rounds and groups
     of equal `_batch_key` (`_token2wav_steps`, module docstring).
 
@@ -710,50 +885,28 @@ def speak_steps(
             chunks[i] = speech._begin(spoken, end_of_turn)
         except Exception as e:  # noqa: BLE001 - this session's chunk fails, not the batch's
             out[i] = e
+    by_pool: dict[int, list[int]] = {}
+    for i in sorted(chunks):
+        by_pool.setdefault(id(chunks[i].speech.talker.pool), []).append(i)
+    for group in by_pool.values():
+        pool = chunks[group[0]].speech.talker.pool
+        try:
+            logits = pool.extend([chunks[i].speech.talker for i in group],
+                                 [chunks[i].condition for i in group])
+        except Exception as e:  # noqa: BLE001 - every chunk of the forward fails
+            for i in group:
+                fail(i, e)
+            continue
+        for i, lg in zip(group, logits, strict=True):
+            chunks[i].logits = lg
     if chunks:
         yield
-    drawing = sorted(chunks)
-    t = 0
-    while drawing:
-        codes = []
-        for i in list(drawing):
-            chunk = chunks[i]
-            try:
-                codes.append(chunk.speech._draw(chunk.logits, chunk.recent, t < chunk.min_draws))
-            except Exception as e:  # noqa: BLE001
-                fail(i, e)
-                drawing.remove(i)
-        # one host read for the step's codes of every session
-        values = torch.cat(codes).tolist() if codes else []
-        going = []
-        for i, code, tensor in zip(drawing, values, codes, strict=True):
-            chunk = chunks[i]
-            if code == chunk.speech.eos:
-                continue
-            chunk.drawn.append(code)
-            chunk.recent = tensor if chunk.recent is None else (
-                torch.cat([chunk.recent, tensor])[-REPETITION_WINDOW:])
-            if len(chunk.drawn) < CHUNK_DRAWS:
-                going.append(i)
-        t += 1
-        by_pool: dict[int, list[int]] = {}
-        for i in going:
-            by_pool.setdefault(id(chunks[i].speech.talker.pool), []).append(i)
-        drawing = []
-        for group in by_pool.values():
-            pool = chunks[group[0]].speech.talker.pool
-            try:
-                logits = pool.step([chunks[i].speech.talker for i in group],
-                                   [chunks[i].drawn[-1] for i in group])
-            except Exception as e:  # noqa: BLE001 - every session of the step is mid-chunk
-                for i in group:
-                    fail(i, e)
-                continue
-            for i, lg in zip(group, logits, strict=True):
-                chunks[i].logits = lg
-            drawing += group
-        drawing.sort()
-        yield
+    for group in by_pool.values():
+        group = [i for i in group if i in chunks]
+        if not group:
+            continue
+        yield from _lockstep(chunks[group[0]].speech.talker.pool, [chunks[i] for i in group],
+                             lambda e, group=group: [fail(i, e) for i in group])
     voicings: dict[int, _Voicing] = {}
     for i, chunk in chunks.items():
         try:
