@@ -23,7 +23,7 @@ batch runs. The steps:
    prefill's step ends with the draws of the prefill's logits);
 3. the speech side (`DuplexSession.finish_units_steps`): the speak units' Talker draws in
    lockstep, one decode a step over every drawing session's row of the shared TalkerPool
-   (`speech.speak_steps`: the prefills one step, then one step a draw), then their
+   (`speech.speak_steps`: the prefill one step, then one step a draw), then their
    Token2Wav windows in rounds, one flow chunk and one vocoder call per group of sessions
    in equal state (`speech._token2wav_steps`: one step a round).
 

@@ -32,13 +32,14 @@ torch.Generator (the reference: the process-global RNG, in the same order).
 Many sessions. The sessions of one `SpeechModels` keep their turns' Talker KV in one
 `TalkerPool`: a row of one TalkerKVCache per session that is mid-turn, taken at the turn's
 first chunk and given back at its end (and at a context restart, prepare, close). The
-speak units of a batch (`speak_steps`) prefill per session (their conditions differ in
-length), then draw in lockstep: each step one `FusedTalker.decode` over the rows of every
+speak units of a batch (`speak_steps`) prefill in one forward over the pool's rows (each
+session's condition right-aligned, the padding before it written to the scratch column),
+then draw in lockstep: each step one `FusedTalker.decode` over the rows of every
 session still drawing, and each row's own draw, on the pool's device-side state (a CUDA
 graph a step on CUDA), so that a step costs one forward, one launch and one host read for
 all of them. A session draws the codes it draws alone (the decode's row count moves the
 logits in their last bits only: tests/test_duplex_speech_batch.py).
-`speak_steps` is a generator that yields after each GPU step (the prefills, each lockstep
+`speak_steps` is a generator that yields after each GPU step (the prefill, each lockstep
 step, each Token2Wav round) so that a server steps its engine in between
 (pipeline/duplex/batch.py); `speak_batch` runs it with nothing in between, and `speak` is a
 batch of one.
