@@ -227,16 +227,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--chat", type=int, default=0, metavar="C",
                     help="C chat workers beside the sessions, and alone first")
+    ap.add_argument("--warmup", type=float, default=0.0, metavar="S",
+                    help="first run 1 session and then the largest count for S seconds "
+                         "each, unmeasured: the app's first units at a new batch size "
+                         "load and compile what they need")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if set(args.pattern) - {"S", "L"} or not args.pattern:
         ap.error("--pattern is a string of S (speak) and L (listen)")
     report: dict[str, Any] = {"mode": args.mode, "pattern": args.pattern, "runs": []}
+    counts = [int(x) for x in args.sessions.split(",") if x.strip()]
+    if args.warmup > 0:
+        report["warmup"] = []
+        for n in sorted({1, max(counts, default=1)}):
+            r = asyncio.run(run(args.url, n, args.warmup, args.pattern, args.mode, args.model))
+            report["warmup"].append(r)
+            print(json.dumps({"warmup": r}), flush=True)
     if args.chat:
         report["chat_alone"] = asyncio.run(chat_load(args.url, args.chat, args.seconds,
                                                      args.model))
         print(json.dumps({"chat_alone": report["chat_alone"]}), flush=True)
-    for n in (int(x) for x in args.sessions.split(",") if x.strip()):
+    for n in counts:
         r = asyncio.run(run(args.url, n, args.seconds, args.pattern, args.mode, args.model,
                             args.chat))
         if args.chat and report["chat_alone"]["req_s"]:

@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     for entry in args.plan.split(","):
         mode, n, steps = entry.split(":")
         n, steps = int(n), int(steps)
-        speech_models.flow.decoder.n_timesteps = steps
+        if hasattr(speech_models, "set_n_timesteps"):  # the voice templates built again
+            speech_models.set_n_timesteps(steps)
+        else:  # a tree before it
+            speech_models.flow.decoder.n_timesteps = steps
+            speech_models.templates.clear()
         print(f"== {mode}: {n} sessions, Token2Wav {steps} steps", flush=True)
         sync()
         mem0 = mem()  # the sessions' memory outside the KV pool (its blocks are allocated)

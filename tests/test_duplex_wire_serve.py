@@ -338,6 +338,23 @@ def test_bench_duplex_paces_sessions_and_counts_every_unit(duplex_app):
     wait_free()
 
 
+def test_bench_duplex_warms_up_before_it_measures(duplex_app, tmp_path):
+    """`--warmup S`: one session and then the largest count run S seconds each first, kept
+    apart from the measured runs in the report."""
+    from bench.duplex import main
+
+    out = tmp_path / "r.json"
+    assert main(["--url", duplex_app, "--sessions", "1,2", "--seconds", "2", "--warmup", "2",
+                 "--mode", "audio", "--pattern", "S", "--model", "omniray",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["sessions"] for r in report["warmup"]] == [1, 2]
+    assert [r["sessions"] for r in report["runs"]] == [1, 2]
+    assert all(r["units"] == 2 * r["sessions"] and r["errors"] == []
+               for r in report["warmup"] + report["runs"])
+    wait_free()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deployments.stages.duplex") is None,
                     reason="the Thinker stage holds no duplex sessions in this tree")
 def test_sdk_against_the_real_app_on_the_tiny_default(serve_app):
