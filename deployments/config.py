@@ -102,6 +102,11 @@ class DuplexSettings(_Settings):
         "ends (client_too_slow)"))
     max_event_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, description=(
         "one client event's JSON text (a 1 s unit of audio and a camera frame)"))
+    n_timesteps: int = Field(5, ge=1, le=50, description=(
+        "Token2Wav's Euler steps for the sessions' speech: 5 as the official demo runs duplex "
+        "(its example's `n_timesteps=5`, its server's Token2wav), 10 as `MiniCPMODuplex` "
+        "does when not told (the turn-based Code2Wav's default); both match the reference "
+        "in that mode"))
 
 
 class LimitSettings(_Settings):

@@ -35,6 +35,9 @@ class SessionScript:
     frame_size: tuple[int, int] = (56, 42)  # (width, height)
     duplex_kwargs: dict = field(default_factory=dict)
     generate_audio: bool = True  # False: the Thinker alone (no Talker, no Token2Wav)
+    # Token2wav's Euler steps (`MiniCPMODuplex(n_timesteps=...)`; 10 is its default, 5 what
+    # the demo's duplex example passes and its server runs)
+    n_timesteps: int = 10
 
 
 # The reference's own kwargs: basic sliding window with thresholds a 16-unit session crosses.
@@ -44,6 +47,9 @@ WINDOW = {"sliding_window_mode": "basic", "basic_window_high_tokens": 300,
 SESSIONS = (
     SessionScript("audio_greedy", "greedy", seed=1234, duplex_kwargs=dict(WINDOW)),
     SessionScript("audio_sampling", "sampling", seed=4321, duplex_kwargs=dict(WINDOW)),
+    # audio_greedy's session with Token2wav at 5 Euler steps: the same ids and codes, its PCM
+    SessionScript("audio_greedy_5steps", "greedy", seed=1234, duplex_kwargs=dict(WINDOW),
+                  n_timesteps=5),
     SessionScript("omni_greedy", "greedy", seed=777, frames=True,
                   duplex_kwargs={"sliding_window_mode": "basic", "basic_window_high_tokens": 700,
                                  "basic_window_low_tokens": 550}),

@@ -324,7 +324,9 @@ def test_bad_input_and_misuse(models):
 # -- the golden reference sessions ---------------------------------------------------------
 
 GOLDEN = Path(__file__).resolve().parent / "duplex_golden"
-SESSIONS = ("audio_greedy", "audio_sampling")  # omni_greedy differs only in the hidden rows
+# omni_greedy differs only in the hidden rows; audio_greedy_5steps is audio_greedy with
+# Token2wav at 5 Euler steps (the reference's duplex mode)
+SESSIONS = ("audio_greedy", "audio_sampling", "audio_greedy_5steps")
 
 
 @pytest.fixture(scope="module")
@@ -348,6 +350,7 @@ def test_speech_matches_the_golden_sessions(golden_models, name):
     position and Token2wav buffer after the unit; the Talker is argmax in the golden run."""
     meta = json.loads((GOLDEN / f"{name}.json").read_text())
     arrays = np.load(GOLDEN / f"{name}.npz")
+    golden_models.set_n_timesteps(meta["n_timesteps"])
     speech = DuplexSpeech(golden_models, seed=meta["seed"], greedy=True)
     speech.prepare(None)  # the checkpoint's default voice, the golden run's prompt
     spoken_units = turn_ends = 0

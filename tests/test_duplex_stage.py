@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from deployments.config import DuplexSettings
 from deployments.stages.duplex import DuplexSessions
 from pipeline.checkpoint import ModelSource
 from pipeline.duplex.config import DuplexConfig
@@ -24,6 +25,7 @@ from tests import _duplex_inputs as di
 GOLDEN = Path(__file__).parent / "duplex_golden"
 NAME = "audio_greedy"
 UNITS = 8  # listen units, a turn of speak units and its end
+STEPS = DuplexSettings().n_timesteps  # the served Token2Wav's Euler steps
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
     record = json.loads((GOLDEN / f"{NAME}.json").read_text())
     source = ModelSource.open(str(ckpt))
     engine = ThinkerEngine.from_source(source, ThinkerEngineConfig(), "cpu")
-    sessions = DuplexSessions(source, engine.device)
+    sessions = DuplexSessions(source, engine.device, STEPS)
     options = {"decode_mode": record["decode_mode"], **record["duplex_kwargs"], "seed": 5}
     init = SimpleNamespace(options=options, audio_out=True, system_prompt=record["prefix"],
                            ref_audio=None, prompt_wav=None, max_slice_nums=1)
@@ -46,8 +48,9 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
         sessions.open(engine, "s", init)
 
     cfg = DuplexConfig(decode_mode=record["decode_mode"], **record["duplex_kwargs"])
-    alone = DuplexSession(DuplexThinker.from_checkpoint(ckpt, cfg, seed=5),
-                          DuplexSpeech.from_checkpoint(ckpt, cfg, seed=5))
+    speech = DuplexSpeech.from_checkpoint(ckpt, cfg, seed=5)
+    speech.models.set_n_timesteps(STEPS)  # the served Token2Wav's
+    alone = DuplexSession(DuplexThinker.from_checkpoint(ckpt, cfg, seed=5), speech)
     alone.prepare(record["prefix"], None, None, None)
 
     inputs = di.session_inputs(di.session(NAME))[:UNITS]
@@ -83,7 +86,7 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
 def test_stage_session_refuses_a_bad_option(ckpt):
     source = ModelSource.open(str(ckpt))
     engine = SimpleNamespace(model=None, tokenizer=None)
-    sessions = DuplexSessions(source, "cpu")
+    sessions = DuplexSessions(source, "cpu", STEPS)
     init = SimpleNamespace(options={"sliding_window_mode": "sideways"}, audio_out=False,
                            system_prompt=None, ref_audio=None, prompt_wav=None, max_slice_nums=1)
     with pytest.raises((ValueError, TypeError)):
@@ -286,7 +289,7 @@ def test_a_full_kv_pool_fails_the_unit_that_needs_more_and_close_frees(ckpt):
     engine = ThinkerEngine.from_source(
         source, ThinkerEngineConfig(llm=EngineConfig(num_blocks=14, block_size=16)), "cpu")
     pool = engine.llm.block_manager
-    sessions = DuplexSessions(source, engine.device)
+    sessions = DuplexSessions(source, engine.device, STEPS)
     for sid in ("a", "b"):
         sessions.open(engine, sid, SimpleNamespace(
             options={"decode_mode": "greedy", "seed": 1}, audio_out=False,
@@ -320,7 +323,7 @@ def test_served_sessions_slide_and_stay_within_their_bound(ckpt):
     source = ModelSource.open(str(ckpt))
     engine = ThinkerEngine.from_source(source, ThinkerEngineConfig(), "cpu")
     q = engine.model.cfg.query_num
-    sessions = DuplexSessions(source, engine.device)
+    sessions = DuplexSessions(source, engine.device, STEPS)
     window = {"basic_window_high_tokens": 80, "basic_window_low_tokens": 60}
 
     def init(prompt, **extra):

@@ -57,9 +57,10 @@ def sessions_held(llm: Any, chat_turns: int, turn_tokens: int, query_num: int) -
 class DuplexSessions:
     """The stage's sessions by id; every method runs on the engine loop's worker thread."""
 
-    def __init__(self, source: Any, device: Any):
+    def __init__(self, source: Any, device: Any, n_timesteps: int):
         self.source = source
         self.device = device
+        self.n_timesteps = n_timesteps  # Token2Wav's Euler steps (DuplexSettings)
         self._sessions: dict[str, tuple[Any, Any]] = {}
         self._speech_models: Any = None
         self._pages: Any = None
@@ -107,8 +108,11 @@ class DuplexSessions:
         from pipeline.duplex.speech import DuplexSpeech, SpeechModels
 
         if self._speech_models is None:
-            self._speech_models = SpeechModels.from_source(self.source, str(self.device))
-            log.info("duplex speech models loaded on %s", self.device)
+            models = SpeechModels.from_source(self.source, str(self.device))
+            models.set_n_timesteps(self.n_timesteps)
+            self._speech_models = models
+            log.info("duplex speech models loaded on %s (Token2Wav %d steps)", self.device,
+                     self.n_timesteps)
         return DuplexSpeech(self._speech_models, seed=0 if seed is None else int(seed),
                             temperature=cfg.tts_temperature,
                             repetition_penalty=cfg.tts_repetition_penalty)

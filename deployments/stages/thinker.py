@@ -162,7 +162,8 @@ class ThinkerServer(StageServer):
         if self._duplex is None:
             from deployments.stages.duplex import DuplexSessions
 
-            self._duplex = DuplexSessions(self.source, self.engine.device)
+            self._duplex = DuplexSessions(self.source, self.engine.device,
+                                          self.cfg.duplex.n_timesteps)
         return self._duplex
 
     def _extra_stats(self) -> dict[str, Any]:

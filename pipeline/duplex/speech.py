@@ -143,10 +143,21 @@ class SpeechModels:
     def __post_init__(self) -> None:
         self.pool = TalkerPool(self.talker)
 
+    def set_n_timesteps(self, n: int) -> None:
+        """Token2Wav's Euler steps (the reference's `n_timesteps`: `MiniCPMODuplex`'s default
+        10, the demo's duplex example and server 5), before any session prepares: the voice
+        templates hold a DiT cache per step, so they are built again."""
+        if n < 1:
+            raise ValueError(f"n_timesteps must be >= 1, got {n}")
+        if n != self.flow.decoder.n_timesteps:
+            self.flow.decoder.n_timesteps = int(n)
+            self.templates.clear()
+
     @classmethod
     def from_checkpoint(cls, path: str | Path | None, device: str = "cpu") -> SpeechModels:
-        """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32) of a checkpoint
-        folder (None: the embedded default), with its default voice."""
+        """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32, the checkpoint's
+        Euler steps) of a checkpoint folder (None: the embedded default), with its default
+        voice."""
         from pipeline.checkpoint import ModelSource
 
         return cls.from_source(ModelSource.open(None if path is None else str(path)), device)

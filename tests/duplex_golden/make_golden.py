@@ -9,7 +9,7 @@ the project; the commit it used is printed and written into every golden's json.
 reference is loaded on CPU in float32, and what is patched at load time: load_ref.py. Needs
 transformers 4.51.0 in its own folder (load_ref.INSTALL_HINT; or point
 $OMNIRAY_REF_TRANSFORMERS at one) and minicpmo-utils 1.0.7 (the README's test install).
-About 1.5 min on one CPU core for the four sessions (35 s more with --fit).
+About 1.5 min on one CPU core for the five sessions (35 s more with --fit).
 
 --fit first refits the test checkpoint's patch (tests/_duplex_ckpt.py says what it does) on
 the reference with the tiny default, and writes ckpt_patch.npz; without it the committed
@@ -122,7 +122,7 @@ def run_session(demo: str, ckpt: Path, script) -> tuple[dict, dict]:
     import torch
 
     ref = load_ref.load_reference(demo, ckpt, generate_audio=script.generate_audio,
-                                  **script.duplex_kwargs)
+                                  n_timesteps=script.n_timesteps, **script.duplex_kwargs)
     codes_box: list = []
     gen_chunk = ref.model.tts.generate_chunk
 
@@ -193,7 +193,7 @@ def _run_units(ref, script, ckpt, prefill, codes_box, draws, talker_calls, t2w_c
         "name": script.name, "decode_mode": script.decode_mode, "seed": script.seed,
         "pattern": script.pattern, "frames": script.frames,
         "frame_size": list(script.frame_size), "duplex_kwargs": script.duplex_kwargs,
-        "generate_audio": script.generate_audio,
+        "generate_audio": script.generate_audio, "n_timesteps": script.n_timesteps,
         "prefix": di.PREFIX, "suffix": di.SUFFIX,
         "prefix_ids": ref.tokenizer.encode(di.PREFIX, add_special_tokens=False),
         "suffix_ids": ref.tokenizer.encode(di.SUFFIX, add_special_tokens=False),
