@@ -358,3 +358,39 @@ def test_served_sessions_slide_and_stay_within_their_bound(ckpt):
     assert held["session_tokens"] == 4000 + unit_tokens_max(DuplexConfig(), q)
     assert held["sessions"] == (blocks - 8 * -(-512 // block)) // per
     assert sessions_held(llm, blocks, block, q)["sessions"] == 0  # chat takes it all
+
+
+def test_sessions_in_memory_is_what_the_cap_holds_beside_the_rest():
+    from deployments.stages.duplex import sessions_in_memory
+
+    gib = 2**30
+    # the H100 case of docs/operations.md: a 57 GiB cap, 37.2 GiB turn peak + 1.5 of speech
+    # weights, 0.85 GiB a session at 10 steps: 21, not the 24 that ran out of memory there
+    assert sessions_in_memory(57 * gib, int(38.7 * gib), int(0.85 * gib)) == 21
+    assert sessions_in_memory(10 * gib, 12 * gib, gib) == 0  # nothing left: none
+    assert sessions_in_memory(10 * gib, 0, 0) == 10 * gib  # a zero size counts as one byte
+
+
+def test_memory_holds_is_a_gpu_bound(ckpt):
+    """On a CPU there is no cap to hold sessions to: the KV pool's count stands."""
+    sessions = DuplexSessions(ModelSource.open(str(ckpt)), "cpu", STEPS)
+    assert sessions.memory_holds(80 * 2**30) is None
+    assert sessions._speech_models is None  # nothing loaded for it
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA")
+def test_memory_holds_measures_a_sessions_peak_cuda(ckpt):
+    """On CUDA the first ask loads the speech models and runs the warm-up speak batch: a
+    session's peak is measured (> 0), the sessions follow from the cap, and the warm-up's
+    sessions are gone (no Talker row held)."""
+    import torch
+
+    sessions = DuplexSessions(ModelSource.open(str(ckpt)), "cuda", STEPS)
+    total = torch.cuda.get_device_properties(0).total_memory
+    m = sessions.memory_holds(total)
+    assert m is not None and m["per_session_bytes"] > 0 and m["speech_weight_bytes"] > 0
+    assert m["sessions"] == (total - m["held_bytes"]) // m["per_session_bytes"] > 0
+    assert sessions._speech_models.pool.rows_in_use == 0
+    again = sessions.memory_holds(total // 2)  # measured once, counted per cap
+    assert again["per_session_bytes"] == m["per_session_bytes"]
+    assert again["sessions"] < m["sessions"]

@@ -54,6 +54,18 @@ def sessions_held(llm: Any, chat_turns: int, turn_tokens: int, query_num: int) -
             "pool_tokens": blocks * block, "chat_tokens": chat_blocks * block}
 
 
+def sessions_in_memory(cap: int, held: int, per_session: int) -> int:
+    """The sessions whose speak batch fits a cap of `cap` bytes beside `held` (the stage's
+    peak without them and the speech weights), at `per_session` bytes each at the peak."""
+    return max(0, (cap - held) // max(1, per_session))
+
+
+# The warm-up's sessions and speak units: after one session's unit alone, a turn's start
+# (force-flushed windows) and units inside it (full windows over trimmed caches), so that
+# the peak is a steady one.
+WARMUP_SESSIONS, WARMUP_UNITS, WARMUP_ROWS = 2, 3, 18
+
+
 class DuplexSessions:
     """The stage's sessions by id; every method runs on the engine loop's worker thread."""
 
@@ -63,6 +75,7 @@ class DuplexSessions:
         self.n_timesteps = n_timesteps  # Token2Wav's Euler steps (DuplexSettings)
         self._sessions: dict[str, tuple[Any, Any]] = {}
         self._speech_models: Any = None
+        self._memory: dict[str, Any] | None = None  # memory_holds' measurement
         self._pages: Any = None
         self._special: set[str] | None = None
         self.units = 0  # units run
@@ -105,7 +118,15 @@ class DuplexSessions:
         self._sessions[sid] = (session, init.max_slice_nums)
 
     def _speech(self, cfg: Any, seed: int | None) -> Any:
-        from pipeline.duplex.speech import DuplexSpeech, SpeechModels
+        from pipeline.duplex.speech import DuplexSpeech
+
+        return DuplexSpeech(self.speech_models(), seed=0 if seed is None else int(seed),
+                            temperature=cfg.tts_temperature,
+                            repetition_penalty=cfg.tts_repetition_penalty)
+
+    def speech_models(self) -> Any:
+        """The sessions' Talker and Token2Wav (loaded once, by the first that speaks)."""
+        from pipeline.duplex.speech import SpeechModels
 
         if self._speech_models is None:
             models = SpeechModels.from_source(self.source, str(self.device))
@@ -113,9 +134,69 @@ class DuplexSessions:
             self._speech_models = models
             log.info("duplex speech models loaded on %s (Token2Wav %d steps)", self.device,
                      self.n_timesteps)
-        return DuplexSpeech(self._speech_models, seed=0 if seed is None else int(seed),
-                            temperature=cfg.tts_temperature,
-                            repetition_penalty=cfg.tts_repetition_penalty)
+        return self._speech_models
+
+    def memory_holds(self, cap: int) -> dict[str, Any] | None:
+        """On CUDA, the sessions whose speak batches fit this process's cap of `cap` bytes
+        (`sessions_in_memory`): beside the stage's peak so far (the turn-based engine's, from
+        its start) and the speech weights, at a session's peak measured by a warm-up speak
+        batch (WARMUP_SESSIONS throwaway sessions, WARMUP_UNITS units, their peak over what
+        was allocated before them: the held state, the flow caches of a batched chunk, every
+        Euler step's DiT cache), which also compiles and captures what a first unit would.
+        Measured once; None on a CPU (no cap)."""
+        import torch
+
+        if torch.device(self.device).type != "cuda":
+            return None
+        if self._memory is None:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()  # before the warm-up resets it
+            loaded = self._speech_models is not None
+            before = torch.cuda.memory_allocated()
+            models = self.speech_models()
+            torch.cuda.synchronize()
+            # the speech weights on top of the peak (in it already if loaded before it)
+            weights = 0 if loaded else torch.cuda.memory_allocated() - before
+            per_session = self._warm_up(models)
+            self._memory = {"per_session_bytes": per_session, "held_bytes": peak + weights,
+                            "speech_weight_bytes": weights}
+        m = self._memory
+        m["sessions"] = sessions_in_memory(cap, m["held_bytes"], m["per_session_bytes"])
+        m["cap_bytes"] = cap
+        return dict(m)
+
+    def _warm_up(self, models: Any) -> int:
+        """A session's peak bytes over a warm-up speak batch (`memory_holds`)."""
+        import torch
+
+        from pipeline.duplex.speech import DuplexSpeech, speak_batch
+
+        g = torch.Generator().manual_seed(0)
+        width = models.talker.model.cfg.llm_dim
+        speeches = [DuplexSpeech(models, seed=i) for i in range(WARMUP_SESSIONS)]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            for s in speeches:
+                s.prepare(None)
+            # one session alone first (a batch of one compiles its own shapes), then all
+            for u in range(WARMUP_UNITS + 1):
+                some = speeches[:1] if u == 0 else speeches
+                rows = [[(int(i), torch.randn(width, generator=g))
+                         for i in torch.randint(0, 1000, (WARMUP_ROWS,), generator=g)]
+                        for _ in some]
+                last = u == WARMUP_UNITS
+                with torch.inference_mode():
+                    out = speak_batch([(s, r, last) for s, r in zip(some, rows, strict=True)])
+                bad = [o for o in out if isinstance(o, BaseException)]
+                if bad:
+                    raise bad[0]
+            torch.cuda.synchronize()
+            return -(-(torch.cuda.max_memory_allocated() - before) // WARMUP_SESSIONS)
+        finally:
+            for s in speeches:
+                s.close()
 
     def unit(self, sid: str, audio: Any, frames: Any, force: str | None) -> dict[str, Any]:
         """One unit of one session (a batch of one); raises what failed it."""

@@ -122,17 +122,29 @@ class ThinkerServer(StageServer):
         await self.loop.call(lambda e: self._duplex_sessions().open(e, session_id, init))
 
     async def duplex_holds(self) -> dict[str, Any]:
-        """The duplex sessions this replica's KV pool holds beside the group's window of
-        chat turns (`capacity`, `limits.default_max_tokens` each): `sessions`, and the token
-        counts it follows from (stages/duplex.py `sessions_held`)."""
+        """The duplex sessions this replica holds: those its KV pool holds beside the group's
+        window of chat turns (`capacity`, `limits.default_max_tokens` each), and on a GPU
+        those whose speak batches fit its memory cap (stages/duplex.py `sessions_held`,
+        `DuplexSessions.memory_holds`: the first ask loads the speech models and warms them
+        up): `sessions`, the fewer, and what each follows from."""
         from deployments.stages.duplex import sessions_held
 
         engine = self.engine
         llm = getattr(engine, "llm", None)
         if llm is None or not hasattr(llm, "block_manager"):  # an engine without a KV pool
             return {"sessions": None}
-        return sessions_held(llm, self.cfg.capacity, self.cfg.limits.default_max_tokens,
+        held = sessions_held(llm, self.cfg.capacity, self.cfg.limits.default_max_tokens,
                              engine.model.cfg.query_num)
+        if self.cfg.duplex.max_sessions and str(engine.device).startswith("cuda"):
+            import torch
+
+            total = torch.cuda.get_device_properties(engine.device).total_memory
+            cap = int((self.cfg.thinker.memory_fraction or 1.0) * total)
+            memory = await self.loop.call(lambda e: self._duplex_sessions().memory_holds(cap))
+            if memory is not None:
+                held["memory"] = memory
+                held["sessions"] = min(held["sessions"], memory["sessions"])
+        return held
 
     async def duplex_unit(self, session_id: str, audio: np.ndarray, frames: list | None,
                           force: str | None) -> dict[str, Any]:
