@@ -5,8 +5,10 @@ audio encoder, decisions) and its speech state (the Talker's per-turn KV, the To
 stream) between units. Units run on the engine loop's worker thread beside engine steps,
 so the sessions' GPU work never races the engine's graphs and the Thinker's weights are
 shared with the turn-based engine (one copy), as is its KV pool: a session's Thinker K/V
-are blocks of the engine's pool, taken as its context grows and given back at its close. The speech side's Talker and Token2Wav
-weights are loaded once, on the first session that speaks.
+are blocks of the engine's pool, taken as its context grows and given back at its close.
+The speech side's Talker and Token2Wav weights are loaded once: on a GPU by the first ask
+of what the stage holds (`memory_holds`, with a warm-up), else by the first session that
+speaks.
 
 Units of many sessions run together (pipeline.duplex.batch): `UnitBatcher` (event-loop
 side) gathers the units that arrive while a batch runs and hands them to
