@@ -401,17 +401,19 @@ def build_local_app(
 class FakeDuplexBackend:
     """Scripted duplex sessions: of every `period` units the last `speak` speak (the
     last of them ends the turn), the others listen; a forced unit does as forced. A speak
-    unit's text is "u<index> " and its PCM 1 s of a 440 Hz tone at 24 kHz; every unit
-    "prefills" 30 positions. Records each session's init and units for the tests, and can
+    unit's text is "u<index> " and its PCM (from `speech`) 1 s of a 440 Hz tone at 24 kHz;
+    every unit "prefills" 30 positions. Records each session's init and units for the tests, and can
     fail at a unit (`fail_at`) or take `unit_delay_s` per unit."""
 
     def __init__(self, period: int = 4, speak: int = 2, unit_delay_s: float = 0.0,
-                 fail_at: int | None = None):
+                 fail_at: int | None = None, speech_delay_s: float = 0.0):
         self.period, self.speak = period, speak
         self.unit_delay_s, self.fail_at = unit_delay_s, fail_at
+        self.speech_delay_s = speech_delay_s
         self.sessions: set[str] = set()              # open now
         self.units: dict[str, list] = {}             # every session's units, kept
         self.inits: dict[str, Any] = {}
+        self.speeches: dict[str, tuple] = {}       # a speaking unit's codes and PCM, once
         self.opened = 0
         self.closed = 0
 
@@ -443,8 +445,14 @@ class FakeDuplexBackend:
         end = force is None and phase == self.period - 1
         t = np.arange(24000, dtype=np.float32) / 24000
         pcm = (0.25 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-        return UnitResult(False, end, f"u{i} ", [2, 3, 4], list(range(25)), pcm,
-                          prefill_tokens=30)
+        self.speeches[session_id] = (list(range(25)), pcm)
+        return UnitResult(False, end, f"u{i} ", [2, 3, 4], [], None, prefill_tokens=30)
+
+    async def speech(self, session_id: str) -> tuple[list[int], np.ndarray | None]:
+        assert session_id in self.sessions, "speech of a session that is not open"
+        if self.speech_delay_s:
+            await asyncio.sleep(self.speech_delay_s)
+        return self.speeches.pop(session_id)  # KeyError: no speaking unit to voice
 
     async def close(self, session_id: str) -> None:
         self.sessions.remove(session_id)

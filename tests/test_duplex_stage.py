@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from deployments.config import DuplexSettings
-from deployments.stages.duplex import DuplexSessions
+from deployments.stages.duplex import DECISION, DuplexSessions
 from pipeline.checkpoint import ModelSource
 from pipeline.duplex.config import DuplexConfig
 from pipeline.duplex.session import DuplexSession
@@ -145,7 +145,7 @@ def test_concurrent_units_of_several_sessions_run_as_one_batch(ckpt):
             where = f"{name} unit {k}"
             assert (g["is_listen"], g["end_of_turn"], g["text"]) == (
                 want.is_listen, want.end_of_turn, want.text), where
-            assert g["token_ids"] == want.token_ids and g["pcm"] is None, where
+            assert g["token_ids"] == want.token_ids and set(g) == set(DECISION), where
             kinds.add("listen" if want.is_listen else "speak")
     assert kinds == {"listen", "speak"}
 
@@ -163,13 +163,13 @@ def test_unit_batcher_gathers_what_arrives_while_a_batch_runs():
     async def main():
         gate = asyncio.Event()
 
-        async def run(items):
+        async def run(items, on_decided):
             batches.append([f"{sid}:{audio}" for sid, audio, _, _ in items])
             if len(batches) == 1:
                 await gate.wait()  # the first batch runs until the others have arrived
             if any(audio == "bad" for _, audio, _, _ in items):
                 raise RuntimeError("the engine failed")
-            return [ValueError("bad force") if force == "x" else f"{sid}:{audio}"
+            return [ValueError("bad force") if force == "x" else _result(sid, audio)
                     for sid, audio, _, force in items]
 
         b = UnitBatcher(run)
@@ -183,18 +183,64 @@ def test_unit_batcher_gathers_what_arrives_while_a_batch_runs():
         await asyncio.sleep(0)
         later[-1].cancel()  # d's caller goes away before its batch
         gate.set()
-        assert await first == "a:0"
-        assert await later[0] == "b:0" and await later[2] == "a:1" and await later[3] == "b:1"
+        assert (await first)["text"] == "a:0" and set(await first) == set(DECISION)
+        assert [(await later[k])["text"] for k in (0, 2, 3)] == ["b:0", "a:1", "b:1"]
+        assert (await b.speech("a"))["codes"] == [1]  # its last unit's whole result
         with pytest.raises(ValueError, match="bad force"):
             await later[1]
         with pytest.raises(asyncio.CancelledError):
             await later[4]
         bad = asyncio.gather(b.submit("e", "bad", None, None), return_exceptions=True)
         assert isinstance((await bad)[0], RuntimeError)
-        assert await b.submit("e", 2, None, None) == "e:2"  # the next batch runs as usual
+        assert (await b.submit("e", 2, None, None))["text"] == "e:2"  # the next one runs
 
     asyncio.run(main())
     assert batches == [["a:0"], ["b:0", "c:0", "a:1"], ["b:1"], ["e:bad"], ["e:2"]]
+
+
+def _result(sid, audio) -> dict:
+    """A unit's whole result as DuplexSessions.units_steps returns it (fakes)."""
+    return {**dict.fromkeys(DECISION), "text": f"{sid}:{audio}", "codes": [1], "pcm": None}
+
+
+def test_unit_batcher_returns_the_decision_before_the_speech():
+    """The batch's run tells the decisions mid-batch (from its engine thread): `submit`
+    returns then, and `speech` once the batch is over, with the unit's codes and PCM;
+    a session that never ran a unit has no speech; `forget` drops a closed session's."""
+    import asyncio
+    import threading
+
+    from deployments.stages.duplex import UnitBatcher
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def run(items, on_decided):
+            decisions = [{k: _result(sid, audio)[k] for k in DECISION}
+                         for sid, audio, _, _ in items]
+            t = threading.Thread(target=on_decided, args=(decisions,))
+            t.start()
+            t.join()
+            await gate.wait()  # the speech side
+            return [_result(sid, audio) for sid, audio, _, _ in items]
+
+        b = UnitBatcher(run)
+        with pytest.raises(KeyError):
+            await b.speech("a")
+        decision = await asyncio.wait_for(b.submit("a", 0, None, None), 1)
+        speech = asyncio.create_task(b.speech("a"))
+        await asyncio.sleep(0.01)
+        early = speech.done()
+        gate.set()
+        whole = await asyncio.wait_for(speech, 1)
+        b.forget("a")
+        with pytest.raises(KeyError):
+            await b.speech("a")
+        return decision, early, whole
+
+    decision, early, whole = asyncio.run(main())
+    assert decision["text"] == "a:0" and "codes" not in decision
+    assert not early and whole["codes"] == [1] and whole["text"] == "a:0"
 
 
 def test_unit_batcher_idle_waits_for_the_batch_holding_the_session():
@@ -208,9 +254,9 @@ def test_unit_batcher_idle_waits_for_the_batch_holding_the_session():
     async def main():
         gate = asyncio.Event()
 
-        async def run(items):
+        async def run(items, on_decided):
             await gate.wait()
-            return [sid for sid, _, _, _ in items]
+            return [_result(sid, 0) for sid, _, _, _ in items]
 
         b = UnitBatcher(run)
         unit = asyncio.create_task(b.submit("a", 0, None, None))
@@ -225,7 +271,7 @@ def test_unit_batcher_idle_waits_for_the_batch_holding_the_session():
         return early, unit.done(), await unit
 
     early, unit_done, result = asyncio.run(main())
-    assert not early and unit_done and result == "a"
+    assert not early and unit_done and result["text"] == "a:0"
 
 
 def test_chat_steps_between_a_unit_batchs_steps_and_a_close_waits_for_it(ckpt):

@@ -10,10 +10,12 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fakes import FakeDuplexBackend
 from fastapi import FastAPI, WebSocket
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
@@ -21,7 +23,6 @@ from starlette.websockets import WebSocketDisconnect
 from deployments.config import AppConfig
 from deployments.duplex.manager import DuplexManager, Refused
 from deployments.duplex.session import UnitAssembler
-from fakes import FakeDuplexBackend
 
 UNIT = 16000  # a unit's samples: 1 s at 16 kHz, the first one too
 FIRST = UNIT
@@ -160,6 +161,24 @@ def test_official_audio_session_listens_speaks_and_ends_turns():
     assert (init.system_prompt, init.max_slice_nums, init.options) == (
         "You are kind.", 2, {"temperature": 0.5})
     assert [u[0] for u in backend.units[sid]] == [FIRST, UNIT, UNIT, UNIT]
+    free(server)
+
+
+def test_official_text_goes_out_before_the_audio_is_made():
+    """A speaking unit's text delta leaves as soon as the backend has decided; its audio
+    delta when the audio is made (here 0.5 s later)."""
+    server, client = make(speech_delay_s=0.5)
+    with client.websocket_connect("/v1/realtime?mode=audio") as ws:
+        official_start(ws, config={"duplex_force": "speak"})
+        ws.send_json({"type": "input.append", "input": {"audio": f32(FIRST)}})
+        text = until(ws, "response.output_text.delta")[-1]
+        t_text = time.monotonic()
+        audio = until(ws, "response.output_audio.delta")[-1]
+        t_audio = time.monotonic()
+        ws.send_json({"type": "session.close"})
+        until(ws, "session.closed")
+    assert text["unit"] == audio["unit"] == 0
+    assert t_audio - t_text >= 0.4
     free(server)
 
 
@@ -445,6 +464,31 @@ def test_openai_shape_cancel_ends_the_response_at_once_and_drops_speech_in_fligh
     free(server)
 
 
+def test_openai_shape_cancel_between_a_units_text_and_its_audio_drops_the_audio():
+    """The transcript of a unit goes out when the model has decided; a response.cancel that
+    comes before its audio is made ends the response, and the audio never follows."""
+    server, client = make(speech_delay_s=0.5)
+    with client.websocket_connect("/v1/realtime?duplex=1") as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"omniray": {"duplex_force": "speak"}}})
+        ws.receive_json()
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(24000 + 1200)})
+        said = until(ws, "response.output_audio_transcript.delta")
+        ws.send_json({"type": "response.cancel"})
+        done = until(ws, "response.done")
+        time.sleep(0.8)  # the unit's audio is made meanwhile
+        ws.send_json({"type": "session.update", "session": {"instructions": "x"}})
+        late = until(ws, "error")
+    assert [e["type"] for e in said][-2:] == ["response.created",
+                                              "response.output_audio_transcript.delta"]
+    assert [e["type"] for e in done] == ["response.output_audio.done",
+                                         "response.output_audio_transcript.done",
+                                         "response.done"]
+    assert done[-1]["response"]["status_details"]["reason"] == "client_cancelled"
+    assert not [e for e in late if e["type"].startswith("response.")], late
+    free(server)
+
+
 def test_a_session_the_model_falls_behind_on_ends():
     import time
 
@@ -465,6 +509,7 @@ class StageStandIn:
 
     def __init__(self):
         self.sessions: dict = {}
+        self.speeches: dict = {}
 
     async def duplex_holds(self):
         return {"sessions": 8}
@@ -487,9 +532,12 @@ class StageStandIn:
     async def duplex_unit(self, sid, audio, frames, force):
         session, slices = self.sessions[sid]
         r = session.unit(audio, frames, force, slices)
+        self.speeches[sid] = {"codes": r.codes, "pcm": r.pcm}
         return {"is_listen": r.is_listen, "end_of_turn": r.end_of_turn, "text": r.text,
-                "token_ids": r.token_ids, "codes": r.codes, "pcm": r.pcm,
-                "prefill_tokens": len(r.prefill)}
+                "token_ids": r.token_ids, "prefill_tokens": len(r.prefill)}
+
+    async def duplex_speech(self, sid):
+        return self.speeches.pop(sid)
 
     async def duplex_close(self, sid):
         self.sessions.pop(sid)[0].close()
@@ -520,7 +568,7 @@ def test_the_stage_backend_spreads_sessions_over_groups_and_routes_their_calls()
         async def duplex_unit(self, sid, audio, frames, force):
             self.calls.append(("unit", sid, len(audio), len(frames or ()), force))
             return {"is_listen": True, "end_of_turn": False, "text": "", "token_ids": [1],
-                    "codes": [], "pcm": None, "prefill_tokens": 12}
+                    "prefill_tokens": 12}
 
         async def duplex_close(self, sid):
             self.calls.append(("close", sid))

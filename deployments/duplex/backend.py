@@ -44,23 +44,28 @@ class UnitResult:
 
 
 class DuplexBackend(Protocol):
-    """Sessions by id. `unit` runs one unit of a session and is never called again for that
-    session before it returns; `close` frees everything the session holds and is called
-    exactly once per `open` that returned, also after a failed `unit`."""
+    """Sessions by id. `unit` runs one unit of a session and returns its decision (`codes`
+    empty and `pcm` None), as soon as the model has decided and said its text; `speech`
+    then returns that unit's codes and PCM once its audio is made. Neither is called again
+    for the session before the other returns (`speech` only after a speaking unit); `close`
+    frees everything the session holds and is called exactly once per `open` that
+    returned, also after a failed `unit` or `speech`."""
 
     async def open(self, session_id: str, init: DuplexInit) -> None: ...
 
     async def unit(self, session_id: str, audio: np.ndarray, frames: list | None,
                    force: str | None) -> UnitResult: ...
 
+    async def speech(self, session_id: str) -> tuple[list[int], np.ndarray | None]: ...
+
     async def close(self, session_id: str) -> None: ...
 
 
 class StageBackend:
     """Sessions resident in a stage group's Thinker stage (`duplex_open` / `duplex_unit` /
-    `duplex_close` on its handle: deployments/stages/duplex.py), so a session's state lives
-    beside the engine's model; each new session goes to the group holding the fewest, of
-    those with room.
+    `duplex_speech` / `duplex_close` on its handle: deployments/stages/duplex.py), so a
+    session's state lives beside the engine's model; each new session goes to the group
+    holding the fewest, of those with room.
 
     `groups`: the ingress's Groups (`stages.via(stage, nbytes)` and `asleep`); `share`: the
     ingress replicas, each of which runs its share of every group's sessions."""
@@ -110,7 +115,12 @@ class StageBackend:
         nbytes = audio.nbytes + sum(f.width * f.height * 3 for f in frames or ())
         out = await group.stages.via("thinker", nbytes).duplex_unit.remote(
             session_id, audio, frames, force)
-        return UnitResult(**out)
+        return UnitResult(**out, codes=[], pcm=None)
+
+    async def speech(self, session_id: str) -> tuple[list[int], np.ndarray | None]:
+        group = self._where[session_id]
+        out = await group.stages.via("thinker").duplex_speech.remote(session_id)
+        return out["codes"], out["pcm"]
 
     async def close(self, session_id: str) -> None:
         group = self._where.pop(session_id, None)

@@ -207,12 +207,16 @@ class OfficialConnection(DuplexConnection):
             raise BadEvent("invalid_image", f"input.video_frames: {e}",
                            "input.video_frames") from None
 
-    def on_unit(self, index: int, r: UnitResult) -> None:
+    def on_decision(self, index: int, r: UnitResult) -> None:
         if r.is_listen:
             self.out.put({"type": "response.listen", "unit": index})
             return
         self.out.put({"type": "response.output_text.delta", "unit": index, "text": r.text,
                       "end_of_turn": r.end_of_turn})
+
+    def on_audio(self, index: int, r: UnitResult) -> None:
+        if r.is_listen:
+            return
         if r.pcm is not None and len(r.pcm):
             pcm = np.ascontiguousarray(r.pcm, dtype="<f4")
             self.out.put({"type": "response.output_audio.delta", "unit": index,

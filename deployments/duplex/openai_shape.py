@@ -178,7 +178,7 @@ class OpenAIConnection(DuplexConnection):
 
     # -- results -------------------------------------------------------------------------
 
-    def on_unit(self, index: int, r: UnitResult) -> None:
+    def on_decision(self, index: int, r: UnitResult) -> None:
         if r.is_listen:
             if self.response is not None:
                 self._end_response("cancelled", "turn_detected")
@@ -190,12 +190,16 @@ class OpenAIConnection(DuplexConnection):
             self.response = {"id": new_id("resp"), "item": new_id("item"), "text": ""}
             self.out.put(self._event("response.created", response=self._response_obj(
                 "in_progress")))
-        ref = {"response_id": self.response["id"], "item_id": self.response["item"],
-               "output_index": 0, "content_index": 0}
         if r.text:
             self.response["text"] += r.text
-            self.out.put(self._event("response.output_audio_transcript.delta", **ref,
-                                     delta=r.text))
+            self.out.put(self._event("response.output_audio_transcript.delta",
+                                     **self._ref(), delta=r.text))
+
+    def on_audio(self, index: int, r: UnitResult) -> None:
+        # a cancel that came after the decision drops the unit's audio too
+        if r.is_listen or self.muted or self.response is None:
+            return
+        ref = self._ref()
         if r.pcm is not None and len(r.pcm):
             pcm16 = (np.clip(r.pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
             self.out.put(self._event("response.output_audio.delta", **ref,
@@ -216,10 +220,13 @@ class OpenAIConnection(DuplexConnection):
             obj["usage"] = self.usage.as_event()
         return obj
 
-    def _end_response(self, status: str, reason: str | None) -> None:
+    def _ref(self) -> dict[str, Any]:
         assert self.response is not None
-        ref = {"response_id": self.response["id"], "item_id": self.response["item"],
-               "output_index": 0, "content_index": 0}
+        return {"response_id": self.response["id"], "item_id": self.response["item"],
+                "output_index": 0, "content_index": 0}
+
+    def _end_response(self, status: str, reason: str | None) -> None:
+        ref = self._ref()
         self.out.put(self._event("response.output_audio.done", **ref))
         self.out.put(self._event("response.output_audio_transcript.done", **ref,
                                  transcript=self.response["text"]))

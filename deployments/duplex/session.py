@@ -3,7 +3,8 @@ units, the units run in order on the backend, results handed to the wire, server
 sent through a bounded outbox, and the session's time limits.
 
 A wire (official.py, openai_shape.py) subclasses `DuplexConnection` with its event
-parsing (`on_event`), its start (`start`) and its rendering of results (`on_unit`).
+parsing (`on_event`), its start (`start`) and its rendering of results (`on_decision`,
+`on_audio`).
 """
 
 from __future__ import annotations
@@ -217,7 +218,13 @@ class DuplexConnection:
     async def on_event(self, obj: dict) -> None:
         raise NotImplementedError
 
-    def on_unit(self, index: int, result: UnitResult) -> None:
+    def on_decision(self, index: int, result: UnitResult) -> None:
+        """A unit's decision and text (its codes and PCM not yet made)."""
+        raise NotImplementedError
+
+    def on_audio(self, index: int, result: UnitResult) -> None:
+        """The same unit once its audio is made (after `on_decision`; a listening unit's
+        too, with none)."""
         raise NotImplementedError
 
     def error_event(self, code: str, message: str, param: str | None = None) -> dict:
@@ -276,11 +283,15 @@ class DuplexConnection:
                           TRY_LATER)
 
     async def _run_units(self) -> None:
+        backend = self.manager.backend
         while True:
             unit = await self._pending.get()
             try:
-                result = await self.manager.backend.unit(self.id, unit.audio, unit.frames,
-                                                         unit.force)
+                # the decision and text go out as soon as the model has them, the audio after
+                result = await backend.unit(self.id, unit.audio, unit.frames, unit.force)
+                self.on_decision(self.unit_index, result)
+                if not result.is_listen:
+                    result.codes, result.pcm = await backend.speech(self.id)
             except Exception as e:  # noqa: BLE001 - a failed unit ends its session
                 log.exception("duplex session %s: unit %d failed", self.id, self.unit_index)
                 self.end(Ending("server_error", "server_error",
@@ -288,7 +299,7 @@ class DuplexConnection:
                                 f"{type(e).__name__}: {e}", INTERNAL))
                 return
             self.usage.add(result)
-            self.on_unit(self.unit_index, result)
+            self.on_audio(self.unit_index, result)
             self.unit_index += 1
 
     async def run(self, receive: Callable[[], Awaitable[str | bytes | None]]) -> Ending:

@@ -14,6 +14,8 @@ Units of many sessions run together (pipeline.duplex.batch): `UnitBatcher` (even
 side) gathers the units that arrive while a batch runs and hands them to
 `DuplexSessions.units_steps` as the next batch, one Thinker forward a step for all of them.
 It never waits for a unit that has not arrived: a lone unit runs at once, as a batch of one.
+A unit's decision and text go back as soon as the Thinker's part of its batch is done
+(`duplex_unit`), its audio once the batch's speech side is (`duplex_speech`).
 A batch runs as a side job of the engine loop (`EngineLoop.call_steps`): one GPU step of the
 batch, then one step of the engine's chat turns, and so on, so chat streams keep stepping
 while a batch runs; the loop's commands (opens, closes, stats) run between the steps too.
@@ -214,13 +216,15 @@ class DuplexSessions:
 
         return drain(self.units_steps(items))
 
-    def units_steps(self, items: list[tuple[str, Any, Any, str | None]]
+    def units_steps(self, items: list[tuple[str, Any, Any, str | None]],
+                    on_decided: Callable[[list], None] | None = None,
                     ) -> Generator[None, None, list[dict[str, Any] | BaseException]]:
         """(sid, audio, frames, force) per unit, at most one per session, run as one batch
         (pipeline.duplex.batch.unit_batch), one GPU step a `next()`; returns per unit the
         fields of UnitResult (+ prefill_tokens), or the exception that failed it (KeyError:
         no such session; ValueError: a bad input). The sessions are looked up at the first
-        step."""
+        step. `on_decided` gets per unit its decision (`DECISION` fields) or exception once
+        the Thinker's part of the batch is done, before its speech side runs."""
         from pipeline.duplex.batch import UnitRequest, unit_batch
 
         out: list[dict[str, Any] | BaseException] = []
@@ -239,16 +243,24 @@ class DuplexSessions:
             requests.append(UnitRequest(session, audio, frames, force, slices))
         if not requests:
             return out
+
+        def decided(units: list) -> None:
+            early = list(out)
+            for i, u in zip(where, units, strict=True):
+                early[i] = u if isinstance(u, BaseException) else {
+                    "is_listen": u.is_listen, "end_of_turn": u.end_of_turn, "text": u.text,
+                    "token_ids": u.token_ids, "prefill_tokens": _prefill_tokens(u.prefill)}
+            on_decided(early)
+
         self.batches += 1
-        for i, r in zip(where, (yield from unit_batch(requests)), strict=True):
+        results = yield from unit_batch(requests, decided if on_decided else None)
+        for i, r in zip(where, results, strict=True):
             if isinstance(r, BaseException):
                 out[i] = r
                 continue
             self.units += 1
             d = dataclasses.asdict(r)
-            # the schema: a token id, or ("audio", n) / ("img", n) for n embedded rows
-            d["prefill_tokens"] = sum(x[1] if isinstance(x, tuple) else 1
-                                      for x in d.pop("prefill", None) or ())
+            d["prefill_tokens"] = _prefill_tokens(d.pop("prefill", None))
             out[i] = d
         return out
 
@@ -271,27 +283,53 @@ class DuplexSessions:
                 "kv_blocks": held, "talker_rows": rows}
 
 
+# A unit's fields known once the Thinker's part is done (the rest: codes, pcm)
+DECISION = ("is_listen", "end_of_turn", "text", "token_ids", "prefill_tokens")
+
+
+def _prefill_tokens(schema: Any) -> int:
+    """The positions a unit's prefill schema fed: a token id, or ("audio", n) / ("img", n)
+    for n embedded rows."""
+    return sum(x[1] if isinstance(x, tuple) else 1 for x in schema or ())
+
+
 class UnitBatcher:
     """Event-loop side of the stage's duplex units: `submit` queues one unit and returns its
-    result; while a batch runs (`run`, on the engine loop) the units that arrive wait, and
-    all of them run as the next batch. A session's second unit (the wire sends one at a
-    time) waits for the batch after its first. `idle(sid)` waits until no batch in flight
-    holds a unit of `sid`."""
+    decision (the `DECISION` fields) as soon as the Thinker's part of its batch is done;
+    `speech(sid)` returns the whole result of the session's last unit (its codes and PCM too)
+    once the batch ends. While a batch runs (`run(items, on_decided)`, on the engine loop;
+    `on_decided` may be called from another thread) the units that arrive wait, and all of
+    them run as the next batch. A session's second unit (the wire sends one at a time)
+    waits for the batch after its first. `idle(sid)` waits until no batch in flight holds a
+    unit of `sid`; `forget(sid)` drops a closed session's last result."""
 
-    def __init__(self, run: Callable[[list[tuple]], Awaitable[list]]):
+    def __init__(self, run: Callable[[list[tuple], Callable[[list], None]], Awaitable[list]]):
         self._run = run
-        self._pending: list[tuple[tuple, asyncio.Future]] = []
+        # per unit: (sid, audio, frames, force), its decision's future, its result's
+        self._pending: list[tuple[tuple, asyncio.Future, asyncio.Future]] = []
+        self._results: dict[str, asyncio.Future] = {}  # each session's last unit's result
         self._task: asyncio.Task | None = None
         self._running: set[str] = set()  # the sessions of the batch in flight
         self._batch_over = asyncio.Event()  # set whenever no batch is in flight
         self._batch_over.set()
 
     async def submit(self, sid: str, audio: Any, frames: Any, force: str | None) -> Any:
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append(((sid, audio, frames, force), fut))
+        loop = asyncio.get_running_loop()
+        decided, done = loop.create_future(), loop.create_future()
+        self._pending.append(((sid, audio, frames, force), decided, done))
         if self._task is None:
             self._task = asyncio.create_task(self._drain())
-        return await fut  # a caller that goes away cancels its future: its unit is dropped
+        return await decided  # a caller that goes away cancels it: its unit is dropped
+
+    async def speech(self, sid: str) -> Any:
+        """The whole result of `sid`'s last submitted unit, once its batch is over."""
+        fut = self._results.get(sid)
+        if fut is None:
+            raise KeyError(f"duplex session {sid!r} has no unit")
+        return await asyncio.shield(fut)
+
+    def forget(self, sid: str) -> None:
+        self._results.pop(sid, None)
 
     async def idle(self, sid: str) -> None:
         """Return once no batch in flight holds a unit of `sid`. A command sent to the
@@ -300,23 +338,44 @@ class UnitBatcher:
         while sid in self._running:
             await self._batch_over.wait()
 
+    @staticmethod
+    def _settle(fut: asyncio.Future, r: Any) -> None:
+        if fut.done():
+            return
+        if isinstance(r, BaseException):
+            fut.set_exception(r)
+        else:
+            fut.set_result(r)
+
+    def _decide(self, batch: list, results: list) -> None:
+        for (_, decided, _), r in zip(batch, results, strict=True):
+            self._settle(decided, r)
+
     async def _drain(self) -> None:
-        batch: list[tuple[tuple, asyncio.Future]] = []
+        batch: list[tuple[tuple, asyncio.Future, asyncio.Future]] = []
+        loop = asyncio.get_running_loop()
         try:
             while self._pending:
                 batch, later, sids = [], [], set()
-                for item, fut in self._pending:
-                    if fut.done():
+                for entry in self._pending:
+                    item, decided, _ = entry
+                    if decided.done():
                         continue
-                    (later if item[0] in sids else batch).append((item, fut))
+                    (later if item[0] in sids else batch).append(entry)
                     sids.add(item[0])
                 self._pending = later
                 if not batch:
                     continue
-                self._running = {item[0] for item, _ in batch}
+                for item, _, done in batch:
+                    self._results[item[0]] = done
+                self._running = {item[0] for item, _, _ in batch}
                 self._batch_over.clear()
+
+                def on_decided(results: list, batch=batch) -> None:
+                    loop.call_soon_threadsafe(self._decide, batch, results)
+
                 try:
-                    results = await self._run([item for item, _ in batch])
+                    results = await self._run([item for item, _, _ in batch], on_decided)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # noqa: BLE001 - the whole batch failed
@@ -324,16 +383,17 @@ class UnitBatcher:
                 finally:
                     self._running = set()
                     self._batch_over.set()
-                for (_, fut), r in zip(batch, results, strict=True):
-                    if fut.done():
-                        continue
-                    if isinstance(r, BaseException):
-                        fut.set_exception(r)
-                    else:
-                        fut.set_result(r)
+                # decisions not sent ahead (the batch failed, or no Thinker part ran)
+                self._decide(batch, [r if isinstance(r, BaseException)
+                                     else {k: r[k] for k in DECISION} for r in results])
+                for (_, _, done), r in zip(batch, results, strict=True):
+                    self._settle(done, r)
+                    if isinstance(r, BaseException) and not done.cancelled():
+                        done.exception()  # retrieved: its decision told its caller already
         except asyncio.CancelledError:  # the stage is going away
-            for _, fut in batch + self._pending:
-                fut.cancel()
+            for _, decided, done in batch + self._pending:
+                decided.cancel()
+                done.cancel()
             self._pending = []
             raise
         finally:

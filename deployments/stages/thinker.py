@@ -148,16 +148,26 @@ class ThinkerServer(StageServer):
 
     async def duplex_unit(self, session_id: str, audio: np.ndarray, frames: list | None,
                           force: str | None) -> dict[str, Any]:
-        """One 1 s unit of a session: the fields of pipeline.duplex.session.UnitResult.
-        Units of other sessions that arrive while a batch runs run together as the next
-        batch (deployments/stages/duplex.py UnitBatcher), step by step beside the engine's
-        steps (EngineLoop.call_steps)."""
+        """One 1 s unit of a session: its decision (stages/duplex.py `DECISION`: listen or
+        speak, the turn's end, the text, ids, prefill size), returned once the Thinker's part
+        of its batch is done; a speak unit's audio then comes from `duplex_speech`. Units of
+        other sessions that arrive while a batch runs run together as the next batch
+        (deployments/stages/duplex.py UnitBatcher), step by step beside the engine's steps
+        (EngineLoop.call_steps)."""
         if self._duplex_units is None:
             from deployments.stages.duplex import UnitBatcher
 
-            self._duplex_units = UnitBatcher(lambda items: self.loop.call_steps(
-                lambda e: self._duplex_sessions().units_steps(items)))
+            self._duplex_units = UnitBatcher(lambda items, on_decided: self.loop.call_steps(
+                lambda e: self._duplex_sessions().units_steps(items, on_decided)))
         return await self._duplex_units.submit(session_id, audio, frames, force)
+
+    async def duplex_speech(self, session_id: str) -> dict[str, Any]:
+        """The speech of a session's last unit (`codes`, 24 kHz float32 `pcm` or None), once
+        its batch is over (KeyError: no unit)."""
+        if self._duplex_units is None:
+            raise KeyError(f"duplex session {session_id!r} has no unit")
+        r = await self._duplex_units.speech(session_id)
+        return {"codes": r["codes"], "pcm": r["pcm"]}
 
     async def duplex_close(self, session_id: str) -> bool:
         # shielded: a close whose caller goes away still runs, as a command would
@@ -168,6 +178,7 @@ class ThinkerServer(StageServer):
             # the batch holding the session's unit still steps over its KV blocks and
             # Talker row between the engine's commands
             await self._duplex_units.idle(session_id)
+            self._duplex_units.forget(session_id)
         return await self.loop.call(lambda e: self._duplex_sessions().close(session_id))
 
     def _duplex_sessions(self) -> Any:

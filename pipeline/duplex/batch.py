@@ -52,7 +52,7 @@ every session in it.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,10 +195,13 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
 @torch.inference_mode()
 def unit_batch(
     requests: list[UnitRequest],
+    on_decided: Callable[[list[ThinkerUnit | BaseException]], None] | None = None,
 ) -> Generator[None, None, list[UnitResult | BaseException]]:
     """Each request's unit, batched, one GPU step a `next()` (module docstring); returns per
     request its UnitResult or the exception that failed it. The sessions share one Thinker
-    model and appear once each."""
+    model and appear once each. `on_decided`, when given, gets per request its ThinkerUnit
+    (decision, text, ids) or the exception that failed it once the Thinker's part is done,
+    before the speech side runs (a server sends the decisions ahead of the audio)."""
     if not requests:
         return []
     llm = requests[0].session.thinker.model.llm
@@ -266,6 +269,9 @@ def unit_batch(
             logits = dict(zip(want, _logits(llm, [hidden[i] for i in want]))) if want else {}
         for i, run in enumerate(fed):
             run.advance((hidden[i], logits.get(i)))
+
+    if on_decided is not None:
+        on_decided([run.error if run.error is not None else run.unit for run in runs])
 
     # 3. the speech side: the speak units' Talker draws in lockstep, Token2Wav per session
     done = [run for run in runs if run.error is None]
