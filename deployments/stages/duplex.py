@@ -129,7 +129,8 @@ class DuplexSessions:
                             repetition_penalty=cfg.tts_repetition_penalty)
 
     def speech_models(self) -> Any:
-        """The sessions' Talker and Token2Wav (loaded once, by the first that speaks)."""
+        """The sessions' Talker and Token2Wav, loaded once (by `memory_holds` on a GPU, else
+        by the first session that speaks)."""
         from pipeline.duplex.speech import SpeechModels
 
         if self._speech_models is None:
