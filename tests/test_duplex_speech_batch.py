@@ -380,7 +380,7 @@ def test_lockstep_draws_equal_each_row_drawn_alone(tiny_checkpoint, device):
     cfg = ModelSource.open(str(tiny_checkpoint)).config.talker
     vocab, eos, slots = cfg.num_audio_tokens, cfg.eos_code, 16
     dev = torch.device(device)
-    st = LockstepRows.of(slots, cfg, dev, None)
+    st = LockstepRows.of(slots, cfg, dev)
     g = torch.Generator().manual_seed(0)
     rows = 12
     active = [r not in (3, 7) for r in range(rows)]

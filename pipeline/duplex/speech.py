@@ -287,7 +287,8 @@ class TalkerPool:
         self.cache = grown
         self.graphs = None  # captured over the old cache's tensors
         if self.rows is None or self.rows.slots != slots:
-            self.rows = LockstepRows.of(slots, self.model.cfg, self.device, self.rows)
+            # rows grow only when a turn takes one, before its lockstep lays its rows out
+            self.rows = LockstepRows.of(slots, self.model.cfg, self.device)
 
     def extend(self, contexts: list[_TalkerContext], conditions: list[torch.Tensor]
                ) -> list[torch.Tensor]:
@@ -303,9 +304,7 @@ class TalkerPool:
         longest = max(c.length + x.shape[0] for c, x in zip(contexts, conditions, strict=True))
         cache = self.reserve(longest)
         width = max(x.shape[0] for x in conditions)
-        rows = bucket_up(max(c.row for c in contexts) + 1, power_of_two_buckets(1, cache.slots))
-        read_len = bucket_up(longest, power_of_two_buckets(
-            min(FIRST_KV_POSITIONS, cache.max_len), cache.max_len))
+        rows, read_len = self._rows_bucket(contexts), self._keys_bucket(longest)
         positions = [[0] * width for _ in range(rows)]
         writes = [[cache.scratch_pos] * width for _ in range(rows)]
         x = torch.zeros(rows, width, conditions[0].shape[1], dtype=conditions[0].dtype,
@@ -370,10 +369,8 @@ class TalkerPool:
         in the chunks' order."""
         contexts = [c.speech.talker for c in chunks]
         longest = max(c.length for c in contexts) + 1
-        cache = self.reserve(longest)
-        rows = self._noise(chunks)
-        read_len = bucket_up(longest, power_of_two_buckets(
-            min(FIRST_KV_POSITIONS, cache.max_len), cache.max_len))
+        self.reserve(longest)
+        rows, read_len = self._noise(chunks), self._keys_bucket(longest)
         with any_shape():
             if self.use_graphs:
                 if self.graphs is None:
@@ -398,8 +395,20 @@ class TalkerPool:
             s = c.speech
             if not s.greedy:
                 st.noise[s.talker.row].exponential_(generator=s.generator)
-        top = max(c.speech.talker.row for c in chunks) + 1
-        return bucket_up(top, power_of_two_buckets(1, st.slots))
+        return self._rows_bucket([c.speech.talker for c in chunks])
+
+    def _rows_bucket(self, contexts: list[_TalkerContext]) -> int:
+        """The rows [0, R) a forward over these contexts' rows spans: R a power of two."""
+        assert self.cache is not None
+        top = max(c.row for c in contexts) + 1
+        return bucket_up(top, power_of_two_buckets(1, self.cache.slots))
+
+    def _keys_bucket(self, length: int) -> int:
+        """The keys [0, N) a forward reads for positions below `length`: N a power of two
+        from FIRST_KV_POSITIONS up to the rows' length."""
+        assert self.cache is not None
+        n = self.cache.max_len
+        return bucket_up(length, power_of_two_buckets(min(FIRST_KV_POSITIONS, n), n))
 
     def _read(self, chunks: list[_Chunk], rows: int) -> list[int]:
         codes = self.rows.out[:rows].tolist()  # one host read for every row
@@ -446,9 +455,8 @@ class LockstepRows:
     eos_column: torch.Tensor  # (1, V) bool: True at EOS
 
     @classmethod
-    def of(cls, slots: int, cfg: Any, device: torch.device,
-           old: LockstepRows | None) -> LockstepRows:
-        """Rows for `slots`, keeping the old rows' state."""
+    def of(cls, slots: int, cfg: Any, device: torch.device) -> LockstepRows:
+        """Rows for `slots`, none drawing."""
         vocab, f32 = cfg.num_audio_tokens, torch.float32
 
         def zeros(*shape, dtype=torch.long):
@@ -456,18 +464,12 @@ class LockstepRows:
 
         eos_column = zeros(1, vocab, dtype=torch.bool)
         eos_column[0, cfg.eos_code] = True
-        new = cls(slots, cfg.eos_code, zeros(slots), zeros(slots), zeros(slots, dtype=torch.bool),
-                  zeros(slots), zeros(slots), zeros(slots, REPETITION_WINDOW), zeros(slots),
-                  zeros(slots, 1, dtype=f32), zeros(slots, 1, dtype=f32),
-                  torch.ones(slots, vocab, dtype=f32, device=device),
-                  zeros(slots, vocab, dtype=f32), aligned_empty(slots, eos_column.float()),
-                  zeros(slots), eos_column)
-        if old is not None:
-            n = min(old.slots, slots)
-            for name in ("codes", "positions", "active", "drawn", "min_draws", "history",
-                         "count", "temperature", "penalty", "noise", "logits", "out"):
-                getattr(new, name)[:n].copy_(getattr(old, name)[:n])
-        return new
+        return cls(slots, cfg.eos_code, zeros(slots), zeros(slots),
+                   zeros(slots, dtype=torch.bool), zeros(slots), zeros(slots),
+                   zeros(slots, REPETITION_WINDOW), zeros(slots), zeros(slots, 1, dtype=f32),
+                   zeros(slots, 1, dtype=f32), torch.ones(slots, vocab, dtype=f32, device=device),
+                   zeros(slots, vocab, dtype=f32), aligned_empty(slots, eos_column.float()),
+                   zeros(slots), eos_column)
 
 
 def draw_rows(st: LockstepRows, logits: torch.Tensor, rows: int) -> None:
@@ -507,8 +509,7 @@ class _TalkerContext:
 
     def __init__(self, pool: TalkerPool) -> None:
         self.pool = pool
-        self.decoder, self.model = pool.decoder, pool.model
-        self.device = pool.device
+        self.model, self.device = pool.model, pool.device
         self.limit = pool.limit
         self.row: int | None = None
         self.length = 0  # positions filled (= the reference's text_start_pos)
