@@ -193,3 +193,56 @@ def test_a_failed_draw_fails_the_sessions_drawing_and_the_others_go_on(shared, m
     got = run_units([UnitRequest(a, audio), UnitRequest(b, audio, None, "listen")])
     assert isinstance(got[0], RuntimeError)
     assert_same(got[1], c.unit(audio, None, "listen"), "a forced listen draws nothing")
+
+
+def test_units_joining_at_any_step_equal_each_session_alone(shared, speech_models):
+    """UnitScheduler: units added while others decode or speak join at its next step (a new
+    unit is prefilled and decided while another's speech batch is in flight), a session's
+    next unit waits until its last is done, and every unit equals its session's alone."""
+    specs = [("audio_sampling", 3, True, {"max_new_speak_tokens_per_chunk": 6}, "speak"),
+             ("omni_greedy", 5, True, {}, None), ("audio_greedy", 1, False, {}, None),
+             ("text_context_greedy", 7, False, {}, None)]
+    rounds = 3
+    alone, twins, units = [], [], []  # units: (session index, round, request)
+    for i, (name, start, speaks, kw, force) in enumerate(specs):
+        (a, ins), (b, _) = (make(shared, name, speech_models if speaks else None, **kw)
+                            for _ in range(2))
+        for audio, frames in ins[:start]:
+            a.unit(audio, frames)
+            b.unit(audio, frames)
+        alone.append(a), twins.append(b)
+        units += [(i, k, UnitRequest(b, *ins[start + k], force)) for k in range(rounds)]
+    want = {(i, k): alone[i].unit(req.audio, req.frames, req.force) for i, k, req in units}
+
+    sched = batch.UnitScheduler()
+    got, log, step = {}, [], [0]
+
+    def tell(what, i, k):
+        def fn(r):
+            log.append((step[0], what, i, k))
+            if what == "done":
+                got[i, k] = r
+        return fn
+
+    # one unit added a step, round by round: each joins the lanes mid-way
+    todo = sorted(units, key=lambda u: (u[1], u[0]))
+    while todo or sched.has_work():
+        if todo:
+            i, k, req = todo.pop(0)
+            log.append((step[0], "added", i, k))
+            sched.add(req, tell("decided", i, k), tell("done", i, k))
+        if sched.has_work():
+            sched.step()
+        step[0] += 1
+    for (i, k), w in want.items():
+        assert_same(got[i, k], w, f"{specs[i][0]} round {k}")
+    for i in range(len(specs)):
+        assert_same_state(alone[i], twins[i], specs[i][0])
+    at = {(what, i, k): s for s, what, i, k in log}
+    for i, k, _ in units:  # a session's units one after another
+        assert at["decided", i, k] <= at["done", i, k]
+        if k:
+            assert at["done", i, k - 1] <= at["decided", i, k]
+    # some unit decided while another's speech (a speak unit's) was in flight
+    speech = [(at["decided", i, k], at["done", i, k]) for (i, k), w in want.items() if w.codes]
+    assert speech and any(s < at["decided", j, m] < e for s, e in speech for j, m, _ in units)

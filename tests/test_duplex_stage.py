@@ -73,7 +73,7 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
     pool = engine.llm.block_manager
     held = sessions.stats()["kv_blocks"]
     assert held > 0 and pool.num_used == held
-    assert sessions.stats() == {"sessions": 1, "units": UNITS, "batches": UNITS,
+    assert sessions.stats() == {"sessions": 1, "units": UNITS, "prefills": UNITS,
                                 "kv_blocks": held, "talker_rows": sessions.stats()["talker_rows"]}
     assert sessions.close("s") and not sessions.close("s")
     assert pool.num_used == 0 and sessions.stats()["kv_blocks"] == 0
@@ -94,9 +94,10 @@ def test_stage_session_refuses_a_bad_option(ckpt):
     assert len(sessions) == 0
 
 
-def test_concurrent_units_of_several_sessions_run_as_one_batch(ckpt):
+def test_concurrent_units_of_several_sessions_join_in_one_step(ckpt):
     """The served path (ThinkerServer.duplex_unit): units of three sessions that arrive
-    together run as one batch on the engine loop, and each equals its session alone."""
+    together are prefilled in one step on the engine loop, and each equals its session
+    alone."""
     import asyncio
 
     from deployments.stages.thinker import ThinkerServer
@@ -130,9 +131,10 @@ def test_concurrent_units_of_several_sessions_run_as_one_batch(ckpt):
         got, stats = asyncio.run(main())
     finally:
         server.loop.stop()
-    # one batch per round (the unknown session's unit is refused before any batch)
+    # one prefill a round: the units that arrive together join in one step (the unknown
+    # session's unit is refused before any step)
     assert stats["kv_blocks"] > 0
-    assert stats == {"sessions": 3, "units": 3 * len(rounds), "batches": len(rounds),
+    assert stats == {"sessions": 3, "units": 3 * len(rounds), "prefills": len(rounds),
                      "kv_blocks": stats["kv_blocks"], "talker_rows": 0}  # text only
 
     kinds = set()
@@ -150,133 +152,154 @@ def test_concurrent_units_of_several_sessions_run_as_one_batch(ckpt):
     assert kinds == {"listen", "speak"}
 
 
-def test_unit_batcher_gathers_what_arrives_while_a_batch_runs():
-    """UnitBatcher: a lone unit runs at once; the units that arrive while it runs go as one
-    next batch; a session's second unit waits for the batch after its first; a caller that
-    goes away drops its unit; a batch that fails fails its own units only."""
-    import asyncio
+class _FakeUnits:
+    """DuplexSessions' unit side (add / steps / fail_all) with fake units: a unit is
+    decided at its first step and done at a step of its own (`speech_steps` later, or when
+    `gate` is set); `audio="boom"` breaks the steps themselves."""
 
-    from deployments.stages.duplex import UnitBatcher
+    def __init__(self, speech_steps: int = 1):
+        import threading
 
-    batches: list[list[str]] = []
+        self.speech_steps = speech_steps
+        self.gate = threading.Event()
+        self.gate.set()
+        self.units: list[list] = []  # [sid, audio, on_decided, on_done, steps run]
+        self.jobs = 0  # times the steps started
+        self.joined: list[list[str]] = []  # the units new at each step
 
-    async def main():
-        gate = asyncio.Event()
+    def add(self, sid, audio, frames, force, on_decided=None, on_done=None):
+        if sid == "nobody":
+            for fn in (on_decided, on_done):
+                fn(KeyError(sid))
+            return
+        self.units.append([sid, audio, on_decided, on_done, 0, force])
 
-        async def run(items, on_decided):
-            batches.append([f"{sid}:{audio}" for sid, audio, _, _ in items])
-            if len(batches) == 1:
-                await gate.wait()  # the first batch runs until the others have arrived
-            if any(audio == "bad" for _, audio, _, _ in items):
-                raise RuntimeError("the engine failed")
-            return [ValueError("bad force") if force == "x" else _result(sid, audio)
-                    for sid, audio, _, force in items]
+    def steps(self):
+        self.jobs += 1
+        while self.units:
+            new = [f"{u[0]}:{u[1]}" for u in self.units if u[4] == 0]
+            self.joined.append(new)
+            for u in list(self.units):
+                sid, audio, on_decided, on_done, n, force = u
+                if audio == "boom":
+                    raise RuntimeError("the step failed")
+                u[4] += 1
+                if n == 0:
+                    on_decided(ValueError("bad force") if force == "x"
+                               else {k: _result(sid, audio)[k] for k in DECISION})
+                    if force == "x":
+                        on_done(ValueError("bad force"))
+                        self.units.remove(u)
+                elif n >= self.speech_steps and self.gate.is_set():
+                    on_done(_result(sid, audio))
+                    self.units.remove(u)
+            yield
 
-        b = UnitBatcher(run)
-        first = asyncio.create_task(b.submit("a", 0, None, None))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert batches == [["a:0"]]  # never waits for more units
-        later = [asyncio.create_task(b.submit(sid, n, None, f))
-                 for sid, n, f in (("b", 0, None), ("c", 0, "x"), ("a", 1, None), ("b", 1, None),
-                                   ("d", 0, None))]
-        await asyncio.sleep(0)
-        later[-1].cancel()  # d's caller goes away before its batch
-        gate.set()
-        assert (await first)["text"] == "a:0" and set(await first) == set(DECISION)
-        assert [(await later[k])["text"] for k in (0, 2, 3)] == ["b:0", "a:1", "b:1"]
-        assert (await b.speech("a"))["codes"] == [1]  # its last unit's whole result
-        with pytest.raises(ValueError, match="bad force"):
-            await later[1]
-        with pytest.raises(asyncio.CancelledError):
-            await later[4]
-        bad = asyncio.gather(b.submit("e", "bad", None, None), return_exceptions=True)
-        assert isinstance((await bad)[0], RuntimeError)
-        assert (await b.submit("e", 2, None, None))["text"] == "e:2"  # the next one runs
-
-    asyncio.run(main())
-    assert batches == [["a:0"], ["b:0", "c:0", "a:1"], ["b:1"], ["e:bad"], ["e:2"]]
+    def fail_all(self, e):
+        for u in self.units:
+            (u[2] if u[4] == 0 else (lambda r: None))(e)
+            u[3](e)
+        self.units.clear()
 
 
 def _result(sid, audio) -> dict:
-    """A unit's whole result as DuplexSessions.units_steps returns it (fakes)."""
+    """A unit's whole result as DuplexSessions' on_done gets it (fakes)."""
     return {**dict.fromkeys(DECISION), "text": f"{sid}:{audio}", "codes": [1], "pcm": None}
 
 
-def test_unit_batcher_returns_the_decision_before_the_speech():
-    """The batch's run tells the decisions mid-batch (from its engine thread): `submit`
-    returns then, and `speech` once the batch is over, with the unit's codes and PCM;
-    a session that never ran a unit has no speech; `forget` drops a closed session's."""
-    import asyncio
-    import threading
-
+def _batcher(units: _FakeUnits):
     from deployments.stages.duplex import UnitBatcher
+    from deployments.stages.loop import EngineLoop
+
+    class Idle:
+        def has_work(self):
+            return False
+
+        def step(self):
+            return []
+
+    loop = EngineLoop(None, name="fake")
+    loop.start(Idle)
+    return UnitBatcher(loop, lambda: units), loop
+
+
+def test_unit_batcher_joins_units_at_the_next_step():
+    """UnitBatcher over the engine loop: a lone unit starts the steps at once; units that
+    arrive while they run join at a next step (no new job); after the steps end, a new unit
+    starts them again; a unit's failure is its own; steps that fail outside the units fail
+    the units in flight, and the next unit runs."""
+    import asyncio
+
+    units = _FakeUnits(speech_steps=3)
+    b, loop = _batcher(units)
 
     async def main():
-        gate = asyncio.Event()
+        first = await asyncio.wait_for(b.submit("a", 0, None, None), 2)
+        assert first["text"] == "a:0" and set(first) == set(DECISION)
+        later = [asyncio.create_task(b.submit(sid, n, None, f))
+                 for sid, n, f in (("b", 0, None), ("c", 0, "x"))]
+        got = [(await asyncio.wait_for(t, 2)) if k == 0 else None for k, t in enumerate(later)]
+        assert got[0]["text"] == "b:0"
+        with pytest.raises(ValueError, match="bad force"):
+            await later[1]
+        assert (await asyncio.wait_for(b.speech("a"), 2))["codes"] == [1]
+        assert (await asyncio.wait_for(b.speech("b"), 2))["text"] == "b:0"
+        with pytest.raises(KeyError):
+            await b.submit("nobody", 0, None, None)
+        jobs = units.jobs
+        assert (await b.submit("d", 0, None, None))["text"] == "d:0"  # the steps start again
+        await b.speech("d")
+        assert units.jobs == jobs + 1
+        bad = asyncio.gather(b.submit("e", "boom", None, None), return_exceptions=True)
+        assert isinstance((await asyncio.wait_for(bad, 2))[0], RuntimeError)
+        assert (await asyncio.wait_for(b.submit("e", 2, None, None), 2))["text"] == "e:2"
 
-        async def run(items, on_decided):
-            decisions = [{k: _result(sid, audio)[k] for k in DECISION}
-                         for sid, audio, _, _ in items]
-            t = threading.Thread(target=on_decided, args=(decisions,))
-            t.start()
-            t.join()
-            await gate.wait()  # the speech side
-            return [_result(sid, audio) for sid, audio, _, _ in items]
+    try:
+        asyncio.run(main())
+    finally:
+        loop.stop()
+    assert ["a:0"] == units.joined[0]  # it never waited for more units
+    assert any(set(j) == {"b:0", "c:0"} for j in units.joined)  # joined a running job
 
-        b = UnitBatcher(run)
+
+def test_unit_batcher_returns_the_decision_before_the_speech():
+    """`submit` returns at the unit's decision, `speech` once its speech is done, with the
+    codes and PCM; a session that never ran a unit has no speech; `forget` drops a closed
+    session's; `idle` waits for the session's unit in flight only."""
+    import asyncio
+
+    units = _FakeUnits()
+    units.gate.clear()  # the speech waits
+    b, loop = _batcher(units)
+
+    async def main():
         with pytest.raises(KeyError):
             await b.speech("a")
-        decision = await asyncio.wait_for(b.submit("a", 0, None, None), 1)
+        decision = await asyncio.wait_for(b.submit("a", 0, None, None), 2)
         speech = asyncio.create_task(b.speech("a"))
-        await asyncio.sleep(0.01)
-        early = speech.done()
-        gate.set()
-        whole = await asyncio.wait_for(speech, 1)
+        idle = asyncio.create_task(b.idle("a"))
+        await asyncio.wait_for(b.idle("b"), 1)  # no unit of b in flight
+        await asyncio.sleep(0.05)
+        early = speech.done() or idle.done()
+        units.gate.set()
+        whole = await asyncio.wait_for(speech, 2)
+        await asyncio.wait_for(idle, 2)
         b.forget("a")
         with pytest.raises(KeyError):
             await b.speech("a")
         return decision, early, whole
 
-    decision, early, whole = asyncio.run(main())
+    try:
+        decision, early, whole = asyncio.run(main())
+    finally:
+        loop.stop()
     assert decision["text"] == "a:0" and "codes" not in decision
     assert not early and whole["codes"] == [1] and whole["text"] == "a:0"
 
 
-def test_unit_batcher_idle_waits_for_the_batch_holding_the_session():
-    """`idle(sid)` returns at once for a session with no unit in flight, and after the
-    batch's end for one whose unit is in the batch (a close must not free its state
-    mid-batch)."""
-    import asyncio
-
-    from deployments.stages.duplex import UnitBatcher
-
-    async def main():
-        gate = asyncio.Event()
-
-        async def run(items, on_decided):
-            await gate.wait()
-            return [_result(sid, 0) for sid, _, _, _ in items]
-
-        b = UnitBatcher(run)
-        unit = asyncio.create_task(b.submit("a", 0, None, None))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)  # the batch is in flight
-        await asyncio.wait_for(b.idle("b"), 1)
-        waiting = asyncio.create_task(b.idle("a"))
-        await asyncio.sleep(0.01)
-        early = waiting.done()
-        gate.set()
-        await asyncio.wait_for(waiting, 1)
-        return early, unit.done(), await unit
-
-    early, unit_done, result = asyncio.run(main())
-    assert not early and unit_done and result["text"] == "a:0"
-
-
-def test_chat_steps_between_a_unit_batchs_steps_and_a_close_waits_for_it(ckpt):
-    """The served path runs a unit batch as a side job of the engine loop: a chat turn's
-    steps come between the batch's steps, and a close that comes while the batch runs waits
+def test_chat_steps_between_the_units_steps_and_a_close_waits_for_its_unit(ckpt):
+    """The served path runs the units' steps as a side job of the engine loop: a chat turn's
+    steps come between them, and a close that comes while the session's unit runs waits
     for its end."""
     import asyncio
 
@@ -299,7 +322,7 @@ def test_chat_steps_between_a_unit_batchs_steps_and_a_close_waits_for_it(ckpt):
                 audio_out=False, system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None,
                 max_slice_nums=1)
             await server.duplex_open("s", init)
-            for k in range(4):  # to the first speak unit: a batch of several decode steps
+            for k in range(4):  # to the first speak unit: several decode steps
                 await server.duplex_unit("s", *inputs[k], "speak" if k == 3 else None)
             q = server.loop.open("chat")
             await server.loop.call(lambda e: e.open("chat", ThinkerRequest(
@@ -308,7 +331,7 @@ def test_chat_steps_between_a_unit_batchs_steps_and_a_close_waits_for_it(ckpt):
             unit = asyncio.create_task(server.duplex_unit("s", *inputs[4], "speak"))
             while server.loop.side_steps == 0 or "S" not in order:
                 await asyncio.sleep(0.001)
-            closed = await server.duplex_close("s")  # mid-batch: waits for its end
+            closed = await server.duplex_close("s")  # mid-unit: waits for its end
             result = await unit
             await server.loop.call(lambda e: e.abort("chat"))
             server.loop.close("chat")

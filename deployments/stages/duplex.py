@@ -10,19 +10,17 @@ The speech side's Talker and Token2Wav weights are loaded once: on a GPU by the 
 of what the stage holds (`memory_holds`, with a warm-up), else by the first session that
 speaks.
 
-Units of many sessions run together (pipeline.duplex.batch): `UnitBatcher` (event-loop
-side) gathers the units that arrive while a batch runs and hands them to
-`DuplexSessions.units_steps` as the next batch, one Thinker forward a step for all of them.
-It never waits for a unit that has not arrived: a lone unit runs at once, as a batch of one.
-A unit's decision and text go back as soon as the Thinker's part of its batch is done
-(`duplex_unit`), its audio once the batch's speech side is (`duplex_speech`).
-A batch runs as a side job of the engine loop (`EngineLoop.call_steps`): one GPU step of the
-batch, then one step of the engine's chat turns, and so on, so chat streams keep stepping
-while a batch runs; the loop's commands (opens, closes, stats) run between the steps too.
-A close that comes while its session's unit is in the batch waits for the batch's end
-(`UnitBatcher.idle`): the batch's later steps still use the session's KV blocks and Talker
-row. Chat turns take KV blocks between the batch's steps too: a session that finds none
-free at a step fails its unit alone, as at the batch's start.
+Units of many sessions run together (pipeline.duplex.batch.UnitScheduler, continuous
+batching): `UnitBatcher` (event-loop side) adds each unit to the scheduler as it arrives,
+and it joins the units in flight at their next step; a unit's decision and text go back as
+soon as its Thinker part is done (`duplex_unit`), its audio once its speech is
+(`duplex_speech`). The scheduler's steps run as a side job of the engine loop
+(`EngineLoop.call_steps`): one GPU step of the units, then one step of the engine's chat
+turns, and so on, so chat streams keep stepping beside the units; the loop's commands
+(opens, closes, stats, new units) run between the steps too. A close that comes while its
+session's unit is in flight waits for the unit's end (`UnitBatcher.idle`): its later
+steps still use the session's KV blocks and Talker row. Chat turns take KV blocks between
+the steps too: a unit that finds none free at a step fails alone.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -82,8 +80,8 @@ class DuplexSessions:
         self._memory: dict[str, Any] | None = None  # memory_holds' measurement
         self._pages: Any = None
         self._special: set[str] | None = None
+        self._scheduler: Any = None  # their units' UnitScheduler
         self.units = 0  # units run
-        self.batches = 0  # batches they ran in
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -204,7 +202,7 @@ class DuplexSessions:
                 s.close()
 
     def unit(self, sid: str, audio: Any, frames: Any, force: str | None) -> dict[str, Any]:
-        """One unit of one session (a batch of one); raises what failed it."""
+        """One unit of one session, run alone; raises what failed it."""
         out = self.units_batch([(sid, audio, frames, force)])[0]
         if isinstance(out, BaseException):
             raise out
@@ -212,58 +210,62 @@ class DuplexSessions:
 
     def units_batch(self, items: list[tuple[str, Any, Any, str | None]]
                     ) -> list[dict[str, Any] | BaseException]:
-        """`units_steps` run to its end, with nothing between its steps."""
+        """Units (sid, audio, frames, force) added at once and run to their end, with
+        nothing between the steps; per unit what `add`'s `on_done` gets."""
         from pipeline.utils import drain
 
-        return drain(self.units_steps(items))
-
-    def units_steps(self, items: list[tuple[str, Any, Any, str | None]],
-                    on_decided: Callable[[list], None] | None = None,
-                    ) -> Generator[None, None, list[dict[str, Any] | BaseException]]:
-        """(sid, audio, frames, force) per unit, at most one per session, run as one batch
-        (pipeline.duplex.batch.unit_batch), one GPU step a `next()`; returns per unit the
-        fields of UnitResult (+ prefill_tokens), or the exception that failed it (KeyError:
-        no such session; ValueError: a bad input). The sessions are looked up at the first
-        step. `on_decided` gets per unit its decision (`DECISION` fields) or exception once
-        the Thinker's part of the batch is done, before its speech side runs."""
-        from pipeline.duplex.batch import UnitRequest, unit_batch
-
-        out: list[dict[str, Any] | BaseException] = []
-        requests, where = [], []
-        for sid, audio, frames, force in items:
-            entry = self._sessions.get(sid)
-            if entry is None:
-                out.append(KeyError(f"no duplex session {sid!r}"))
-                continue
-            session, slices = entry
-            if any(r.session is session for r in requests):
-                out.append(ValueError(f"duplex session {sid!r} has two units in one batch"))
-                continue
-            where.append(len(out))
-            out.append(None)  # its result, below
-            requests.append(UnitRequest(session, audio, frames, force, slices))
-        if not requests:
-            return out
-
-        def decided(units: list) -> None:
-            early = list(out)
-            for i, u in zip(where, units, strict=True):
-                early[i] = u if isinstance(u, BaseException) else {
-                    "is_listen": u.is_listen, "end_of_turn": u.end_of_turn, "text": u.text,
-                    "token_ids": u.token_ids, "prefill_tokens": _prefill_tokens(u.prefill)}
-            on_decided(early)
-
-        self.batches += 1
-        results = yield from unit_batch(requests, decided if on_decided else None)
-        for i, r in zip(where, results, strict=True):
-            if isinstance(r, BaseException):
-                out[i] = r
-                continue
-            self.units += 1
-            d = dataclasses.asdict(r)
-            d["prefill_tokens"] = _prefill_tokens(d.pop("prefill", None))
-            out[i] = d
+        out: list[Any] = [None] * len(items)
+        for i, (sid, audio, frames, force) in enumerate(items):
+            self.add(sid, audio, frames, force, on_done=lambda r, i=i: out.__setitem__(i, r))
+        drain(self.steps())
         return out
+
+    def add(self, sid: str, audio: Any, frames: Any, force: str | None,
+            on_decided: Callable[[Any], None] | None = None,
+            on_done: Callable[[Any], None] | None = None) -> None:
+        """Queue one unit of session `sid` for the scheduler's next steps (`steps`).
+        `on_decided` gets its decision (the `DECISION` fields) once its Thinker part is
+        done, `on_done` its whole result (the fields of UnitResult + prefill_tokens) once
+        its speech is; either gets the exception that failed it (KeyError: no such session;
+        ValueError: a bad input) instead."""
+        from pipeline.duplex.batch import UnitRequest, UnitScheduler
+
+        entry = self._sessions.get(sid)
+        if entry is None:
+            e = KeyError(f"no duplex session {sid!r}")
+            for fn in (on_decided, on_done):
+                if fn is not None:
+                    fn(e)
+            return
+        if self._scheduler is None:
+            self._scheduler = UnitScheduler()
+
+        def decided(u: Any) -> None:
+            if on_decided is not None:
+                on_decided(u if isinstance(u, BaseException) else {
+                    "is_listen": u.is_listen, "end_of_turn": u.end_of_turn, "text": u.text,
+                    "token_ids": u.token_ids, "prefill_tokens": _prefill_tokens(u.prefill)})
+
+        def done(r: Any) -> None:
+            if not isinstance(r, BaseException):
+                self.units += 1
+                r = dataclasses.asdict(r)
+                r["prefill_tokens"] = _prefill_tokens(r.pop("prefill", None))
+            if on_done is not None:
+                on_done(r)
+
+        session, slices = entry
+        self._scheduler.add(UnitRequest(session, audio, frames, force, slices), decided, done)
+
+    def steps(self) -> Generator[None, None, None]:
+        """The scheduler's steps (pipeline.duplex.batch.UnitScheduler), one GPU step a
+        `next()`, until no unit added is left."""
+        if self._scheduler is not None:
+            yield from self._scheduler.steps()
+
+    def fail_all(self, e: BaseException) -> None:
+        if self._scheduler is not None:
+            self._scheduler.fail_all(e)
 
     def close(self, sid: str) -> bool:
         entry = self._sessions.pop(sid, None)
@@ -280,7 +282,8 @@ class DuplexSessions:
         # read from the event loop while units run: a snapshot of the sessions
         held = sum(len(s.thinker.kv.table) for s, _ in list(self._sessions.values()))
         rows = self._speech_models.pool.rows_in_use if self._speech_models is not None else 0
-        return {"sessions": len(self._sessions), "units": self.units, "batches": self.batches,
+        prefills = self._scheduler.prefills if self._scheduler is not None else 0
+        return {"sessions": len(self._sessions), "units": self.units, "prefills": prefills,
                 "kv_blocks": held, "talker_rows": rows}
 
 
@@ -295,35 +298,49 @@ def _prefill_tokens(schema: Any) -> int:
 
 
 class UnitBatcher:
-    """Event-loop side of the stage's duplex units: `submit` queues one unit and returns its
-    decision (the `DECISION` fields) as soon as the Thinker's part of its batch is done;
-    `speech(sid)` returns the whole result of the session's last unit (its codes and PCM too)
-    once the batch ends. While a batch runs (`run(items, on_decided)`, on the engine loop;
-    `on_decided` may be called from another thread) the units that arrive wait, and all of
-    them run as the next batch. A session's second unit (the wire sends one at a time)
-    waits for the batch after its first. `idle(sid)` waits until no batch in flight holds a
-    unit of `sid`; `forget(sid)` drops a closed session's last result."""
+    """Event-loop side of the stage's duplex units. `submit` hands one unit to the sessions'
+    scheduler on the engine loop's thread (`DuplexSessions.add`, as a command) and returns
+    its decision (the `DECISION` fields) as soon as its Thinker part is done; `speech(sid)`
+    returns the whole result of the session's last unit (its codes and PCM too) once its
+    speech is. The scheduler's steps run as a side job of the loop (`EngineLoop.call_steps`)
+    while any unit is in flight: a unit added while they run joins at the next step, one
+    added after they ended starts them again. A unit whose caller goes away still runs to
+    its end (as a command does), its result dropped. `idle(sid)` waits until the session
+    has no unit in flight; `forget(sid)` drops a closed session's last result."""
 
-    def __init__(self, run: Callable[[list[tuple], Callable[[list], None]], Awaitable[list]]):
-        self._run = run
-        # per unit: (sid, audio, frames, force), its decision's future, its result's
-        self._pending: list[tuple[tuple, asyncio.Future, asyncio.Future]] = []
+    def __init__(self, loop: Any, sessions: Callable[[], Any]):
+        self._loop = loop  # the stage's EngineLoop
+        self._sessions = sessions  # the DuplexSessions, made on first use
         self._results: dict[str, asyncio.Future] = {}  # each session's last unit's result
+        self._in_flight: set[tuple[asyncio.Future, asyncio.Future]] = set()  # (decided, done)
         self._task: asyncio.Task | None = None
-        self._running: set[str] = set()  # the sessions of the batch in flight
-        self._batch_over = asyncio.Event()  # set whenever no batch is in flight
-        self._batch_over.set()
 
     async def submit(self, sid: str, audio: Any, frames: Any, force: str | None) -> Any:
-        loop = asyncio.get_running_loop()
-        decided, done = loop.create_future(), loop.create_future()
-        self._pending.append(((sid, audio, frames, force), decided, done))
+        aloop = asyncio.get_running_loop()
+        unit = decided, done = aloop.create_future(), aloop.create_future()
+        self._results[sid] = done
+        self._in_flight.add(unit)
+
+        def on_decided(r: Any) -> None:
+            aloop.call_soon_threadsafe(_settle, decided, r)
+
+        def on_done(r: Any) -> None:
+            aloop.call_soon_threadsafe(self._done, unit, r)
+
+        self._loop.post(lambda e: self._sessions().add(sid, audio, frames, force,
+                                                        on_decided, on_done))
         if self._task is None:
-            self._task = asyncio.create_task(self._drain())
-        return await decided  # a caller that goes away cancels it: its unit is dropped
+            self._task = asyncio.create_task(self._drive())
+        return await decided
+
+    def _done(self, unit: tuple[asyncio.Future, asyncio.Future], r: Any) -> None:
+        self._in_flight.discard(unit)
+        _settle(unit[1], r)
+        if isinstance(r, BaseException):
+            unit[1].exception()  # retrieved: its decision told its caller already
 
     async def speech(self, sid: str) -> Any:
-        """The whole result of `sid`'s last submitted unit, once its batch is over."""
+        """The whole result of `sid`'s last submitted unit, once its speech is done."""
         fut = self._results.get(sid)
         if fut is None:
             raise KeyError(f"duplex session {sid!r} has no unit")
@@ -333,69 +350,39 @@ class UnitBatcher:
         self._results.pop(sid, None)
 
     async def idle(self, sid: str) -> None:
-        """Return once no batch in flight holds a unit of `sid`. A command sent to the
-        engine loop right after (no await in between) runs before any later batch looks its
-        sessions up (at its first step)."""
-        while sid in self._running:
-            await self._batch_over.wait()
+        """Return once `sid` has no unit in flight. A command sent to the engine loop right
+        after (no await in between) runs before any later unit of `sid` is added."""
+        fut = self._results.get(sid)
+        if fut is not None and not fut.done():
+            await asyncio.wait([fut])
 
-    @staticmethod
-    def _settle(fut: asyncio.Future, r: Any) -> None:
-        if fut.done():
-            return
-        if isinstance(r, BaseException):
-            fut.set_exception(r)
-        else:
-            fut.set_result(r)
-
-    def _decide(self, batch: list, results: list) -> None:
-        for (_, decided, _), r in zip(batch, results, strict=True):
-            self._settle(decided, r)
-
-    async def _drain(self) -> None:
-        batch: list[tuple[tuple, asyncio.Future, asyncio.Future]] = []
-        loop = asyncio.get_running_loop()
+    async def _drive(self) -> None:
+        """The scheduler's steps while units are in flight. Every unit's result is settled
+        (call_soon_threadsafe) before its steps' end is: when they end with units left,
+        those were added after, and the steps start again."""
         try:
-            while self._pending:
-                batch, later, sids = [], [], set()
-                for entry in self._pending:
-                    item, decided, _ = entry
-                    if decided.done():
-                        continue
-                    (later if item[0] in sids else batch).append(entry)
-                    sids.add(item[0])
-                self._pending = later
-                if not batch:
-                    continue
-                for item, _, done in batch:
-                    self._results[item[0]] = done
-                self._running = {item[0] for item, _, _ in batch}
-                self._batch_over.clear()
-
-                def on_decided(results: list, batch=batch) -> None:
-                    loop.call_soon_threadsafe(self._decide, batch, results)
-
+            while self._in_flight:
                 try:
-                    results = await self._run([item for item, _, _ in batch], on_decided)
+                    await self._loop.call_steps(lambda e: self._sessions().steps())
                 except asyncio.CancelledError:
                     raise
-                except Exception as e:  # noqa: BLE001 - the whole batch failed
-                    results = [e] * len(batch)
-                finally:
-                    self._running = set()
-                    self._batch_over.set()
-                # decisions not sent ahead (the batch failed, or no Thinker part ran)
-                self._decide(batch, [r if isinstance(r, BaseException)
-                                     else {k: r[k] for k in DECISION} for r in results])
-                for (_, _, done), r in zip(batch, results, strict=True):
-                    self._settle(done, r)
-                    if isinstance(r, BaseException) and not done.cancelled():
-                        done.exception()  # retrieved: its decision told its caller already
+                except Exception as e:  # a step failed outside the units' own handling
+                    log.exception("duplex units' steps failed")
+                    await self._loop.call(lambda _, e=e: self._sessions().fail_all(e))
         except asyncio.CancelledError:  # the stage is going away
-            for _, decided, done in batch + self._pending:
-                decided.cancel()
-                done.cancel()
-            self._pending = []
+            for unit in self._in_flight:
+                for fut in unit:
+                    fut.cancel()
+            self._in_flight.clear()
             raise
         finally:
             self._task = None
+
+
+def _settle(fut: asyncio.Future, r: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(r, BaseException):
+        fut.set_exception(r)
+    else:
+        fut.set_result(r)

@@ -149,21 +149,20 @@ class ThinkerServer(StageServer):
     async def duplex_unit(self, session_id: str, audio: np.ndarray, frames: list | None,
                           force: str | None) -> dict[str, Any]:
         """One 1 s unit of a session: its decision (stages/duplex.py `DECISION`: listen or
-        speak, the turn's end, the text, ids, prefill size), returned once the Thinker's part
-        of its batch is done; a speak unit's audio then comes from `duplex_speech`. Units of
-        other sessions that arrive while a batch runs run together as the next batch
-        (deployments/stages/duplex.py UnitBatcher), step by step beside the engine's steps
-        (EngineLoop.call_steps)."""
+        speak, the turn's end, the text, ids, prefill size), returned once its Thinker part
+        is done; a speak unit's audio then comes from `duplex_speech`. The units of all
+        sessions run in one scheduler (pipeline.duplex.batch.UnitScheduler: a unit joins at
+        its next step), step by step beside the engine's steps (deployments/stages/duplex.py
+        UnitBatcher, EngineLoop.call_steps)."""
         if self._duplex_units is None:
             from deployments.stages.duplex import UnitBatcher
 
-            self._duplex_units = UnitBatcher(lambda items, on_decided: self.loop.call_steps(
-                lambda e: self._duplex_sessions().units_steps(items, on_decided)))
+            self._duplex_units = UnitBatcher(self.loop, self._duplex_sessions)
         return await self._duplex_units.submit(session_id, audio, frames, force)
 
     async def duplex_speech(self, session_id: str) -> dict[str, Any]:
         """The speech of a session's last unit (`codes`, 24 kHz float32 `pcm` or None), once
-        its batch is over (KeyError: no unit)."""
+        it is done (KeyError: no unit)."""
         if self._duplex_units is None:
             raise KeyError(f"duplex session {session_id!r} has no unit")
         r = await self._duplex_units.speech(session_id)
@@ -175,7 +174,7 @@ class ThinkerServer(StageServer):
 
     async def _duplex_close(self, session_id: str) -> bool:
         if self._duplex_units is not None:
-            # the batch holding the session's unit still steps over its KV blocks and
+            # the unit in flight of the session still steps over its KV blocks and
             # Talker row between the engine's commands
             await self._duplex_units.idle(session_id)
             self._duplex_units.forget(session_id)

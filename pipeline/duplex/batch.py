@@ -1,52 +1,54 @@
 """The units of many duplex sessions, run together: one LLM forward a step for all of them.
 
-`unit_batch(requests)` does what `DuplexSession.unit` does for each request's session, in
-lockstep across the sessions, as a generator that yields after each GPU step and returns
-the per-request results; `run_units(requests)` runs it to its end with nothing between the
-steps. A server advances it one step at a time between the Thinker engine's steps
-(deployments/stages/loop.py `EngineLoop.call_steps`), so chat turns keep stepping while a
-batch runs. The steps:
+`UnitScheduler` does what `DuplexSession.unit` does for each unit added to it, continuously
+batched across the sessions, one GPU step a `step()`: a unit added between two steps joins
+at the next, and its decision and result go to its callbacks. `unit_batch(requests)` adds
+requests at once and yields after each step; `run_units(requests)` runs it to its end. A
+server advances the scheduler one step at a time between the Thinker engine's steps
+(deployments/stages/loop.py `EngineLoop.call_steps`), so chat turns keep stepping beside
+the units. A unit's way through it:
 
-1. the sessions plan their units' input together (`plan_prefill_batch`: every session's
-   audio through the streaming audio encoder in one pass, each over its own encoder K/V,
-   and every frame through the vision encoder in one call), then all the planned rows
-   go through the LLM in one forward, and the last row of each through `lm_head` in one
-   matmul (the decisions' logits);
-2. the decode loop runs every session's `DuplexThinker.unit_steps` side by side: each step
-   appends one token to every session still decoding, in one forward, computes the
-   logits of the sessions that want them in one matmul, and draws the next id of every
-   session that asks one in one `decode_batch` (each from its own generator; the host
-   reads the device two or three times a step, not a few times a session). A session
-   leaves the loop at its own chunk terminator; its decisions, repetition window,
-   generator, turn state and sliding window stay its own (the steps run on its
-   DuplexThinker, as alone). One step a forward and the draws of its logits (the
-   prefill's step ends with the draws of the prefill's logits);
-3. the speech side (`DuplexSession.finish_units_steps`): the speak units' Talker draws in
-   lockstep, one decode a step over every drawing session's row of the shared TalkerPool
-   (`speech.speak_steps`: the prefill one step, then one step a draw), then their
-   Token2Wav windows in rounds, one flow chunk and one vocoder call per group of sessions
-   in equal state (`speech._token2wav_steps`: one step a round).
+1. prefill: the units new since the last Thinker step plan their input together
+   (`plan_prefill_batch`: every session's audio through the streaming audio encoder in one
+   pass, each over its own encoder K/V, and every frame through the vision encoder in one
+   call), then all the planned rows go through the LLM in one forward, and the last row of
+   each through `lm_head` in one matmul (the decisions' logits, drawn in the same step);
+2. decode: every unit's `DuplexThinker.unit_steps` side by side: each step appends one
+   token to every unit still decoding, in one forward, computes the logits of those that
+   want them in one matmul, and draws the next id of every one that asks one in one
+   `decode_batch` (each from its own generator; the host reads the device two or three
+   times a step, not a few times a session). A unit leaves at its own chunk terminator,
+   with its decision; its repetition window, generator, turn state and sliding window
+   stay its session's own (the steps run on its DuplexThinker, as alone);
+3. speech (`DuplexSession.finish_units_steps`), over the speak units done with 2 since the
+   last speech batch began: their Talker draws in lockstep, one decode a step over every
+   drawing session's row of the shared TalkerPool (`speech.speak_steps`: the prefill one
+   step, then one step a draw), then their Token2Wav windows in rounds, one flow chunk and
+   one vocoder call per group of sessions in equal state (`speech._token2wav_steps`: one
+   step a round).
 
-Between two steps nothing of the batch is held in a buffer another forward overwrites (the
+1 and 2 are the Thinker lane, 3 the speech lane; the lanes take turns, a step each.
+
+Between two steps nothing of a unit is held in a buffer another forward overwrites (the
 decode graphs' outputs are cloned, kv.py), and every session's state is its own, so a
-step of the engine in between changes nothing the batch computes. What must not run in
-between is what frees a session of the batch (its close): the server waits for the batch
-first (deployments/stages/duplex.py `UnitBatcher.idle`).
+step of the engine or of the other lane in between changes nothing a unit computes. What
+must not run in between is what frees a session with a unit in flight (its close): the
+server waits for the unit first (deployments/stages/duplex.py `UnitBatcher.idle`).
 
 Attention: the sessions' K/V are blocks of one paged pool (pipeline/duplex/kv.py), so a
 step over many sessions is one forward with one attention call a layer over their block
 tables (FlashInfer on CUDA; the torch backend, a loop over the sequences, elsewhere), as
 the Thinker engine runs a step over its sequences.
 
-Exactness: one session alone through `unit_batch` computes what `DuplexSession.unit`
+Exactness: one session alone through the scheduler computes what `DuplexSession.unit`
 computes (the same ops on the same rows). Across sessions only the batched matmuls' row
 count differs, which moves values in their last bits (fp32: about 1e-6 in the K/V on the
 duplex test checkpoint); the decisions, tokens and codes are the same as each session
 alone, the PCM within 1 LSB of its int16 round trip (Token2Wav groups;
 tests/test_duplex_batch.py).
 
-A request that fails (bad input, a context over the model's length) fails alone: the
-others of the batch go on. A failure of the shared forward, or of a step's draws, fails
+A unit that fails (bad input, a context over the model's length) fails alone: the
+others go on. A failure of the shared forward, or of a step's draws, fails
 every session in it.
 """
 
@@ -192,90 +194,211 @@ def run_units(requests: list[UnitRequest]) -> list[UnitResult | BaseException]:
     return drain(unit_batch(requests))
 
 
-@torch.inference_mode()
-def unit_batch(
-    requests: list[UnitRequest],
-    on_decided: Callable[[list[ThinkerUnit | BaseException]], None] | None = None,
-) -> Generator[None, None, list[UnitResult | BaseException]]:
-    """Each request's unit, batched, one GPU step a `next()` (module docstring); returns per
-    request its UnitResult or the exception that failed it. The sessions share one Thinker
-    model and appear once each. `on_decided`, when given, gets per request its ThinkerUnit
-    (decision, text, ids) or the exception that failed it once the Thinker's part is done,
-    before the speech side runs (a server sends the decisions ahead of the audio)."""
-    if not requests:
-        return []
-    llm = requests[0].session.thinker.model.llm
+def unit_batch(requests: list[UnitRequest]
+               ) -> Generator[None, None, list[UnitResult | BaseException]]:
+    """Each request's unit, all arriving at once, one GPU step a `next()` (a UnitScheduler's
+    steps); returns per request its UnitResult or the exception that failed it."""
     ids = [id(r.session) for r in requests]
     if len(set(ids)) != len(ids):
         raise ValueError("a session may have one unit in a batch")
-    if any(r.session.thinker.model.llm is not llm for r in requests):
-        raise ValueError("the sessions of a batch must share one Thinker model")
-    runs = [_Run(r) for r in requests]
+    out: list[UnitResult | BaseException | None] = [None] * len(requests)
+    sched = UnitScheduler()
+    for i, req in enumerate(requests):
+        sched.add(req, on_done=lambda r, i=i: out.__setitem__(i, r))
+    yield from sched.steps()
+    return out
 
-    # 1. the unit's input rows, every session's audio and frames through the encoders
-    # together (plan_prefill_batch), then all the rows in one forward
-    todo = []
-    for run in runs:
-        if run.req.force not in FORCE_CHOICES:
-            run.fail(ValueError(f"force must be one of {FORCE_CHOICES}, got {run.req.force!r}"))
-        else:
-            todo.append(run)
-    plans = plan_prefill_batch([(run.thinker, run.req.audio, run.req.frames,
-                                 run.req.max_slice_nums) for run in todo])
-    planned = []
-    for run, plan in zip(todo, plans):
-        if isinstance(plan, BaseException):  # bad input fails its own unit
-            run.fail(plan)
-        elif plan is not None:
-            run.plan = plan
-            planned.append(run)
-    hidden = _forward(llm, planned, [run.plan.rows for run in planned])
-    if hidden is not None:
-        ok = [(run, h) for run, h in zip(planned, hidden) if run.plan.ok]
-        logits = _logits(llm, [h[-1] for _, h in ok]) if ok else []
-        for run in planned:
-            if not run.plan.ok:
-                run.thinker.finish_prefill(run.plan, None)  # a short audio: nothing pends
-        for (run, _), lg in zip(ok, logits):
-            run.thinker.finish_prefill(run.plan, lg)
 
-    # 2. the decode loop in lockstep
-    for run in runs:
-        if run.error is None:
-            try:
-                run.steps = run.thinker.unit_steps(run.req.force)
-            except Exception as e:  # noqa: BLE001
-                run.fail(e)
-                continue
-            run.advance(None)
-    while True:
-        drawing = [run for run in runs if isinstance(run.ask, Draw)]
-        if drawing:
+class UnitScheduler:
+    """Units of many sessions as they come (continuous batching), in two lanes that take
+    turns, one GPU step a `step()`:
+
+    - the Thinker lane: the units added since its last step are prefilled together
+      (`plan_prefill_batch`, one LLM forward, their decisions drawn) and join the units
+      decoding, which step together (one decode forward and one `decode_batch` a step); a
+      unit whose chunk ends leaves it, and its decision goes out (`on_decided`);
+    - the speech lane: the speak units whose Thinker part is done run their speech side
+      together (`DuplexSession.finish_units_steps`: the Talker's lockstep, Token2Wav's
+      rounds); the units done while it runs go as its next batch. A listen unit has no
+      speech: it is done with its decision.
+
+    So a unit's prefill waits for one step of the lanes, never for another unit's speech, and
+    its decision for its own decode. A session has one unit in flight: its next unit waits,
+    added, until the last one is done (the reference draws a unit's Thinker ids and Talker
+    codes from one generator, in unit order). `on_done` gets per unit its UnitResult or the
+    exception that failed it; a unit that fails alone (bad input, no KV room) leaves the
+    others going, a failed shared step fails the units in it. Each session's computation is
+    what it is alone; only the rows batched beside it vary (module docstring)."""
+
+    def __init__(self) -> None:
+        self._new: list[_Run] = []  # added, waiting for their prefill
+        self._thinking: list[_Run] = []  # decoding in lockstep
+        self._ready: list[_Run] = []  # speak units past the Thinker, for the next speech batch
+        self._speaking: list[_Run] = []  # the speech batch in flight
+        self._speech: Generator | None = None
+        self._busy: set[int] = set()  # the sessions (ids) with a unit past `_new`
+        self._speech_turn = False
+        self.prefills = 0  # the Thinker lane's prefill steps (units joined in each)
+
+    def add(self, req: UnitRequest, on_decided: Callable | None = None,
+            on_done: Callable | None = None) -> None:
+        run = _Run(req)
+        run.on_decided, run.on_done = on_decided, on_done
+        self._new.append(run)
+
+    def has_work(self) -> bool:
+        return bool(self._new or self._thinking or self._ready or self._speech is not None)
+
+    def steps(self) -> Generator[None, None, None]:
+        """`step()` until no unit is left; yields after each."""
+        while self.has_work():
+            self.step()
+            yield
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        admitted, taken = [], set(self._busy)  # a session's first unit waiting, if free
+        for run in self._new:
+            if id(run.req.session) not in taken:
+                admitted.append(run)
+                taken.add(id(run.req.session))
+        thinker = bool(admitted or self._thinking)
+        speech = self._speech is not None or bool(self._ready)
+        if thinker and not (speech and self._speech_turn):
+            self._speech_turn = True
+            if admitted:  # a new unit's prefill goes first: it decides a listen at once
+                self._prefill(admitted)
+            else:
+                self._decode_step()
+        elif speech:
+            self._speech_turn = False
+            self._speech_step()
+
+    def fail_all(self, e: BaseException) -> None:
+        """Every unit in flight fails with `e` (a step failed outside the units' own
+        handling)."""
+        runs = self._new + self._thinking + self._ready + self._speaking
+        self._new, self._thinking, self._ready, self._speaking = [], [], [], []
+        if self._speech is not None:
+            self._speech.close()
+            self._speech = None
+        for run in runs:
+            if run.steps is not None:
+                run.steps.close()
+            self._finish(run, e, decided=run.unit is not None)
+
+    # -- the Thinker lane -------------------------------------------------------------
+    def _prefill(self, admitted: list[_Run]) -> None:
+        self.prefills += 1
+        picked = set(map(id, admitted))
+        self._new = [run for run in self._new if id(run) not in picked]
+        self._busy.update(id(run.req.session) for run in admitted)
+        todo = []
+        for run in admitted:
+            if run.req.force not in FORCE_CHOICES:
+                run.fail(ValueError(f"force must be one of {FORCE_CHOICES}, "
+                                    f"got {run.req.force!r}"))
+            else:
+                todo.append(run)
+        try:
+            plans = plan_prefill_batch([(run.thinker, run.req.audio, run.req.frames,
+                                         run.req.max_slice_nums) for run in todo])
+        except Exception as e:  # noqa: BLE001 - a shared encoder call failed them all
+            plans = [e] * len(todo)
+        planned = []
+        for run, plan in zip(todo, plans, strict=True):
+            if isinstance(plan, BaseException):  # bad input fails its own unit
+                run.fail(plan)
+            elif plan is not None:
+                run.plan = plan
+                planned.append(run)
+        llm = admitted[0].thinker.model.llm
+        hidden = _forward(llm, planned, [run.plan.rows for run in planned])
+        if hidden is not None:
+            ok = [(run, h) for run, h in zip(planned, hidden) if run.plan.ok]
+            logits = _logits(llm, [h[-1] for _, h in ok]) if ok else []
+            for run in planned:
+                if not run.plan.ok:
+                    run.thinker.finish_prefill(run.plan, None)  # a short audio: nothing pends
+            for (run, _), lg in zip(ok, logits):
+                run.thinker.finish_prefill(run.plan, lg)
+        for run in admitted:
+            if run.error is None:
+                try:
+                    run.steps = run.thinker.unit_steps(run.req.force)
+                except Exception as e:  # noqa: BLE001
+                    run.fail(e)
+                    continue
+                run.advance(None)
+        self._thinking += admitted
+        self._after_draws()
+
+    def _decode_step(self) -> None:
+        fed = [run for run in self._thinking if run.ask is not None]
+        out = _decode(fed)  # fed: left holding the runs still alive
+        if out is not None:
+            hidden, all_logits = out
+            llm = fed[0].thinker.model.llm
+            want = [i for i, run in enumerate(fed) if run.ask[1]]
+            if all_logits is not None:
+                logits = {i: all_logits[i : i + 1] for i in want}
+            else:
+                logits = dict(zip(want, _logits(llm, [hidden[i] for i in want]))) if want else {}
+            for i, run in enumerate(fed):
+                run.advance((hidden[i], logits.get(i)))
+        self._after_draws()
+
+    def _after_draws(self) -> None:
+        """The draws the step's logits asked for, then the units whose Thinker part is done
+        leave the lane."""
+        while drawing := [run for run in self._thinking if isinstance(run.ask, Draw)]:
             _draw(drawing)
-            continue
-        yield  # a step: the prefill or one decode forward, and the draws of its logits
-        active = [run for run in runs if run.ask is not None]
-        if not active:
-            break
-        fed = list(active)
-        out = _decode(fed)
-        if out is None:
-            continue
-        hidden, all_logits = out
-        want = [i for i, run in enumerate(fed) if run.ask[1]]
-        if all_logits is not None:
-            logits = {i: all_logits[i : i + 1] for i in want}
-        else:
-            logits = dict(zip(want, _logits(llm, [hidden[i] for i in want]))) if want else {}
-        for i, run in enumerate(fed):
-            run.advance((hidden[i], logits.get(i)))
+        still = []
+        for run in self._thinking:
+            if run.ask is not None:
+                still.append(run)
+            elif run.error is not None:
+                self._finish(run, run.error, decided=False)
+            else:
+                _tell(run.on_decided, run.unit)
+                if run.unit.is_listen or run.req.session.speech is None:
+                    self._finish_now(run)
+                else:
+                    self._ready.append(run)
+        self._thinking = still
 
-    if on_decided is not None:
-        on_decided([run.error if run.error is not None else run.unit for run in runs])
+    # -- the speech lane --------------------------------------------------------------
+    def _speech_step(self) -> None:
+        if self._speech is None:
+            self._speaking, self._ready = self._ready, []
+            self._speech = DuplexSession.finish_units_steps(
+                [(run.req.session, run.unit) for run in self._speaking])
+        try:
+            next(self._speech)
+            return
+        except StopIteration as done:
+            results = done.value
+        except Exception as e:  # noqa: BLE001 - every unit of the speech batch fails
+            results = [e] * len(self._speaking)
+        runs, self._speaking, self._speech = self._speaking, [], None
+        for run, r in zip(runs, results, strict=True):
+            self._finish(run, r, decided=True)
 
-    # 3. the speech side: the speak units' Talker draws in lockstep, Token2Wav per session
-    done = [run for run in runs if run.error is None]
-    results = yield from DuplexSession.finish_units_steps(
-        [(run.req.session, run.unit) for run in done])
-    result = dict(zip(map(id, done), results, strict=True))
-    return [run.error if run.error is not None else result[id(run)] for run in runs]
+    def _finish_now(self, run: _Run) -> None:
+        """A unit with no speech side to run: its result at once."""
+        try:
+            (r,) = drain(DuplexSession.finish_units_steps([(run.req.session, run.unit)]))
+        except Exception as e:  # noqa: BLE001
+            r = e
+        self._finish(run, r, decided=True)
+
+    def _finish(self, run: _Run, result: UnitResult | BaseException, decided: bool) -> None:
+        self._busy.discard(id(run.req.session))
+        if not decided:
+            _tell(run.on_decided, result)
+        _tell(run.on_done, result)
+
+
+def _tell(fn: Callable | None, value: object) -> None:
+    if fn is not None:
+        fn(value)
