@@ -107,7 +107,7 @@ def _logits(llm: Qwen3LM, rows: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class _Run:
-    """One request's progress through the batch."""
+    """One unit's progress through the scheduler."""
 
     def __init__(self, req: UnitRequest):
         self.req = req
@@ -118,6 +118,8 @@ class _Run:
         self.ask: tuple[int, bool] | Draw | None = None
         self.unit: ThinkerUnit | None = None
         self.error: BaseException | None = None
+        self.on_decided: Callable | None = None  # UnitScheduler.add's callbacks
+        self.on_done: Callable | None = None
 
     def fail(self, e: BaseException) -> None:
         self.error = e
