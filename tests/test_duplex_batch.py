@@ -246,3 +246,37 @@ def test_units_joining_at_any_step_equal_each_session_alone(shared, speech_model
     # some unit decided while another's speech (a speak unit's) was in flight
     speech = [(at["decided", i, k], at["done", i, k]) for (i, k), w in want.items() if w.codes]
     assert speech and any(s < at["decided", j, m] < e for s, e in speech for j, m, _ in units)
+
+
+def test_fail_all_ends_every_unit_in_flight_once(shared, speech_models):
+    """UnitScheduler.fail_all (a step failed outside the units' own handling): every unit
+    in flight gets the error once, as its decision too where none went out yet, and its
+    session takes a next unit."""
+    a, ins_a = make(shared, "audio_sampling", speech_models)
+    b, ins_b = make(shared, "audio_greedy")
+    sched = batch.UnitScheduler()
+    told: dict[str, list] = {"a": [], "b": [], "b2": []}
+
+    def add(key, req):
+        sched.add(req, lambda r, k=key: told[k].append(("decided", r)),
+                  lambda r, k=key: told[k].append(("done", r)))
+
+    add("a", UnitRequest(a, *ins_a[3], "speak"))
+    add("b", UnitRequest(b, *ins_b[0], "speak"))
+    add("b2", UnitRequest(b, *ins_b[1], "listen"))  # waits for b's first
+    while not any(k == "decided" for k, _ in told["a"]):  # a's speech is next
+        sched.step()
+    assert sched.has_work()
+    in_flight = [k for k, got in told.items() if not any(x == "done" for x, _ in got)]
+    assert "a" in in_flight and "b2" in in_flight  # a mid-speech, b2 waiting or decoding
+    boom = RuntimeError("boom")
+    sched.fail_all(boom)
+    assert not sched.has_work()
+    assert [k for k, _ in told["a"]] == ["decided", "done"] and told["a"][1][1] is boom
+    for key, got in told.items():
+        kinds = [k for k, _ in got]
+        assert kinds.count("done") == 1 and kinds.count("decided") == 1, (key, got)
+        assert (got[-1] == ("done", boom)) == (key in in_flight), (key, got)
+    # b's session is free again: its next unit runs
+    out = run_units([UnitRequest(b, *ins_b[2], "listen")])[0]
+    assert not isinstance(out, BaseException) and out.is_listen
