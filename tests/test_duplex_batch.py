@@ -280,3 +280,36 @@ def test_fail_all_ends_every_unit_in_flight_once(shared, speech_models):
     # b's session is free again: its next unit runs
     out = run_units([UnitRequest(b, *ins_b[2], "listen")])[0]
     assert not isinstance(out, BaseException) and out.is_listen
+
+
+def test_new_units_every_step_do_not_starve_the_units_decoding(monkeypatch):
+    """UnitScheduler's Thinker lane: a new unit's prefill goes ahead of the units decoding,
+    but not twice in a row, so units arriving as fast as the steps run still leave the
+    decoding ones every other step (the lanes' work stood in for by counters)."""
+    from types import SimpleNamespace
+
+    order = []
+
+    def prefill(self, admitted):
+        order.append("P")
+        self._new = [r for r in self._new if r not in admitted]
+        for r in admitted:
+            r.left = 3
+        self._thinking += admitted
+
+    def decode(self):
+        order.append("D")
+        for r in self._thinking:
+            r.left -= 1
+        self._thinking = [r for r in self._thinking if r.left > 0]
+
+    monkeypatch.setattr(batch.UnitScheduler, "_prefill", prefill)
+    monkeypatch.setattr(batch.UnitScheduler, "_decode_step", decode)
+    sched = batch.UnitScheduler()
+    for _ in range(8):  # a unit of a new session before every step
+        sched.add(UnitRequest(SimpleNamespace(thinker=None), None))
+        sched.step()
+    assert "".join(order) == "PD" * 4
+    while sched.has_work():
+        sched.step()
+    assert "".join(order[8:]) == "PDDD"  # the last unit: its prefill and its three steps

@@ -224,8 +224,10 @@ class UnitScheduler:
       rounds); the units done while it runs go as its next batch. A listen unit has no
       speech: it is done with its decision.
 
-    So a unit's prefill waits for one step of the lanes, never for another unit's speech, and
-    its decision for its own decode. A session has one unit in flight: its next unit waits,
+    A new unit's prefill goes ahead of the decoding units' next step, but not twice in a row
+    while units decode (arrivals as fast as the steps must not starve them). So a unit's
+    prefill waits for a step or two of the lanes, never for another unit's speech, and its
+    decision for its own decode. A session has one unit in flight: its next unit waits,
     added, until the last one is done (the reference draws a unit's Thinker ids and Talker
     codes from one generator, in unit order). `on_done` gets per unit its UnitResult or the
     exception that failed it; a unit that fails alone (bad input, no KV room) leaves the
@@ -240,6 +242,7 @@ class UnitScheduler:
         self._speech: Generator | None = None
         self._busy: set[int] = set()  # the sessions (ids) with a unit past `_new`
         self._speech_turn = False
+        self._prefilled_last = False  # the Thinker lane's last step was a prefill
         self.prefills = 0  # the Thinker lane's prefill steps (units joined in each)
 
     def add(self, req: UnitRequest, on_decided: Callable | None = None,
@@ -268,9 +271,13 @@ class UnitScheduler:
         speech = self._speech is not None or bool(self._ready)
         if thinker and not (speech and self._speech_turn):
             self._speech_turn = True
-            if admitted:  # a new unit's prefill goes first: it decides a listen at once
+            # a new unit's prefill goes first (it decides a listen at once), but never twice
+            # in a row over units decoding: arrivals as fast as steps must not starve them
+            if admitted and not (self._thinking and self._prefilled_last):
+                self._prefilled_last = True
                 self._prefill(admitted)
             else:
+                self._prefilled_last = False
                 self._decode_step()
         elif speech:
             self._speech_turn = False
