@@ -16,6 +16,8 @@ or a code)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -313,3 +315,36 @@ def test_new_units_every_step_do_not_starve_the_units_decoding(monkeypatch):
     while sched.has_work():
         sched.step()
     assert "".join(order[8:]) == "PDDD"  # the last unit: its prefill and its three steps
+
+
+def test_a_speak_units_text_is_told_as_it_is_drawn(shared):
+    """UnitScheduler's `on_text`: a speaking unit's spoken ids as they are drawn, before its
+    decision, each a prefix of the next, the last the unit's own; `TextPieces` turns them
+    into pieces that join into the unit's text (whole characters only)."""
+    from deployments.stages.duplex import TextPieces
+
+    s, ins = make(shared, "audio_greedy")
+    tok = shared[1]
+    told, pieces, order = [], [], []
+    text = TextPieces(tok, pieces.append)
+    sched = batch.UnitScheduler()
+    sched.add(UnitRequest(s, *ins[0], "speak"), lambda u: order.append(("decided", u)),
+              lambda r: order.append(("done", r)),
+              lambda ids: (told.append(ids), text(ids), order.append(("text", len(ids)))))
+    while sched.has_work():
+        sched.step()
+    unit = order[-2][1]
+    assert [k for k, _ in order[-2:]] == ["decided", "done"] and not unit.is_listen
+    assert len(told) >= 2 and all(k == "text" for k, _ in order[:-2])
+    for a, b in itertools.pairwise(told):
+        assert b[:len(a)] == a and len(b) > len(a)
+    assert told[-1] == [i for i, _ in unit.spoken]
+    assert "".join(pieces) == unit.text and len(pieces) >= 2
+
+    # a character split over two ids waits for its second
+    ids = tok.encode("héllo 你好 wörld")
+    pieces.clear()
+    text = TextPieces(tok, pieces.append)
+    for k in range(1, len(ids) + 1):
+        text(ids[:k])
+    assert "".join(pieces) == tok.decode(ids) and not any("\ufffd" in p for p in pieces)

@@ -94,6 +94,20 @@ def test_stage_session_refuses_a_bad_option(ckpt):
     assert len(sessions) == 0
 
 
+async def _unit(server, sid, audio, frames, force) -> dict:
+    """ThinkerServer.duplex_unit's stream read to its decision; a speak unit's text pieces
+    must join into a prefix of its text (all of it but an unfinished last character)."""
+    pieces = []
+    async for item in server.duplex_unit(sid, audio, frames, force):
+        if "text" in item:
+            pieces.append(item["text"])
+        else:
+            decision = item["decision"]
+    assert decision["text"].startswith("".join(pieces)), (pieces, decision["text"])
+    assert bool(pieces) == bool(decision["text"].strip("\ufffd"))  # streamed if it has text
+    return decision
+
+
 def test_concurrent_units_of_several_sessions_join_in_one_step(ckpt):
     """The served path (ThinkerServer.duplex_unit): units of three sessions that arrive
     together are prefilled in one step on the engine loop, and each equals its session
@@ -120,9 +134,9 @@ def test_concurrent_units_of_several_sessions_join_in_one_step(ckpt):
             out = []
             for k in rounds:
                 out.append(await asyncio.gather(*(
-                    server.duplex_unit(name, *inputs[i][k], None) for i, name in enumerate(names))))
+                    _unit(server, name, *inputs[i][k], None) for i, name in enumerate(names))))
             with pytest.raises(KeyError):
-                await server.duplex_unit("nobody", inputs[0][0][0], None, None)
+                await _unit(server, "nobody", inputs[0][0][0], None, None)
             stats = server._duplex_sessions().stats()
             for name in names:
                 assert await server.duplex_close(name)
@@ -167,7 +181,7 @@ class _FakeUnits:
         self.jobs = 0  # times the steps started
         self.joined: list[list[str]] = []  # the units new at each step
 
-    def add(self, sid, audio, frames, force, on_decided=None, on_done=None):
+    def add(self, sid, audio, frames, force, on_decided=None, on_done=None, on_text=None):
         if sid == "nobody":
             for fn in (on_decided, on_done):
                 fn(KeyError(sid))
@@ -323,12 +337,12 @@ def test_chat_steps_between_the_units_steps_and_a_close_waits_for_its_unit(ckpt)
                 max_slice_nums=1)
             await server.duplex_open("s", init)
             for k in range(4):  # to the first speak unit: several decode steps
-                await server.duplex_unit("s", *inputs[k], "speak" if k == 3 else None)
+                await _unit(server, "s", *inputs[k], "speak" if k == 3 else None)
             q = server.loop.open("chat")
             await server.loop.call(lambda e: e.open("chat", ThinkerRequest(
                 "chat", [1, 2, 3], sampling=SamplingParams(max_tokens=400, ignore_eos=True))))
             order.clear()
-            unit = asyncio.create_task(server.duplex_unit("s", *inputs[4], "speak"))
+            unit = asyncio.create_task(_unit(server, "s", *inputs[4], "speak"))
             while server.loop.side_steps == 0 or "S" not in order:
                 await asyncio.sleep(0.001)
             closed = await server.duplex_close("s")  # mid-unit: waits for its end

@@ -7,6 +7,7 @@ tests' a scripted fake (tests/fakes.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -45,7 +46,9 @@ class UnitResult:
 
 class DuplexBackend(Protocol):
     """Sessions by id. `unit` runs one unit of a session and returns its decision (`codes`
-    empty and `pcm` None), as soon as the model has decided and said its text; `speech`
+    empty and `pcm` None), as soon as the model has decided and said its text, which it
+    may also hand `on_text` piece by piece before (the pieces join into a prefix of the
+    decision's text); `speech`
     then returns that unit's codes and PCM once its audio is made. Neither is called again
     for the session before the other returns (`speech` only after a speaking unit); `close`
     frees everything the session holds and is called exactly once per `open` that
@@ -54,7 +57,8 @@ class DuplexBackend(Protocol):
     async def open(self, session_id: str, init: DuplexInit) -> None: ...
 
     async def unit(self, session_id: str, audio: np.ndarray, frames: list | None,
-                   force: str | None) -> UnitResult: ...
+                   force: str | None, on_text: Callable[[str], None] | None = None
+                   ) -> UnitResult: ...
 
     async def speech(self, session_id: str) -> tuple[list[int], np.ndarray | None]: ...
 
@@ -110,12 +114,19 @@ class StageBackend:
         self._where[session_id] = group
 
     async def unit(self, session_id: str, audio: np.ndarray, frames: list | None,
-                   force: str | None) -> UnitResult:
+                   force: str | None, on_text: Callable[[str], None] | None = None
+                   ) -> UnitResult:
         group = self._where[session_id]
         nbytes = audio.nbytes + sum(f.width * f.height * 3 for f in frames or ())
-        out = await group.stages.via("thinker", nbytes).duplex_unit.remote(
+        stream = group.stages.via("thinker", nbytes).options(stream=True).duplex_unit.remote(
             session_id, audio, frames, force)
-        return UnitResult(**out, codes=[], pcm=None)
+        async for item in stream:
+            if "text" in item:
+                if on_text is not None:
+                    on_text(item["text"])
+            else:
+                return UnitResult(**item["decision"], codes=[], pcm=None)
+        raise RuntimeError("the Thinker stage ended a duplex unit without its decision")
 
     async def speech(self, session_id: str) -> tuple[list[int], np.ndarray | None]:
         group = self._where[session_id]

@@ -222,12 +222,14 @@ class DuplexSessions:
 
     def add(self, sid: str, audio: Any, frames: Any, force: str | None,
             on_decided: Callable[[Any], None] | None = None,
-            on_done: Callable[[Any], None] | None = None) -> None:
+            on_done: Callable[[Any], None] | None = None,
+            on_text: Callable[[str], None] | None = None) -> None:
         """Queue one unit of session `sid` for the scheduler's next steps (`steps`).
-        `on_decided` gets its decision (the `DECISION` fields) once its Thinker part is
-        done, `on_done` its whole result (the fields of UnitResult + prefill_tokens) once
-        its speech is; either gets the exception that failed it (KeyError: no such session;
-        ValueError: a bad input) instead."""
+        `on_text` gets a speak unit's text as it is drawn, piece by piece (`TextPieces`),
+        `on_decided` its decision (the `DECISION` fields, its whole text) once its Thinker
+        part is done, `on_done` its whole result (the fields of UnitResult +
+        prefill_tokens) once its speech is; either of the last two gets the exception that
+        failed it (KeyError: no such session; ValueError: a bad input) instead."""
         from pipeline.duplex.batch import UnitRequest, UnitScheduler
 
         entry = self._sessions.get(sid)
@@ -255,7 +257,9 @@ class DuplexSessions:
                 on_done(r)
 
         session, slices = entry
-        self._scheduler.add(UnitRequest(session, audio, frames, force, slices), decided, done)
+        pieces = TextPieces(session.thinker.tokenizer, on_text) if on_text else None
+        self._scheduler.add(UnitRequest(session, audio, frames, force, slices), decided, done,
+                            pieces)
 
     def steps(self) -> Generator[None, None, None]:
         """The scheduler's steps (pipeline.duplex.batch.UnitScheduler), one GPU step a
@@ -287,6 +291,24 @@ class DuplexSessions:
                 "kv_blocks": held, "talker_rows": rows}
 
 
+class TextPieces:
+    """A unit's spoken ids as they grow -> the new text each time (`on_piece`): the ids
+    decoded as the unit's text is (skipping special tokens), less what went before; a
+    decode that ends inside a character (U+FFFD) or that does not extend what went before
+    waits for the next id. The pieces join into a prefix of the unit's text."""
+
+    def __init__(self, tokenizer: Any, on_piece: Callable[[str], None]):
+        self.tokenizer, self.on_piece = tokenizer, on_piece
+        self.sent = ""
+
+    def __call__(self, ids: list[int]) -> None:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if len(text) > len(self.sent) and text.startswith(self.sent) \
+                and not text.endswith("\ufffd"):
+            piece, self.sent = text[len(self.sent):], text
+            self.on_piece(piece)
+
+
 # A unit's fields known once the Thinker's part is done (the rest: codes, pcm)
 DECISION = ("is_listen", "end_of_turn", "text", "token_ids", "prefill_tokens")
 
@@ -315,7 +337,10 @@ class UnitBatcher:
         self._in_flight: set[tuple[asyncio.Future, asyncio.Future]] = set()  # (decided, done)
         self._task: asyncio.Task | None = None
 
-    async def submit(self, sid: str, audio: Any, frames: Any, force: str | None) -> Any:
+    async def submit(self, sid: str, audio: Any, frames: Any, force: str | None,
+                     on_text: Callable[[str], None] | None = None) -> Any:
+        """The unit's decision; `on_text` (called on the event loop) gets a speak unit's
+        text piece by piece before it."""
         aloop = asyncio.get_running_loop()
         unit = decided, done = aloop.create_future(), aloop.create_future()
         self._results[sid] = done
@@ -327,8 +352,11 @@ class UnitBatcher:
         def on_done(r: Any) -> None:
             aloop.call_soon_threadsafe(self._done, unit, r)
 
-        self._loop.post(lambda e: self._sessions().add(sid, audio, frames, force,
-                                                        on_decided, on_done))
+        def text(piece: str) -> None:
+            aloop.call_soon_threadsafe(_tell_unless_done, decided, on_text, piece)
+
+        self._loop.post(lambda e: self._sessions().add(
+            sid, audio, frames, force, on_decided, on_done, text if on_text else None))
         if self._task is None:
             self._task = asyncio.create_task(self._drive())
         return await decided
@@ -377,6 +405,11 @@ class UnitBatcher:
             raise
         finally:
             self._task = None
+
+
+def _tell_unless_done(decided: asyncio.Future, fn: Callable[[str], None], piece: str) -> None:
+    if not decided.done():  # nobody waits for a unit's text past its decision
+        fn(piece)
 
 
 def _settle(fut: asyncio.Future, r: Any) -> None:

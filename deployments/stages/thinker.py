@@ -147,18 +147,29 @@ class ThinkerServer(StageServer):
         return held
 
     async def duplex_unit(self, session_id: str, audio: np.ndarray, frames: list | None,
-                          force: str | None) -> dict[str, Any]:
-        """One 1 s unit of a session: its decision (stages/duplex.py `DECISION`: listen or
-        speak, the turn's end, the text, ids, prefill size), returned once its Thinker part
-        is done; a speak unit's audio then comes from `duplex_speech`. The units of all
-        sessions run in one scheduler (pipeline.duplex.batch.UnitScheduler: a unit joins at
-        its next step), step by step beside the engine's steps (deployments/stages/duplex.py
-        UnitBatcher, EngineLoop.call_steps)."""
+                          force: str | None) -> AsyncIterator[dict[str, Any]]:
+        """One 1 s unit of a session, streamed (call with `stream=True`): a speak unit's text
+        piece by piece as its tokens are drawn (`{"text": piece}`), then its decision
+        (`{"decision": ...}`, stages/duplex.py `DECISION`: listen or speak, the turn's end,
+        the whole text, ids, prefill size) once its Thinker part is done; a speak unit's
+        audio then comes from `duplex_speech`. The units of all sessions run in one scheduler
+        (pipeline.duplex.batch.UnitScheduler: a unit joins at its next step), step by step
+        beside the engine's steps (deployments/stages/duplex.py UnitBatcher,
+        EngineLoop.call_steps)."""
         if self._duplex_units is None:
             from deployments.stages.duplex import UnitBatcher
 
             self._duplex_units = UnitBatcher(self.loop, self._duplex_sessions)
-        return await self._duplex_units.submit(session_id, audio, frames, force)
+        pieces: asyncio.Queue = asyncio.Queue()
+        unit = asyncio.ensure_future(self._duplex_units.submit(
+            session_id, audio, frames, force, pieces.put_nowait))
+        unit.add_done_callback(lambda _: pieces.put_nowait(None))  # after its last piece
+        try:
+            while (piece := await pieces.get()) is not None:
+                yield {"text": piece}
+            yield {"decision": unit.result()}  # raises what failed it
+        finally:
+            unit.cancel()  # the caller went away: the unit runs on, its result dropped
 
     async def duplex_speech(self, session_id: str) -> dict[str, Any]:
         """The speech of a session's last unit (`codes`, 24 kHz float32 `pcm` or None), once

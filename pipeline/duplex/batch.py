@@ -17,8 +17,9 @@ the units. A unit's way through it:
    token to every unit still decoding, in one forward, computes the logits of those that
    want them in one matmul, and draws the next id of every one that asks one in one
    `decode_batch` (each from its own generator; the host reads the device two or three
-   times a step, not a few times a session). A unit leaves at its own chunk terminator,
-   with its decision; its repetition window, generator, turn state and sliding window
+   times a step, not a few times a session); a speak unit's spoken ids are told as they
+   are drawn (`on_text`, for a server to stream its text). A unit leaves at its own chunk
+   terminator, with its decision; its repetition window, generator, turn state and sliding window
    stay its session's own (the steps run on its DuplexThinker, as alone);
 3. speech (`DuplexSession.finish_units_steps`), over the speak units done with 2 since the
    last speech batch began: their Talker draws in lockstep, one decode a step over every
@@ -120,6 +121,8 @@ class _Run:
         self.error: BaseException | None = None
         self.on_decided: Callable | None = None  # UnitScheduler.add's callbacks
         self.on_done: Callable | None = None
+        self.on_text: Callable | None = None
+        self.told = 0  # the spoken ids on_text has had
 
     def fail(self, e: BaseException) -> None:
         self.error = e
@@ -246,9 +249,13 @@ class UnitScheduler:
         self.prefills = 0  # the Thinker lane's prefill steps (units joined in each)
 
     def add(self, req: UnitRequest, on_decided: Callable | None = None,
-            on_done: Callable | None = None) -> None:
+            on_done: Callable | None = None, on_text: Callable | None = None) -> None:
+        """Queue a unit. `on_text` gets a speak unit's spoken ids so far (a list that grows)
+        after each Thinker step that drew more of them, before its decision; `on_decided`
+        its ThinkerUnit once its Thinker part is done; `on_done` its UnitResult; either of
+        the last two the exception that failed it instead."""
         run = _Run(req)
-        run.on_decided, run.on_done = on_decided, on_done
+        run.on_decided, run.on_done, run.on_text = on_decided, on_done, on_text
         self._new.append(run)
 
     def has_work(self) -> bool:
@@ -366,6 +373,10 @@ class UnitScheduler:
         for run in self._thinking:
             if run.ask is not None:
                 still.append(run)
+                spoken = run.thinker.speaking
+                if run.on_text is not None and len(spoken) > run.told:
+                    run.told = len(spoken)
+                    run.on_text(list(spoken))
             elif run.error is not None:
                 self._finish(run, run.error, decided=False)
             else:

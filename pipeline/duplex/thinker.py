@@ -220,6 +220,7 @@ class DuplexThinker:
         self.current_mode: str | None = None
         self.current_turn_ended = True
         self.generate_count = 0
+        self.speaking: list[int] = []  # the unit in progress's spoken ids so far
         self.preserve = 0  # system prompt length, never slid out
         self.units: list[_Unit] = []
         self.unit_start: int | None = None
@@ -466,6 +467,7 @@ class DuplexThinker:
         return self._unit_steps(force)
 
     def _unit_steps(self, force: str | None) -> UnitSteps:
+        self.speaking = []  # the chunk's spoken ids as they are drawn, for a server to stream
         if self.pending_logits is None:  # nothing prefilled: the reference answers listen
             return ThinkerUnit(True, False, "", [], [], [])
         c, t = self.cfg, self.tokens
@@ -497,6 +499,8 @@ class DuplexThinker:
                 # the reference feeds the terminator and drops the logits it gets
                 yield last, False
                 break
+            if j != 0:
+                self.speaking.append(last)
             self.current_turn_ended = False
             hidden, logits = yield last, True
             end_of_turn = last == t.turn_eos
