@@ -5,7 +5,8 @@ listen, repeated; the session's `duplex_force: "speak"` and `force_listen` on L 
 random weights give the same load as a talkative model. Per unit:
 
 - decision: from the unit's last input sample leaving the client to its first event
-  (`response.listen`, or the text delta of a speaking unit);
+  (`response.listen`, or the first text delta of a speaking unit, which the app sends as
+  the text is drawn);
 - first audio: from the same instant to the unit's first `response.output_audio.delta`;
 - behind: units decided later than the next unit's last sample (the session lags);
 - underruns: gaps in the client's playback: within a turn, a unit's audio that arrives

@@ -403,10 +403,14 @@ class FakeDuplexBackend:
     last of them ends the turn), the others listen; a forced unit does as forced. A speak
     unit's text is "u<index> " and its PCM (from `speech`) 1 s of a 440 Hz tone at 24 kHz;
     every unit "prefills" 30 positions. Records each session's init and units for the tests, and can
-    fail at a unit (`fail_at`) or take `unit_delay_s` per unit."""
+    fail at a unit (`fail_at`) or take `unit_delay_s` per unit. With `text_pieces`, a speak
+    unit hands `on_text` its text's first piece ("u") before that delay, as a backend that
+    streams its text does."""
 
     def __init__(self, period: int = 4, speak: int = 2, unit_delay_s: float = 0.0,
-                 fail_at: int | None = None, speech_delay_s: float = 0.0):
+                 fail_at: int | None = None, speech_delay_s: float = 0.0,
+                 text_pieces: bool = False):
+        self.text_pieces = text_pieces
         self.period, self.speak = period, speak
         self.unit_delay_s, self.fail_at = unit_delay_s, fail_at
         self.speech_delay_s = speech_delay_s
@@ -425,21 +429,23 @@ class FakeDuplexBackend:
         self.opened += 1
 
     async def unit(self, session_id: str, audio: np.ndarray, frames: list | None,
-                   force: str | None) -> Any:
+                   force: str | None, on_text: Any = None) -> Any:
         from deployments.duplex.backend import UnitResult
 
         assert session_id in self.sessions, "unit of a session that is not open"
         units = self.units[session_id]
         i = len(units)
         units.append((len(audio), len(frames or ()), force))
-        if self.unit_delay_s:
-            await asyncio.sleep(self.unit_delay_s)
-        if self.fail_at == i:
-            raise RuntimeError("scripted unit failure")
         phase = i % self.period
         speak = phase >= self.period - self.speak
         if force is not None:
             speak = force == "speak"
+        if speak and self.text_pieces and on_text is not None and self.fail_at != i:
+            on_text("u")
+        if self.unit_delay_s:
+            await asyncio.sleep(self.unit_delay_s)
+        if self.fail_at == i:
+            raise RuntimeError("scripted unit failure")
         if not speak:
             return UnitResult(True, False, "", [1], [], None, prefill_tokens=30)
         end = force is None and phase == self.period - 1

@@ -146,6 +146,7 @@ def test_audio_session_speaks_is_interrupted_and_stops(browser, server, ingress,
     sid = _duplex(page)["sessionId"]
     init = ingress.duplex.backend.inits[sid]
     assert (init.mode, init.system_prompt) == ("audio", "You are a test voice.")
+    ingress.duplex.backend.text_pieces = True  # each unit's text in two deltas ("u", "0 ")
 
     # A unit of mic a second; each forced to speak comes back as text and 1 s of audio.
     page.wait_for("window.omniray.audioDeltas >= 2", timeout_s=15)
@@ -187,9 +188,12 @@ def test_audio_session_speaks_is_interrupted_and_stops(browser, server, ingress,
     assert not page.evaluate("window.omniray.micOn")
     page.wait_for(f"window.omniray.outputLevel < {SILENT}", timeout_s=2)
     assert page.evaluate("window.omniray.activeSources") == 0
+    ingress.duplex.backend.text_pieces = False
     units = ingress.duplex.backend.units[sid]
     assert units and all(n == UNIT for n, _, _ in units)  # whole 1 s units of 16 kHz audio
     assert len(units) <= d["appends"]
+    # a unit's text deltas count as one spoken unit
+    assert 2 <= d["speaks"] <= sum(f == "speak" for _, _, f in units)
     assert page.evaluate("document.getElementById('live').textContent") == "Start"
     close_page(page)
     wait_free(stats)

@@ -182,6 +182,54 @@ def test_official_text_goes_out_before_the_audio_is_made():
     free(server)
 
 
+def test_official_text_pieces_go_out_before_the_decision():
+    """A backend that streams a speaking unit's text: its first piece leaves at once, as a
+    text delta of its unit without the turn's end; the rest of the text goes with the
+    decision (here 0.5 s later), carrying the turn's end; the pieces join into the text."""
+    server, client = make(period=2, speak=1, unit_delay_s=0.5, text_pieces=True)
+    with client.websocket_connect("/v1/realtime?mode=audio") as ws:
+        official_start(ws)
+        ws.send_json({"type": "input.append", "input": {"audio": f32(FIRST)}})
+        ws.send_json({"type": "input.append", "input": {"audio": f32(UNIT)}})
+        until(ws, "response.listen")
+        t0 = time.monotonic()
+        first = until(ws, "response.output_text.delta")[-1]
+        t_first = time.monotonic()
+        rest = until(ws, "response.output_text.delta")[-1]
+        t_rest = time.monotonic()
+        done = until(ws, "response.done")
+        ws.send_json({"type": "session.close"})
+        until(ws, "session.closed")
+    assert (first["unit"], first["text"], first["end_of_turn"]) == (1, "u", False)
+    assert (rest["unit"], rest["text"], rest["end_of_turn"]) == (1, "1 ", True)
+    assert t_first - t0 < 0.3 <= t_rest - t0  # the piece did not wait for the decision
+    assert not [e for e in done if e["type"] == "response.output_text.delta"]
+    free(server)
+
+
+def test_openai_shape_text_pieces_go_out_before_the_decision():
+    """The OpenAI shape: a streamed piece opens the response and goes as a transcript delta
+    at once; the rest of the unit's text follows with its decision, and the response's
+    transcript is the whole text."""
+    server, client = make(unit_delay_s=0.5, text_pieces=True)
+    with client.websocket_connect("/v1/realtime?duplex=1") as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"omniray": {"duplex_force": "speak"}}})
+        ws.receive_json()
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(24000 + 1200)})
+        said = until(ws, "response.output_audio_transcript.delta")
+        t_first = time.monotonic()
+        more = until(ws, "response.output_audio_transcript.delta")
+        t_more = time.monotonic()
+        ws.send_json({"type": "response.cancel"})
+        until(ws, "response.done")
+    assert [e["type"] for e in said][-2:] == ["response.created",
+                                              "response.output_audio_transcript.delta"]
+    assert said[-1]["delta"] == "u" and more[-1]["delta"] == "0 "
+    assert t_more - t_first >= 0.3
+    free(server)
+
+
 def test_official_video_session_one_frame_per_unit_and_force_listen():
     server, client = make()
     with client.websocket_connect("/v1/realtime?mode=video") as ws:
@@ -533,8 +581,9 @@ class StageStandIn:
         session, slices = self.sessions[sid]
         r = session.unit(audio, frames, force, slices)
         self.speeches[sid] = {"codes": r.codes, "pcm": r.pcm}
-        return {"is_listen": r.is_listen, "end_of_turn": r.end_of_turn, "text": r.text,
-                "token_ids": r.token_ids, "prefill_tokens": len(r.prefill)}
+        yield {"decision": {"is_listen": r.is_listen, "end_of_turn": r.end_of_turn,
+                            "text": r.text, "token_ids": r.token_ids,
+                            "prefill_tokens": len(r.prefill)}}
 
     async def duplex_speech(self, sid):
         return self.speeches.pop(sid)
@@ -567,8 +616,8 @@ def test_the_stage_backend_spreads_sessions_over_groups_and_routes_their_calls()
 
         async def duplex_unit(self, sid, audio, frames, force):
             self.calls.append(("unit", sid, len(audio), len(frames or ()), force))
-            return {"is_listen": True, "end_of_turn": False, "text": "", "token_ids": [1],
-                    "prefill_tokens": 12}
+            yield {"decision": {"is_listen": True, "end_of_turn": False, "text": "",
+                                "token_ids": [1], "prefill_tokens": 12}}
 
         async def duplex_close(self, sid):
             self.calls.append(("close", sid))

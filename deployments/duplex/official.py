@@ -5,7 +5,8 @@ as OpenBMB's `openbmb-realtime` SDK and the demo's page speak it.
     client: session.init {payload: system_prompt, config, voice, max_slice_nums}
     server: session.created {session_id}
     client: input.append {input: audio (base64 16 kHz float32), force_listen, video_frames}
-    server, per unit: response.listen | response.output_text.delta {text, end_of_turn}
+    server, per unit: response.listen | response.output_text.delta* {text, end_of_turn}
+            (the text in pieces as it is drawn, the last with the turn's end)
             + response.output_audio.delta {audio: base64 24 kHz float32};
             response.done {usage} after a turn's last unit
     client: session.close {reason}      server: session.closed {reason, usage}
@@ -207,12 +208,20 @@ class OfficialConnection(DuplexConnection):
             raise BadEvent("invalid_image", f"input.video_frames: {e}",
                            "input.video_frames") from None
 
+    def on_text(self, index: int, piece: str) -> None:
+        self.out.put({"type": "response.output_text.delta", "unit": index, "text": piece,
+                      "end_of_turn": False})
+
     def on_decision(self, index: int, r: UnitResult) -> None:
         if r.is_listen:
             self.out.put({"type": "response.listen", "unit": index})
             return
-        self.out.put({"type": "response.output_text.delta", "unit": index, "text": r.text,
-                      "end_of_turn": r.end_of_turn})
+        # the unit's last text delta carries its turn's end (a unit with its text all sent
+        # and the turn going on needs none)
+        rest = self.rest_of_text(r)
+        if rest or r.end_of_turn or not self.streamed:
+            self.out.put({"type": "response.output_text.delta", "unit": index, "text": rest,
+                          "end_of_turn": r.end_of_turn})
 
     def on_audio(self, index: int, r: UnitResult) -> None:
         if r.is_listen:

@@ -178,22 +178,29 @@ class OpenAIConnection(DuplexConnection):
 
     # -- results -------------------------------------------------------------------------
 
+    def on_text(self, index: int, piece: str) -> None:
+        self._say(piece)
+
     def on_decision(self, index: int, r: UnitResult) -> None:
         if r.is_listen:
             if self.response is not None:
                 self._end_response("cancelled", "turn_detected")
             self.muted = False
             return
+        self._say(self.rest_of_text(r))
+
+    def _say(self, text: str) -> None:
+        """A speaking unit's text (a piece, or the rest at its decision)."""
         if self.muted:  # spoken before the model saw the cancel
             return
         if self.response is None:
             self.response = {"id": new_id("resp"), "item": new_id("item"), "text": ""}
             self.out.put(self._event("response.created", response=self._response_obj(
                 "in_progress")))
-        if r.text:
-            self.response["text"] += r.text
+        if text:
+            self.response["text"] += text
             self.out.put(self._event("response.output_audio_transcript.delta",
-                                     **self._ref(), delta=r.text))
+                                     **self._ref(), delta=text))
 
     def on_audio(self, index: int, r: UnitResult) -> None:
         # a cancel that came after the decision drops the unit's audio too

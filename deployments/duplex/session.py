@@ -209,6 +209,7 @@ class DuplexConnection:
         self._clock = _Clock()
         self._ending: asyncio.Future[Ending] = asyncio.get_running_loop().create_future()
         self.unit_index = 0
+        self.streamed = ""               # the unit's text sent so far, piece by piece
 
     # -- what a wire provides ------------------------------------------------------------
 
@@ -218,9 +219,25 @@ class DuplexConnection:
     async def on_event(self, obj: dict) -> None:
         raise NotImplementedError
 
-    def on_decision(self, index: int, result: UnitResult) -> None:
-        """A unit's decision and text (its codes and PCM not yet made)."""
+    def on_text(self, index: int, piece: str) -> None:
+        """A piece of a speaking unit's text, before its decision (`streamed` holds the
+        unit's pieces so far, this one included)."""
         raise NotImplementedError
+
+    def on_decision(self, index: int, result: UnitResult) -> None:
+        """A unit's decision and text (its codes and PCM not yet made); the text past what
+        `on_text` sent is `rest_of_text(result)`."""
+        raise NotImplementedError
+
+    def _on_text(self, piece: str) -> None:
+        self.streamed += piece
+        self.on_text(self.unit_index, piece)
+
+    def rest_of_text(self, result: UnitResult) -> str:
+        """The unit's text that its pieces did not send (all of it when none went)."""
+        if result.text.startswith(self.streamed):
+            return result.text[len(self.streamed):]
+        return ""  # pieces are a prefix of the text (DuplexBackend); nothing is sent twice
 
     def on_audio(self, index: int, result: UnitResult) -> None:
         """The same unit once its audio is made (after `on_decision`; a listening unit's
@@ -287,8 +304,11 @@ class DuplexConnection:
         while True:
             unit = await self._pending.get()
             try:
-                # the decision and text go out as soon as the model has them, the audio after
-                result = await backend.unit(self.id, unit.audio, unit.frames, unit.force)
+                # the text goes out as the model draws it, the decision with the rest of the
+                # text as soon as the model has it, the audio after
+                self.streamed = ""
+                result = await backend.unit(self.id, unit.audio, unit.frames, unit.force,
+                                            self._on_text)
                 self.on_decision(self.unit_index, result)
                 if not result.is_listen:
                     result.codes, result.pcm = await backend.speech(self.id)
