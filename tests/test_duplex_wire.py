@@ -207,16 +207,21 @@ def test_official_text_pieces_go_out_before_the_decision():
     free(server)
 
 
+def openai_speaking(ws, units: int) -> None:
+    """An OpenAI-shaped session forced to speak, sent `units` units of audio at once."""
+    ws.receive_json()
+    ws.send_json({"type": "session.update", "session": {"omniray": {"duplex_force": "speak"}}})
+    ws.receive_json()
+    ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(units * 24000 + 1200)})
+
+
 def test_openai_shape_text_pieces_go_out_before_the_decision():
     """The OpenAI shape: a streamed piece opens the response and goes as a transcript delta
     at once; the rest of the unit's text follows with its decision, and the response's
     transcript is the whole text."""
     server, client = make(unit_delay_s=0.5, text_pieces=True)
     with client.websocket_connect("/v1/realtime?duplex=1") as ws:
-        ws.receive_json()
-        ws.send_json({"type": "session.update", "session": {"omniray": {"duplex_force": "speak"}}})
-        ws.receive_json()
-        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(24000 + 1200)})
+        openai_speaking(ws, 1)
         said = until(ws, "response.output_audio_transcript.delta")
         t_first = time.monotonic()
         more = until(ws, "response.output_audio_transcript.delta")
@@ -487,10 +492,7 @@ def test_openai_shape_cancel_ends_the_response_at_once_and_drops_speech_in_fligh
     server, client = make(unit_delay_s=0.3)
     units = server.duplex.backend.units
     with client.websocket_connect("/v1/realtime?duplex=1") as ws:
-        ws.receive_json()
-        ws.send_json({"type": "session.update", "session": {"omniray": {"duplex_force": "speak"}}})
-        ws.receive_json()
-        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(3 * 24000 + 1200)})
+        openai_speaking(ws, 3)
         until(ws, "response.output_audio.delta")  # the first unit spoke; two more in flight
         ws.send_json({"type": "response.cancel"})
         done = until(ws, "response.done")[-1]
@@ -517,10 +519,7 @@ def test_openai_shape_cancel_between_a_units_text_and_its_audio_drops_the_audio(
     comes before its audio is made ends the response, and the audio never follows."""
     server, client = make(speech_delay_s=0.5)
     with client.websocket_connect("/v1/realtime?duplex=1") as ws:
-        ws.receive_json()
-        ws.send_json({"type": "session.update", "session": {"omniray": {"duplex_force": "speak"}}})
-        ws.receive_json()
-        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16(24000 + 1200)})
+        openai_speaking(ws, 1)
         said = until(ws, "response.output_audio_transcript.delta")
         ws.send_json({"type": "response.cancel"})
         done = until(ws, "response.done")
