@@ -319,14 +319,14 @@ def test_new_units_every_step_do_not_starve_the_units_decoding(monkeypatch):
 
 def test_a_speak_units_text_is_told_as_it_is_drawn(shared):
     """UnitScheduler's `on_text`: a speaking unit's spoken ids as they are drawn, before its
-    decision, each a prefix of the next, the last the unit's own; `TextPieces` turns them
+    decision, each a prefix of the next, the last the unit's own; `text_pieces` turns them
     into pieces that join into the unit's text (whole characters only)."""
-    from deployments.stages.duplex import TextPieces
+    from deployments.stages.duplex import text_pieces
 
     s, ins = make(shared, "audio_greedy")
     tok = shared[1]
     told, pieces, order = [], [], []
-    text = TextPieces(tok, pieces.append)
+    text = text_pieces(tok, pieces.append)
     sched = batch.UnitScheduler()
     sched.add(UnitRequest(s, *ins[0], "speak"), lambda u: order.append(("decided", u)),
               lambda r: order.append(("done", r)),
@@ -344,7 +344,7 @@ def test_a_speak_units_text_is_told_as_it_is_drawn(shared):
     # a character split over two ids waits for its second
     ids = tok.encode("héllo 你好 wörld")
     pieces.clear()
-    text = TextPieces(tok, pieces.append)
+    text = text_pieces(tok, pieces.append)
     for k in range(1, len(ids) + 1):
         text(ids[:k])
     assert "".join(pieces) == tok.decode(ids) and not any("\ufffd" in p for p in pieces)

@@ -225,7 +225,7 @@ class DuplexSessions:
             on_done: Callable[[Any], None] | None = None,
             on_text: Callable[[str], None] | None = None) -> None:
         """Queue one unit of session `sid` for the scheduler's next steps (`steps`).
-        `on_text` gets a speak unit's text as it is drawn, piece by piece (`TextPieces`),
+        `on_text` gets a speak unit's text as it is drawn, piece by piece (`text_pieces`),
         `on_decided` its decision (the `DECISION` fields, its whole text) once its Thinker
         part is done, `on_done` its whole result (the fields of UnitResult +
         prefill_tokens) once its speech is; either of the last two gets the exception that
@@ -257,7 +257,7 @@ class DuplexSessions:
                 on_done(r)
 
         session, slices = entry
-        pieces = TextPieces(session.thinker.tokenizer, on_text) if on_text else None
+        pieces = text_pieces(session.thinker.tokenizer, on_text) if on_text else None
         self._scheduler.add(UnitRequest(session, audio, frames, force, slices), decided, done,
                             pieces)
 
@@ -291,22 +291,20 @@ class DuplexSessions:
                 "kv_blocks": held, "talker_rows": rows}
 
 
-class TextPieces:
-    """A unit's spoken ids as they grow -> the new text each time (`on_piece`): the ids
-    decoded as the unit's text is (skipping special tokens), less what went before; a
-    decode that ends inside a character (U+FFFD) or that does not extend what went before
-    waits for the next id. The pieces join into a prefix of the unit's text."""
+def text_pieces(tokenizer: Any, on_piece: Callable[[str], None]) -> Callable[[list[int]], None]:
+    """A unit's spoken ids as they grow -> each new piece of its text (`on_piece`), through
+    the turn-based engine's IncrementalDetokenizer (special tokens skipped as in the unit's
+    text; a character split over ids waits for its last). The pieces join into a prefix of
+    the unit's text."""
+    from pipeline.tokenizer import IncrementalDetokenizer
 
-    def __init__(self, tokenizer: Any, on_piece: Callable[[str], None]):
-        self.tokenizer, self.on_piece = tokenizer, on_piece
-        self.sent = ""
+    detok = IncrementalDetokenizer(tokenizer)
 
-    def __call__(self, ids: list[int]) -> None:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if len(text) > len(self.sent) and text.startswith(self.sent) \
-                and not text.endswith("\ufffd"):
-            piece, self.sent = text[len(self.sent):], text
-            self.on_piece(piece)
+    def push(ids: list[int]) -> None:
+        if piece := detok.push(ids[len(detok.ids):]):
+            on_piece(piece)
+
+    return push
 
 
 # A unit's fields known once the Thinker's part is done (the rest: codes, pcm)

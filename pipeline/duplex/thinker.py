@@ -220,7 +220,7 @@ class DuplexThinker:
         self.current_mode: str | None = None
         self.current_turn_ended = True
         self.generate_count = 0
-        self.speaking: list[int] = []  # the unit in progress's spoken ids so far
+        self.speaking: list[int] = []  # the unit's spoken ids as they are drawn
         self.preserve = 0  # system prompt length, never slid out
         self.units: list[_Unit] = []
         self.unit_start: int | None = None
@@ -477,7 +477,6 @@ class DuplexThinker:
 
         ids: list[int] = []  # the reference's total_ids entries of this unit
         spoken: list[tuple[int, torch.Tensor]] = []
-        spoken_ids: list[int] = []
         is_listen = end_of_turn = False
         n = c.max_new_speak_tokens_per_chunk
         for j in range(n):
@@ -499,19 +498,19 @@ class DuplexThinker:
                 # the reference feeds the terminator and drops the logits it gets
                 yield last, False
                 break
-            if j != 0:
+            if j != 0:  # the decision token itself is not spoken
                 self.speaking.append(last)
             self.current_turn_ended = False
             hidden, logits = yield last, True
             end_of_turn = last == t.turn_eos
             if end_of_turn:
                 self.current_turn_ended = True
-            if j != 0:  # the decision token itself is not spoken
+            if j != 0:
                 spoken.append((last, hidden))
-                spoken_ids.append(last)
 
         yield t.unit_end, False
         ids.append(t.unit_end)
+        spoken_ids = self.speaking
         text = self.tokenizer.decode(spoken_ids, skip_special_tokens=True) if spoken_ids else ""
         self._register_unit_end(spoken_ids, is_listen, text)
         if c.sliding_window_mode == "basic":
