@@ -15,13 +15,13 @@ receives a `StageFailure` and `on_failure` (e.g. abort everything) runs on the w
 thread, so the next request starts clean.
 
 Side jobs (`call_steps`): work that is not the engine's own but shares its thread and GPU,
-in steps, e.g. a batch of duplex units (deployments/stages/duplex.py). `fn(engine)` makes a
+in steps, e.g. the duplex units' scheduler (deployments/stages/duplex.py). `fn(engine)` makes a
 generator on the worker thread; the loop advances it one `next()` an iteration, after the
 engine's step when the engine has work (one engine step, one side step), back to back when
 it has none, with the commands still run between steps. So a long side job delays each
 engine step by one of its steps, never by all of them. Its return value (or what it
 raised) settles its caller; a failed side step fails that job only, not the engine's
-streams. Side jobs run one at a time, in the order they came (the duplex batcher has one
+streams. Side jobs run one at a time, in the order they came (the duplex units have one
 in flight at most); a job whose caller went away still runs to its end, as a command does,
 its result dropped.
 
