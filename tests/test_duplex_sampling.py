@@ -25,6 +25,7 @@ from pipeline.duplex.decoder import (
     _aligned,
     decode_batch,
     multinomial,
+    rowwise,
 )
 
 VOCAB = 1003
@@ -151,7 +152,8 @@ def test_rows_of_one_decoder_draw_in_row_order():
 def test_row_ops_on_stacked_rows_equal_the_single_row_calls(device, dtype):
     """What decode_batch runs over stacked rows gives each row what the (1, V) call gives:
     top-k values, sort (with ties) and argmax; the per-row softmax and cumsum on the
-    aligned rows equal the same calls on a tensor of their own. CUDA's cumsum over a
+    aligned rows equal the same calls on a tensor of their own, also run side by side on
+    streams of their own (`rowwise`). CUDA's cumsum over a
     vocabulary row is not deterministic in float32 (the same call on the same tensor
     differs in its last bits from run to run, H100): there the reference's own top-p cut
     moves as much, and the aligned row's sums are held to that spread."""
@@ -160,6 +162,8 @@ def test_row_ops_on_stacked_rows_equal_the_single_row_calls(device, dtype):
     x = x.to(device=device, dtype=dtype)
     rows = _aligned(x)
     values, indices = torch.sort(rows, descending=True)
+    # the rows' softmax on side streams (CUDA), side by side
+    side_by_side = rowwise(lambda row: F.softmax(row, -1), [rows[i : i + 1] for i in range(len(x))])
     for i in range(len(x)):
         one = x[i : i + 1].clone()
         assert torch.equal(torch.topk(rows, 20)[0][i : i + 1], torch.topk(one, 20)[0])
@@ -170,6 +174,7 @@ def test_row_ops_on_stacked_rows_equal_the_single_row_calls(device, dtype):
         assert rows[i : i + 1].data_ptr() % 16 == 0  # where a tensor of its own starts
         probs = F.softmax(rows[i : i + 1], -1)
         assert torch.equal(probs, F.softmax(one, -1))
+        assert torch.equal(side_by_side[i : i + 1], probs)
         got, want = torch.cumsum(probs, -1), torch.cumsum(F.softmax(one, -1), -1)
         if device == "cpu":
             assert torch.equal(got, want)

@@ -10,10 +10,17 @@ session's generator, in the reference's order, so a seed replays the same tokens
 `DuplexDecoder.decode` is that path for one session; `decode_batch` draws the next ids of
 many sessions at once (pipeline.duplex.batch), with the same values, draws and ids as each
 session's `decode`, and two or three host reads in all instead of three or four a session.
+
+A (1, V) softmax over the vocabulary runs on CUDA as one thread block over the whole row (a
+single SM for ~50 us at 151k entries), and a row of a packed (B, V) tensor may sum in another
+order than the row alone (its alignment picks the threads' elements). So `decode_batch` keeps
+the reference's (1, V) calls, each on a row laid out as a tensor of its own, and spreads them
+over side streams (`rowwise`): the same kernels on the same rows, run side by side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,9 @@ TURN_EOS_LENGTH_PENALTY = 1.1
 # allocator's 512-byte blocks): CUDA's softmax splits a row among its threads by the row's
 # alignment, so a row of a packed (B, V) tensor may sum its exps in another order.
 ROW_ALIGN_BYTES = 512
+# Side streams a device's row-wise calls spread over (`rowwise`): a row's softmax fills one
+# SM, so this many run at once.
+ROW_STREAMS = 8
 
 
 @dataclass(frozen=True)
@@ -146,7 +156,8 @@ def decode_batch(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
     Ops whose value in a row does not depend on the other rows (elementwise, masks, argmax,
     top-k, sort) run over the stacked rows, one call per group of rows with equal settings;
     softmax and cumsum run per row, as (1, V) calls (CUDA sums one row and several rows in
-    different orders), and each row draws from its own generator. Rows that share a
+    different orders) side by side (`rowwise`), and each row draws its noise from its own
+    generator (one divide and one argmax for all the rows' draws). Rows that share a
     generator (or a decoder) draw in rounds, in row order, as they would one after another.
     """
     if not len(decoders) == len(logits) == len(params):
@@ -185,9 +196,11 @@ def _decode_rows(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
     if greedy:
         for j, first in zip(greedy, torch.argmax(rows[_on(greedy, device)], dim=-1).split(1)):
             firsts[j] = first
-    for j, p in enumerate(params):
-        if p.mode != "greedy":
-            firsts[j] = decoders[j]._multinomial(F.softmax(rows[j], dim=-1))
+    sampling = [j for j, p in enumerate(params) if p.mode != "greedy"]
+    if sampling:
+        probs = rowwise(_softmax, [rows[j : j + 1] for j in sampling])
+        for j, first in zip(sampling, _race([decoders[j] for j in sampling], probs)):
+            firsts[j] = first
     out = torch.cat(firsts).tolist()
     live = [j for j, d in enumerate(decoders) if out[j] != d.chunk_eos]
     if not live:
@@ -231,8 +244,8 @@ def _decode_rows(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
         y = aligned_empty(len(group), x)
         torch.div(x[_on(group, device)], temperature, out=y)
         _filter_rows(y, top_k, top_p)
-        for k, j in enumerate(group):
-            picked[j] = decs[j]._multinomial(F.softmax(y[k : k + 1], dim=-1)).squeeze(1)
+        probs = rowwise(_softmax, [y[k : k + 1] for k in range(len(group))])
+        picked.update(zip(group, _race([decs[j] for j in group], probs)))
     if picked:
         order = sorted(picked)
         for j, token in zip(order, torch.cat([picked[j] for j in order]).tolist()):
@@ -281,13 +294,55 @@ def _filter_rows(y: torch.Tensor, top_k: int, top_p: float) -> None:
         sorted_logits, sorted_indices = torch.sort(y, descending=True)
         sorted_logits = _aligned(sorted_logits)
         # per row: CUDA scans one row with a device-wide cub scan, rows with another kernel
-        cumulative = torch.cat([torch.cumsum(F.softmax(sorted_logits[k : k + 1], dim=-1), dim=-1)
-                                for k in range(len(y))])
+        cumulative = rowwise(lambda row: torch.cumsum(_softmax(row), dim=-1),
+                             [sorted_logits[k : k + 1] for k in range(len(y))])
         remove = cumulative > top_p
         remove[..., 1:] = remove[..., :-1].clone()  # keep the token that crosses top_p
         remove[..., 0] = 0
         y.masked_fill_(torch.zeros_like(remove).scatter_(-1, sorted_indices, remove),
                        float("-inf"))
+
+
+def _softmax(row: torch.Tensor) -> torch.Tensor:
+    return F.softmax(row, dim=-1)
+
+
+def _race(decoders: list[DuplexDecoder], probs: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's `multinomial` draw (row k of probs from decoders[k]'s generator, in row
+    order): the rows' exponential noise drawn one by one, each into a row laid out as a
+    tensor of its own, then one divide and one argmax for all. Returns each row's (1,) id."""
+    q = aligned_empty(len(decoders), probs)
+    for k, d in enumerate(decoders):
+        d.draws += 1
+        q[k].exponential_(generator=d.generator)
+    return list(torch.argmax(probs / q, dim=-1).split(1))
+
+
+_side_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat([fn(row) for row in rows])`. On CUDA the calls run on ROW_STREAMS side
+    streams, joined before it returns: each call is the same kernels on the same row as
+    alone (so the same values), and calls that fill one SM each run side by side."""
+    if len(rows) < 2 or rows[0].device.type != "cuda":
+        return torch.cat([fn(row) for row in rows])
+    device = rows[0].device
+    main = torch.cuda.current_stream(device)
+    if device not in _side_streams:
+        _side_streams[device] = [torch.cuda.Stream(device) for _ in range(ROW_STREAMS)]
+    streams = _side_streams[device][: len(rows)]
+    for side in streams:
+        side.wait_stream(main)
+    outs = []
+    for k, row in enumerate(rows):
+        with torch.cuda.stream(streams[k % len(streams)]):
+            out = fn(row)
+        out.record_stream(main)  # made on a side stream, read on main
+        outs.append(out)
+    for side in streams:
+        main.wait_stream(side)
+    return torch.cat(outs)
 
 
 def aligned_empty(n: int, like: torch.Tensor) -> torch.Tensor:
