@@ -217,6 +217,7 @@ def test_units_joining_at_any_step_equal_each_session_alone(shared, speech_model
     want = {(i, k): alone[i].unit(req.audio, req.frames, req.force) for i, k, req in units}
 
     sched = batch.UnitScheduler()
+    sched.clock = itertools.count().__next__  # every step takes 1: the lanes take turns
     got, log, step = {}, [], [0]
 
     def tell(what, i, k):
@@ -315,6 +316,41 @@ def test_new_units_every_step_do_not_starve_the_units_decoding(monkeypatch):
     while sched.has_work():
         sched.step()
     assert "".join(order[8:]) == "PDDD"  # the last unit: its prefill and its three steps
+
+
+def test_the_lanes_share_the_gpus_time_while_both_have_work(monkeypatch):
+    """UnitScheduler: while both lanes have work, the one that has spent less time steps
+    next; a lane alone builds no credit (the lanes' work stood in for by counters, a
+    Thinker step taking 4 of the clock's ticks, a speech step 1)."""
+    from types import SimpleNamespace
+
+    now, order = [0], []
+
+    def decode(self):
+        order.append("T")
+        now[0] += 4
+        if order.count("T") == 6:
+            self._thinking = []
+
+    def speech(self):
+        order.append("s")
+        now[0] += 1
+        if order.count("s") == 14:
+            self._speech = None
+
+    monkeypatch.setattr(batch.UnitScheduler, "_decode_step", decode)
+    monkeypatch.setattr(batch.UnitScheduler, "_speech_step", speech)
+    sched = batch.UnitScheduler()
+    sched.clock = lambda: now[0]
+    sched._thinking = [SimpleNamespace()]
+    for _ in range(3):  # the Thinker alone: no credit for the speech lane to repay
+        sched.step()
+    sched._speech = iter(())  # a speech batch in flight
+    while sched.has_work():
+        sched.step()
+    # T alone x3; then both: a Thinker step of 4 ticks, then 4 speech steps of 1, ...; the
+    # speech alone at the end
+    assert "".join(order) == "TTT" + "Tssss" * 3 + "ss"
 
 
 def test_a_speak_units_text_is_told_as_it_is_drawn(shared):

@@ -28,7 +28,10 @@ the units. A unit's way through it:
    one vocoder call per group of sessions in equal state (`speech._token2wav_steps`: one
    step a round).
 
-1 and 2 are the Thinker lane, 3 the speech lane; the lanes take turns, a step each.
+1 and 2 are the Thinker lane, 3 the speech lane. While both have work they share the GPU's
+time: the lane that has run less since both had work steps next (a Talker step is a few ms,
+a Thinker decode step ~10, a Token2Wav round up to ~100, so strict turns would slow the
+speech to the Thinker's pace).
 
 Between two steps nothing of a unit is held in a buffer another forward overwrites (the
 decode graphs' outputs are cloned, kv.py), and every session's state is its own, so a
@@ -55,6 +58,7 @@ every session in it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
@@ -215,8 +219,8 @@ def unit_batch(requests: list[UnitRequest]
 
 
 class UnitScheduler:
-    """Units of many sessions as they come (continuous batching), in two lanes that take
-    turns, one GPU step a `step()`:
+    """Units of many sessions as they come (continuous batching), in two lanes that share
+    the GPU's time, one GPU step a `step()`:
 
     - the Thinker lane: the units added since its last step are prefilled together
       (`plan_prefill_batch`, one LLM forward, their decisions drawn) and join the units
@@ -226,6 +230,10 @@ class UnitScheduler:
       together (`DuplexSession.finish_units_steps`: the Talker's lockstep, Token2Wav's
       rounds); the units done while it runs go as its next batch. A listen unit has no
       speech: it is done with its decision.
+
+    While both lanes have work, the one that has spent less time in its steps since then
+    steps next (`clock`), so each gets half the GPU whatever its steps' lengths; a lane
+    alone builds no credit.
 
     A new unit's prefill goes ahead of the decoding units' next step, but not twice in a row
     while units decode (arrivals as fast as the steps must not starve them). So a unit's
@@ -244,7 +252,8 @@ class UnitScheduler:
         self._speaking: list[_Run] = []  # the speech batch in flight
         self._speech: Generator | None = None
         self._busy: set[int] = set()  # the sessions (ids) with a unit past `_new`
-        self._speech_turn = False
+        self._spent = [0.0, 0.0]  # the Thinker's, the speech lane's step time, both busy
+        self.clock: Callable[[], float] = time.perf_counter
         self._prefilled_last = False  # the Thinker lane's last step was a prefill
         self.prefills = 0  # the Thinker lane's prefill steps (units joined in each)
 
@@ -276,8 +285,13 @@ class UnitScheduler:
                 taken.add(id(run.req.session))
         thinker = bool(admitted or self._thinking)
         speech = self._speech is not None or bool(self._ready)
-        if thinker and not (speech and self._speech_turn):
-            self._speech_turn = True
+        if not (thinker and speech):
+            self._spent = [0.0, 0.0]
+        lane = 0 if thinker and not (speech and self._spent[1] < self._spent[0]) else 1
+        if lane == 1 and not speech:
+            return
+        start = self.clock()
+        if lane == 0:
             # a new unit's prefill goes first (it decides a listen at once), but never twice
             # in a row over units decoding: arrivals as fast as steps must not starve them
             if admitted and not (self._thinking and self._prefilled_last):
@@ -286,9 +300,10 @@ class UnitScheduler:
             else:
                 self._prefilled_last = False
                 self._decode_step()
-        elif speech:
-            self._speech_turn = False
+        else:
             self._speech_step()
+        if thinker and speech:
+            self._spent[lane] += self.clock() - start
 
     def fail_all(self, e: BaseException) -> None:
         """Every unit in flight fails with `e` (a step failed outside the units' own
