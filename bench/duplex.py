@@ -12,6 +12,9 @@ random weights give the same load as a talkative model. Per unit:
 - underruns: gaps in the client's playback: within a turn, a unit's audio that arrives
   after the audio before it has finished playing.
 
+The sessions start together, so every second all their units arrive at once (the worst
+case); `--spread` starts session i of N i/N of a unit later, as independent users would.
+
     python -m bench.duplex --url http://127.0.0.1:8000 --sessions 1,4,8,16 --seconds 30
 
 GPU memory per session is the app's own figure (`Ingress.stats()`), not this client's.
@@ -72,9 +75,10 @@ def _frame(seed: int) -> str:
 
 
 async def one_session(url: str, seconds: float, pattern: str, mode: str, seed: int,
-                      model: str | None) -> SessionResult:
+                      model: str | None, delay: float = 0.0) -> SessionResult:
     import websockets
 
+    await asyncio.sleep(delay)
     res = SessionResult()
     query = f"?mode={mode}" + (f"&model={model}" if model else "")
     n_units = max(1, int(seconds))
@@ -208,8 +212,9 @@ async def chat_load(url: str, concurrency: int, seconds: float, model: str | Non
 
 
 async def run(url: str, sessions: int, seconds: float, pattern: str, mode: str,
-              model: str | None, chat: int = 0) -> dict[str, Any]:
-    jobs = [one_session(url, seconds, pattern, mode, seed=i, model=model)
+              model: str | None, chat: int = 0, spread: bool = False) -> dict[str, Any]:
+    jobs = [one_session(url, seconds, pattern, mode, seed=i, model=model,
+                        delay=i / sessions * UNIT / IN_RATE if spread else 0.0)
             for i in range(sessions)]
     if not chat:
         return summarize(list(await asyncio.gather(*jobs)))
@@ -232,11 +237,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="first run 1 session and then the largest count for S seconds "
                          "each, unmeasured: the app's first units at a new batch size "
                          "load and compile what they need")
+    ap.add_argument("--spread", action="store_true",
+                    help="start the sessions spread over one unit (not all at once)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if set(args.pattern) - {"S", "L"} or not args.pattern:
         ap.error("--pattern is a string of S (speak) and L (listen)")
-    report: dict[str, Any] = {"mode": args.mode, "pattern": args.pattern, "runs": []}
+    report: dict[str, Any] = {"mode": args.mode, "pattern": args.pattern,
+                              "spread": args.spread, "runs": []}
     counts = [int(x) for x in args.sessions.split(",") if x.strip()]
     if args.warmup > 0:
         report["warmup"] = []
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"chat_alone": report["chat_alone"]}), flush=True)
     for n in counts:
         r = asyncio.run(run(args.url, n, args.seconds, args.pattern, args.mode, args.model,
-                            args.chat))
+                            args.chat, args.spread))
         if args.chat and report["chat_alone"]["req_s"]:
             r["chat"]["req_s_ratio"] = r["chat"]["req_s"] / report["chat_alone"]["req_s"]
         report["runs"].append(r)

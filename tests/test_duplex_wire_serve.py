@@ -340,14 +340,15 @@ def test_bench_duplex_paces_sessions_and_counts_every_unit(duplex_app):
 
 def test_bench_duplex_warms_up_before_it_measures(duplex_app, tmp_path):
     """`--warmup S`: one session and then the largest count run S seconds each first, kept
-    apart from the measured runs in the report."""
+    apart from the measured runs in the report; `--spread` staggers the sessions' starts."""
     from bench.duplex import main
 
     out = tmp_path / "r.json"
     assert main(["--url", duplex_app, "--sessions", "1,2", "--seconds", "2", "--warmup", "2",
-                 "--mode", "audio", "--pattern", "S", "--model", "omniray",
+                 "--mode", "audio", "--pattern", "S", "--model", "omniray", "--spread",
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["spread"] is True
     assert [r["sessions"] for r in report["warmup"]] == [1, 2]
     assert [r["sessions"] for r in report["runs"]] == [1, 2]
     assert all(r["units"] == 2 * r["sessions"] and r["errors"] == []
