@@ -455,3 +455,34 @@ def test_lockstep_graphs_replay_the_eager_steps_cuda(tiny_checkpoint):
     assert codes > 0 and graphed.pool.graph_steps > 0 and eager.pool.graph_steps == 0
     for s in a + b:
         s.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_compiled_token2wav_is_within_a_bound_of_eager_cuda(tiny_checkpoint):
+    """On CUDA the sessions' Token2Wav runs as the Code2Wav engine's does (the DiT blocks
+    compiled, the vocoder's Snakes fused): the same codes, and PCM within 3 LSB of the
+    eager blocks' over a turn's units (only the fused LayerNorms sum in another order)."""
+    compiled = SpeechModels.from_checkpoint(tiny_checkpoint, "cuda")
+    eager = SpeechModels.from_checkpoint(tiny_checkpoint, "cuda")
+    for block in eager.flow.decoder.estimator.blocks:
+        block._compiled_call_impl = None  # nn.Module.compile undone: the eager blocks
+    assert all(b._compiled_call_impl is not None for b in compiled.flow.decoder.estimator.blocks)
+    a, b = _sessions(compiled), _sessions(eager)
+    width = compiled.talker.model.cfg.llm_dim
+    inputs = [torch.Generator().manual_seed(k) for k in range(len(SESSIONS))]
+    worst, samples = 0.0, 0
+    with torch.inference_mode():
+        for u in range(len(SESSIONS[0][2])):
+            spoken = [_spoken(inputs[k], units[u][0], width)
+                      for k, (_, _, units) in enumerate(SESSIONS)]
+            ends = [units[u][1] for _, _, units in SESSIONS]
+            got = speak_batch([(s, sp, e) for s, sp, e in zip(a, spoken, ends, strict=True)])
+            want = speak_batch([(s, sp, e) for s, sp, e in zip(b, spoken, ends, strict=True)])
+            for g_, w in zip(got, want, strict=True):
+                assert g_.codes == w.codes and g_.pcm.shape == w.pcm.shape
+                if w.pcm.size:
+                    worst = max(worst, float(np.abs(g_.pcm - w.pcm).max()))
+                    samples += w.pcm.size
+    assert samples > 0 and worst <= 3 / 32768, worst * 32768
+    for s in a + b:
+        s.close()

@@ -91,8 +91,9 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.code2wav.causal_hift import CausalHiFT
+from pipeline.code2wav.dit import compile_dit_blocks
 from pipeline.code2wav.flow import Flow, FlowCache
-from pipeline.code2wav.hift import HiFTGenerator
+from pipeline.code2wav.hift import HiFTGenerator, freeze_weight_norms, fuse_snakes
 from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, vocode
 from pipeline.code2wav.voice import PROMPT_SR, VoiceCache, VoicePrompt
 from pipeline.config import Code2WavConfig
@@ -175,6 +176,14 @@ class SpeechModels:
         load_into(model, part, "talker")
         model = model.to(device=device, dtype=resolve_dtype("auto", device)).eval()
         flow, vocoder, cfg, voice_dir = token2wav_from_source(source, device)
+        # what the Code2Wav engine runs: the vocoder's weight norms computed once (bit for
+        # bit); on CUDA its Snakes fused and the DiT blocks compiled (only the fused
+        # LayerNorms sum in another order: tests/test_code2wav_compile.py bounds it)
+        cuda = torch.device(device).type == "cuda"
+        freeze_weight_norms(vocoder)
+        fuse_snakes(vocoder, cuda)
+        if cuda:
+            compile_dit_blocks(flow.decoder.estimator)
         tok = TextTokenizer.from_dir(source.tokenizer_dir)
         ids = tuple(tok.token_id(t) for t in ("<|listen|>", "<|chunk_eos|>", "<|chunk_tts_eos|>"))
         voices = VoiceCache(token2wav_dir(voice_dir))
