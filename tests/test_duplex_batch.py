@@ -251,6 +251,45 @@ def test_units_joining_at_any_step_equal_each_session_alone(shared, speech_model
     assert speech and any(s < at["decided", j, m] < e for s, e in speech for j, m, _ in units)
 
 
+def test_a_unit_is_prefilled_while_its_sessions_last_unit_speaks(shared, speech_models):
+    """A session's next unit, added while its last unit's speech is in flight, is prefilled
+    then (its context grows before that speech is done) and draws only after it: both units
+    equal the session's alone, and the generator stands where it stands alone."""
+    a, ins = make(shared, "audio_sampling", speech_models)
+    b, _ = make(shared, "audio_sampling", speech_models)
+    for audio, frames in ins[:3]:
+        a.unit(audio, frames)
+        b.unit(audio, frames)
+    want = [a.unit(*ins[3], "speak"), a.unit(*ins[4], "speak")]
+    sched = batch.UnitScheduler()
+    got, events = {}, []
+
+    def tell(what, k):
+        def fn(r):
+            events.append((what, k, b.thinker.context_length))
+            if what == "done":
+                got[k] = r
+        return fn
+
+    sched.add(UnitRequest(b, *ins[3], "speak"), tell("decided", 0), tell("done", 0))
+    while not events:  # unit 0's Thinker part; its speech is next
+        sched.step()
+    decided_at = b.thinker.context_length
+    sched.add(UnitRequest(b, *ins[4], "speak"), tell("decided", 1), tell("done", 1))
+    held = False
+    while sched.has_work():
+        sched.step()
+        held = held or bool(sched._held)
+    assert held, "unit 1 waited, prefilled, for unit 0's speech"
+    kinds = [(what, k) for what, k, _ in events]
+    assert kinds == [("decided", 0), ("done", 0), ("decided", 1), ("done", 1)]
+    # unit 1's prefill went into the context before unit 0 was done
+    assert events[1][2] > decided_at
+    for k in range(2):
+        assert_same(got[k], want[k], f"unit {k}")
+    assert_same_state(a, b, "after both units")
+
+
 def test_fail_all_ends_every_unit_in_flight_once(shared, speech_models):
     """UnitScheduler.fail_all (a step failed outside the units' own handling): every unit
     in flight gets the error once, as its decision too where none went out yet, and its

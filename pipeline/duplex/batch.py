@@ -12,7 +12,9 @@ the units. A unit's way through it:
    (`plan_prefill_batch`: every session's audio through the streaming audio encoder in one
    pass, each over its own encoder K/V, and every frame through the vision encoder in one
    call), then all the planned rows go through the LLM in one forward, and the last row of
-   each through `lm_head` in one matmul (the decisions' logits, drawn in the same step);
+   each through `lm_head` in one matmul (the decisions' logits, drawn in the same step,
+   or, for a unit whose session's last unit still speaks, once that speech is done: a
+   prefill draws nothing, so it runs ahead of that speech);
 2. decode: every unit's `DuplexThinker.unit_steps` side by side: each step appends one
    token to every unit still decoding, in one forward, computes the logits of those that
    want them in one matmul, and draws the next id of every one that asks one in one
@@ -238,20 +240,26 @@ class UnitScheduler:
     A new unit's prefill goes ahead of the decoding units' next step, but not twice in a row
     while units decode (arrivals as fast as the steps must not starve them). So a unit's
     prefill waits for a step or two of the lanes, never for another unit's speech, and its
-    decision for its own decode. A session has one unit in flight: its next unit waits,
-    added, until the last one is done (the reference draws a unit's Thinker ids and Talker
-    codes from one generator, in unit order). `on_done` gets per unit its UnitResult or the
+    decision for its own decode. A session has one unit in the Thinker lane at a time, and
+    its next unit draws nothing until its last one is done (the reference draws a unit's
+    Thinker ids and Talker codes from one generator, in unit order): a unit that arrives
+    while its session's last unit speaks is prefilled at once (a prefill draws nothing) and
+    held; its steps start when that speech is done. `on_done` gets per unit its UnitResult or the
     exception that failed it; a unit that fails alone (bad input, no KV room) leaves the
     others going, a failed shared step fails the units in it. Each session's computation is
     what it is alone; only the rows batched beside it vary (module docstring)."""
 
     def __init__(self) -> None:
         self._new: list[_Run] = []  # added, waiting for their prefill
+        self._held: list[_Run] = []  # prefilled while their session's last unit speaks
         self._thinking: list[_Run] = []  # decoding in lockstep
         self._ready: list[_Run] = []  # speak units past the Thinker, for the next speech batch
         self._speaking: list[_Run] = []  # the speech batch in flight
         self._speech: Generator | None = None
-        self._busy: set[int] = set()  # the sessions (ids) with a unit past `_new`
+        # per session (id): its unit prefilled and not yet out of the Thinker lane, and its
+        # unit whose speech is not yet done
+        self._in_thinker: dict[int, _Run] = {}
+        self._in_speech: dict[int, _Run] = {}
         self._spent = [0.0, 0.0]  # the Thinker's, the speech lane's step time, both busy
         self.clock: Callable[[], float] = time.perf_counter
         self._prefilled_last = False  # the Thinker lane's last step was a prefill
@@ -268,7 +276,8 @@ class UnitScheduler:
         self._new.append(run)
 
     def has_work(self) -> bool:
-        return bool(self._new or self._thinking or self._ready or self._speech is not None)
+        return bool(self._new or self._held or self._thinking or self._ready
+                    or self._speech is not None)
 
     def steps(self) -> Generator[None, None, None]:
         """`step()` until no unit is left; yields after each."""
@@ -278,7 +287,8 @@ class UnitScheduler:
 
     @torch.inference_mode()
     def step(self) -> None:
-        admitted, taken = [], set(self._busy)  # a session's first unit waiting, if free
+        self._release()
+        admitted, taken = [], set(self._in_thinker)  # a session's first unit waiting, if free
         for run in self._new:
             if id(run.req.session) not in taken:
                 admitted.append(run)
@@ -308,8 +318,8 @@ class UnitScheduler:
     def fail_all(self, e: BaseException) -> None:
         """Every unit in flight fails with `e` (a step failed outside the units' own
         handling)."""
-        runs = self._new + self._thinking + self._ready + self._speaking
-        self._new, self._thinking, self._ready, self._speaking = [], [], [], []
+        runs = self._new + self._held + self._thinking + self._ready + self._speaking
+        self._new, self._held, self._thinking, self._ready, self._speaking = [], [], [], [], []
         if self._speech is not None:
             self._speech.close()
             self._speech = None
@@ -323,7 +333,7 @@ class UnitScheduler:
         self.prefills += 1
         picked = set(map(id, admitted))
         self._new = [run for run in self._new if id(run) not in picked]
-        self._busy.update(id(run.req.session) for run in admitted)
+        self._in_thinker.update((id(run.req.session), run) for run in admitted)
         todo = []
         for run in admitted:
             if run.req.force not in FORCE_CHOICES:
@@ -354,15 +364,31 @@ class UnitScheduler:
             for (run, _), lg in zip(ok, logits):
                 run.thinker.finish_prefill(run.plan, lg)
         for run in admitted:
-            if run.error is None:
-                try:
-                    run.steps = run.thinker.unit_steps(run.req.force)
-                except Exception as e:  # noqa: BLE001
-                    run.fail(e)
-                    continue
-                run.advance(None)
-        self._thinking += admitted
+            if run.error is None and id(run.req.session) in self._in_speech:
+                self._held.append(run)  # its steps draw: after its session's last unit
+            else:
+                self._start(run)
         self._after_draws()
+
+    def _start(self, run: _Run) -> None:
+        """The unit's steps begin (its first yield may ask a draw: `_after_draws`)."""
+        if run.error is None:
+            try:
+                run.steps = run.thinker.unit_steps(run.req.force)
+            except Exception as e:  # noqa: BLE001
+                run.fail(e)
+            else:
+                run.advance(None)
+        self._thinking.append(run)
+
+    def _release(self) -> None:
+        """The held units whose session's last unit is done start their steps."""
+        free = [run for run in self._held if id(run.req.session) not in self._in_speech]
+        if free:
+            self._held = [run for run in self._held if run not in free]
+            for run in free:
+                self._start(run)
+            self._after_draws()
 
     def _decode_step(self) -> None:
         fed = [run for run in self._thinking if run.ask is not None]
@@ -399,6 +425,8 @@ class UnitScheduler:
                 if run.unit.is_listen or run.req.session.speech is None:
                     self._finish_now(run)
                 else:
+                    self._leave_thinker(run)
+                    self._in_speech[id(run.req.session)] = run
                     self._ready.append(run)
         self._thinking = still
 
@@ -427,8 +455,14 @@ class UnitScheduler:
             r = e
         self._finish(run, r, decided=True)
 
+    def _leave_thinker(self, run: _Run) -> None:
+        if self._in_thinker.get(id(run.req.session)) is run:
+            del self._in_thinker[id(run.req.session)]
+
     def _finish(self, run: _Run, result: UnitResult | BaseException, decided: bool) -> None:
-        self._busy.discard(id(run.req.session))
+        self._leave_thinker(run)
+        if self._in_speech.get(id(run.req.session)) is run:
+            del self._in_speech[id(run.req.session)]
         if not decided:
             _tell(run.on_decided, result)
         _tell(run.on_done, result)
