@@ -163,7 +163,8 @@ def test_row_ops_on_stacked_rows_equal_the_single_row_calls(device, dtype):
     rows = _aligned(x)
     values, indices = torch.sort(rows, descending=True)
     # the rows' softmax on side streams (CUDA), side by side
-    side_by_side = rowwise(lambda row: F.softmax(row, -1), [rows[i : i + 1] for i in range(len(x))])
+    side_by_side = rowwise(lambda row: F.softmax(row, -1),
+                           [rows[i : i + 1] for i in range(len(x))])
     for i in range(len(x)):
         one = x[i : i + 1].clone()
         assert torch.equal(torch.topk(rows, 20)[0][i : i + 1], torch.topk(one, 20)[0])

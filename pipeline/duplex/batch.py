@@ -244,10 +244,10 @@ class UnitScheduler:
     its next unit draws nothing until its last one is done (the reference draws a unit's
     Thinker ids and Talker codes from one generator, in unit order): a unit that arrives
     while its session's last unit speaks is prefilled at once (a prefill draws nothing) and
-    held; its steps start when that speech is done. `on_done` gets per unit its UnitResult or the
-    exception that failed it; a unit that fails alone (bad input, no KV room) leaves the
-    others going, a failed shared step fails the units in it. Each session's computation is
-    what it is alone; only the rows batched beside it vary (module docstring)."""
+    held; its steps start when that speech is done. `on_done` gets per unit its UnitResult
+    or the exception that failed it; a unit that fails alone (bad input, no KV room) leaves
+    the others going, a failed shared step fails the units in it. Each session's computation
+    is what it is alone; only the rows batched beside it vary (module docstring)."""
 
     def __init__(self) -> None:
         self._new: list[_Run] = []  # added, waiting for their prefill
