@@ -437,24 +437,33 @@ def test_lockstep_graphs_replay_the_eager_steps_cuda(tiny_checkpoint):
     graphed = _eos_prone(SpeechModels.from_checkpoint(tiny_checkpoint, "cuda"))
     eager = _eos_prone(SpeechModels.from_checkpoint(tiny_checkpoint, "cuda"))
     eager.pool.use_graphs = False
-    a, b = _sessions(graphed), _sessions(eager)
-    width = graphed.talker.model.cfg.llm_dim
-    inputs = [torch.Generator().manual_seed(k) for k in range(len(SESSIONS))]
     codes = 0
+    for u, (got, want) in enumerate(_side_by_side(graphed, eager)):
+        for k, (g_, w) in enumerate(zip(got, want, strict=True)):
+            assert not isinstance(g_, BaseException) and not isinstance(w, BaseException)
+            assert g_.codes == w.codes and np.array_equal(g_.pcm, w.pcm), (u, k)
+            codes += len(w.codes)
+    assert codes > 0 and graphed.pool.graph_steps > 0 and eager.pool.graph_steps == 0
+
+
+def _side_by_side(one: SpeechModels, other: SpeechModels) -> list[tuple[list, list]]:
+    """SESSIONS' units spoken by sessions of `one` and, alike, of `other`: per unit the
+    two batches' results."""
+    a, b = _sessions(one), _sessions(other)
+    width = one.talker.model.cfg.llm_dim
+    inputs = [torch.Generator().manual_seed(k) for k in range(len(SESSIONS))]
+    out = []
     with torch.inference_mode():
         for u in range(len(SESSIONS[0][2])):
             spoken = [_spoken(inputs[k], units[u][0], width)
                       for k, (_, _, units) in enumerate(SESSIONS)]
             ends = [units[u][1] for _, _, units in SESSIONS]
-            got = speak_batch([(s, sp, e) for s, sp, e in zip(a, spoken, ends, strict=True)])
-            want = speak_batch([(s, sp, e) for s, sp, e in zip(b, spoken, ends, strict=True)])
-            for k, (g_, w) in enumerate(zip(got, want, strict=True)):
-                assert not isinstance(g_, BaseException) and not isinstance(w, BaseException)
-                assert g_.codes == w.codes and np.array_equal(g_.pcm, w.pcm), (u, k)
-                codes += len(w.codes)
-    assert codes > 0 and graphed.pool.graph_steps > 0 and eager.pool.graph_steps == 0
+            out.append(tuple(speak_batch([(s, sp, e) for s, sp, e in zip(x, spoken, ends,
+                                                                          strict=True)])
+                             for x in (a, b)))
     for s in a + b:
         s.close()
+    return out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
@@ -467,22 +476,11 @@ def test_compiled_token2wav_is_within_a_bound_of_eager_cuda(tiny_checkpoint):
     for block in eager.flow.decoder.estimator.blocks:
         block._compiled_call_impl = None  # nn.Module.compile undone: the eager blocks
     assert all(b._compiled_call_impl is not None for b in compiled.flow.decoder.estimator.blocks)
-    a, b = _sessions(compiled), _sessions(eager)
-    width = compiled.talker.model.cfg.llm_dim
-    inputs = [torch.Generator().manual_seed(k) for k in range(len(SESSIONS))]
     worst, samples = 0.0, 0
-    with torch.inference_mode():
-        for u in range(len(SESSIONS[0][2])):
-            spoken = [_spoken(inputs[k], units[u][0], width)
-                      for k, (_, _, units) in enumerate(SESSIONS)]
-            ends = [units[u][1] for _, _, units in SESSIONS]
-            got = speak_batch([(s, sp, e) for s, sp, e in zip(a, spoken, ends, strict=True)])
-            want = speak_batch([(s, sp, e) for s, sp, e in zip(b, spoken, ends, strict=True)])
-            for g_, w in zip(got, want, strict=True):
-                assert g_.codes == w.codes and g_.pcm.shape == w.pcm.shape
-                if w.pcm.size:
-                    worst = max(worst, float(np.abs(g_.pcm - w.pcm).max()))
-                    samples += w.pcm.size
+    for got, want in _side_by_side(compiled, eager):
+        for g_, w in zip(got, want, strict=True):
+            assert g_.codes == w.codes and g_.pcm.shape == w.pcm.shape
+            if w.pcm.size:
+                worst = max(worst, float(np.abs(g_.pcm - w.pcm).max()))
+                samples += w.pcm.size
     assert samples > 0 and worst <= 3 / 32768, worst * 32768
-    for s in a + b:
-        s.close()
