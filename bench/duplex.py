@@ -1,7 +1,8 @@
 """Full-duplex sessions from a client's side of `WS /v1/realtime?mode=audio|video` (the
 official Realtime V1 wire), N at once, each paced in real time: a unit of audio (1 s, and
-a JPEG frame in video mode) is sent the moment its last sample would have been captured, and each unit's decision is forced by a pattern (`--pattern SSL`: speak, speak,
-listen, repeated; the session's `duplex_force: "speak"` and `force_listen` on L units), so
+a JPEG frame in video mode) is sent the moment its last sample would have been captured,
+and each unit's decision is forced by a pattern (`--pattern SSL`: speak, speak, listen,
+repeated; the session's `duplex_force: "speak"` and `force_listen` on L units), so
 random weights give the same load as a talkative model. Per unit:
 
 - decision: from the unit's last input sample leaving the client to its first event
