@@ -46,13 +46,12 @@ class UnitResult:
 
 class DuplexBackend(Protocol):
     """Sessions by id. `unit` runs one unit of a session and returns its decision (`codes`
-    empty and `pcm` None), as soon as the model has decided and said its text, which it
-    may also hand `on_text` piece by piece before (the pieces join into a prefix of the
-    decision's text); `speech`
-    then returns that unit's codes and PCM once its audio is made. Neither is called again
-    for the session before the other returns (`speech` only after a speaking unit); `close`
-    frees everything the session holds and is called exactly once per `open` that
-    returned, also after a failed `unit` or `speech`."""
+    empty and `pcm` None), as soon as the model has decided and said its text, which it may
+    also hand `on_text` piece by piece before (the pieces join into a prefix of the
+    decision's text); `speech` then returns that unit's codes and PCM once its audio is
+    made. Neither is called again for the session before the other returns (`speech` only
+    after a speaking unit); `close` frees everything the session holds and is called exactly
+    once per `open` that returned, also after a failed `unit` or `speech`."""
 
     async def open(self, session_id: str, init: DuplexInit) -> None: ...
 

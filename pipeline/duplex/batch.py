@@ -295,11 +295,11 @@ class UnitScheduler:
                 taken.add(id(run.req.session))
         thinker = bool(admitted or self._thinking)
         speech = self._speech is not None or bool(self._ready)
+        if not (thinker or speech):
+            return
         if not (thinker and speech):
             self._spent = [0.0, 0.0]
         lane = 0 if thinker and not (speech and self._spent[1] < self._spent[0]) else 1
-        if lane == 1 and not speech:
-            return
         start = self.clock()
         if lane == 0:
             # a new unit's prefill goes first (it decides a listen at once), but never twice
