@@ -87,7 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     pages = KVPages.of_engine(llm_engine) if KVPages else None
     kw = {"pages": pages} if pages else {}
     special = reference_special_tokens(src.tokenizer_dir)
-    speech_models = SpeechModels.from_source(src, args.device)
+    plan = [(mode, int(n), int(steps)) for mode, n, steps in
+            (entry.split(":") for entry in args.plan.split(","))]
+    models_at: dict[int, SpeechModels] = {}  # per Euler step count
+
+    def speech_models_at(steps: int) -> SpeechModels:
+        """The speech models at `steps` Euler steps, their Token2Wav slots for the plan's
+        most sessions at that count, warmed up as the server does (its graphs captured)."""
+        if steps not in models_at:
+            most = max(n for _, n, s in plan if s == steps)
+            t = time.perf_counter()
+            models_at[steps] = m = SpeechModels.from_source(src, args.device, n_timesteps=steps,
+                                                            streams=most)
+            m.token2wav.warmup(last_chunks=False)
+            print(f"speech models at {steps} steps, {most} slots: loaded and warmed up in "
+                  f"{time.perf_counter() - t:.1f} s", flush=True)
+        return models_at[steps]
+
+    speech_models = speech_models_at(plan[0][2])
     print(f"loaded in {time.perf_counter() - t0:.1f} s; GPU {mem() / 2**30:.1f} GiB", flush=True)
 
     spent: dict[str, list[float]] = {"speech": [], "token2wav": [], "encoders": []}
@@ -169,14 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "units": len(pairs)}
 
     pattern = "SSL"
-    for entry in args.plan.split(","):
-        mode, n, steps = entry.split(":")
-        n, steps = int(n), int(steps)
-        if hasattr(speech_models, "set_n_timesteps"):  # the voice templates built again
-            speech_models.set_n_timesteps(steps)
-        else:  # a tree before it
-            speech_models.flow.decoder.n_timesteps = steps
-            speech_models.templates.clear()
+    for k, (mode, n, steps) in enumerate(plan):
+        speech_models = speech_models_at(steps)
         print(f"== {mode}: {n} sessions, Token2Wav {steps} steps", flush=True)
         sync()
         mem0 = mem()  # the sessions' memory outside the KV pool (its blocks are allocated)
@@ -191,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                                 force) for s in sessions]
             for v in spent.values():
                 v.clear()
-            last = entry == args.plan.split(",")[-1] and u == args.units - 2
+            last = k == len(plan) - 1 and u == args.units - 2
             prof = None
             if args.profile and last:
                 prof = torch.profiler.profile(activities=[

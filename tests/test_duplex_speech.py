@@ -330,16 +330,25 @@ SESSIONS = ("audio_greedy", "audio_sampling", "audio_greedy_5steps")
 
 
 @pytest.fixture(scope="module")
-def golden_models() -> SpeechModels:
-    """The speech side of the duplex test checkpoint, with the golden run's fixed noise."""
+def golden_models():
+    """The speech side of the duplex test checkpoint at a number of Euler steps, with the
+    golden run's fixed noise (loaded once per step count)."""
     if not (GOLDEN / "FORMAT.md").is_file():
         pytest.skip("tests/duplex_golden/ not present")
     from tests._duplex_ckpt import duplex_test_checkpoint, flow_noise, vocoder_noise_table
 
-    models = SpeechModels.from_checkpoint(duplex_test_checkpoint())
-    assert torch.equal(models.flow.decoder.rand_noise, flow_noise())  # omniray's own draw
-    models.vocoder.noise_table = vocoder_noise_table()
-    return models
+    loaded: dict[int, SpeechModels] = {}
+
+    def at(n_timesteps: int) -> SpeechModels:
+        if n_timesteps not in loaded:
+            models = SpeechModels.from_checkpoint(duplex_test_checkpoint(),
+                                                  n_timesteps=n_timesteps)
+            assert torch.equal(models.flow.decoder.rand_noise, flow_noise())  # omniray's draw
+            models.vocoder.noise_table = vocoder_noise_table()
+            loaded[n_timesteps] = models
+        return loaded[n_timesteps]
+
+    return at
 
 
 @pytest.mark.parametrize("name", SESSIONS)
@@ -350,8 +359,7 @@ def test_speech_matches_the_golden_sessions(golden_models, name):
     position and Token2wav buffer after the unit; the Talker is argmax in the golden run."""
     meta = json.loads((GOLDEN / f"{name}.json").read_text())
     arrays = np.load(GOLDEN / f"{name}.npz")
-    golden_models.set_n_timesteps(meta["n_timesteps"])
-    speech = DuplexSpeech(golden_models, seed=meta["seed"], greedy=True)
+    speech = DuplexSpeech(golden_models(meta["n_timesteps"]), seed=meta["seed"], greedy=True)
     speech.prepare(None)  # the checkpoint's default voice, the golden run's prompt
     spoken_units = turn_ends = 0
     for u in meta["units"]:

@@ -48,8 +48,7 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
         sessions.open(engine, "s", init)
 
     cfg = DuplexConfig(decode_mode=record["decode_mode"], **record["duplex_kwargs"])
-    speech = DuplexSpeech.from_checkpoint(ckpt, cfg, seed=5)
-    speech.models.set_n_timesteps(STEPS)  # the served Token2Wav's
+    speech = DuplexSpeech.from_checkpoint(ckpt, cfg, seed=5, n_timesteps=STEPS)  # as served
     alone = DuplexSession(DuplexThinker.from_checkpoint(ckpt, cfg, seed=5), speech)
     alone.prepare(record["prefix"], None, None, None)
 

@@ -71,10 +71,14 @@ WARMUP_SESSIONS, WARMUP_UNITS, WARMUP_ROWS = 2, 3, 18
 class DuplexSessions:
     """The stage's sessions by id; every method runs on the engine loop's worker thread."""
 
-    def __init__(self, source: Any, device: Any, n_timesteps: int):
+    def __init__(self, source: Any, device: Any, n_timesteps: int, streams: int = 4,
+                 prompt_frames: int = 500):
         self.source = source
         self.device = device
         self.n_timesteps = n_timesteps  # Token2Wav's Euler steps (DuplexSettings)
+        # Token2Wav's slots at load (turns at once: duplex.max_sessions; more grow the pool)
+        # and the longest voice prompt a slot holds (code2wav.engine.slot_prompt_frames)
+        self.streams, self.prompt_frames = streams, prompt_frames
         self._sessions: dict[str, tuple[Any, Any]] = {}
         self._speech_models: Any = None
         self._memory: dict[str, Any] | None = None  # memory_holds' measurement
@@ -132,8 +136,11 @@ class DuplexSessions:
         from pipeline.duplex.speech import SpeechModels
 
         if self._speech_models is None:
-            models = SpeechModels.from_source(self.source, str(self.device))
-            models.set_n_timesteps(self.n_timesteps)
+            models = SpeechModels.from_source(self.source, str(self.device), self.n_timesteps,
+                                              self.streams, self.prompt_frames)
+            # on CUDA: the flow's graphs per batch size and the compiled blocks, before a
+            # session's first unit waits for them
+            models.token2wav.warmup(last_chunks=False)
             self._speech_models = models
             log.info("duplex speech models loaded on %s (Token2Wav %d steps)", self.device,
                      self.n_timesteps)
@@ -142,11 +149,11 @@ class DuplexSessions:
     def memory_holds(self, cap: int) -> dict[str, Any] | None:
         """On CUDA, the sessions whose speak batches fit this process's cap of `cap` bytes
         (`sessions_in_memory`): beside the stage's peak so far (the turn-based engine's, from
-        its start) and the speech weights, at a session's peak measured by a warm-up speak
-        batch (WARMUP_SESSIONS throwaway sessions, WARMUP_UNITS units, their peak over what
-        was allocated before them: the held state, the flow caches of a batched chunk, every
-        Euler step's DiT cache), which also compiles and captures what a first unit would.
-        Measured once; None on a CPU (no cap)."""
+        its start) and the speech weights, at a session's Token2Wav slot (allocated with the
+        models, one a session) and its peak over a warm-up speak batch (WARMUP_SESSIONS
+        throwaway sessions, WARMUP_UNITS units, their peak over what was allocated before
+        them: the Talker rows, a step's activations), which also compiles and captures what
+        a first unit would. Measured once; None on a CPU (no cap)."""
         import torch
 
         if torch.device(self.device).type != "cuda":
@@ -158,11 +165,15 @@ class DuplexSessions:
             before = torch.cuda.memory_allocated()
             models = self.speech_models()
             torch.cuda.synchronize()
+            engine = models.token2wav
+            slot = int(engine.capacity()["stream_bytes"])
+            slots = slot * engine.pool.slots  # counted per session, not as weights
             # the speech weights on top of the peak (in it already if loaded before it)
-            weights = 0 if loaded else torch.cuda.memory_allocated() - before
-            per_session = self._warm_up(models)
-            self._memory = {"per_session_bytes": per_session, "held_bytes": peak + weights,
-                            "speech_weight_bytes": weights}
+            weights = 0 if loaded else torch.cuda.memory_allocated() - before - slots
+            per_session = self._warm_up(models) + slot
+            held = peak + weights - (slots if loaded else 0)
+            self._memory = {"per_session_bytes": per_session, "held_bytes": held,
+                            "speech_weight_bytes": weights, "token2wav_slot_bytes": slot}
         m = self._memory
         m["sessions"] = sessions_in_memory(cap, m["held_bytes"], m["per_session_bytes"])
         m["cap_bytes"] = cap

@@ -195,8 +195,10 @@ class ThinkerServer(StageServer):
         if self._duplex is None:
             from deployments.stages.duplex import DuplexSessions
 
-            self._duplex = DuplexSessions(self.source, self.engine.device,
-                                          self.cfg.duplex.n_timesteps)
+            self._duplex = DuplexSessions(
+                self.source, self.engine.device, self.cfg.duplex.n_timesteps,
+                max(1, self.cfg.duplex.max_sessions),
+                self.cfg.code2wav.engine.get("slot_prompt_frames", 500))
         return self._duplex
 
     def _extra_stats(self) -> dict[str, Any]:

@@ -235,6 +235,15 @@ class Code2WavEngine:
             self.templates.move_to_end(key)
         return tpl
 
+    def check_voice(self, voice: VoicePrompt) -> None:
+        """Build `voice`'s template now; ValueError when its prompt is longer than a slot
+        holds (what `open` would refuse)."""
+        frames = self._template(voice).prompt_frames
+        if frames > self.pool.max_prompt_frames:
+            raise ValueError(
+                f"voice prompt of {frames} mel frames is longer than the "
+                f"{self.pool.max_prompt_frames} a Code2Wav slot holds (slot_prompt_frames)")
+
     def initial_state(self, voice: VoicePrompt) -> StreamState:
         """A fresh stream state for `voice`: a clone of its template."""
         return self._template(voice).clone()
@@ -269,11 +278,13 @@ class Code2WavEngine:
                 vocoder=self.hift,
             )
 
-    def open(self, rid: str, spec: VoicePrompt | None = None) -> None:
+    def open(self, rid: str, spec: VoicePrompt | None = None,
+             generator: torch.Generator | None = None) -> None:
         """Start a turn in voice `spec`: None = the checkpoint's default voice (needs
         `voices`); for a request's reference audio pass `engine.voices.from_audio(wav, rate)`.
-        Raises RuntimeError when every slot is taken, ValueError for a voice prompt longer
-        than a slot holds."""
+        `generator`: the vocoder's noise for this turn (default: one seeded from `hift_seed`
+        and `rid`). Raises NoFreeSlot when every slot is taken, ValueError for a voice prompt
+        longer than a slot holds."""
         if rid in self.streams:
             raise ValueError(f"stream {rid!r} is already open")
         voice = spec
@@ -286,12 +297,28 @@ class Code2WavEngine:
         tpl = self._template(voice)
         slot = self.pool.admit(tpl.flow, tpl.prompt_frames)
         state = replace(tpl, flow=None, vocoder=tpl.vocoder.clone())
-        if self.ecfg.hift_seed is not None:
+        if generator is not None:
+            state.generator = generator
+        elif self.ecfg.hift_seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(self.ecfg.hift_seed * 1_000_003 + zlib.crc32(rid.encode()))
             state.generator = gen
         self.streams[rid] = _Stream(state, CodeCursor.start(self.cfg), slot)
         self.counters["streams_opened"] += 1
+
+    def grow(self, streams: int) -> None:
+        """Hold `streams` turns at once (more than now): the slot pool grows (its resident
+        streams copied), and the flow's graphs, captured over the old pool, are dropped;
+        batch sizes up to the new count."""
+        self.pool.grow(streams)
+        self.ecfg = replace(self.ecfg, max_streams=streams)
+        self.graph_sizes = batch_sizes(streams)
+        self.max_graphs = max(MAX_GRAPHS, GRAPHS_PER_BATCH * len(self.graph_sizes))
+        if self.graphs is not None:
+            self.graphs = GraphRunner(self.max_graphs)
+        if self.hift_graphs is not None:
+            self.hift_graphs.batch_sizes = self.graph_sizes
+            self.hift_graphs.max_graphs = self.max_graphs
 
     def feed(self, rid: str, msg: CodeChunk) -> None:
         """The stream's next codes, in order (`msg.finished`: no more will come)."""
@@ -339,18 +366,31 @@ class Code2WavEngine:
                 ready[sid] = nxt
         if not ready:
             return []
-        t0 = time.perf_counter()
         out = []
-        for sid, pcm, last in self._slot_step(list(ready), ready):
+        for sid, (pcm, last) in self.decode(ready).items():
+            self.streams[sid].cursor.advance(self.cfg, last)
+            out.append(PcmChunk(sid, pcm, last))
+        return out
+
+    def decode(self, windows: dict[str, tuple[list[int], bool]]
+               ) -> dict[str, tuple[np.ndarray, bool]]:
+        """One step over the given streams' next windows, {id: (codes, last)}: codes incl.
+        the lookahead unless last (a full window, or a shorter one when the caller flushes
+        a turn's start early, as the duplex speech does), any length up to a full window
+        when last. Returns {id: (pcm, last)} in the same order; a stream's slot is freed
+        after its last window. The code buffers are the caller's (`step`: CodeCursor)."""
+        t0 = time.perf_counter()
+        ids = list(windows)
+        out = {}
+        for sid, pcm, last in self._slot_step(ids, windows):
             stream = self.streams[sid]
-            stream.cursor.advance(self.cfg, last)
             if last:  # nothing of the stream is read again
                 self.pool.release(stream.slot)
                 stream.slot = None
-            out.append(PcmChunk(sid, pcm, last))
+            out[sid] = (pcm, last)
         self.counters["batches"] += 1
-        self.counters["chunks"] += len(ready)
-        self.counters[f"batch_size_{len(ready)}"] += 1
+        self.counters["chunks"] += len(ids)
+        self.counters[f"batch_size_{len(ids)}"] += 1
         # wall time of decoding (the PCM is on the host by now): busy share = its rate
         self.counters["busy_ms"] += round((time.perf_counter() - t0) * 1e3, 3)
         for name, runner in (("cfm", self.graphs), ("hift", self.hift_graphs)):
@@ -362,6 +402,8 @@ class Code2WavEngine:
     def _slot_step(self, ids: list[str], ready: dict) -> list[tuple[str, np.ndarray, bool]]:
         """One padded flow step for the ready streams, then the vocoder per shape."""
         streams = [self.streams[i] for i in ids]
+        if any(s.slot is None for s in streams):
+            raise ValueError("a window for a stream whose last window is decoded")
         rows = [Row(s.slot, *ready[i]) for i, s in zip(ids, streams)]
         # padding rows (the pool's spare slot, speaker zeros) up to a captured batch size
         batch = min(b for b in self.graph_sizes if b >= len(rows))
@@ -428,11 +470,11 @@ class Code2WavEngine:
             mel = self.graphs.run(key, [plan.tokens, spk, *flatten(plan.index)], run, example)
         return mel.to(torch.float32, copy=True)  # off the graph's output buffer, fp32
 
-    def warmup(self, voice: VoicePrompt | None = None) -> None:
+    def warmup(self, voice: VoicePrompt | None = None, last_chunks: bool = True) -> None:
         """Build `voice`'s template and, when graphs are on (CUDA), decode WARMUP_CHUNKS full
         chunks of silence at each batch size on throwaway streams (the DiT window grows over
-        the first chunks, then trimming fixes it: each window is a graph), then the last
-        chunks (`_warm_last_chunks`). Outputs of later streams do not depend on it (their
+        the first chunks, then trimming fixes it: each window is a graph), then, with
+        `last_chunks`, the last chunks (`_warm_last_chunks`; without, those run eagerly). Outputs of later streams do not depend on it (their
         state is a template clone, their slot's valid frames are their own and their noise
         generator is seeded by stream id)."""
         if voice is None and self.voices is None:
@@ -455,7 +497,7 @@ class Code2WavEngine:
                 for sid in ids:
                     self.abort(sid)
         self.counters["warmup_streams"] += sum(self.graph_sizes)
-        if isinstance(self.hift_graphs, CausalVocoderGraphs):
+        if last_chunks and isinstance(self.hift_graphs, CausalVocoderGraphs):
             self._warm_last_chunks(voice)
 
     def _warm_last_chunks(self, voice: VoicePrompt) -> None:

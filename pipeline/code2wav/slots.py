@@ -89,13 +89,13 @@ def _trim(seq: list, first: int, last: int) -> list:
 class FlowSlotPool:
     def __init__(self, flow: Flow, slots: int, max_prompt_frames: int, device, dtype):
         cfg = flow.cfg
-        e, d = cfg.encoder, cfg.dit
+        e = cfg.encoder
         self.flow, self.slots, self.device = flow, slots, torch.device(device)
         self.lookahead, self.up = cfg.pre_lookahead, e.up_stride
         self.chunk = cfg.chunk_size
         self.t_tok = cfg.chunk_size + cfg.pre_lookahead  # encoder rows after the lookahead conv
         self.t_mel = self.t_tok * self.up
-        self.max_prompt_frames = max_prompt_frames
+        self.max_prompt_frames, self.dtype = max_prompt_frames, dtype
         hist_tok = HISTORY_FRAMES // self.up
         self.token_cap = max_prompt_frames // self.up + hist_tok
         self.mel_cap = max_prompt_frames + HISTORY_FRAMES
@@ -103,27 +103,48 @@ class FlowSlotPool:
         # beside them: prompt + history + one chunk; then the scratch range of one chunk.
         self.est_main = _round_up(max_prompt_frames + HISTORY_FRAMES + cfg.chunk_size * self.up,
                                   WINDOW_ALIGN)
-        est_cap = self.est_main + self.t_mel
-        ns = slots + 1  # the last row is a spare for padding rows
-        h, dk = e.attention_heads, e.output_size // e.attention_heads
-        s, depth = flow.decoder.n_timesteps, d.depth
-        z = {"device": self.device, "dtype": dtype}
-        # the DiT's caches in its own dtype (bf16 under token2wav_precision bf16)
-        zd = {"device": self.device, "dtype": flow.decoder.estimator.in_proj.weight.dtype}
-        self.pool = FlowPool(
-            token=torch.zeros(e.num_blocks, ns, h, self.token_cap, 2 * dk, **z),
-            mel=torch.zeros(e.num_up_blocks, ns, h, self.mel_cap, 2 * dk, **z),
-            lookahead=torch.zeros(ns, e.output_size, 2, **z),
-            up=torch.zeros(ns, e.output_size, 2 * self.up, **z),
-            dit=DiTPool(
-                k=torch.zeros(s, depth, 2, ns, est_cap, d.num_heads, d.head_dim, **zd),
-                v=torch.zeros(s, depth, 2, ns, est_cap, d.num_heads, d.head_dim, **zd),
-                cnn=torch.zeros(s, depth, 2, ns, 2 * d.hidden_size, 2, **zd),
-            ),
-        )
+        self.pool = self._allocate(slots + 1)  # the last row is a spare for padding rows
         self.spare = slots
         self.free = list(range(slots))
         self.state: dict[int, SlotState] = {}
+
+    def _allocate(self, rows: int) -> FlowPool:
+        """Zeroed caches of `rows` slot rows."""
+        cfg = self.flow.cfg
+        e, d = cfg.encoder, cfg.dit
+        h, dk = e.attention_heads, e.output_size // e.attention_heads
+        s, depth = self.flow.decoder.n_timesteps, d.depth
+        est_cap = self.est_main + self.t_mel
+        z = {"device": self.device, "dtype": self.dtype}
+        # the DiT's caches in its own dtype (bf16 under token2wav_precision bf16)
+        zd = {"device": self.device, "dtype": self.flow.decoder.estimator.in_proj.weight.dtype}
+        return FlowPool(
+            token=torch.zeros(e.num_blocks, rows, h, self.token_cap, 2 * dk, **z),
+            mel=torch.zeros(e.num_up_blocks, rows, h, self.mel_cap, 2 * dk, **z),
+            lookahead=torch.zeros(rows, e.output_size, 2, **z),
+            up=torch.zeros(rows, e.output_size, 2 * self.up, **z),
+            dit=DiTPool(
+                k=torch.zeros(s, depth, 2, rows, est_cap, d.num_heads, d.head_dim, **zd),
+                v=torch.zeros(s, depth, 2, rows, est_cap, d.num_heads, d.head_dim, **zd),
+                cnn=torch.zeros(s, depth, 2, rows, 2 * d.hidden_size, 2, **zd),
+            ),
+        )
+
+    def grow(self, slots: int) -> None:
+        """`slots` slots (more than now): the resident streams' caches copied into new
+        buffers, the spare row moved to the end. Anything captured over the old buffers (the
+        engine's flow graphs) must be dropped."""
+        if slots <= self.slots:
+            raise ValueError(f"grow to {slots} slots: the pool has {self.slots}")
+        old, new, n = self.pool, self._allocate(slots + 1), self.slots
+        new.token[:, :n] = old.token[:, :n]
+        new.mel[:, :n] = old.mel[:, :n]
+        new.lookahead[:n] = old.lookahead[:n]
+        new.up[:n] = old.up[:n]
+        for name in ("k", "v", "cnn"):
+            getattr(new.dit, name)[:, :, :, :n] = getattr(old.dit, name)[:, :, :, :n]
+        self.pool, self.slots, self.spare = new, slots, slots
+        self.free = sorted(self.free + list(range(n, slots)))
 
     def nbytes(self) -> int:
         p = self.pool
@@ -191,7 +212,7 @@ class FlowSlotPool:
         for i, r in enumerate(rows):
             st = self.state[r.slot]
             n = len(r.codes)
-            if not 0 < n <= t_tok or (not r.last and n != t_tok):
+            if not 0 < n <= t_tok or (not r.last and n <= self.lookahead):
                 raise ValueError(f"chunk of {n} codes (last={r.last})")
             v = n if r.last else n - self.lookahead  # codes decoded
             p = st.prompt_frames

@@ -44,32 +44,30 @@ step, each Token2Wav round) so that a server steps its engine in between
 (pipeline/duplex/batch.py); `speak_batch` runs it with nothing in between, and `speak` is a
 batch of one.
 
-Then the Token2Wav of every session of the batch: each session plans its windows from its
-code buffer as alone (`_windows`), and the windows run in rounds, round k being every
-session's k-th window (a session's windows in order, each on the state its previous one
-left). Inside a round the windows group by `_batch_key`: the same SpeechModels, window length
-and `last`, flow caches of equal shapes and prompt length, and vocoder states that run the
-same vocoder windows (`StreamState.vocoder_key`). A group is ONE flow chunk (tokens (B, n),
-speaker rows (B, 192), the caches stacked: `FlowCache.cat`) and ONE vocoder call over the
-group's states; the batch shares the weights, the DiT's Euler steps and the flow noise
-(the fixed table read from the DiT cache's length on, equal in a group, so each row gets the
-noise it gets alone), while each session keeps its own vocoder noise generator, and after
-the call its own caches (`FlowCache.split`, trimmed as alone) and code buffer. Sessions of
-one voice mid-turn reach equal cache shapes after their turn's first windows (the caches are
-trimmed to prompt + 100 frames), so in steady state a round is one group; the windows of
-turns' starts (fresh caches, force-flushed lengths) and last flushes group with those of
-sessions in the same phase. A group of one computes what the session computes alone,
-bitwise; in a larger group the matmuls' row count moves the floats in their last bits, which
-after the int16 round trip leaves the PCM within 1 LSB (tests/test_duplex_speech_batch.py).
-A group that fails fails its sessions only; each stops at its last decoded window.
+Then the Token2Wav of every session of the batch, on the Code2Wav engine's path
+(`SpeechModels.token2wav`, pipeline/code2wav/engine.py): a session's turn is a stream of the
+engine, its flow caches a slot of the engine's pool from the turn's first window to its
+last (filled from the voice's template, its vocoder noise from the session's own generator,
+restarted every turn). Each session plans its windows from its code buffer as alone
+(`_windows`), and the windows run in rounds, round k being every session's k-th window (a
+session's windows in order, each on the state its previous one left), each round ONE
+`Code2WavEngine.decode`: every window, of any phase, length or voice, a padded row of one
+flow step (a CUDA graph per batch size and DiT window on CUDA), then the vocoder per shape.
+The padded rows move the floats in their last bits only (masked softmax over padded keys,
+as the turn-based engine's: tests/test_code2wav_slots.py bounds that path against the
+plain one, and tests/test_duplex_speech.py holds a session to the reference's PCM). A step
+that fails fails its sessions; each stops at its last decoded window, and a failed unit
+ends its session.
 
-Memory: a pool row holds, per position, K and V of every layer: at full size (20 layers,
+Memory: a Talker pool row holds, per position, K and V of every layer: at full size (20 layers,
 12 kv heads x 64, bf16 on CUDA) 60 KiB a position, so 15 MiB a row at its first 256
 positions (+ the scratch column) and 240 MiB at max_position_embeddings 4096. All rows share
 the longest held turn's length (doubling as it grows, shrinking once long turns end), and
 the row count doubles when none is free (so it stays at the most turns held at once); a row
 is free again at its turn's end or the session's close, and once no row is held the pool
-drops its cache (back to the allocator).
+drops its cache (back to the allocator). Token2Wav's slots are allocated up front (per slot
+its DiT caches for every Euler step at the longest voice prompt: ~0.5 GiB at full size, 5
+steps, 500 prompt frames) and double when a turn finds none free.
 
 [DEMO]: the official demo's MiniCPMO45/modeling_minicpmo.py (`MiniCPMODuplex`, `MiniCPMTTS`);
 [MU7]: minicpmo-utils 1.0.7's `Token2wav` (pipeline/code2wav/stream.py). Parity:
@@ -79,10 +77,10 @@ one SpeechModels, as they share its pool.
 
 from __future__ import annotations
 
+import itertools
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,10 +89,10 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.code2wav.causal_hift import CausalHiFT
-from pipeline.code2wav.dit import compile_dit_blocks
-from pipeline.code2wav.flow import Flow, FlowCache
-from pipeline.code2wav.hift import HiFTGenerator, freeze_weight_norms, fuse_snakes
-from pipeline.code2wav.stream import Crossfade, StreamState, initial_state, vocode
+from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from pipeline.code2wav.flow import Flow
+from pipeline.code2wav.hift import HiFTGenerator
+from pipeline.code2wav.slots import NoFreeSlot
 from pipeline.code2wav.voice import PROMPT_SR, VoiceCache, VoicePrompt
 from pipeline.config import Code2WavConfig
 from pipeline.duplex.decoder import aligned_empty
@@ -114,7 +112,7 @@ CHUNK_DRAWS = CHUNK_CODES + 1  # generate_chunk's max_new_token (the last draw i
 REPETITION_WINDOW = 16  # gen_logits' past_window
 FLUSH_MIN_CODES = 5  # force_flush decodes while lookahead + this many codes are buffered
 PCM_SR = 24000
-TEMPLATES = 8  # voice templates kept (LRU), shared by every session of a SpeechModels
+_STREAM_IDS = itertools.count()  # a session's Token2Wav stream id in its SpeechModels' engine
 FIRST_KV_POSITIONS = 256  # a turn's Talker KV starts this long and doubles as needed
 
 
@@ -126,46 +124,58 @@ class SpeechChunk:
 
 @dataclass
 class SpeechModels:
-    """What every session's DuplexSpeech shares: the weights and the voice templates.
+    """What every session's DuplexSpeech shares: the Talker, its KV rows, and Token2Wav.
 
-    `terminator_ids` are the Thinker's chunk terminators (<|listen|>, <|chunk_eos|>,
-    <|chunk_tts_eos|>): the reference looks for them among the speech codes before decoding
-    (see `DuplexSpeech._windows`)."""
+    `token2wav` is a Code2WavEngine over the sessions' turns: a turn's flow caches live in a
+    slot of its pool from the turn's first window to its last (a session's stream), and the
+    windows of a round run as its steps (the slot path: one padded flow step, its graphs on
+    CUDA, the vocoder per shape). `terminator_ids` are the Thinker's chunk terminators
+    (<|listen|>, <|chunk_eos|>, <|chunk_tts_eos|>): the reference looks for them among the
+    speech codes before decoding (see `DuplexSpeech._windows`)."""
 
     talker: FusedTalker
-    flow: Flow
-    vocoder: CausalHiFT | HiFTGenerator
-    code2wav: Code2WavConfig
-    voices: VoiceCache | None = None
+    token2wav: Code2WavEngine
     terminator_ids: tuple[int, ...] = ()
-    templates: OrderedDict[str, StreamState] = field(default_factory=OrderedDict)
     pool: TalkerPool = field(init=False)  # the sessions' Talker KV rows
 
     def __post_init__(self) -> None:
         self.pool = TalkerPool(self.talker)
 
-    def set_n_timesteps(self, n: int) -> None:
-        """Token2Wav's Euler steps (the reference's `n_timesteps`: `MiniCPMODuplex`'s default
-        10, the demo's duplex example and server 5), before any session prepares: the voice
-        templates hold a DiT cache per step, so they are built again."""
-        if n < 1:
-            raise ValueError(f"n_timesteps must be >= 1, got {n}")
-        if n != self.flow.decoder.n_timesteps:
-            self.flow.decoder.n_timesteps = int(n)
-            self.templates.clear()
+    @property
+    def flow(self) -> Flow:
+        return self.token2wav.flow
+
+    @property
+    def vocoder(self) -> CausalHiFT | HiFTGenerator:
+        return self.token2wav.hift
+
+    @property
+    def code2wav(self) -> Code2WavConfig:
+        return self.token2wav.cfg
+
+    @property
+    def voices(self) -> VoiceCache | None:
+        return self.token2wav.voices
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path | None, device: str = "cpu") -> SpeechModels:
-        """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32, the checkpoint's
-        Euler steps) of a checkpoint folder (None: the embedded default), with its default
-        voice."""
+    def from_checkpoint(cls, path: str | Path | None, device: str = "cpu",
+                        n_timesteps: int = 10, streams: int = 4,
+                        prompt_frames: int = 500) -> SpeechModels:
+        """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32) of a checkpoint
+        folder (None: the embedded default), with its default voice: `from_source`."""
         from pipeline.checkpoint import ModelSource
 
-        return cls.from_source(ModelSource.open(None if path is None else str(path)), device)
+        return cls.from_source(ModelSource.open(None if path is None else str(path)), device,
+                               n_timesteps, streams, prompt_frames)
 
     @classmethod
-    def from_source(cls, source: Any, device: str = "cpu") -> SpeechModels:
-        """As `from_checkpoint`, from an opened pipeline.checkpoint.ModelSource (a server's)."""
+    def from_source(cls, source: Any, device: str = "cpu", n_timesteps: int = 10,
+                    streams: int = 4, prompt_frames: int = 500) -> SpeechModels:
+        """As `from_checkpoint`, from an opened pipeline.checkpoint.ModelSource (a server's).
+        Token2Wav runs `n_timesteps` Euler steps (the reference's `n_timesteps`:
+        `MiniCPMODuplex`'s default 10, the demo's duplex example and server 5); its slot pool
+        starts with `streams` slots (turns at once; it grows when more speak) of voice
+        prompts up to `prompt_frames` mel frames."""
         from pipeline.checkpoint import load_into, load_part, talker_schema
         from pipeline.code2wav.assets import token2wav_dir, token2wav_from_source
         from pipeline.tokenizer import TextTokenizer
@@ -176,33 +186,14 @@ class SpeechModels:
         load_into(model, part, "talker")
         model = model.to(device=device, dtype=resolve_dtype("auto", device)).eval()
         flow, vocoder, cfg, voice_dir = token2wav_from_source(source, device)
-        # what the Code2Wav engine runs: the vocoder's weight norms computed once (bit for
-        # bit); on CUDA its Snakes fused and the DiT blocks compiled (only the fused
-        # LayerNorms sum in another order: tests/test_code2wav_compile.py bounds it)
-        cuda = torch.device(device).type == "cuda"
-        freeze_weight_norms(vocoder)
-        fuse_snakes(vocoder, cuda)
-        if cuda:
-            compile_dit_blocks(flow.decoder.estimator)
+        engine = Code2WavEngine(
+            flow, vocoder, cfg,
+            Code2WavEngineConfig(n_timesteps=n_timesteps, max_streams=max(1, streams),
+                                 slot_prompt_frames=prompt_frames),
+            voices=VoiceCache(token2wav_dir(voice_dir)))
         tok = TextTokenizer.from_dir(source.tokenizer_dir)
         ids = tuple(tok.token_id(t) for t in ("<|listen|>", "<|chunk_eos|>", "<|chunk_tts_eos|>"))
-        voices = VoiceCache(token2wav_dir(voice_dir))
-        return cls(FusedTalker(model), flow, vocoder, cfg, voices, ids)
-
-    def template(self, voice: VoicePrompt) -> StreamState:
-        """The voice's Token2Wav start state ([MU7] set_stream_cache), built once (LRU)."""
-        key = voice.key
-        tpl = self.templates.get(key)
-        if tpl is None:
-            device = next(self.flow.parameters()).device
-            v = voice.to(device)
-            tpl = initial_state(self.flow, self.code2wav, v.prompt_tokens, v.prompt_mel,
-                                v.spk_emb.float(), vocoder=self.vocoder)
-            self.templates[key] = tpl
-            while len(self.templates) > TEMPLATES:
-                self.templates.popitem(last=False)
-        self.templates.move_to_end(key)
-        return tpl
+        return cls(FusedTalker(model), engine, ids)
 
 
 class TalkerPool:
@@ -572,23 +563,23 @@ class DuplexSpeech:
         self.temperature = torch.tensor([[temperature]], dtype=torch.float32, device=device)
         self.repetition_penalty = repetition_penalty
         self.greedy = greedy
-        self.crossfade = Crossfade(
-            models.code2wav.mel_overlap_frames * models.code2wav.hift.hop_length, device)
-        self.template: StreamState | None = None
-        self.state: StreamState | None = None  # this turn's Token2Wav state
+        self.stream_id = f"duplex-{next(_STREAM_IDS)}"  # its turns' stream in models.token2wav
+        self.voice: VoicePrompt | None = None
         self.buffer: list[int] = []  # this turn's codes not yet decoded (incl. lookahead)
 
     @classmethod
     def from_checkpoint(
         cls, path: str | Path | None, cfg: DuplexConfig | None = None, device: str = "cpu",
-        seed: int = 0, greedy: bool = False,
+        seed: int = 0, greedy: bool = False, n_timesteps: int = 10,
     ) -> DuplexSpeech:
-        """A session over freshly loaded models (tests; a server shares one SpeechModels)."""
+        """A session over freshly loaded models (tests; a server shares one SpeechModels),
+        Token2Wav at `n_timesteps` Euler steps."""
         kw = {}
         if cfg is not None:
             kw = {"temperature": cfg.tts_temperature,
                   "repetition_penalty": cfg.tts_repetition_penalty}
-        return cls(SpeechModels.from_checkpoint(path, device), seed=seed, greedy=greedy, **kw)
+        models = SpeechModels.from_checkpoint(path, device, n_timesteps=n_timesteps)
+        return cls(models, seed=seed, greedy=greedy, **kw)
 
     # -- session and turns ---------------------------------------------------------------
 
@@ -598,7 +589,8 @@ class DuplexSpeech:
         file), a voice prompt, or None for the checkpoint's default voice. Resets the Talker
         and Token2Wav state, as the reference's prepare does."""
         voice = self._voice(prompt_wav, sample_rate)
-        self.template = self.models.template(voice)
+        self.models.token2wav.check_voice(voice)  # its template built; a slot holds it
+        self.voice = voice
         self.talker.reset()
         self._new_turn()
 
@@ -621,18 +613,37 @@ class DuplexSpeech:
         return voices.from_audio(wav, sample_rate)
 
     def _new_turn(self) -> None:
-        """[DEMO] _reset_token2wav_for_new_turn: caches from the voice's template, the code
-        buffer 3 x silence."""
-        assert self.template is not None
-        self.state = self.template.clone()
-        self.state.generator = self.noise.manual_seed(self.noise_seed)
+        """[DEMO] _reset_token2wav_for_new_turn: the code buffer 3 x silence; the caches
+        start from the voice's template at the turn's first window (`_open_stream`)."""
+        self.models.token2wav.abort(self.stream_id)  # the last turn's slot, if still held
         cfg = self.models.code2wav
         self.buffer = [cfg.silence_code] * cfg.pre_lookahead
+
+    def _open_stream(self) -> None:
+        """This turn's Token2Wav stream, if not open yet: a slot filled from the voice's
+        template, the vocoder noise restarted (a slot more when none is free)."""
+        engine = self.models.token2wav
+        if self.stream_id in engine.streams:
+            return
+        assert self.voice is not None
+        noise = self.noise.manual_seed(self.noise_seed)
+        try:
+            engine.open(self.stream_id, self.voice, generator=noise)
+        except NoFreeSlot:
+            engine.grow(2 * engine.pool.slots)
+            engine.open(self.stream_id, self.voice, generator=noise)
+
+    @property
+    def chunks(self) -> int:
+        """Token2Wav windows decoded in this turn."""
+        stream = self.models.token2wav.streams.get(self.stream_id)
+        return 0 if stream is None else stream.state.chunks
 
     def close(self) -> None:
         """Free the session's state (the shared models stay)."""
         self.talker.reset()
-        self.state, self.template, self.buffer = None, None, []
+        self.models.token2wav.abort(self.stream_id)
+        self.voice, self.buffer = None, []
 
     # -- a speak unit --------------------------------------------------------------------
 
@@ -647,7 +658,7 @@ class DuplexSpeech:
 
     def _begin(self, spoken: list[tuple[int, torch.Tensor]], end_of_turn: bool) -> _Chunk:
         """A chunk up to its prefill: its condition, on a Talker context that holds it."""
-        if self.state is None:
+        if self.voice is None:
             raise RuntimeError("DuplexSpeech.speak before prepare")
         condition = self._condition(spoken)
         turn_start = self.talker.length == 0
@@ -716,15 +727,6 @@ class DuplexSpeech:
             out.append(_Window(buffer, True, []))
         return out
 
-    def _batch_key(self, window: _Window) -> tuple:
-        """Sessions whose next windows have equal keys decode them as one batch (`_stream`):
-        the same models, window length and `last`, flow caches of equal shapes trimmed
-        alike, and vocoder states that run the same vocoder windows."""
-        state = self.state
-        assert state is not None and state.flow is not None
-        return (id(self.models), len(window.codes), window.last, state.prompt_frames,
-                state.flow.shapes(), state.vocoder_key(window.last))
-
 
 @dataclass
 class _Window:
@@ -765,65 +767,39 @@ def _token2wav_steps(
 ) -> Generator[None, None, list[BaseException | None]]:
     """Decode the windows of every session's unit in rounds, yielding after each: round k
     takes each session's k-th window (a session's windows run in order, each on the state
-    its previous one left), grouped by `DuplexSpeech._batch_key`, one `_stream` per group.
-    Returns per voicing the exception that failed it (its group's), or None; a failed
-    session stops at its last decoded window (its state and buffer as that window left
-    them)."""
+    its previous one left), ONE `Code2WavEngine.decode` step per engine for all of them.
+    Returns per voicing the exception that failed it (its step's), or None; a failed
+    session stops at its last decoded window (its buffer still holds the rest)."""
     errors: list[BaseException | None] = [None] * len(voicings)
     k = 0
     while True:
         due = [i for i, v in enumerate(voicings) if errors[i] is None and k < len(v.windows)]
         if not due:
             return errors
-        groups: dict[tuple, list[int]] = {}
+        steps: dict[int, list[int]] = {}
         for i in due:
-            v = voicings[i]
+            speech = voicings[i].speech
             try:
-                key = v.speech._batch_key(v.windows[k])
+                speech._open_stream()
             except Exception as e:  # noqa: BLE001 - this session's Token2Wav fails alone
                 errors[i] = e
                 continue
-            groups.setdefault(key, []).append(i)
-        for group in groups.values():
+            steps.setdefault(id(speech.models.token2wav), []).append(i)
+        for step in steps.values():
+            engine = voicings[step[0]].speech.models.token2wav
+            windows = {voicings[i].speech.stream_id: voicings[i].windows[k] for i in step}
             try:
-                pcm = _stream([voicings[i].speech for i in group],
-                              [voicings[i].windows[k] for i in group])
-            except Exception as e:  # noqa: BLE001 - every session of the group failed
-                for i in group:
+                pcm = engine.decode({sid: (w.codes, w.last) for sid, w in windows.items()})
+            except Exception as e:  # noqa: BLE001 - every session of the step failed
+                for i in step:
                     errors[i] = e
                 continue
-            for i, row in zip(group, pcm, strict=True):
-                voicings[i].pieces.append(row)
+            for i in step:
+                v = voicings[i]
+                v.pieces.append(pcm[v.speech.stream_id][0])
+                v.speech.buffer = v.windows[k].rest
         k += 1
         yield
-
-
-def _stream(speeches: list[DuplexSpeech], windows: list[_Window]) -> np.ndarray:
-    """[MU7] Token2wav.stream of one window for B sessions of equal `_batch_key`: ONE flow
-    chunk over the stacked tokens, speaker rows and caches, the cache trimming, ONE vocoder
-    call over their states (each with its own noise generator); then each session owns its
-    new state. Returns the float PCM (B, N). The flow's noise is the fixed table from the DiT
-    cache's length on, which the batch shares, so every row gets the noise it gets alone; a
-    batch of one computes what the session computes alone."""
-    models, states = speeches[0].models, [s.state for s in speeches]
-    assert all(st is not None and st.flow is not None for st in states)
-    last = windows[0].last
-    spk = states[0].spk
-    tokens = torch.tensor([w.codes for w in windows], dtype=torch.long, device=spk.device)
-    if len(states) > 1:
-        spk = torch.cat([st.spk for st in states])
-    mel, cache = models.flow._chunk(tokens, spk, FlowCache.cat([st.flow for st in states]),
-                                    last, None)
-    # equal keys: one prompt length, so the batch trims as each alone
-    caches = cache.split(states[0].prompt_frames)
-    del cache  # the batch's cache, before the vocoder's memory
-    speech, voiced = vocode(models.vocoder, models.code2wav, states, mel, last,
-                            speeches[0].crossfade)
-    pcm = speech.float().cpu().numpy()  # one host read for the batch
-    for s, st, v, c, w in zip(speeches, states, voiced, caches, windows, strict=True):
-        s.state = replace(v, flow=c, chunks=st.chunks + 1)
-        s.buffer = w.rest
-    return pcm
 
 
 @dataclass
