@@ -72,11 +72,14 @@ def test_stage_session_equals_a_session_over_fresh_weights(ckpt):
     pool = engine.llm.block_manager
     held = sessions.stats()["kv_blocks"]
     assert held > 0 and pool.num_used == held
-    assert sessions.stats() == {"sessions": 1, "units": UNITS, "prefills": UNITS,
-                                "kv_blocks": held, "talker_rows": sessions.stats()["talker_rows"]}
+    stats = sessions.stats()
+    assert stats == {"sessions": 1, "units": UNITS, "prefills": UNITS, "kv_blocks": held,
+                     "talker_rows": stats["talker_rows"],
+                     "token2wav_streams": stats["token2wav_streams"]}
+    assert stats["token2wav_streams"] <= 1  # its turn's stream, while the turn goes on
     assert sessions.close("s") and not sessions.close("s")
     assert pool.num_used == 0 and sessions.stats()["kv_blocks"] == 0
-    assert sessions.stats()["talker_rows"] == 0
+    assert sessions.stats()["talker_rows"] == sessions.stats()["token2wav_streams"] == 0
     with pytest.raises(KeyError):
         sessions.unit("s", inputs[0][0], None, None)
     assert len(sessions) == 0
@@ -148,7 +151,8 @@ def test_concurrent_units_of_several_sessions_join_in_one_step(ckpt):
     # session's unit is refused before any step)
     assert stats["kv_blocks"] > 0
     assert stats == {"sessions": 3, "units": 3 * len(rounds), "prefills": len(rounds),
-                     "kv_blocks": stats["kv_blocks"], "talker_rows": 0}  # text only
+                     "kv_blocks": stats["kv_blocks"], "talker_rows": 0,
+                     "token2wav_streams": 0}  # text only
 
     kinds = set()
     for i, (name, s) in enumerate(zip(names, scripts, strict=True)):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -136,14 +137,16 @@ class DuplexSessions:
         from pipeline.duplex.speech import SpeechModels
 
         if self._speech_models is None:
+            t0 = time.perf_counter()
             models = SpeechModels.from_source(self.source, str(self.device), self.n_timesteps,
                                               self.streams, self.prompt_frames)
             # on CUDA: the flow's graphs per batch size and the compiled blocks, before a
             # session's first unit waits for them
             models.token2wav.warmup(last_chunks=False)
             self._speech_models = models
-            log.info("duplex speech models loaded on %s (Token2Wav %d steps)", self.device,
-                     self.n_timesteps)
+            log.info("duplex speech models loaded and warmed up on %s in %.1f s (Token2Wav "
+                     "%d steps, %d slots)", self.device, time.perf_counter() - t0,
+                     self.n_timesteps, self.streams)
         return self._speech_models
 
     def memory_holds(self, cap: int) -> dict[str, Any] | None:
@@ -296,10 +299,12 @@ class DuplexSessions:
     def stats(self) -> dict[str, int]:
         # read from the event loop while units run: a snapshot of the sessions
         held = sum(len(s.thinker.kv.table) for s, _ in list(self._sessions.values()))
-        rows = self._speech_models.pool.rows_in_use if self._speech_models is not None else 0
+        models = self._speech_models
+        rows = models.pool.rows_in_use if models is not None else 0
+        streams = len(models.token2wav.streams) if models is not None else 0
         prefills = self._scheduler.prefills if self._scheduler is not None else 0
         return {"sessions": len(self._sessions), "units": self.units, "prefills": prefills,
-                "kv_blocks": held, "talker_rows": rows}
+                "kv_blocks": held, "talker_rows": rows, "token2wav_streams": streams}
 
 
 def text_pieces(tokenizer: Any, on_piece: Callable[[str], None]) -> Callable[[list[int]], None]:

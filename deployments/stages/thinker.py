@@ -203,7 +203,8 @@ class ThinkerServer(StageServer):
 
     def _extra_stats(self) -> dict[str, Any]:
         if self._duplex is None:
-            return {"duplex": {"sessions": 0, "kv_blocks": 0, "talker_rows": 0}}
+            return {"duplex": {"sessions": 0, "kv_blocks": 0, "talker_rows": 0,
+                               "token2wav_streams": 0}}
         return {"duplex": self._duplex.stats()}
 
     def _leaks(self, engine: dict[str, Any]) -> list[str]:
@@ -217,6 +218,9 @@ class ThinkerServer(StageServer):
                          "session")
         if not d.get("sessions") and d.get("talker_rows"):
             leaks.append(f"{d['talker_rows']} duplex Talker rows held with no session")
+        if not d.get("sessions") and d.get("token2wav_streams"):
+            leaks.append(f"{d['token2wav_streams']} duplex Token2Wav streams open with no "
+                         "session")
         return leaks
 
 
