@@ -176,10 +176,14 @@ def test_pool_rows_are_taken_per_turn_and_all_free_after_close(models, monkeypat
         assert sessions[0].talker.row == rows[0]  # the lowest free row
     sessions[1].prepare(None)  # prepare mid-turn gives it back too
     assert sessions[1].talker.row is None and pool.rows_in_use == len(sessions) - 1
-    dropped = sessions.pop()  # a session dropped without close loses its row
+    engine = models.token2wav
+    # a session dropped without close loses its row and its Token2Wav slot
+    dropped = sessions.pop(next(j for j, s in enumerate(sessions)
+                                if s.stream_id in engine.streams))
+    dropped_id = dropped.stream_id
     del dropped
     gc.collect()
-    assert pool.rows_in_use == len(sessions) - 1
+    assert pool.rows_in_use == len(sessions) - 1 and dropped_id not in engine.streams
     for s in sessions:
         s.close()
     assert pool.rows_in_use == 0 and pool.cache is None  # the memory goes back

@@ -564,6 +564,8 @@ class DuplexSpeech:
         self.repetition_penalty = repetition_penalty
         self.greedy = greedy
         self.stream_id = f"duplex-{next(_STREAM_IDS)}"  # its turns' stream in models.token2wav
+        # a session dropped without close gives its slot back too (as its Talker row)
+        weakref.finalize(self, models.token2wav.abort, self.stream_id)
         self.voice: VoicePrompt | None = None
         self.buffer: list[int] = []  # this turn's codes not yet decoded (incl. lookahead)
 
