@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                                 force) for s in sessions]
             for v in spent.values():
                 v.clear()
-            last = k == len(plan) - 1 and u == args.units - 2
+            # the last speak unit of the last entry (a warm one when there are 2 or more)
+            speaks = [i for i in range(1, args.units) if pattern[i % 3] == "S"] or [0]
+            last = k == len(plan) - 1 and u == speaks[-1]
             prof = None
             if args.profile and last:
                 prof = torch.profiler.profile(activities=[
