@@ -3,8 +3,10 @@ model and KV pool, as `deployments/stages/duplex.py` builds sessions) and the du
 models, full size, random weights. N sessions' units run as one batch
 (`pipeline.duplex.batch.run_units`), forced speak / speak / listen, 1 s of audio each (and a
 320x240 frame in the video mode). Per batch: its wall time, and inside it the encoders
-(`plan_prefill_batch`; the vision encoder eager, not compiled as served), the speech side (`speak_steps`: Talker draws + Token2Wav) and its
-Token2Wav; the Thinker's share is the rest. A session is in real time while a batch of its
+(`plan_prefill_batch`; the vision encoder eager, not compiled as served), the speech side
+(`speak_steps`: Talker draws + Token2Wav) and its Token2Wav; the Thinker's share is the rest.
+The speech models load with their Token2Wav slots for the plan's most sessions and warm up
+as the server's do. A session is in real time while a batch of its
 speak units takes under 1 s.
 
 `--check` first runs 4 greedy sessions x 6 units with the decode step eager and then as the

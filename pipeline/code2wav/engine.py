@@ -474,9 +474,10 @@ class Code2WavEngine:
         """Build `voice`'s template and, when graphs are on (CUDA), decode WARMUP_CHUNKS full
         chunks of silence at each batch size on throwaway streams (the DiT window grows over
         the first chunks, then trimming fixes it: each window is a graph), then, with
-        `last_chunks`, the last chunks (`_warm_last_chunks`; without, those run eagerly). Outputs of later streams do not depend on it (their
-        state is a template clone, their slot's valid frames are their own and their noise
-        generator is seeded by stream id)."""
+        `last_chunks`, the last chunks (`_warm_last_chunks`; without, those run eagerly).
+        Outputs of later streams do not depend on it (their state is a template clone, their
+        slot's valid frames are their own and their noise generator is seeded by stream id
+        or given)."""
         if voice is None and self.voices is None:
             raise ValueError("warmup needs a voice (or a VoiceCache with the default voice)")
         voice = voice or self.voices.default()
