@@ -6,8 +6,8 @@ models, full size, random weights. N sessions' units run as one batch
 (`plan_prefill_batch`; the vision encoder eager, not compiled as served), the speech side
 (`speak_steps`: Talker draws + Token2Wav) and its Token2Wav; the Thinker's share is the rest.
 The speech models load with their Token2Wav slots for the plan's most sessions and warm up
-as the server's do. A session is in real time while a batch of its
-speak units takes under 1 s.
+as the server's do. A session is in real time while a batch of its speak units takes under
+1 s.
 
 `--check` first runs 4 greedy sessions x 6 units with the decode step eager and then as the
 pool's CUDA graphs, and counts the units whose tokens agree (the graph path's GPU check).
@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "units": len(pairs)}
 
     pattern = "SSL"
+    # the profiled unit: the last entry's last speak unit (a warm one when there are 2 or more)
+    profiled = ([u for u in range(1, args.units) if pattern[u % 3] == "S"] or [0])[-1]
     for k, (mode, n, steps) in enumerate(plan):
         speech_models = speech_models_at(steps)
         print(f"== {mode}: {n} sessions, Token2Wav {steps} steps", flush=True)
@@ -204,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                                 force) for s in sessions]
             for v in spent.values():
                 v.clear()
-            # the last speak unit of the last entry (a warm one when there are 2 or more)
-            speaks = [i for i in range(1, args.units) if pattern[i % 3] == "S"] or [0]
-            last = k == len(plan) - 1 and u == speaks[-1]
+            last = k == len(plan) - 1 and u == profiled
             prof = None
             if args.profile and last:
                 prof = torch.profiler.profile(activities=[

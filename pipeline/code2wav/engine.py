@@ -238,11 +238,7 @@ class Code2WavEngine:
     def check_voice(self, voice: VoicePrompt) -> None:
         """Build `voice`'s template now; ValueError when its prompt is longer than a slot
         holds (what `open` would refuse)."""
-        frames = self._template(voice).prompt_frames
-        if frames > self.pool.max_prompt_frames:
-            raise ValueError(
-                f"voice prompt of {frames} mel frames is longer than the "
-                f"{self.pool.max_prompt_frames} a Code2Wav slot holds (slot_prompt_frames)")
+        self.pool.check_prompt(self._template(voice).prompt_frames)
 
     def initial_state(self, voice: VoicePrompt) -> StreamState:
         """A fresh stream state for `voice`: a clone of its template."""

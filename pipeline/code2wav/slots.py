@@ -157,11 +157,7 @@ class FlowSlotPool:
         """Copy a stream's initial cache (a voice template, batch 1) into a free slot."""
         if not self.free:
             raise NoFreeSlot(f"all {self.slots} Code2Wav slots are in use")
-        if prompt_frames > self.max_prompt_frames:
-            raise ValueError(
-                f"voice prompt of {prompt_frames} mel frames is longer than the "
-                f"{self.max_prompt_frames} a Code2Wav slot holds (slot_prompt_frames)"
-            )
+        self.check_prompt(prompt_frames)
         slot = self.free.pop(0)
         p, lt, lm, le = self.pool, cache.token_att.shape[3], cache.mel_len, cache.est_len
         p.token[:, slot, :, :lt] = cache.token_att[:, 0]
@@ -175,6 +171,14 @@ class FlowSlotPool:
         p.dit.cnn[:, :, :, slot] = cache.est_cnn
         self.state[slot] = SlotState(prompt_frames, lt, lm, list(range(le)))
         return slot
+
+    def check_prompt(self, prompt_frames: int) -> None:
+        """ValueError when a voice prompt of `prompt_frames` is longer than a slot holds."""
+        if prompt_frames > self.max_prompt_frames:
+            raise ValueError(
+                f"voice prompt of {prompt_frames} mel frames is longer than the "
+                f"{self.max_prompt_frames} a Code2Wav slot holds (slot_prompt_frames)"
+            )
 
     def release(self, slot: int) -> None:
         if self.state.pop(slot, None) is not None:

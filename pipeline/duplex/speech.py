@@ -159,14 +159,13 @@ class SpeechModels:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | None, device: str = "cpu",
-                        n_timesteps: int = 10, streams: int = 4,
-                        prompt_frames: int = 500) -> SpeechModels:
+                        **kw: Any) -> SpeechModels:
         """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32) of a checkpoint
         folder (None: the embedded default), with its default voice: `from_source`."""
         from pipeline.checkpoint import ModelSource
 
         return cls.from_source(ModelSource.open(None if path is None else str(path)), device,
-                               n_timesteps, streams, prompt_frames)
+                               **kw)
 
     @classmethod
     def from_source(cls, source: Any, device: str = "cpu", n_timesteps: int = 10,
