@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.duplex.audio_stream import StreamingMel
+from pipeline.duplex.audio_stream import StreamingMel, log_mel_frames
 from pipeline.duplex.config import DuplexConfig
 from pipeline.duplex.kv import SessionKV, standalone_pages
 from pipeline.duplex.session import DuplexSession
 from pipeline.duplex.thinker import DuplexThinker
+from pipeline.processing.audio import HOP_LENGTH, N_FFT, _stft_constants
 from pipeline.thinker.model import ThinkerModel
 from pipeline.tokenizer import TextTokenizer
 
@@ -311,6 +312,57 @@ def test_streaming_mel_stable_frames_do_not_change_with_more_audio():
     # the redundant frames either side of a boundary are the neighbour's core frames
     torch.testing.assert_close(second[:, :4], first[:, 98:102], rtol=0, atol=1e-5)
     torch.testing.assert_close(third[:, :4], second[:, 100:104], rtol=0, atol=1e-5)
+
+
+def plain_log_spec(buffer):
+    """The reference's features over the whole buffer (a centered STFT, its last frame
+    dropped), before the floor: the plain path `StreamingMel.log_spec` keeps frames of."""
+    window, fb = _stft_constants()
+    stft = torch.stft(torch.from_numpy(buffer)[None], N_FFT, HOP_LENGTH, window=window,
+                      return_complex=True)
+    return torch.clamp(fb.T @ (stft[..., :-1].abs() ** 2), min=1e-10).log10()[0]
+
+
+class PlainMel(StreamingMel):
+    def log_spec(self):
+        return plain_log_spec(self.buffer)
+
+
+@pytest.mark.parametrize("n", [400, 401, 16000, 16480 + 77, 16000 * 30])
+def test_log_mel_frames_are_the_whole_buffers_frames(n):
+    x = (np.random.default_rng(n).standard_normal(n) * 0.1).astype(np.float32)
+    whole = plain_log_spec(x)
+    total = whole.shape[1]
+    assert total == n // HOP_LENGTH
+    # the front (reflect-padded), the middle, the tail (reflect-padded at the end), all
+    for lo, hi in {(0, 1), (0, min(3, total)), (1, total), (total // 2, total),
+                   (max(0, total - 2), total), (0, total)}:
+        got = log_mel_frames(x, lo, hi)
+        assert got.shape == (80, hi - lo)
+        # the FFTs are the same bits; the filter bank's matmul by other column counts
+        # moves a sum by an ulp
+        torch.testing.assert_close(got, whole[:, lo:hi], rtol=0, atol=1e-6)
+
+
+def test_streaming_mel_keeps_frames_as_the_whole_buffer_computes_them():
+    """Units through the kept frames equal the plain path (the whole buffer featurized at
+    every unit) over 45 s: the fixed floor, the floor relative to the max from 5 s, a loud
+    second that sets the max and leaves it when the 30 s buffer slides."""
+    fast, plain = StreamingMel(1000, 1035, 20), PlainMel(1000, 1035, 20)
+    rng = np.random.default_rng(7)
+    worst = 0.0
+    for i in range(45):
+        x = (rng.standard_normal(fast.chunk_size()) * (1.0 if i == 6 else 0.05))
+        x = x.astype(np.float32)
+        got, want = fast.push(x), plain.push(x)
+        assert got.shape == want.shape and got.shape[1] in (102, 104)
+        assert fast.base == plain.base and len(fast.buffer) == len(plain.buffer)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        worst = max(worst, (got - want).abs().max().item())
+        # what is kept is the buffer's stable frames, no more
+        assert fast._stable.shape[1] == (len(fast.buffer) - N_FFT // 2) // HOP_LENGTH + 1
+    assert fast.base > 0  # the buffer slid
+    assert worst <= 1e-6
 
 
 def test_audio_of_a_unit_short_of_a_chunk_waits(parts):
