@@ -14,9 +14,12 @@ pool's CUDA graphs, and counts the units whose tokens agree (the graph path's GP
 
     python -m bench.gpu_duplex --plan audio:1:10,audio:16:10,video:16:10,audio:16:5 --check
 
-A plan entry is MODE:SESSIONS:STEPS (STEPS: Token2Wav's Euler steps, the reference's
-`n_timesteps`). The file runs on its own too (`python bench/gpu_duplex.py ...` from a tree
-whose `pipeline` is on PYTHONPATH): it imports nothing from `bench`.
+A plan entry is MODE:SESSIONS:STEPS[:PRECISION] (STEPS: Token2Wav's Euler steps, the
+reference's `n_timesteps`; PRECISION fp32 (default) or fp16, its `enable_float16`).
+`--history 30` first runs 30 untimed listen units a session: the steady state of a long
+session (its 30 s audio buffer, its encoder cache). The file runs on its own too (`python
+bench/gpu_duplex.py ...` from a tree whose `pipeline` is on PYTHONPATH): it imports nothing
+from `bench`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", default="audio:1:10,audio:8:10,audio:16:10,video:16:10")
     ap.add_argument("--units", type=int, default=6, help="units a session, one batch each")
+    ap.add_argument("--history", type=int, default=0, metavar="SECONDS",
+                    help="untimed listen units a session first (its audio buffer and encoder "
+                         "cache at length: the steady state from 30 s)")
     ap.add_argument("--check", action="store_true", help="graph vs eager decode, greedy")
     ap.add_argument("--checkpoint", default="random-full")
     ap.add_argument("--device", default="cuda")
@@ -89,22 +95,28 @@ def main(argv: list[str] | None = None) -> int:
     pages = KVPages.of_engine(llm_engine) if KVPages else None
     kw = {"pages": pages} if pages else {}
     special = reference_special_tokens(src.tokenizer_dir)
-    plan = [(mode, int(n), int(steps)) for mode, n, steps in
-            (entry.split(":") for entry in args.plan.split(","))]
-    models_at: dict[int, SpeechModels] = {}  # per Euler step count
+    plan = []
+    for entry in args.plan.split(","):
+        mode, n, steps, *precision = entry.split(":")
+        plan.append((mode, int(n), (int(steps), precision[0] if precision else "fp32")))
+    models_at: dict[tuple[int, str], SpeechModels] = {}  # per Euler steps and precision
 
-    def speech_models_at(steps: int) -> SpeechModels:
-        """The speech models at `steps` Euler steps, their Token2Wav slots for the plan's
-        most sessions at that count, warmed up as the server does (its graphs captured)."""
-        if steps not in models_at:
-            most = max(n for _, n, s in plan if s == steps)
+    def speech_models_at(t2w: tuple[int, str]) -> SpeechModels:
+        """The speech models at `t2w` (Euler steps, precision), their Token2Wav slots for
+        the plan's most sessions in that mode, warmed up as the server does (its graphs
+        captured)."""
+        if t2w not in models_at:
+            most = max(n for _, n, s in plan if s == t2w)
+            steps, precision = t2w
+            # a tree before the precision option: fp32 only
+            kw = {} if precision == "fp32" else {"precision": precision}
             t = time.perf_counter()
-            models_at[steps] = m = SpeechModels.from_source(src, args.device, n_timesteps=steps,
-                                                            streams=most)
+            models_at[t2w] = m = SpeechModels.from_source(src, args.device, n_timesteps=steps,
+                                                          streams=most, **kw)
             m.token2wav.warmup(last_chunks=False)
-            print(f"speech models at {steps} steps, {most} slots: loaded and warmed up in "
-                  f"{time.perf_counter() - t:.1f} s", flush=True)
-        return models_at[steps]
+            print(f"speech models at {steps} steps {precision}, {most} slots: loaded and "
+                  f"warmed up in {time.perf_counter() - t:.1f} s", flush=True)
+        return models_at[t2w]
 
     speech_models = speech_models_at(plan[0][2])
     print(f"loaded in {time.perf_counter() - t0:.1f} s; GPU {mem() / 2**30:.1f} GiB", flush=True)
@@ -190,18 +202,28 @@ def main(argv: list[str] | None = None) -> int:
     pattern = "SSL"
     # the profiled unit: the last entry's last speak unit (a warm one when there are 2 or more)
     profiled = ([u for u in range(1, args.units) if pattern[u % 3] == "S"] or [0])[-1]
-    for k, (mode, n, steps) in enumerate(plan):
-        speech_models = speech_models_at(steps)
-        print(f"== {mode}: {n} sessions, Token2Wav {steps} steps", flush=True)
+    for k, (mode, n, t2w) in enumerate(plan):
+        speech_models = speech_models_at(t2w)
+        print(f"== {mode}: {n} sessions, Token2Wav {t2w[0]} steps {t2w[1]}", flush=True)
         sync()
         mem0 = mem()  # the sessions' memory outside the KV pool (its blocks are allocated)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         sessions = [session(i, DuplexConfig(), True) for i in range(n)]
+        if args.history:  # untimed listen units first: the sessions' audio buffers at length
+            t = time.perf_counter()
+            for u in range(args.history):
+                run_units([UnitRequest(s, (0.1 * rng.standard_normal(16000 if u else 16560))
+                                       .astype(np.float32),
+                                       [frame()] if mode == "video" else None, "listen")
+                           for s in sessions])
+            print(f"N={n}: {args.history} s of history in {time.perf_counter() - t:.1f} s",
+                  flush=True)
         rows = []
         for u in range(args.units):
             force = "speak" if pattern[u % 3] == "S" else "listen"
-            reqs = [UnitRequest(s, (0.1 * rng.standard_normal(16000 if u else 16560))
+            first = u == 0 and not args.history  # a session's first unit: 1.035 s
+            reqs = [UnitRequest(s, (0.1 * rng.standard_normal(16560 if first else 16000))
                                 .astype(np.float32), [frame()] if mode == "video" else None,
                                 force) for s in sessions]
             for v in spent.values():
@@ -244,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
               f"peak {peak / 2**30:.3f}", flush=True)
         for s in sessions:
             s.close()
-        report["runs"].append({"mode": mode, "sessions": n, "token2wav_steps": steps,
+        report["runs"].append({"mode": mode, "sessions": n, "token2wav_steps": t2w[0],
+                               "token2wav_precision": t2w[1], "history_s": args.history,
                                "units": rows, "gib_a_session": round(held / 2**30, 3),
                                "peak_gib_a_session": round(peak / 2**30, 3)})
         if cuda:

@@ -107,6 +107,10 @@ class DuplexSettings(_Settings):
         "(its example's `n_timesteps=5`, its server's Token2wav), 10 as `MiniCPMODuplex` "
         "does when not told (the turn-based Code2Wav's default); both match the reference "
         "in that mode"))
+    token2wav_precision: Literal["fp32", "fp16"] = Field("fp32", description=(
+        "the sessions' Token2Wav: fp32 as the reference computes by default; fp16 is the "
+        "reference's own `enable_float16` (Token2wav(float16=True)): half the slot memory, "
+        "the flow's matmuls on fp16 tensor cores, other audio"))
 
 
 class LimitSettings(_Settings):

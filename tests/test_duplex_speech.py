@@ -192,10 +192,21 @@ def demo_waveform(t2w, buffer: list[int], codes: list[int], last: bool, force_fl
     return pcm, buffer
 
 
+# the flow's noise and the vocoder's noise table, seeded draws both sides get
+NOISE = torch.randn(1, 80, 30000, generator=torch.Generator().manual_seed(0))
+NOISE_TABLE = torch.rand(24000 * 30, 9, generator=torch.Generator().manual_seed(1))
+
+
+def _same_noise(models: SpeechModels) -> None:
+    models.flow.decoder.rand_noise.copy_(NOISE)
+    models.vocoder.noise_table = NOISE_TABLE
+
+
 @pytest.fixture(scope="module")
 def mu7_token2wav(tiny_checkpoint, models):
     """The package's Token2wav on the checkpoint's token2wav files, its flow noise and
-    vocoder noise table set to seeded draws that our models get too."""
+    vocoder noise table set to the seeded draws our models get too: (the package, a
+    `Token2wav(float16=False, n_timesteps=10)` and a maker of it in other modes)."""
     from tests._code2wav_ref import build_reference_flow, load_reference_mu7
 
     mu7 = load_reference_mu7()
@@ -211,33 +222,41 @@ def mu7_token2wav(tiny_checkpoint, models):
     ref_flow = build_reference_flow(mu7, cfg)
     ref_flow.load_state_dict(torch.load(folder / "flow.pt", weights_only=True), strict=True)
     t2w_tests._resize_dit_buffers(ref_flow.eval(), cfg)
-    noise = torch.randn(1, 80, 30000, generator=torch.Generator().manual_seed(0))
-    table = torch.rand(24000 * 30, 9, generator=torch.Generator().manual_seed(1))
-    ref_flow.decoder.rand_noise.copy_(noise)
-    ref_voc.m_source.l_sin_gen.sine_waves = table[None]
-    models.flow.decoder.rand_noise.copy_(noise)
-    models.vocoder.noise_table = table
-    yield mu7, t2w_tests._token2wav(ref_flow, ref_voc.float().eval())
+    ref_flow.decoder.rand_noise.copy_(NOISE)
+    ref_voc.m_source.l_sin_gen.sine_waves = NOISE_TABLE[None]
+    _same_noise(models)
+    ref_voc = ref_voc.float().eval()
+
+    def make(**mode):
+        return t2w_tests._token2wav(ref_flow, ref_voc, **mode)
+
+    yield mu7, make(), make
     models.vocoder.noise_table = None
 
 
-def test_token2wav_matches_the_demo_over_minicpmo_utils(models, mu7_token2wav):
-    """Unit by unit over five turns: 25-code units, turn starts of 10, 3 (nothing to decode
-    yet), 0 and 20 codes (force-flushed windows shorter than 28), end_of_turn units of 0..25
-    codes; the caches restart from the voice's template at every turn."""
-    mu7, t2w = mu7_token2wav
+# Units of five turns: 25-code units, turn starts of 10, 3 (nothing to decode yet), 0 and 20
+# codes (force-flushed windows shorter than 28), end_of_turn units of 0..25 codes.
+DEMO_PLAN = [(10, False), (25, False), (4, True), (3, False), (25, False), (2, True),
+             (0, False), (25, True), (5, True), (20, False), (25, True)]
+
+
+def _against_demo(models: SpeechModels, mu7, t2w) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each DEMO_PLAN unit's PCM from a session over `models` and from the demo's
+    `_generate_waveform_from_tokens` over `t2w` (got, want); the caches restart from the
+    voice's template at every turn, the codes still to decode equal the demo's."""
     voice = models.voices.default()
-    t2w.cache["voice"] = (voice.prompt_tokens.int(), None, voice.spk_emb, voice.prompt_mel, None)
+    # a half flow on CPU (no autocast there) takes its x-vector and prompt mel in fp16
+    dtype = torch.float16 if t2w.float16 else torch.float32
+    t2w.cache["voice"] = (voice.prompt_tokens.int(), None, voice.spk_emb.to(dtype),
+                          voice.prompt_mel.to(dtype), None)
     speech = DuplexSpeech(models, seed=0)
     speech.prepare(voice)
-    plan = [(10, False), (25, False), (4, True), (3, False), (25, False), (2, True), (0, False),
-            (25, True), (5, True), (20, False), (25, True)]
     g = torch.Generator().manual_seed(3)
-    turn_start, sizes = True, []
+    turn_start, out = True, []
     with mu7.active():  # prepare's _init_token2wav_cache: the voice's caches, kept as a base
         base = copy.deepcopy(t2w.set_stream_cache("voice"))
     buffer = [4218] * 3
-    for u, (n, eot) in enumerate(plan):
+    for u, (n, eot) in enumerate(DEMO_PLAN):
         codes = torch.randint(0, 6561, (n,), generator=g).tolist()
         with mu7.active(), torch._dynamo.config.patch(disable=True):
             want, buffer = demo_waveform(t2w, buffer, codes, eot, turn_start)
@@ -250,12 +269,49 @@ def test_token2wav_matches_the_demo_over_minicpmo_utils(models, mu7_token2wav):
                 speech._new_turn()
         want = np.zeros(0, np.float32) if want is None else want
         assert got.dtype == np.float32 and got.shape == want.shape, f"unit {u}"
+        assert speech.buffer == buffer
+        out.append((got, want))
+        turn_start = eot
+    speech.close()
+    return out
+
+
+def test_token2wav_matches_the_demo_over_minicpmo_utils(models, mu7_token2wav):
+    """Unit by unit over DEMO_PLAN's five turns, within 2 LSB of the demo's PCM."""
+    mu7, t2w, _ = mu7_token2wav
+    units = _against_demo(models, mu7, t2w)
+    for u, (got, want) in enumerate(units):
         diff = float(np.abs(got - want).max()) if want.size else 0.0
         assert diff <= 2 * LSB, f"unit {u}: max abs diff {diff:.3g}"
-        assert speech.buffer == buffer
-        sizes.append(got.size)
-        turn_start = eot
+    sizes = [got.size for got, _ in units]
     assert 0 in sizes and 24000 in sizes and max(sizes) > 24000  # silence, full, end-of-turn
+
+
+def _snr_db(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(10 * np.log10((b**2).sum() / max(((a - b) ** 2).sum(), 1e-300)))
+
+
+@pytest.mark.filterwarnings("ignore:.*Disabling autocast")  # the package's CUDA autocast, on CPU
+def test_float16_token2wav_matches_the_demo_in_its_float16_mode(tiny_checkpoint,
+                                                                   mu7_token2wav):
+    """`duplex.token2wav_precision: fp16` is the demo's `enable_float16` (its
+    Token2wav(float16=True)), at the served 5 Euler steps: over DEMO_PLAN the session's PCM
+    is closer to the demo's in that mode (fp16 rounding of other summation orders) than the
+    demo's fp16 is to its fp32, and as far from the fp32 demo as that (it runs in fp16).
+    The engine's fp16 mode on CUDA: tests/test_code2wav_reference.py."""
+    mu7, _, make = mu7_token2wav
+    half = SpeechModels.from_checkpoint(tiny_checkpoint, precision="fp16", n_timesteps=5)
+    assert half.flow.decoder.rand_noise.dtype == torch.float16
+    _same_noise(half)
+    units = _against_demo(half, mu7, make(float16=True, n_timesteps=5))
+    got = np.concatenate([g for g, _ in units])
+    want = np.concatenate([w for _, w in units])
+    fp32 = np.concatenate([w for _, w in _against_demo(half, mu7, make(n_timesteps=5))])
+    snr, snr_fp32, ours_fp32 = _snr_db(got, want), _snr_db(want, fp32), _snr_db(got, fp32)
+    print(f"duplex fp16 vs demo fp16 {snr:.1f} dB; demo fp16 vs fp32 {snr_fp32:.1f} dB; "
+          f"duplex fp16 vs demo fp32 {ours_fp32:.1f} dB")
+    assert snr >= snr_fp32 + 3 and ours_fp32 <= snr_fp32 + 3
 
 
 def test_pcm_is_the_references_int16_round_trip():

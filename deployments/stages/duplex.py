@@ -73,10 +73,11 @@ class DuplexSessions:
     """The stage's sessions by id; every method runs on the engine loop's worker thread."""
 
     def __init__(self, source: Any, device: Any, n_timesteps: int, streams: int = 4,
-                 prompt_frames: int = 500):
+                 prompt_frames: int = 500, precision: str = "fp32"):
         self.source = source
         self.device = device
-        self.n_timesteps = n_timesteps  # Token2Wav's Euler steps (DuplexSettings)
+        # Token2Wav's Euler steps and precision (DuplexSettings)
+        self.n_timesteps, self.precision = n_timesteps, precision
         # Token2Wav's slots at load (turns at once: duplex.max_sessions; more grow the pool)
         # and the longest voice prompt a slot holds (code2wav.engine.slot_prompt_frames)
         self.streams, self.prompt_frames = streams, prompt_frames
@@ -139,14 +140,14 @@ class DuplexSessions:
         if self._speech_models is None:
             t0 = time.perf_counter()
             models = SpeechModels.from_source(self.source, str(self.device), self.n_timesteps,
-                                              self.streams, self.prompt_frames)
+                                              self.streams, self.prompt_frames, self.precision)
             # on CUDA: the flow's graphs per batch size and the compiled blocks, before a
             # session's first unit waits for them
             models.token2wav.warmup(last_chunks=False)
             self._speech_models = models
             log.info("duplex speech models loaded and warmed up on %s in %.1f s (Token2Wav "
-                     "%d steps, %d slots)", self.device, time.perf_counter() - t0,
-                     self.n_timesteps, self.streams)
+                     "%s, %d steps, %d slots)", self.device, time.perf_counter() - t0,
+                     self.precision, self.n_timesteps, self.streams)
         return self._speech_models
 
     def memory_holds(self, cap: int) -> dict[str, Any] | None:

@@ -198,7 +198,8 @@ class ThinkerServer(StageServer):
             self._duplex = DuplexSessions(
                 self.source, self.engine.device, self.cfg.duplex.n_timesteps,
                 max(1, self.cfg.duplex.max_sessions),
-                self.cfg.code2wav.engine.get("slot_prompt_frames", 500))
+                self.cfg.code2wav.engine.get("slot_prompt_frames", 500),
+                self.cfg.duplex.token2wav_precision)
         return self._duplex
 
     def _extra_stats(self) -> dict[str, Any]:

@@ -160,8 +160,8 @@ class SpeechModels:
     @classmethod
     def from_checkpoint(cls, path: str | Path | None, device: str = "cpu",
                         **kw: Any) -> SpeechModels:
-        """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32) of a checkpoint
-        folder (None: the embedded default), with its default voice: `from_source`."""
+        """The Talker (bf16 on CUDA, fp32 on the CPU) and Token2Wav (fp32 unless told) of a
+        checkpoint folder (None: the embedded default), with its default voice: `from_source`."""
         from pipeline.checkpoint import ModelSource
 
         return cls.from_source(ModelSource.open(None if path is None else str(path)), device,
@@ -169,12 +169,14 @@ class SpeechModels:
 
     @classmethod
     def from_source(cls, source: Any, device: str = "cpu", n_timesteps: int = 10,
-                    streams: int = 4, prompt_frames: int = 500) -> SpeechModels:
+                    streams: int = 4, prompt_frames: int = 500,
+                    precision: str = "fp32") -> SpeechModels:
         """As `from_checkpoint`, from an opened pipeline.checkpoint.ModelSource (a server's).
         Token2Wav runs `n_timesteps` Euler steps (the reference's `n_timesteps`:
-        `MiniCPMODuplex`'s default 10, the demo's duplex example and server 5); its slot pool
-        starts with `streams` slots (turns at once; it grows when more speak) of voice
-        prompts up to `prompt_frames` mel frames."""
+        `MiniCPMODuplex`'s default 10, the demo's duplex example and server 5) in `precision`
+        (fp32, or fp16: the reference's `enable_float16`); its slot pool starts with
+        `streams` slots (turns at once; it grows when more speak) of voice prompts up to
+        `prompt_frames` mel frames."""
         from pipeline.checkpoint import load_into, load_part, talker_schema
         from pipeline.code2wav.assets import token2wav_dir, token2wav_from_source
         from pipeline.tokenizer import TextTokenizer
@@ -187,8 +189,8 @@ class SpeechModels:
         flow, vocoder, cfg, voice_dir = token2wav_from_source(source, device)
         engine = Code2WavEngine(
             flow, vocoder, cfg,
-            Code2WavEngineConfig(n_timesteps=n_timesteps, max_streams=max(1, streams),
-                                 slot_prompt_frames=prompt_frames),
+            Code2WavEngineConfig(token2wav_precision=precision, n_timesteps=n_timesteps,
+                                 max_streams=max(1, streams), slot_prompt_frames=prompt_frames),
             voices=VoiceCache(token2wav_dir(voice_dir)))
         tok = TextTokenizer.from_dir(source.tokenizer_dir)
         ids = tuple(tok.token_id(t) for t in ("<|listen|>", "<|chunk_eos|>", "<|chunk_tts_eos|>"))
