@@ -77,7 +77,7 @@ def assert_same(got, want, where: str) -> None:
         assert got.pcm is None, where
     else:
         assert got.pcm.shape == want.pcm.shape and want.pcm.size > 0, where
-        # Token2Wav groups: the PCM within 1 LSB of its int16 round trip
+        # the Token2Wav engine's padded rows: the PCM within 1 LSB of its int16 round trip
         np.testing.assert_allclose(got.pcm, want.pcm, rtol=0, atol=1 / 32768, err_msg=where)
 
 

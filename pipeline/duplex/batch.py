@@ -26,14 +26,14 @@ the units. A unit's way through it:
 3. speech (`DuplexSession.finish_units_steps`), over the speak units done with 2 since the
    last speech batch began: their Talker draws in lockstep, one decode a step over every
    drawing session's row of the shared TalkerPool (`speech.speak_steps`: the prefill one
-   step, then one step a draw), then their Token2Wav windows in rounds, one flow chunk and
-   one vocoder call per group of sessions in equal state (`speech._token2wav_steps`: one
-   step a round).
+   step, then one step a draw), then their Token2Wav windows in rounds, a round one step
+   of the Code2Wav engine over every session's window, each a slot of its pool
+   (`speech._token2wav_steps`).
 
 1 and 2 are the Thinker lane, 3 the speech lane. While both have work they share the GPU's
 time: the lane that has run less since both had work steps next (a Talker step is a few ms,
-a Thinker decode step ~10, a Token2Wav round up to ~100, so strict turns would slow the
-speech to the Thinker's pace).
+a Thinker decode step ~10, a Token2Wav round several times that at many sessions, so
+strict turns would hold one lane to the other's pace).
 
 Between two steps nothing of a unit is held in a buffer another forward overwrites (the
 decode graphs' outputs are cloned, kv.py), and every session's state is its own, so a
@@ -50,8 +50,8 @@ Exactness: one session alone through the scheduler computes what `DuplexSession.
 computes (the same ops on the same rows). Across sessions only the batched matmuls' row
 count differs, which moves values in their last bits (fp32: about 1e-6 in the K/V on the
 duplex test checkpoint); the decisions, tokens and codes are the same as each session
-alone, the PCM within 1 LSB of its int16 round trip (Token2Wav groups;
-tests/test_duplex_batch.py).
+alone, the PCM within a few LSB of its int16 round trip (the Token2Wav
+engine's padded rows; tests/test_duplex_batch.py, tests/test_duplex_speech_batch.py).
 
 A unit that fails (bad input, a context over the model's length) fails alone: the
 others go on. A failure of the shared forward, or of a step's draws, fails

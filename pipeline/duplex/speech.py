@@ -863,15 +863,16 @@ def speak_steps(
     first draw, and each step ONE decode over the Talker rows of every session still
     drawing with each row's own draw (`TalkerPool._sample`: its temperature, repetition
     window, EOS mask and generator, as alone); a session leaves at its EOS or its
-    CHUNK_DRAWS-th draw. Then the Token2Wav windows of all of them, in rounds and groups
-    of equal `_batch_key` (`_token2wav_steps`, module docstring).
+    CHUNK_DRAWS-th draw. Then the Token2Wav windows of all of them, in rounds, a round one
+    step of the Code2Wav engine (`_token2wav_steps`).
 
     So each session draws the codes it draws alone: only the decode's row count differs,
-    which moves the logits in their last bits (and the PCM by at most 1 LSB). Returns per
+    which moves the logits in their last bits (and the PCM by a few LSB: the engine's padded
+    rows). Returns per
     item its SpeechChunk or the exception that failed it. A failed decode fails every
     session it stepped; a failed session keeps its turn's Talker KV as its last complete
     prefill or step left it (a failed forward wrote only past it), and a failed Token2Wav
-    group each of its sessions' Token2Wav state as its last decoded window left it."""
+    step each of its sessions' Token2Wav state as its last decoded window left it."""
     if len({id(speech) for speech, _, _ in items}) != len(items):
         raise ValueError("a session may speak once in a batch")
     out: list[SpeechChunk | BaseException | None] = [None] * len(items)
