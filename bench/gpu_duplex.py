@@ -9,8 +9,9 @@ The speech models load with their Token2Wav slots for the plan's most sessions a
 as the server's do. A session is in real time while a batch of its speak units takes under
 1 s.
 
-`--check` first runs 4 greedy sessions x 6 units with the decode step eager and then as the
-pool's CUDA graphs, and counts the units whose tokens agree (the graph path's GPU check).
+`--check` first runs 4 greedy sessions x 6 units with the decode step eager and then in the
+engine's decode graphs (the sessions' rows as its guests), and counts the units whose tokens
+agree (the graph path's GPU check).
 
     python -m bench.gpu_duplex --plan audio:1:10,audio:16:10,video:16:10,audio:16:5 --check
 
@@ -89,16 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         model.llm.compile_ops()
     model.llm.fuse_qk_rope_kv()
-    llm_engine = LLMEngine(model.llm, EngineConfig(
-        cuda_graphs=False, kv_cache_bytes=int(args.kv_gib * 2**30)), args.device, dtype)
-    tokenizer = TextTokenizer.from_dir(src.tokenizer_dir)
-    pages = KVPages.of_engine(llm_engine) if KVPages else None
-    kw = {"pages": pages} if pages else {}
-    special = reference_special_tokens(src.tokenizer_dir)
     plan = []
     for entry in args.plan.split(","):
         mode, n, steps, *precision = entry.split(":")
         plan.append((mode, int(n), (int(steps), precision[0] if precision else "fp32")))
+    kv_bytes = int(args.kv_gib * 2**30)
+    try:  # the sessions' decode rows as the engine's guests, in its decode graphs
+        llm_engine = LLMEngine(model.llm, EngineConfig(
+            kv_cache_bytes=kv_bytes, max_guest_rows=max(n for _, n, _ in plan)),
+            args.device, dtype)
+        pages = KVPages.of_engine(llm_engine, llm_engine.step)
+    except TypeError:  # a tree before guest rows: the pool's own decode graphs
+        llm_engine = LLMEngine(model.llm, EngineConfig(cuda_graphs=False,
+                                                       kv_cache_bytes=kv_bytes),
+                               args.device, dtype)
+        pages = KVPages.of_engine(llm_engine) if KVPages else None
+    tokenizer = TextTokenizer.from_dir(src.tokenizer_dir)
+    kw = {"pages": pages} if pages else {}
+    special = reference_special_tokens(src.tokenizer_dir)
     models_at: dict[tuple[int, str], SpeechModels] = {}  # per Euler steps and precision
 
     def speech_models_at(t2w: tuple[int, str]) -> SpeechModels:
@@ -174,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict = {"runs": []}
     if args.check and pages is not None:
+        step = getattr(pages, "step", None)
+
         def greedy(use_graphs: bool) -> list:
-            pages.use_graphs = use_graphs
+            if step is None:  # a tree before guest rows
+                pages.use_graphs = use_graphs
+            else:
+                pages.step = step if use_graphs else None
             r = np.random.default_rng(7)
             ss = [session(i, DuplexConfig(decode_mode="greedy"), False) for i in range(4)]
             out = []
@@ -185,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                 out.append([x.token_ids for x in run_units(reqs)])
             for s in ss:
                 s.close()
-            pages.use_graphs = True
+            if step is None:
+                pages.use_graphs = True
+            else:
+                pages.step = step
             return out
 
         t = time.perf_counter()

@@ -1,9 +1,11 @@
 """The duplex sessions' paged KV (pipeline/duplex/kv.py): sessions of an engine's pool decode
-through the pool's decode-step graphs (`KVPages.decode`: the step's ids, positions, slots and
-page table staged as `llm_engine.graphs.DecodeGraphs` takes them), and a session's unit then
-equals the same session decoded eagerly. CUDA graphs cannot run here: `EagerReplay` is
-DecodeGraphs with its replay run eagerly from the staged inputs (the step the graph would
-compute), so the staging the duplex decode writes is what is checked."""
+through the engine's step, their rows its guests (`KVPages.decode` -> `LLMEngine.step(guests)`:
+in the engine's decode graph beside its own requests' decodes, the step's ids, positions,
+slots and page table staged as `llm_engine.graphs.DecodeGraphs` takes them), and a session's
+unit then equals the same session decoded eagerly, and the engine's requests the same
+requests alone. CUDA graphs cannot run here: `EagerReplay` is DecodeGraphs with its replay
+run eagerly from the staged inputs (the step the graph would compute), so the staging the
+fused decode writes is what is checked."""
 
 from __future__ import annotations
 
@@ -20,7 +22,12 @@ from pipeline.duplex.thinker import DuplexThinker, reference_special_tokens
 from pipeline.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from pipeline.thinker.llm_engine.attention import AttnMetadata
 from pipeline.thinker.llm_engine.engine import EngineConfig
-from pipeline.thinker.llm_engine.graphs import DecodeGraphs, Staging, decode_fields
+from pipeline.thinker.llm_engine.graphs import (
+    DecodeGraphs,
+    LLMGraphRunner,
+    Staging,
+    decode_fields,
+)
 from pipeline.thinker.llm_engine.sampling import sampling_fields
 from tests import _duplex_inputs as di
 
@@ -85,28 +92,90 @@ def sessions(served, pages: KVPages | None, names: list[str]) -> list[tuple[Dupl
     return out
 
 
-def test_graph_decode_of_an_engines_pool_equals_the_eager_step(served):
+@pytest.fixture
+def replayed(served):
+    """The served engine's LLM with `EagerReplay` as its decode graphs (sizes 1, 2, 4, 8)."""
+    llm = served[0].llm
+    saved = llm.runner.graphs
+    fake = EagerReplay(KVPages.of_engine(llm))
+    llm.runner.graphs = LLMGraphRunner(decode=fake)
+    yield llm, fake
+    llm.runner.graphs = saved
+
+
+NAMES = ["audio_greedy", "audio_sampling", "omni_greedy"]  # different lengths and draws
+
+
+def _units_equal(graphed, eager, k: int) -> None:
+    got = run_units([UnitRequest(s, *ins[k]) for s, ins in graphed])
+    want = run_units([UnitRequest(s, *ins[k]) for s, ins in eager])
+    for (g, w, name) in zip(got, want, NAMES, strict=True):
+        where = f"{name} unit {k}"
+        assert not isinstance(g, BaseException), (where, g)
+        assert (g.token_ids, g.is_listen, g.end_of_turn) == \
+            (w.token_ids, w.is_listen, w.end_of_turn), where
+    for (a, _), (b, _) in zip(graphed, eager, strict=True):
+        assert a.thinker.kv.length == b.thinker.kv.length
+        for x, y in zip(a.thinker.kv.snapshot(), b.thinker.kv.snapshot(), strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_graph_decode_of_an_engines_pool_equals_the_eager_step(served, replayed):
+    """Sessions alone in the engine's decode graph (its guests, nothing of its own)."""
     engine, _ = served
-    pages = KVPages.of_engine(engine.llm)
-    fake = EagerReplay(pages)
-    pages.decode_graphs = lambda: fake  # what a CUDA pool replays, run eagerly
-    names = ["audio_greedy", "audio_sampling", "omni_greedy"]  # different lengths and draws
-    graphed = sessions(served, pages, names)
-    eager = sessions(served, None, names)  # the model's standalone pool, eager steps
+    llm, fake = replayed
+    pages = KVPages.of_engine(llm, llm.step)
+    graphed = sessions(served, pages, NAMES)
+    eager = sessions(served, None, NAMES)  # the model's standalone pool, eager steps
     for k in range(6):
-        got = run_units([UnitRequest(s, *ins[k]) for s, ins in graphed])
-        want = run_units([UnitRequest(s, *ins[k]) for s, ins in eager])
-        for (g, w, name) in zip(got, want, names, strict=True):
-            where = f"{name} unit {k}"
-            assert not isinstance(g, BaseException), (where, g)
-            assert (g.token_ids, g.is_listen, g.end_of_turn) == \
-                (w.token_ids, w.is_listen, w.end_of_turn), where
-        for (a, _), (b, _) in zip(graphed, eager, strict=True):
-            assert a.thinker.kv.length == b.thinker.kv.length
-            for x, y in zip(a.thinker.kv.snapshot(), b.thinker.kv.snapshot(), strict=True):
-                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        _units_equal(graphed, eager, k)
     # the decode steps went through the staging, at their bucket (3 sessions -> 4 rows)
     assert fake.buckets and set(fake.buckets) <= {1, 2, 4} and 4 in fake.buckets
+    for s, _ in graphed + eager:
+        s.close()
+    assert engine.llm.block_manager.num_used == 0
+
+
+def test_sessions_decode_in_the_steps_of_the_engines_requests(served, replayed):
+    """The sessions' decode rows in the steps of the engine's own requests: one decode
+    graph for both while the requests decode, one eager forward beside a request's
+    prefill; the sessions' units equal the same sessions eager and alone, the requests'
+    tokens (greedy and seeded) those of the same requests run alone."""
+    from pipeline.handoff import SamplingParams
+
+    engine, _ = served
+    llm, fake = replayed
+    requests = {"r0": ([5, 6, 7, 8], SamplingParams(max_tokens=40, ignore_eos=True)),
+                "r1": ([9] * 20, SamplingParams(max_tokens=30, ignore_eos=True,
+                                                 temperature=0.8, seed=3))}
+    alone = {}
+    for rid, (ids, sp) in requests.items():
+        alone |= llm.generate({rid: ids}, sp)
+    got: dict[str, list[int]] = {rid: [] for rid in requests}
+
+    def step(guests):
+        for out in llm.step(guests):
+            got[out.request_id] += out.token_ids
+
+    pages = KVPages.of_engine(llm, step)
+    graphed = sessions(served, pages, NAMES)
+    eager = sessions(served, None, NAMES)
+    fake.buckets.clear()
+    for rid, (ids, sp) in requests.items():
+        llm.add_request(rid, ids, sp)
+    for k in range(6):
+        _units_equal(graphed, eager, k)
+        if k == 2:  # a prompt to prefill beside decoding sessions: an eager forward
+            llm.add_request("r2", [3] * 17, SamplingParams(max_tokens=8, ignore_eos=True))
+            requests["r2"] = ([3] * 17, SamplingParams(max_tokens=8, ignore_eos=True))
+            got["r2"] = []
+    while llm.has_unfinished():  # the requests' rest
+        for out in llm.step():
+            got[out.request_id] += out.token_ids
+    alone |= llm.generate({"r2": requests["r2"][0]}, requests["r2"][1])
+    assert got == alone
+    # fused steps: the requests' rows and the sessions' (up to 2 + 3) in one bucket
+    assert 8 in fake.buckets
     for s, _ in graphed + eager:
         s.close()
     assert engine.llm.block_manager.num_used == 0
@@ -135,3 +204,47 @@ def test_drop_and_rebuild_through_the_block_table_equal_a_fresh_prefill(served):
     kv.release()
     fresh.release()
     assert pages.blocks.num_used == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the decode graphs)")
+def test_sessions_decode_in_the_engines_graphs_beside_its_requests_cuda():
+    """On CUDA (bf16, FlashInfer): the sessions' decode rows in the engine's decode graphs
+    beside a chat request's decodes, against the same sessions decoded eagerly in the same
+    pool: every unit completes, the decisions agree, the tokens of most units (bf16 sums in
+    another order may move a near tie), and the request runs to its length."""
+    from pipeline.handoff import SamplingParams
+    from tests._duplex_ckpt import duplex_test_checkpoint
+
+    source = ModelSource.open(str(duplex_test_checkpoint()))
+    engine = ThinkerEngine.from_source(source, ThinkerEngineConfig(llm=EngineConfig(
+        num_blocks=256, block_size=16, max_guest_rows=4)), "cuda")
+    llm = engine.llm
+    if not llm.uses_cuda_graphs:
+        pytest.skip("no decode graphs (FlashInfer not installed)")
+    served = (engine, reference_special_tokens(source.tokenizer_dir))
+    chat: list[int] = []
+
+    def step(guests):
+        for out in llm.step(guests):
+            chat.extend(out.token_ids)
+
+    graphed = sessions(served, KVPages.of_engine(llm, step), NAMES)
+    eager = sessions(served, KVPages.of_engine(llm), NAMES)
+    llm.add_request("chat", [5, 6, 7, 8], SamplingParams(max_tokens=64, ignore_eos=True))
+    replays = llm.runner.graphs.decode_replays
+    decided = same = 0
+    for k in range(6):
+        got = run_units([UnitRequest(s, *ins[k]) for s, ins in graphed])
+        want = run_units([UnitRequest(s, *ins[k]) for s, ins in eager])
+        for g, w in zip(got, want, strict=True):
+            assert not isinstance(g, BaseException) and not isinstance(w, BaseException)
+            decided += g.is_listen == w.is_listen
+            same += g.token_ids == w.token_ids
+    while llm.has_unfinished():
+        step(None)
+    print(f"units with equal tokens {same}/18, equal decisions {decided}/18")
+    assert len(chat) == 64 and llm.runner.graphs.decode_replays > replays + 20
+    assert decided == 18 and same >= 12
+    for s, _ in graphed + eager:
+        s.close()
+    assert llm.block_manager.num_used == 0

@@ -316,8 +316,9 @@ def test_unit_batcher_returns_the_decision_before_the_speech():
 
 def test_chat_steps_between_the_units_steps_and_a_close_waits_for_its_unit(ckpt):
     """The served path runs the units' steps as a side job of the engine loop: a chat turn's
-    steps come between them, and a close that comes while the session's unit runs waits
-    for its end."""
+    steps come between them, the units' decode steps are the chat turn's steps themselves
+    (the sessions' rows in the engine's forward: `guest_step`), and a close that comes
+    while the session's unit runs waits for its end."""
     import asyncio
 
     from deployments.stages.thinker import ThinkerServer
@@ -329,7 +330,8 @@ def test_chat_steps_between_the_units_steps_and_a_close_waits_for_its_unit(ckpt)
     server = ThinkerServer({"device": "cpu"}, source=source)
     order: list[str] = []
     step, side_step = server.engine.step, server.loop._side_step
-    server.engine.step = lambda: order.append("E") or step()
+    server.engine.step = lambda guests=None: order.append("E" if guests is None else "G") \
+        or step(guests)
     server.loop._side_step = lambda: order.append("S") or side_step()
     try:
         async def main():
@@ -352,16 +354,23 @@ def test_chat_steps_between_the_units_steps_and_a_close_waits_for_its_unit(ckpt)
             result = await unit
             await server.loop.call(lambda e: e.abort("chat"))
             server.loop.close("chat")
-            return q, closed, result
+            text = []
+            while not q.empty():
+                item = q.get_nowait()
+                text.append(getattr(item, "text", ""))
+            return text, closed, result
 
-        _, closed, result = asyncio.run(main())
+        text, closed, result = asyncio.run(main())
     finally:
         server.loop.stop()
     assert closed and isinstance(result, dict) and not result["is_listen"]
     side = [i for i, x in enumerate(order) if x == "S"]
     assert len(side) > 2, order
     between = order[side[0] : side[-1]]
-    assert between.count("E") >= len(side) - 1, order  # an engine step between side steps
+    # an engine step between side steps; the unit's decode steps ran in them
+    assert between.count("E") + between.count("G") >= len(side) - 1, order
+    assert order.count("G") >= 10, order
+    assert text, "the chat turn streamed beside the unit"
 
 
 def test_a_full_kv_pool_fails_the_unit_that_needs_more_and_close_frees(ckpt):

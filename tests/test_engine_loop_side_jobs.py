@@ -21,9 +21,11 @@ class Counting:
     def has_work(self) -> bool:
         return self.left > 0
 
-    def step(self) -> list:
+    def step(self, guests=None) -> list:
+        if guests == "bad":
+            raise RuntimeError("the step failed")
         self.left -= 1
-        self.log.append("E")
+        self.log.append("E" if guests is None else f"G{guests}")
         return [] if self.left else [TextDelta("done")]
 
 
@@ -63,7 +65,7 @@ def test_side_steps_alternate_with_engine_steps_and_return_the_job_result():
 
     result, out, loop = asyncio.run(main())
     assert result == "job done" and out.text == "done"
-    assert "".join(log) == "ESESESSS"  # one engine step, one side step, then the job alone
+    assert "".join(log) == "SESESESS"  # one side step, one engine step, then the job alone
     assert loop.steps == 3 and loop.side_steps == 6  # the sixth next() returns
 
 
@@ -85,7 +87,65 @@ def test_a_failed_side_step_fails_its_job_only():
     out, after, alive, failures = asyncio.run(main())
     assert out.text == "done" and after == "next"
     assert failures == 0 and alive
-    assert "".join(log) == "ESESEES"
+    assert "".join(log) == "SESEEES"
+
+
+def test_a_side_step_may_run_the_iterations_engine_step_with_its_rows():
+    """`guest_step` from a side step: the engine's step with the side job's rows, its
+    outputs routed as any step's; the iteration then runs no other engine step. With no
+    work of its own the engine still runs them."""
+    log: list[str] = []
+
+    def with_rows(loop, n):
+        for i in range(n):
+            log.append("S")
+            if i % 2 == 0:
+                loop.guest_step(i)
+            yield
+        return "fused"
+
+    async def main():
+        loop = EngineLoop(Counting(log), name="t", route=lambda d: ("r", d))
+        q = loop.open("r")
+
+        def start(e):
+            e.left = 4
+            return with_rows(loop, 5)
+
+        result = await asyncio.wait_for(loop.call_steps(start), 5)
+        out = await asyncio.wait_for(q.get(), 5)
+        loop.stop()
+        return result, out, loop
+
+    result, out, loop = asyncio.run(main())
+    assert result == "fused" and out.text == "done"
+    # side steps 0, 2 and 4 run the engine's step with their rows (the last with the
+    # engine's own work done), 1 and 3 leave the iteration's step to the loop
+    assert log == ["S", "G0", "S", "E", "S", "G2", "S", "E", "S", "G4"]
+    assert loop.guest_steps == 3 and loop.steps == 5
+
+
+def test_a_failed_guest_step_fails_the_engines_streams_and_the_side_job():
+    log: list[str] = []
+
+    def bad_rows(loop):
+        log.append("S")
+        loop.guest_step("bad")
+        yield
+
+    async def main():
+        loop = EngineLoop(Counting(log), name="t", route=lambda d: ("r", d))
+        q = loop.open("r")
+        with pytest.raises(RuntimeError, match="the step failed"):
+            await asyncio.wait_for(loop.call_steps(lambda e: bad_rows(loop)), 5)
+        failure = await asyncio.wait_for(q.get(), 5)
+        alive = loop.alive
+        loop.stop()
+        return failure, alive, loop.failures
+
+    failure, alive, failures = asyncio.run(main())
+    assert type(failure).__name__ == "StageFailure" and "the step failed" in failure.message
+    assert failures == 1 and alive
 
 
 def test_an_idle_engine_does_not_block_on_commands_while_a_side_job_is_live():

@@ -145,9 +145,9 @@ def _counting(eng: LLMEngine) -> list[int]:
     """Counts the steps the engine launches (a list of one counter)."""
     count, launch = [0], eng.runner.launch
 
-    def counted(plan):
+    def counted(plan, guests=None):
         count[0] += 1
-        return launch(plan)
+        return launch(plan, guests)
 
     eng.runner.launch = counted
     return count

@@ -16,7 +16,9 @@ and it joins the units in flight at their next step; a unit's decision and text 
 soon as its Thinker part is done (`duplex_unit`), its audio once its speech is
 (`duplex_speech`). The scheduler's steps run as a side job of the engine loop
 (`EngineLoop.call_steps`): one GPU step of the units, then one step of the engine's chat
-turns, and so on, so chat streams keep stepping beside the units; the loop's commands
+turns, and so on, so chat streams keep stepping beside the units; a decode step of the
+units is that iteration's engine step itself (`EngineLoop.guest_step`): their rows and the
+chat turns' decodes in one forward, one read of the weights for both; the loop's commands
 (opens, closes, stats, new units) run between the steps too. A close that comes while its
 session's unit is in flight waits for the unit's end (`UnitBatcher.idle`): its later
 steps still use the session's KV blocks and Talker row. Chat turns take KV blocks between
@@ -73,9 +75,13 @@ class DuplexSessions:
     """The stage's sessions by id; every method runs on the engine loop's worker thread."""
 
     def __init__(self, source: Any, device: Any, n_timesteps: int, streams: int = 4,
-                 prompt_frames: int = 500, precision: str = "fp32"):
+                 prompt_frames: int = 500, precision: str = "fp32",
+                 guest_step: Callable[[Any], None] | None = None):
         self.source = source
         self.device = device
+        # runs the units' decode rows in the engine's step (EngineLoop.guest_step): one
+        # forward with the chat turns' decodes; None: eager forwards of their own
+        self.guest_step = guest_step
         # Token2Wav's Euler steps and precision (DuplexSettings)
         self.n_timesteps, self.precision = n_timesteps, precision
         # Token2Wav's slots at load (turns at once: duplex.max_sessions; more grow the pool)
@@ -109,9 +115,7 @@ class DuplexSessions:
         if self._pages is None:  # the engine's own KV pool: one budget with chat turns
             from pipeline.duplex.kv import KVPages
 
-            self._pages = KVPages.of_engine(engine.llm)
-            # the decode step's graphs, captured here rather than inside a session's unit
-            self._pages.decode_graphs()
+            self._pages = KVPages.of_engine(engine.llm, self.guest_step)
         thinker = DuplexThinker(engine.model, engine.tokenizer, cfg, seed=seed,
                                 special_tokens=self._special, pages=self._pages,
                                 max_tokens=max_tokens)

@@ -16,10 +16,13 @@ thread, so the next request starts clean.
 
 Side jobs (`call_steps`): work that is not the engine's own but shares its thread and GPU,
 in steps, e.g. the duplex units' scheduler (deployments/stages/duplex.py). `fn(engine)` makes a
-generator on the worker thread; the loop advances it one `next()` an iteration, after the
-engine's step when the engine has work (one engine step, one side step), back to back when
-it has none, with the commands still run between steps. So a long side job delays each
-engine step by one of its steps, never by all of them. Its return value (or what it
+generator on the worker thread; the loop advances it one `next()` an iteration, then runs
+the engine's step when the engine has work (one side step, one engine step), back to back
+when it has none, with the commands still run between steps. So a long side job delays each
+engine step by one of its steps, never by all of them. A side step may run that
+iteration's engine step itself, with rows of its own in the engine's forward
+(`guest_step`: the duplex units' decode rows beside the chat turns' decodes, one weight
+read for both); the iteration then runs no other. Its return value (or what it
 raised) settles its caller; a failed side step fails that job only, not the engine's
 streams. Side jobs run one at a time, in the order they came (the duplex units have one
 in flight at most); a job whose caller went away still runs to its end, as a command does,
@@ -108,6 +111,8 @@ class EngineLoop:
         self._stopping = False
         self.steps = 0
         self.side_steps = 0
+        self.guest_steps = 0  # engine steps a side step ran with its rows (`guest_step`)
+        self._stepped = False  # this iteration's engine step has run
         self.failures = 0
         self.step_started_at = 0.0
         # monotonic start of the running step / side step / command; 0 = waiting
@@ -320,9 +325,26 @@ class EngineLoop:
                     return
                 self._fail(e)
 
+    def guest_step(self, guests: Any) -> None:
+        """From a side step: the engine's step with `guests` in its forward
+        (pipeline.thinker.llm_engine.runner.GuestRows; an engine with nothing to do runs
+        them alone), its outputs routed as any step's. The iteration runs no other. A step
+        that raises fails the engine's streams as any failed step does, and then the side
+        step that asked for it."""
+        what, since = self._busy_what, self._busy_since
+        self._stepped = True
+        try:
+            self._step(0, guests)
+        except Exception as e:
+            self._fail(e)
+            raise
+        finally:
+            self._busy_what, self._busy_since = what, since
+        self.guest_steps += 1
+
     def _iterate(self) -> None:
-        """Commands, then one step if there is work, then one side step if a side job is
-        live.
+        """Commands, then one side step if a side job is live, then one step if there is
+        work and the side step ran none (`guest_step`).
 
         Steps follow each other with no wait while `has_work()` holds, whether or not they
         emit anything: a Talker step that draws a code mid-chunk emits nothing and is still
@@ -333,23 +355,25 @@ class EngineLoop:
             self._run_commands(block=True, timeout=IDLE_POLL_S)
             return
         n_cmds = self._run_commands(block=False, timeout=0)
-        if self.engine.has_work():
-            self._step(n_cmds)
+        self._stepped = False
         if self._jobs:
             self._side_step()
+        if not self._stepped and self.engine.has_work():
+            self._step(n_cmds)
 
-    def _step(self, n_cmds: int) -> None:
-        """One engine step; its outputs to their queues."""
+    def _step(self, n_cmds: int, guests: Any = None) -> None:
+        """One engine step (with `guests`: `guest_step`); its outputs to their queues."""
         self.step_started_at = time.time()  # wall clock, read by route() for timings
         t0 = time.perf_counter()
         self._mark_busy("step")
         prof = self._profiler
+        run = self.engine.step if guests is None else lambda: self.engine.step(guests)
         try:
             if prof is None:
-                outputs = self.engine.step()
+                outputs = run()
             else:
                 with prof.step():
-                    outputs = self.engine.step()
+                    outputs = run()
                 if prof.left <= 0 and self._profiler is prof:
                     self._profiler = None
         finally:

@@ -57,6 +57,9 @@ class ThinkerServer(StageServer):
         kv = own.kv_cache_gib if device == "cuda" else own.cpu_kv_cache_gib
         if kv is not None:  # one config for GPU and CPU: the budget follows the device
             settings["llm"] = {"kv_cache_bytes": int(kv * GIB), **settings.get("llm", {})}
+        # the duplex sessions' decode rows join the chat turns' steps: graphs for both
+        settings["llm"] = {"max_guest_rows": self.cfg.duplex.max_sessions,
+                           **settings.get("llm", {})}
         return ThinkerEngine, settings
 
     def _holds(self, engine: Any) -> dict[str, Any] | None:
@@ -199,7 +202,7 @@ class ThinkerServer(StageServer):
                 self.source, self.engine.device, self.cfg.duplex.n_timesteps,
                 max(1, self.cfg.duplex.max_sessions),
                 self.cfg.code2wav.engine.get("slot_prompt_frames", 500),
-                self.cfg.duplex.token2wav_precision)
+                self.cfg.duplex.token2wav_precision, self.loop.guest_step)
         return self._duplex
 
     def _extra_stats(self) -> dict[str, Any]:

@@ -9,36 +9,34 @@ attention backend of its own (its planning never touches the engine's in-flight 
 `SessionKV` is one session's block table and length; the sliding window drops a span and
 re-rotates the keys that follow it, gathering and scattering rows through the table.
 
-Decode steps (one token for each of up to GRAPH_ROWS sessions) on an engine's pool on CUDA
-replay CUDA graphs of the step, the pool's own `llm_engine.graphs.DecodeGraphs` (captured at
-the first step; its staging, wrappers and outputs are not the engine's, so a step of the
-engine in flight is never touched): embed -> layers -> norm -> lm_head, the rows padded to a
-captured batch size (padding moves the GEMMs' sums only: their order, not their terms).
+Decode steps (one token for each session of a step) on an engine's pool go through the
+engine's own step (`step`, given by the pool's owner: a server's engine loop runs them in
+the step it was about to run, so the sessions' rows share one forward, and one read of the
+weights, with the chat turns' decodes; `llm_engine.runner.GuestRows`): on CUDA the engine's
+decode graphs, the rows padded to a captured batch size (padding moves the GEMMs' sums
+only: their order, not their terms). A pool without one runs them eagerly.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pipeline.thinker.llm import Qwen3LM
 from pipeline.thinker.llm_engine.attention import (
     AttnMetadata,
-    FlashInferAttention,
     ForwardBatch,
     TorchAttention,
     forward_batch,
     make_backend,
 )
-from pipeline.thinker.llm_engine.graphs import DecodeGraphs, default_graph_sizes
 from pipeline.thinker.llm_engine.kv_cache import BlockManager, KVCache
-from pipeline.thinker.llm_engine.sampling import pack_rows
+from pipeline.thinker.llm_engine.runner import GuestRows
 
 BLOCK_SIZE = 16  # a standalone pool's page (the engine's pool keeps its own)
 FIRST_BLOCKS = 64  # a standalone pool's first size; it doubles when full
-GRAPH_ROWS = 32  # sessions a decode step's CUDA graph takes at most (more run eagerly)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -61,20 +59,22 @@ class KVPages:
     """A paged KV pool the sessions of one Thinker model take their blocks from.
 
     `of_engine`: the Thinker engine's pool (a server: sessions and chat turns share its
-    budget; a session that finds no free block fails its unit with a clear error).
-    `standalone`: a pool of its own that doubles when full (tests, scripts)."""
+    budget; a session that finds no free block fails its unit with a clear error), its
+    decode steps through the engine's step when given one. `standalone`: a pool of its own
+    that doubles when full (tests, scripts)."""
 
     def __init__(self, llm: Qwen3LM, layers: list[torch.Tensor], blocks: BlockManager,
-                 growable: bool, kv_cache: KVCache | None = None):
+                 growable: bool, kv_cache: KVCache | None = None,
+                 step: Callable[[GuestRows], object] | None = None):
         cfg = llm.cfg
         self.llm = llm
         self.layers = layers
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.growable = growable
-        self.kv_cache = kv_cache  # an engine's (its scratch block pads graph rows)
-        self.use_graphs = True  # scripts compare against the eager step with False
-        self._graphs: DecodeGraphs | None = None
+        self.kv_cache = kv_cache  # an engine's
+        # runs a decode step's rows in the engine's step (`decode`); None: eager forwards
+        self.step = step
         w = llm.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
         self.scale = cfg.head_dim**-0.5
@@ -90,10 +90,13 @@ class KVPages:
                             dtype=self.dtype)
 
     @classmethod
-    def of_engine(cls, engine) -> KVPages:
-        """The pool of an `llm_engine.LLMEngine` (its KV tensor and block manager)."""
+    def of_engine(cls, engine, step: Callable[[GuestRows], object] | None = None) -> KVPages:
+        """The pool of an `llm_engine.LLMEngine` (its KV tensor and block manager). `step`
+        runs a decode step's rows in the engine's step: `engine.step` where nothing else
+        steps the engine, a server's `EngineLoop.guest_step` (which routes the step's
+        outputs to the engine's own requests) where something does."""
         return cls(engine.model, engine.kv_cache.layers, engine.block_manager, growable=False,
-                   kv_cache=engine.kv_cache)
+                   kv_cache=engine.kv_cache, step=step)
 
     @classmethod
     def standalone(cls, llm: Qwen3LM, num_blocks: int = FIRST_BLOCKS,
@@ -167,46 +170,24 @@ class KVPages:
         return out
 
 
-    def decode_graphs(self) -> DecodeGraphs | None:
-        """The pool's decode-step graphs (captured on first use), or None where they cannot
-        run: not an engine's pool, not CUDA, not FlashInfer."""
-        if not self.use_graphs or self.kv_cache is None or self.device.type != "cuda" \
-                or not isinstance(self.backend, FlashInferAttention):
-            return None
-        if self._graphs is None:
-            g = DecodeGraphs(self.llm, self.kv_cache, self.backend,
-                             default_graph_sizes(GRAPH_ROWS), self.scale, self.dtype, self.device)
-            g.capture()
-            self._graphs = g
-        return self._graphs
-
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SessionKV], tokens: Sequence[int]
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token appended to each session (room ensured): final-norm hidden rows (n, H),
-        and (n, V) logits when a graph computed them (None: eager, the caller computes the
-        logits it wants)."""
+        and (n, V) logits where the engine's decode graph computed them (None: eager, the
+        caller computes the logits it wants)."""
         if any(kv.pages is not self for kv in kvs):
             raise ValueError("the sessions of a decode step must share its KV pool")
-        g = self.decode_graphs()
-        if g is None or len(kvs) > g.max_bs:
+        if self.step is None:
             embeds = self.llm.embed(torch.tensor(list(tokens), dtype=torch.long,
                                                  device=self.device))
             rows = self.forward([(kv, embeds[i : i + 1]) for i, kv in enumerate(kvs)])
             return torch.cat(rows), None
-        bs = self.block_size
-        positions = [kv.length for kv in kvs]
-        slots = [kv.table[p // bs] * bs + p % bs for kv, p in zip(kvs, positions)]
-        bucket = g.stage(list(tokens), positions, slots, [p + 1 for p in positions],
-                         [kv.table for kv in kvs])
-        pack_rows(g.staging.host, [None] * bucket, [()] * bucket, g.vocab)
-        g.staging.upload()
-        g.replay(bucket, False)
+        guests = GuestRows(list(tokens), [kv.length for kv in kvs], [kv.table for kv in kvs])
+        self.step(guests)
         for kv in kvs:
             kv.length += 1
-        n = len(kvs)
-        # the graph's outputs are overwritten by its next replay
-        return g.hidden[:n].clone(), g.logits[:n].clone()
+        return guests.hidden, guests.logits
 
 
 _STANDALONE: weakref.WeakKeyDictionary[Qwen3LM, KVPages] = weakref.WeakKeyDictionary()

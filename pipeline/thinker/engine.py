@@ -42,6 +42,7 @@ import torch
 
 from pipeline.checkpoint import ModelSource
 from pipeline.thinker.llm_engine.engine import EngineConfig, LLMEngine
+from pipeline.thinker.llm_engine.runner import GuestRows
 from pipeline.thinker.llm_engine.scheduler import MediaSpan
 from pipeline.handoff import (
     HOLD_LIMIT_S,
@@ -331,7 +332,10 @@ class ThinkerEngine:
             st.held_since = self.holds.check(st.held_since)
         return bool(self._streams) and all(st.held_since for st in self._streams.values())
 
-    def step(self) -> list[ThinkerDelta]:
+    def step(self, guests: GuestRows | None = None) -> list[ThinkerDelta]:
+        """One step of the turns; `guests` (decode rows of duplex sessions in the LLM's KV
+        pool) run in its LLM forward (`LLMEngine.step`), or in a decode step of their own
+        when this step launches none."""
         t0 = time.perf_counter()
         deltas: list[ThinkerDelta] = []
         if self._pending:
@@ -349,7 +353,9 @@ class ThinkerEngine:
             outs = self.llm.drain()  # the last step launched for them: launch no more
         else:
             self._encode_step()
-            outs = self.llm.step()
+            outs, guests = self.llm.step(guests), None
+        if guests:
+            self.llm.run_guests(guests)
         for out in outs:
             st = self._streams.get(out.request_id)
             if st is None:  # aborted by us: the LLM engine's own abort notice

@@ -48,7 +48,7 @@ import torch
 from pipeline.thinker.llm_engine.attention import FlashInferAttention, make_backend
 from pipeline.thinker.llm_engine.graphs import LLMGraphRunner
 from pipeline.thinker.llm_engine.kv_cache import BlockManager, KVCache, num_blocks_for_budget
-from pipeline.thinker.llm_engine.runner import LaunchedStep, ModelRunner
+from pipeline.thinker.llm_engine.runner import GuestRows, LaunchedStep, ModelRunner
 from pipeline.thinker.llm_engine.sampling import make_generator
 from pipeline.thinker.llm_engine.scheduler import (
     MediaSpan,
@@ -74,10 +74,15 @@ class EngineConfig:
     num_blocks: int | None = None  # explicit block count (tests)
     cuda_graphs: bool = True  # decode and whole-step CUDA graphs (CUDA + FlashInfer); False: eager
     enable_prefix_caching: bool = True  # reuse K/V of cached full-block prompt prefixes
+    # decode rows of other sequences in this KV pool a step may take beside its own
+    # (`step(guests)`: a server's duplex sessions); the decode graphs cover them
+    max_guest_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        if self.max_guest_rows < 0:
+            raise ValueError("max_guest_rows must be >= 0")
         if self.num_blocks is None and self.kv_cache_bytes is None:
             raise ValueError("set kv_cache_bytes or num_blocks")
 
@@ -161,7 +166,8 @@ class LLMEngine:
         graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and self.flashinfer_attention:
             graphs = LLMGraphRunner.build(
-                model, self.kv_cache, self.backend, config.max_num_seqs, dtype, self.device
+                model, self.kv_cache, self.backend, config.max_num_seqs, dtype, self.device,
+                config.max_guest_rows,
             )
         self.runner = ModelRunner(model, self.kv_cache, self.backend, self.device, dtype, graphs)
         # Plan and launch step N+1 before waiting for step N (tests set it on the CPU).
@@ -331,6 +337,11 @@ class LLMEngine:
         """A step was launched ahead and has not been returned yet."""
         return self._inflight is not None
 
+    def run_guests(self, guests: GuestRows) -> None:
+        """A decode step of `guests` alone (`step`'s), planning none of the engine's own:
+        a step launched ahead stays in flight."""
+        self.runner.run_guests(guests)
+
     def drain(self) -> list[StepOutput]:
         """The outputs of the step in flight (and abort notices), launching nothing: for a
         caller about to wait on the device for other work, so that these ids do not wait
@@ -346,9 +357,12 @@ class LLMEngine:
         return self.scheduler.has_decodes()
 
     # -- stepping ----------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self, guests: GuestRows | None = None) -> list[StepOutput]:
         """Plan and launch a step; return the outputs of the step that completes: this one,
-        or, launching ahead, the one launched before it."""
+        or, launching ahead, the one launched before it. `guests`: decode rows of sequences
+        kept outside the engine in its KV pool, computed in this step's forward (in a
+        decode step of their own when there is nothing to plan); their hidden rows and
+        logits are on `guests` when it returns."""
         t0 = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
@@ -359,8 +373,10 @@ class LLMEngine:
             for s in plan.seqs:
                 if s.seq.mm_missing:
                     self._load_media(s)
-            launched = (plan, self.runner.launch(plan))
+            launched = (plan, self.runner.launch(plan, guests))
             self.scheduler.advance(plan)
+        elif guests:
+            self.runner.run_guests(guests)
         if self.launch_ahead:
             launched, self._inflight = self._inflight, launched
         if launched is not None:

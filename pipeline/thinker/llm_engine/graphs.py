@@ -548,10 +548,14 @@ class LLMGraphRunner:
         max_seqs: int,
         dtype: torch.dtype,
         device: torch.device,
+        guest_rows: int = 0,
     ) -> LLMGraphRunner:
+        """Decode graphs up to `max_seqs` + `guest_rows` rows (runner.GuestRows beside a
+        full batch), whole-step graphs up to `max_seqs` sequences."""
         scale = model.cfg.head_dim**-0.5
         sizes = default_graph_sizes(max_seqs)
-        decode = DecodeGraphs(model, kv_cache, backend, sizes, scale, dtype, device)
+        decode = DecodeGraphs(model, kv_cache, backend, default_graph_sizes(max_seqs + guest_rows),
+                              scale, dtype, device)
         decode.capture()
         prefill = PrefillGraphs(
             model, kv_cache, backend, GRAPH_TOKENS, sizes, scale, dtype, device
@@ -559,13 +563,16 @@ class LLMGraphRunner:
         prefill.capture()
         return cls(decode, prefill)
 
-    def is_decode(self, plan: StepPlan, media: bool) -> bool:
-        """The step is one for the decode graphs (`media`: it has multimodal rows)."""
+    def is_decode(self, plan: StepPlan, media: bool, guests: int = 0) -> bool:
+        """The step is one for the decode graphs (`media`: it has multimodal rows; `guests`:
+        decode rows beside the plan's, runner.GuestRows)."""
+        rows = len(plan.seqs) + guests
         return (
             self.decode is not None
-            and plan.is_decode_only
+            and rows > 0
+            and (plan.is_empty or plan.is_decode_only)
             and not media
-            and self.decode.bucket(len(plan.seqs)) is not None
+            and self.decode.bucket(rows) is not None
         )
 
     def can_run(self, plan: StepPlan, media: bool) -> bool:

@@ -16,6 +16,13 @@ step's device->host copy (its sampled ids and hidden rows, one event). Steps of 
   6. Hidden rows for `return_hidden` sequences: the final-norm hidden state of every
      output token fed as input (one row per decode step), each returned once.
 
+Guest rows (`GuestRows`, `launch(plan, guests)`): decode rows of sequences the engine does
+not schedule but keeps in its KV pool (a server's duplex sessions), one token each, in the
+step's forward after the plan's rows: a decode step's graph takes both (their hidden rows
+and logits out of it), an eager step computes them in the same forward, and a step for the
+whole-step graphs leaves them to a decode step of their own right after it (`run_guests`,
+also what runs them when the engine plans nothing).
+
 Launching ahead (the engine's `launch_ahead`). The engine launches step N+1 before it
 finishes step N, so that the host plans N+1 while the GPU runs N; step N+1's inputs need
 not wait for step N's ids on the host: a sequence that samples in step N carries PENDING_ID
@@ -57,6 +64,25 @@ from pipeline.thinker.llm_engine.scheduler import ScheduledSeq, Sequence, StepPl
 class RunnerOutput:
     sampled: list[int]  # one id per plan entry with sample=True, in plan order
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> (n, H), CPU
+
+
+@dataclass
+class GuestRows:
+    """Decode rows a step runs beside its plan's sequences, for a caller that keeps its own
+    sequences in the engine's KV pool (the duplex sessions, pipeline/duplex/kv.py): row i
+    feeds `tokens[i]` at `positions[i]`, its K/V written and read through `tables[i]`.
+    After the launch, `hidden` (n, H) holds each row's final-norm hidden state and, where a
+    decode graph ran them, `logits` (n, V) their logits (None: the caller computes those
+    it wants); device tensors of their own, in stream order (the step need not be done)."""
+
+    tokens: list[int]
+    positions: list[int]
+    tables: list[list[int]]
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
 
 @dataclass
@@ -151,7 +177,8 @@ class ModelRunner:
         self._prev_rows: dict[Sequence, int] = {}
 
     # -- 1) flatten --------------------------------------------------------------------
-    def _flatten(self, plan: StepPlan) -> _FlatBatch:
+    def _flatten(self, plan: StepPlan, guests: GuestRows | None = None) -> _FlatBatch:
+        """The plan's rows, then the guests' (one a row, after every sequence)."""
         fb = _FlatBatch([], [], [], [0], [], [], [])
         bs = self.block_size
         for s in plan.seqs:
@@ -166,20 +193,26 @@ class ModelRunner:
                 fb.pending.append((fb.qo_indptr[-1] - 1, seq))
             if s.sample:
                 fb.sample_rows.append(fb.qo_indptr[-1] - 1)
+        for tok, p, table in zip(*_guest_columns(guests), strict=True):
+            fb.ids.append(tok)
+            fb.positions.append(p)
+            fb.slots.append(table[p // bs] * bs + p % bs)
+            fb.qo_indptr.append(fb.qo_indptr[-1] + 1)
+            fb.kv_lens.append(p + 1)
         return fb
 
-    def _meta(self, plan: StepPlan, fb: _FlatBatch) -> AttnMetadata:
-        width = max(len(s.seq.block_table) for s in plan.seqs)
-        bt = torch.zeros(len(plan.seqs), width, dtype=torch.int32)
-        for i, s in enumerate(plan.seqs):
-            bt[i, : len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int32)
+    def _meta(self, tables: list[list[int]], fb: _FlatBatch, is_decode: bool) -> AttnMetadata:
+        width = max(len(t) for t in tables)
+        bt = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         return AttnMetadata(
             qo_indptr=torch.tensor(fb.qo_indptr, dtype=torch.int32),
             kv_lens=torch.tensor(fb.kv_lens, dtype=torch.int32),
             block_tables=bt.to(self.device),
             block_tables_cpu=bt,
             slot_mapping=torch.tensor(fb.slots, dtype=torch.long).to(self.device),
-            is_decode=plan.is_decode_only,
+            is_decode=is_decode,
             block_size=self.block_size,
         )
 
@@ -207,29 +240,50 @@ class ModelRunner:
 
     # -- run ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> LaunchedStep:
+    def launch(self, plan: StepPlan, guests: GuestRows | None = None) -> LaunchedStep:
+        """The plan's step, with `guests` (if any) in its forward: one decode graph for
+        both when the step is a decode, else eagerly in the same forward, or (a step for
+        the whole-step graphs) in a decode step of their own right after it."""
         started = None
         if self._cuda:  # before the step's first GPU work (its inputs' copies)
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        step = self._launch(plan)
+        step = self._launch(plan, guests or None)
         step.started, step.behind = started, self._in_flight > 0
         self._in_flight += 1
         return step
 
-    def _launch(self, plan: StepPlan) -> LaunchedStep:
-        fb = self._flatten(plan)
-        src = self._pending_sources(fb)
+    @torch.inference_mode()
+    def run_guests(self, guests: GuestRows) -> None:
+        """A decode step of `guests` alone. The ids the last launched step left on the
+        device for its pending rows stay the next step's to read."""
+        prev = self._prev_ids, self._prev_rows
+        try:
+            self._launch(StepPlan(), guests)
+        finally:
+            self._prev_ids, self._prev_rows = prev
+
+    def _launch(self, plan: StepPlan, guests: GuestRows | None = None) -> LaunchedStep:
         mm = [self._mm_rows(s) for s in plan.seqs]
         media = any(m is not None for m in mm)
         g = self.graphs
-        if g is not None and g.can_run(plan, media):
-            if g.is_decode(plan, media):
-                return self._decode_replay(plan, fb, src)
+        extra = len(guests) if guests else 0
+        if extra and plan.seqs and g is not None and g.can_run(plan, media) \
+                and not g.is_decode(plan, media, extra):
+            # a whole-step graph's step: the guests go in a decode step of their own
+            step = self._launch(plan)
+            self.run_guests(guests)
+            return step
+        fb = self._flatten(plan, guests)
+        src = self._pending_sources(fb)
+        tables = [s.seq.block_table for s in plan.seqs] + (guests.tables if extra else [])
+        if g is not None and g.is_decode(plan, media, extra):
+            return self._decode_replay(plan, fb, src, tables, guests)
+        if g is not None and not extra and g.can_run(plan, media):
             ids, embeds = self._embed(plan, fb, mm, src)
             hidden = g.forward(plan, embeds, fb.qo_indptr, fb.positions, fb.slots, fb.kv_lens)
             return self._sample_step(plan, fb, ids, hidden)
-        return self._eager_step(plan, fb, mm, src)
+        return self._eager_step(plan, fb, mm, src, tables, guests)
 
     def finish(self, step: LaunchedStep, decode: bool = False) -> RunnerOutput:
         """Wait for a launched step's copy; its ids in plan order and its hidden rows.
@@ -245,12 +299,19 @@ class ModelRunner:
         return RunnerOutput(ids, hidden)
 
     # -- 2) a decode graph ----------------------------------------------------------------
-    def _decode_replay(self, plan: StepPlan, fb: _FlatBatch, src: list[int]) -> LaunchedStep:
+    def _decode_replay(
+        self,
+        plan: StepPlan,
+        fb: _FlatBatch,
+        src: list[int],
+        tables: list[list[int]],
+        guests: GuestRows | None,
+    ) -> LaunchedStep:
+        """The plan's rows and then the guests' (their params None: the graph's draws for
+        them are not read) in one replay."""
         g = self.graphs.decode
         n = len(plan.seqs)
-        bucket = g.stage(
-            fb.ids, fb.positions, fb.slots, fb.kv_lens, [s.seq.block_table for s in plan.seqs]
-        )
+        bucket = g.stage(fb.ids, fb.positions, fb.slots, fb.kv_lens, tables)
         params = [s.seq.sampling if s.sample else None for s in plan.seqs]
         outputs = [s.seq.output_ids for s in plan.seqs]
         pad = bucket - n
@@ -263,6 +324,9 @@ class ModelRunner:
             g.fill_pending(len(src), self._prev_ids)
         draw_noise(g.noise, params, [s.seq.generator for s in plan.seqs])
         g.replay(bucket, packed.sampled)
+        if guests:  # the graph's outputs are overwritten by its next replay
+            m = n + len(guests)
+            guests.hidden, guests.logits = g.hidden[n:m].clone(), g.logits[n:m].clone()
 
         keep = [i for i, s in enumerate(plan.seqs) if s.sample]
         spans = self._hidden_spans(plan, fb)
@@ -301,14 +365,19 @@ class ModelRunner:
         fb: _FlatBatch,
         mm: list[tuple[torch.Tensor, torch.Tensor] | None],
         src: list[int],
+        tables: list[list[int]],
+        guests: GuestRows | None = None,
     ) -> LaunchedStep:
         ids, embeds = self._embed(plan, fb, mm, src)
         positions = torch.tensor(fb.positions, dtype=torch.long).to(self.device)
-        meta = self._meta(plan, fb)
+        decode = all(b - a == 1 for a, b in zip(fb.qo_indptr, fb.qo_indptr[1:]))
+        meta = self._meta(tables, fb, decode)
         self.backend.prepare(meta)
         batch = ForwardBatch(self.backend, meta, self.kv_cache.layers, self.scale)
         with forward_batch(batch):
             hidden = self.model(embeds, positions)  # (T, H)
+        if guests:  # the last rows; their logits are the caller's to compute
+            guests.hidden, guests.logits = hidden[hidden.shape[0] - len(guests) :], None
         return self._sample_step(plan, fb, ids, hidden)
 
     def _sample_step(
@@ -414,3 +483,11 @@ class ModelRunner:
 
     def _host_like(self, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)
+
+
+def _guest_columns(guests: GuestRows | None) -> tuple[list, list, list]:
+    if not guests:
+        return [], [], []
+    if not len(guests.positions) == len(guests.tables) == len(guests):
+        raise ValueError("guest rows need one token, position and block table each")
+    return guests.tokens, guests.positions, guests.tables
