@@ -77,6 +77,23 @@ def test_encoders_and_resampler_leave_cudnn_out(calls):
     assert not any(ok for _, ok in calls)
 
 
+def test_the_duplex_streaming_audio_encoder_leaves_cudnn_out(calls):
+    """A duplex session's audio encoder attends over its cache, a new key length every
+    unit: every call without cuDNN attention, one a layer, batched (equal lengths, then
+    unequal: a key mask) and alone."""
+    from pipeline.duplex.audio_stream import StreamingAudioEncoder, encode_batch
+
+    audio = AudioEncoder.from_config(_thinker()).eval()
+    a, b = StreamingAudioEncoder(audio), StreamingAudioEncoder(audio)
+    mel = lambda n: torch.randn(AUDIO.num_mel_bins, n)  # noqa: E731
+    with torch.no_grad():
+        encode_batch([a, b], [mel(102), mel(102)], [0, 0], [2, 2])
+        encode_batch([a, b], [mel(104), mel(98)], [2, 2], [2, 2])
+        encode_batch([a], [mel(104)], [2], [2])
+    assert len(calls) == 3 * AUDIO.encoder_layers
+    assert not any(ok for _, ok in calls)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_talker_prefill_without_cudnn_is_as_close_as_cudnn_on_cuda(monkeypatch):
     """At the released Talker geometry (bf16 on CUDA), a prefill's logits without cuDNN
@@ -108,3 +125,44 @@ def test_talker_prefill_without_cudnn_is_as_close_as_cudnn_on_cuda(monkeypatch):
     err_cudnn = (cudnn - want).abs().mean().item()
     assert err_shipped <= 1.5 * err_cudnn + 1e-4, (err_shipped, err_cudnn)
     assert err_shipped / want.abs().mean().item() < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_streaming_audio_encoder_without_cudnn_is_as_close_as_cudnn_on_cuda(monkeypatch):
+    """At the released audio encoder's geometry (24 layers, bf16 on CUDA), 40 units of two
+    sessions (their caches past a restart at 1500 positions): the encoder's output without
+    cuDNN attention is as close to an fp32 run as with it, unit after unit."""
+    from torch.nn.attention import SDPBackend
+
+    from pipeline.config import AudioConfig, LLMConfig, ThinkerConfig
+    from pipeline.duplex.audio_stream import StreamingAudioEncoder, encode_batch
+
+    torch.manual_seed(0)
+    cfg = ThinkerConfig(llm=LLMConfig(hidden_size=4096), audio=AudioConfig())
+    ref = AudioEncoder.from_config(cfg).eval().cuda()
+    half = AudioEncoder.from_config(cfg).eval().cuda()
+    half.load_state_dict(ref.state_dict())
+    half = half.to(torch.bfloat16)
+    runs = {"fp32": (ref, None), "shipped": (half, sdpa.NO_CUDNN_ATTENTION),
+            "cudnn": (half, [SDPBackend.CUDNN_ATTENTION])}
+    encoders = {k: [StreamingAudioEncoder(m), StreamingAudioEncoder(m)]
+                for k, (m, _) in runs.items()}
+    g = torch.Generator().manual_seed(1)
+    err = {"shipped": [], "cudnn": []}
+    with torch.no_grad():
+        for u in range(40):
+            mels = [torch.randn(cfg.audio.num_mel_bins, n, generator=g).cuda()
+                    for n in ((102, 102) if u == 0 else (104, 104))]  # no mask: cuDNN runs
+            pre = [0, 0] if u == 0 else [2, 2]
+            out = {}
+            for k, (m, kernels) in runs.items():
+                monkeypatch.setattr(sdpa, "KERNELS", kernels)
+                out[k] = [o.float() for o in encode_batch(encoders[k], mels, pre, [2, 2])]
+            for k in err:
+                err[k].append(max((a - b).abs().mean().item()
+                                  for a, b in zip(out[k], out["fp32"], strict=True)))
+    scale = max(o.abs().mean().item() for o in out["fp32"])
+    print(f"mean abs error a unit: shipped {max(err['shipped']):.3g}, cudnn "
+          f"{max(err['cudnn']):.3g} (outputs ~{scale:.3g})")
+    assert max(err["shipped"]) <= 1.5 * max(err["cudnn"]) + 1e-4
+    assert max(err["shipped"]) / scale < 2e-2

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.processing.audio import HOP_LENGTH, N_FFT, N_MELS, SAMPLE_RATE, _stft_constants
+from pipeline.sdpa import any_shape
 from pipeline.thinker.audio import AudioEncoder
 
 # The reference's buffer rule (`init_streaming_processor`): slide 10 s once 30 s are held.
@@ -298,7 +299,9 @@ def encode_batch(encoders: list[StreamingAudioEncoder], mels: list[torch.Tensor]
             qb = q.new_zeros(b, max(ts), heads, hd)
             qb[rows_b, rows_t] = q
             qb = qb.transpose(1, 2)
-        o = F.scaled_dot_product_attention(qb, keys[0], keys[1], attn_mask=mask)
+        # the keys' length grows every unit: a new shape at every call (pipeline/sdpa.py)
+        with any_shape():
+            o = F.scaled_dot_product_attention(qb, keys[0], keys[1], attn_mask=mask)
         o = o.transpose(1, 2)  # (b, t, heads, hd)
         o = o.reshape(-1, heads * hd) if uniform else o[rows_b, rows_t].reshape(-1, heads * hd)
         x = x + a.out_proj(o)
