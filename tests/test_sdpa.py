@@ -77,6 +77,10 @@ def test_encoders_and_resampler_leave_cudnn_out(calls):
     assert not any(ok for _, ok in calls)
 
 
+def _mel(frames: int) -> torch.Tensor:
+    return torch.randn(AUDIO.num_mel_bins, frames)
+
+
 def test_the_duplex_streaming_audio_encoder_leaves_cudnn_out(calls):
     """A duplex session's audio encoder attends over its cache, a new key length every
     unit: every call without cuDNN attention, one a layer, batched (equal lengths, then
@@ -85,11 +89,10 @@ def test_the_duplex_streaming_audio_encoder_leaves_cudnn_out(calls):
 
     audio = AudioEncoder.from_config(_thinker()).eval()
     a, b = StreamingAudioEncoder(audio), StreamingAudioEncoder(audio)
-    mel = lambda n: torch.randn(AUDIO.num_mel_bins, n)  # noqa: E731
     with torch.no_grad():
-        encode_batch([a, b], [mel(102), mel(102)], [0, 0], [2, 2])
-        encode_batch([a, b], [mel(104), mel(98)], [2, 2], [2, 2])
-        encode_batch([a], [mel(104)], [2], [2])
+        encode_batch([a, b], [_mel(102), _mel(102)], [0, 0], [2, 2])
+        encode_batch([a, b], [_mel(104), _mel(98)], [2, 2], [2, 2])
+        encode_batch([a], [_mel(104)], [2], [2])
     assert len(calls) == 3 * AUDIO.encoder_layers
     assert not any(ok for _, ok in calls)
 
@@ -158,9 +161,9 @@ def test_streaming_audio_encoder_without_cudnn_is_as_close_as_cudnn_on_cuda(monk
             for k, (m, kernels) in runs.items():
                 monkeypatch.setattr(sdpa, "KERNELS", kernels)
                 out[k] = [o.float() for o in encode_batch(encoders[k], mels, pre, [2, 2])]
-            for k in err:
-                err[k].append(max((a - b).abs().mean().item()
-                                  for a, b in zip(out[k], out["fp32"], strict=True)))
+            for k, errs in err.items():
+                errs.append(max((a - b).abs().mean().item()
+                                for a, b in zip(out[k], out["fp32"], strict=True)))
     scale = max(o.abs().mean().item() for o in out["fp32"])
     print(f"mean abs error a unit: shipped {max(err['shipped']):.3g}, cudnn "
           f"{max(err['cudnn']):.3g} (outputs ~{scale:.3g})")
