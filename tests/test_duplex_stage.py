@@ -169,6 +169,59 @@ def test_concurrent_units_of_several_sessions_join_in_one_step(ckpt):
     assert kinds == {"listen", "speak"}
 
 
+def test_served_frames_are_sliced_off_the_loop_and_a_bad_one_fails_its_unit(ckpt):
+    """The served path slices a unit's frames in a worker thread (the unit reaches the
+    scheduler with a future of them, at once): the thread that steps the GPU resizes no
+    image; the unit equals its session's unit from the raw frames. A bad frame fails its
+    unit alone with a ValueError and the session goes on."""
+    import asyncio
+    import threading
+
+    import pipeline.duplex.thinker as thinker_mod
+    from deployments.stages.thinker import ThinkerServer
+
+    source = ModelSource.open(str(ckpt))
+    script = di.session("omni_greedy")
+    inputs = di.session_inputs(script)
+    sliced_on: list[str] = []
+    prepare = thinker_mod.prepare_frames
+
+    def recording(*args):
+        sliced_on.append(threading.current_thread().name)
+        return prepare(*args)
+
+    server = ThinkerServer({"device": "cpu"}, source=source)
+    thinker_mod.prepare_frames = recording
+    try:
+        async def main():
+            init = SimpleNamespace(
+                options={"decode_mode": script.decode_mode, **script.duplex_kwargs,
+                         "seed": script.seed},
+                audio_out=False, system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None,
+                max_slice_nums=1)
+            await server.duplex_open("s", init)
+            out = [await _unit(server, "s", *inputs[0], None)]
+            with pytest.raises(ValueError, match="uint8"):
+                await _unit(server, "s", inputs[1][0], [np.zeros((4, 4, 3), np.float32)],
+                            None)
+            out.append(await _unit(server, "s", *inputs[1], None))
+            await server.duplex_close("s")
+            return out
+
+        got = asyncio.run(main())
+    finally:
+        thinker_mod.prepare_frames = prepare
+        server.loop.stop()
+    assert inputs[0][1] and sliced_on and all(n.startswith("duplex-frames") for n in sliced_on)
+    cfg = DuplexConfig(decode_mode=script.decode_mode, **script.duplex_kwargs)
+    alone = DuplexSession(DuplexThinker.from_checkpoint(ckpt, cfg, seed=script.seed))
+    alone.prepare(di.PREFIX)
+    for k, g in enumerate(got):
+        want = alone.unit(*inputs[k])
+        assert (g["is_listen"], g["text"], g["token_ids"]) == (
+            want.is_listen, want.text, want.token_ids), f"unit {k}"
+
+
 class _FakeUnits:
     """DuplexSessions' unit side (add / steps / fail_all) with fake units: a unit is
     decided at its first step and done at a step of its own (`speech_steps` later, or when

@@ -400,6 +400,28 @@ def test_bad_input_is_refused_before_any_state_changes(parts):
     assert th.context_length == n and th.pending_logits is None
 
 
+def test_prepared_frames_stand_for_their_frames(parts):
+    """A unit's frames sliced beforehand (`prepare_frames`, a future of them too) prefill
+    as the frames do; sliced at another max_slice_nums they are refused."""
+    from concurrent.futures import Future
+
+    from pipeline.duplex.thinker import prepare_frames
+
+    a, b = make(parts), make(parts)
+    for th in (a, b):
+        th.prepare(PREFIX, SUFFIX)
+    frames = [frame(1), frame(2)]
+    prepared = prepare_frames(a.model.cfg.slicing, frames, 2)
+    fut: Future = Future()
+    fut.set_result(prepared)
+    # a future of them, then as they are, against the frames themselves (plans only)
+    for got, want in ((a.plan_prefill(None, fut, 2), b.plan_prefill(None, frames, 2)),
+                      (a.plan_prefill(None, prepared, 2), b.plan_prefill(None, frames, 2))):
+        assert got.schema == want.schema and torch.equal(got.rows, want.rows)
+    with pytest.raises(ValueError, match="max_slice_nums"):
+        a.plan_prefill(None, prepared, 1)
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"sliding_window_mode": "context", "context_max_units": 0}, "context window"),
     ({"sliding_window_mode": "sideways"}, "sliding_window_mode"),

@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -290,6 +291,16 @@ class DuplexSessions:
         if self._scheduler is not None:
             self._scheduler.fail_all(e)
 
+    def frame_options(self, sid: str) -> tuple[Any, Any] | None:
+        """What slicing a unit's frames needs (`prepare_frames`): the model's slicing config
+        and the session's max_slice_nums; None: no such session. A dict read: safe from
+        the event loop while the worker thread runs."""
+        entry = self._sessions.get(sid)
+        if entry is None:
+            return None
+        session, slices = entry
+        return session.thinker.model.cfg.slicing, slices
+
     def close(self, sid: str) -> bool:
         entry = self._sessions.pop(sid, None)
         if entry is None:
@@ -359,8 +370,15 @@ class UnitBatcher:
     async def submit(self, sid: str, audio: Any, frames: Any, force: str | None,
                      on_text: Callable[[str], None] | None = None) -> Any:
         """The unit's decision; `on_text` (called on the event loop) gets a speak unit's
-        text piece by piece before it."""
+        text piece by piece before it. Its frames go to the scheduler as a future of their
+        slicing (`prepare_frames`, in a worker thread: the images' resize runs beside the
+        loop's steps, not on the thread that steps the GPU), the unit itself at once."""
         aloop = asyncio.get_running_loop()
+        options = self._sessions().frame_options(sid) if frames else None
+        if options is not None:
+            from pipeline.duplex.thinker import prepare_frames
+
+            frames = _FRAME_SLICING.submit(prepare_frames, options[0], frames, options[1])
         unit = decided, done = aloop.create_future(), aloop.create_future()
         self._results[sid] = done
         self._in_flight.add(unit)
@@ -424,6 +442,11 @@ class UnitBatcher:
             raise
         finally:
             self._task = None
+
+
+# The units' frames are sliced here (PIL's resize releases the GIL: frames of many sessions
+# side by side), each unit's frames a future its prefill reads.
+_FRAME_SLICING = ThreadPoolExecutor(max_workers=8, thread_name_prefix="duplex-frames")
 
 
 def _tell_unless_done(decided: asyncio.Future, fn: Callable[[str], None], piece: str) -> None:

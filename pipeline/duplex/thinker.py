@@ -34,6 +34,7 @@ between sessions (the reference's audio encoder cache and log-mel mode outlive i
 from __future__ import annotations
 
 from collections.abc import Generator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,6 +123,50 @@ class UnitPrefill:
     ok: bool  # False: the audio did not complete a chunk (the rows go in, nothing pends)
     mode: str  # "AUDIO" | "VISION" | "OMNI"
     schema: list
+
+
+@dataclass(frozen=True)
+class PreparedFrames:
+    """A unit's frames sliced for the vision encoder (`prepare_frames`): what a unit takes in
+    place of its frames, so that a server slices them (the images' resize: milliseconds of
+    CPU a frame) before the unit reaches the thread that steps the GPU."""
+
+    images: list  # pipeline.handoff.ImageInput, one a frame
+    max_slice_nums: int | list[int]
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+
+def prepare_frames(slicing, frames: list, max_slice_nums) -> PreparedFrames:
+    """Each frame (an (H, W, 3) uint8 array or a PIL image) sliced at its `max_slice_nums`
+    (an int for all, or one per frame) under the model's `slicing` config; ValueError for a
+    bad frame or option. Touches no session: any thread may run it."""
+    if isinstance(max_slice_nums, int):
+        per_frame = [max_slice_nums] * len(frames)
+    else:
+        per_frame = list(max_slice_nums)
+        if len(per_frame) != len(frames):
+            raise ValueError(
+                f"max_slice_nums list length ({len(per_frame)}) must match the frames "
+                f"({len(frames)})"
+            )
+    images = []
+    for frame, n in zip(frames, per_frame):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_slice_nums must be an int >= 1, got {n!r}")
+        if isinstance(frame, np.ndarray):
+            if frame.ndim != 3 or frame.shape[2] != 3 or frame.dtype != np.uint8:
+                raise ValueError(
+                    f"a frame array must be (H, W, 3) uint8, got {frame.shape} {frame.dtype}"
+                )
+            frame = Image.fromarray(frame)
+        if not isinstance(frame, Image.Image):
+            raise ValueError(
+                f"a frame must be a PIL image or an (H, W, 3) uint8 array, got {type(frame)}"
+            )
+        images.append(process_image(frame.convert("RGB"), slicing, "", n).image)
+    return PreparedFrames(images, max_slice_nums)
 
 
 @dataclass
@@ -291,7 +336,10 @@ class DuplexThinker:
     def _check_input(self, audio: np.ndarray | None, frames: list | None,
                      max_slice_nums) -> _UnitInput | None:
         """The unit's input checked and its frames sliced, touching no session state (bad
-        input is refused here). None: neither audio nor frames."""
+        input is refused here). None: neither audio nor frames. `frames`: a list of frames,
+        PreparedFrames, or a future of them (a server slices them in a worker thread)."""
+        if isinstance(frames, Future):
+            frames = frames.result()  # raises what refused a frame
         has_frames = frames is not None and len(frames) > 0
         if audio is not None:
             audio = np.asarray(audio, dtype=np.float32)
@@ -311,33 +359,14 @@ class DuplexThinker:
         images = self._frame_images(frames, max_slice_nums) if has_frames else []
         return _UnitInput(audio if has_audio else None, images, mode)
 
-    def _frame_images(self, frames: list, max_slice_nums) -> list:
-        """Each frame sliced at its `max_slice_nums` (an int for all, or one per frame)."""
-        if isinstance(max_slice_nums, int):
-            per_frame = [max_slice_nums] * len(frames)
-        else:
-            per_frame = list(max_slice_nums)
-            if len(per_frame) != len(frames):
-                raise ValueError(
-                    f"max_slice_nums list length ({len(per_frame)}) must match the frames "
-                    f"({len(frames)})"
-                )
-        images = []
-        for frame, n in zip(frames, per_frame):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"max_slice_nums must be an int >= 1, got {n!r}")
-            if isinstance(frame, np.ndarray):
-                if frame.ndim != 3 or frame.shape[2] != 3 or frame.dtype != np.uint8:
-                    raise ValueError(
-                        f"a frame array must be (H, W, 3) uint8, got {frame.shape} {frame.dtype}"
-                    )
-                frame = Image.fromarray(frame)
-            if not isinstance(frame, Image.Image):
-                raise ValueError(
-                    f"a frame must be a PIL image or an (H, W, 3) uint8 array, got {type(frame)}"
-                )
-            images.append(process_image(frame.convert("RGB"), self.model.cfg.slicing, "", n).image)
-        return images
+    def _frame_images(self, frames: list | PreparedFrames, max_slice_nums) -> list:
+        """Each frame sliced at its `max_slice_nums` (`prepare_frames`), or as it was."""
+        if isinstance(frames, PreparedFrames):
+            if frames.max_slice_nums != max_slice_nums:
+                raise ValueError(f"frames prepared at max_slice_nums {frames.max_slice_nums!r} "
+                                 f"for a unit at {max_slice_nums!r}")
+            return frames.images
+        return prepare_frames(self.model.cfg.slicing, frames, max_slice_nums).images
 
     def _frame_rows(self, embs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """Each encoded frame: <image> source </image> then <slice> s </slice> per grid slice."""
