@@ -247,7 +247,7 @@ def test_sessions_decode_in_the_engines_graphs_beside_its_requests_cuda():
         for a, b in pairs:
             a.ensure(a.length + 1)
             b.ensure(b.length + 1)
-        ha, la = fused.decode([a for a, _ in pairs], tokens)
+        _, la = fused.decode([a for a, _ in pairs], tokens)
         hb, _ = eager.decode([b for _, b in pairs], tokens)
         with torch.inference_mode():
             lb = llm.model.compute_logits(hb)
