@@ -96,6 +96,14 @@ def test_stage_session_refuses_a_bad_option(ckpt):
     assert len(sessions) == 0
 
 
+def _text_init(script) -> SimpleNamespace:
+    """A session.init for a scripted session: its options and seed, text out only."""
+    return SimpleNamespace(
+        options={"decode_mode": script.decode_mode, **script.duplex_kwargs, "seed": script.seed},
+        audio_out=False, system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None,
+        max_slice_nums=1)
+
+
 async def _unit(server, sid, audio, frames, force) -> dict:
     """ThinkerServer.duplex_unit's stream read to its decision; a speak unit's text pieces
     must join into a prefix of its text (all of it but an unfinished last character)."""
@@ -128,11 +136,7 @@ def test_concurrent_units_of_several_sessions_join_in_one_step(ckpt):
     try:
         async def main():
             for name, s in zip(names, scripts, strict=True):
-                init = SimpleNamespace(
-                    options={"decode_mode": s.decode_mode, **s.duplex_kwargs, "seed": s.seed},
-                    audio_out=False, system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None,
-                    max_slice_nums=1)
-                await server.duplex_open(name, init)
+                await server.duplex_open(name, _text_init(s))
             out = []
             for k in rounds:
                 out.append(await asyncio.gather(*(
@@ -194,12 +198,7 @@ def test_served_frames_are_sliced_off_the_loop_and_a_bad_one_fails_its_unit(ckpt
     thinker_mod.prepare_frames = recording
     try:
         async def main():
-            init = SimpleNamespace(
-                options={"decode_mode": script.decode_mode, **script.duplex_kwargs,
-                         "seed": script.seed},
-                audio_out=False, system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None,
-                max_slice_nums=1)
-            await server.duplex_open("s", init)
+            await server.duplex_open("s", _text_init(script))
             out = [await _unit(server, "s", *inputs[0], None)]
             with pytest.raises(ValueError, match="uint8"):
                 await _unit(server, "s", inputs[1][0], [np.zeros((4, 4, 3), np.float32)],
@@ -388,12 +387,7 @@ def test_chat_steps_between_the_units_steps_and_a_close_waits_for_its_unit(ckpt)
     server.loop._side_step = lambda: order.append("S") or side_step()
     try:
         async def main():
-            init = SimpleNamespace(
-                options={"decode_mode": script.decode_mode, **script.duplex_kwargs,
-                         "seed": script.seed},
-                audio_out=False, system_prompt=di.PREFIX, ref_audio=None, prompt_wav=None,
-                max_slice_nums=1)
-            await server.duplex_open("s", init)
+            await server.duplex_open("s", _text_init(script))
             for k in range(4):  # to the first speak unit: several decode steps
                 await _unit(server, "s", *inputs[k], "speak" if k == 3 else None)
             q = server.loop.open("chat")
