@@ -175,10 +175,15 @@ STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
                  "max_ongoing_requests": 1024},
 }
 
-# Where each stage's engine config takes its slot count from `capacity`.
-CAPACITY_KEYS: dict[str, tuple[str, ...]] = {
-    "thinker": ("llm", "max_num_seqs"), "talker": ("max_streams",),
-    "code2wav": ("max_streams",)}
+# Engine-config fields that follow from an app setting, never set in an `engine:` section:
+# (stage, keys, the setting). Each stage's slot count follows `capacity`; the Thinker's
+# decode graphs also take the decode rows of the duplex sessions every ingress replica runs
+# (pipeline.thinker.llm_engine.runner.GuestRows).
+DERIVED_KEYS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("thinker", ("llm", "max_num_seqs"), "capacity"),
+    ("talker", ("max_streams",), "capacity"),
+    ("code2wav", ("max_streams",), "capacity"),
+    ("thinker", ("llm", "max_guest_rows"), "duplex.max_sessions"))
 
 
 # The released checkpoint's hub id: what vLLM-Omni serves it as (`vllm serve
@@ -302,13 +307,13 @@ class AppConfig(_Settings):
             raise ValueError(f"capacity ({self.capacity}) must be at least "
                              f"ingress.num_replicas ({n}): each ingress replica admits its "
                              f"share of every group's window")
-        for stage, keys in CAPACITY_KEYS.items():
+        for stage, keys, setting in DERIVED_KEYS:
             section = self.stages()[stage].engine
             for k in keys[:-1]:
                 section = section.get(k) or {}
             if keys[-1] in section:
-                raise ValueError(f"{stage}.engine.{'.'.join(keys)} follows from capacity: "
-                                 f"set capacity instead")
+                raise ValueError(f"{stage}.engine.{'.'.join(keys)} follows from {setting}: "
+                                 f"set {setting} instead")
         return self
 
     def served_model_names(self, hf_config: dict[str, Any] | None = None) -> list[str]:
@@ -328,13 +333,18 @@ class AppConfig(_Settings):
         return self.capacity // self.ingress.num_replicas
 
     def engine_settings(self, stage: str) -> dict[str, Any]:
-        """`stage`'s `engine:` section with its slot count from `capacity`."""
+        """`stage`'s `engine:` section with the fields that follow from app settings
+        (DERIVED_KEYS)."""
+        values = {"capacity": self.capacity,
+                  "duplex.max_sessions": self.duplex.max_sessions * self.ingress.num_replicas}
         engine = copy.deepcopy(self.stages()[stage].engine)
-        *path, key = CAPACITY_KEYS[stage]
-        section = engine
-        for k in path:
-            section = section.setdefault(k, {})
-        section[key] = self.capacity
+        for owner, (*path, key), setting in DERIVED_KEYS:
+            if owner != stage:
+                continue
+            section = engine
+            for k in path:
+                section = section.setdefault(k, {})
+            section[key] = values[setting]
         return engine
 
     @model_validator(mode="after")

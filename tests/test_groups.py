@@ -264,6 +264,8 @@ def test_a_reference_voice_fits_a_code2wav_slot():
 
 
 def test_capacity_sets_every_stages_slots_and_only_there():
+    """`capacity` sets each stage's slot count, `duplex.max_sessions` the Thinker's guest
+    rows, and neither is set in an `engine:` section."""
     from deployments.app import engine_configs
 
     configs = engine_configs(AppConfig.model_validate({"capacity": 3}))
@@ -275,6 +277,12 @@ def test_capacity_sets_every_stages_slots_and_only_there():
                  {"code2wav": {"engine": {"max_streams": 4}}}):
         with pytest.raises(ValueError, match="follows from capacity"):
             AppConfig.model_validate(args)
+    # the Thinker's decode graphs take every ingress replica's duplex sessions' rows
+    cfg = AppConfig.model_validate({"capacity": 4, "duplex": {"max_sessions": 16},
+                                    "ingress": {"num_replicas": 2}})
+    assert engine_configs(cfg)["thinker"].llm.max_guest_rows == 32
+    with pytest.raises(ValueError, match="follows from duplex.max_sessions"):
+        AppConfig.model_validate({"thinker": {"engine": {"llm": {"max_guest_rows": 4}}}})
     with pytest.raises(ValueError, match="capacity"):
         AppConfig.model_validate({"capacity": 0})
 

@@ -57,9 +57,6 @@ class ThinkerServer(StageServer):
         kv = own.kv_cache_gib if device == "cuda" else own.cpu_kv_cache_gib
         if kv is not None:  # one config for GPU and CPU: the budget follows the device
             settings["llm"] = {"kv_cache_bytes": int(kv * GIB), **settings.get("llm", {})}
-        # the duplex sessions' decode rows join the chat turns' steps: graphs for both
-        settings["llm"] = {"max_guest_rows": self.cfg.duplex.max_sessions,
-                           **settings.get("llm", {})}
         return ThinkerEngine, settings
 
     def _holds(self, engine: Any) -> dict[str, Any] | None:

@@ -48,6 +48,12 @@ DYNAMIC_RANGE = 8.0
 FRONT_FRAMES = -(-(N_FFT // 2) // HOP_LENGTH)
 
 
+def stable_frames(samples: int) -> int:
+    """Frames of a buffer of `samples` that no later sample changes: frame t reads samples
+    up to t * 160 + 200, so it is stable once they are all in the buffer."""
+    return max(0, (samples - N_FFT // 2) // HOP_LENGTH + 1)
+
+
 def log_mel_frames(buffer: np.ndarray, lo: int, hi: int) -> torch.Tensor:
     """Frames [lo, hi) of the reference feature extractor's log10 mel of an unpadded buffer
     (a centered STFT with reflect padding, whose last frame is dropped), before its floor:
@@ -136,8 +142,7 @@ class StreamingMel:
         total = n // HOP_LENGTH
         done = self._stable.shape[1]
         fresh = log_mel_frames(self.buffer, done, total)
-        # frame t reads samples up to t * 160 + 200: stable once they are all in the buffer
-        stable = min(total, max(0, (n - N_FFT // 2) // HOP_LENGTH + 1))
+        stable = min(total, stable_frames(n))
         self._stable = torch.cat([self._stable, fresh[:, : stable - done]], 1)
         return torch.cat([self._stable, fresh[:, stable - done :]], 1)
 
@@ -154,8 +159,7 @@ class StreamingMel:
         log_spec = self.log_spec()
         t_full = log_spec.shape[-1]
         n = len(self.buffer)
-        stable = 0 if n < N_FFT // 2 else max(0, (n - N_FFT // 2) // HOP_LENGTH + 1)
-        stable_global = self.base + min(t_full, stable)
+        stable_global = self.base + min(t_full, stable_frames(n))
         core_start = self.last_emitted
         core_end = core_start + self.chunk_frames
         self.first = False

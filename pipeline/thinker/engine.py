@@ -353,7 +353,8 @@ class ThinkerEngine:
             outs = self.llm.drain()  # the last step launched for them: launch no more
         else:
             self._encode_step()
-            outs, guests = self.llm.step(guests), None
+            outs = self.llm.step(guests)
+            guests = None  # they ran in that step
         if guests:
             self.llm.run_guests(guests)
         for out in outs:

@@ -75,7 +75,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode and whole-step CUDA graphs (CUDA + FlashInfer); False: eager
     enable_prefix_caching: bool = True  # reuse K/V of cached full-block prompt prefixes
     # decode rows of other sequences in this KV pool a step may take beside its own
-    # (`step(guests)`: a server's duplex sessions); the decode graphs cover them
+    # (`step(guests)`: a server's duplex sessions); the decode graphs cover them. A served
+    # app sets it from duplex.max_sessions (deployments/config.py DERIVED_KEYS)
     max_guest_rows: int = 0
 
     def __post_init__(self) -> None:
