@@ -57,9 +57,14 @@ def fuse_into_views(linears: list[nn.Linear], name: str = "weight") -> torch.Ten
 
 def drain(steps: Generator[object, None, T]) -> T:
     """Run a step-wise generator (one that yields between its GPU steps) to its end, with
-    nothing between the steps; its return value."""
+    nothing between the steps; its return value. A step may yield work still in flight on
+    the GPU (an object with `wait()`, such as a Code2Wav `Landing`): that is waited for,
+    not polled."""
     while True:
         try:
-            next(steps)
+            step = next(steps)
         except StopIteration as done:
             return done.value
+        wait = getattr(step, "wait", None)
+        if wait is not None:
+            wait()

@@ -392,6 +392,53 @@ def test_the_lanes_share_the_gpus_time_while_both_have_work(monkeypatch):
     assert "".join(order) == "TTT" + "Tssss" * 3 + "ss"
 
 
+def test_the_thinker_lane_steps_while_token2wav_is_on_the_gpu(monkeypatch):
+    """UnitScheduler: while the speech lane's Token2Wav step is in flight (its generator
+    yields the step's Landing), the Thinker lane steps (its kernels run beside it); with
+    nothing else to step, `step()` waits for the landing a short while and returns, and
+    once it has landed the speech lane resumes at once (a stand-in landing and lanes)."""
+    from types import SimpleNamespace
+
+    order, waits = [], []
+
+    class Landing:
+        def ready(self):
+            return len(waits) >= 2
+
+        def wait(self, timeout=None):
+            assert timeout == batch.SPEECH_POLL_S
+            order.append("w")
+            waits.append(timeout)
+            return self.ready()
+
+    landing = Landing()
+
+    def speech():  # as speech._token2wav_steps: launch, then the landing until it is done
+        order.append("s")
+        while not landing.ready():
+            yield landing
+        order.append("r")
+        yield None
+        return []
+
+    def decode(self):
+        order.append("T")
+        if order.count("T") == 2:
+            self._thinking = []
+
+    monkeypatch.setattr(batch.UnitScheduler, "_decode_step", decode)
+    sched = batch.UnitScheduler()
+    ticks = iter(range(1000))
+    sched.clock = lambda: next(ticks)  # every step one tick: the lanes alternate
+    sched._thinking = [SimpleNamespace()]
+    sched._speech = speech()
+    while sched.has_work():
+        sched.step()
+    # a Thinker step, the launch, a Thinker step beside it, then only the landing left: a
+    # wait that times out, one that sees it land and the speech lane's next step at once
+    assert "".join(order) == "TsTwwr"
+
+
 def test_a_speak_units_text_is_told_as_it_is_drawn(shared):
     """UnitScheduler's `on_text`: a speaking unit's spoken ids as they are drawn, before its
     decision, each a prefix of the next, the last the unit's own; `text_pieces` turns them

@@ -270,7 +270,7 @@ def test_token2wav_windows_of_many_sessions_batched_equal_each_session_alone(
     are equal."""
     engine = models.token2wav
     rounds: list[tuple[int, list[tuple[int, int, bool]]]] = []  # (unit, (session, n, last))
-    decode = engine.decode
+    launch = engine.launch
     unit = 0
     g = torch.Generator().manual_seed(11)
     eos = models.talker.model.cfg.eos_code
@@ -281,21 +281,21 @@ def test_token2wav_windows_of_many_sessions_batched_equal_each_session_alone(
         _scripted_draws(batched[k], units)
     ids = {s.stream_id: k for k, s in enumerate(batched)}
 
-    def counted(windows):
+    def counted(windows, stream=None):
         rounds.append((unit, sorted((ids[sid], len(c), last)
                                     for sid, (c, last) in windows.items())))
-        return decode(windows)
+        return launch(windows, stream)
 
     diff: dict[int, float] = {}  # per session: its largest PCM difference
     with torch.inference_mode():
         for unit in range(len(WINDOW_SCHEDULES[0])):
             want = [alone[k].speak([], s[unit][1]) for k, s in enumerate(WINDOW_SCHEDULES)]
-            engine.decode = counted
+            engine.launch = counted
             try:
                 got = speak_batch([(batched[k], [], s[unit][1])
                                    for k, s in enumerate(WINDOW_SCHEDULES)])
             finally:
-                del engine.decode
+                del engine.launch
             for k, (g_, w) in enumerate(zip(got, want, strict=True)):
                 where = f"session {k} unit {unit}"
                 assert not isinstance(g_, BaseException), f"{where}: {g_!r}"
@@ -334,18 +334,18 @@ def test_a_failed_token2wav_step_fails_its_sessions_and_close_frees_their_slots(
     for k, units in enumerate(scripts):
         _scripted_draws(batched[k], units)
 
-    def failing(windows):
+    def failing(windows, stream=None):
         raise RuntimeError("flow failed")
 
     with torch.inference_mode():
         got = speak_batch([(s, [], False) for s in batched])
         assert not any(isinstance(o, BaseException) for o in got)
         before = [list(s.buffer) for s in batched]
-        engine.decode = failing
+        engine.launch = failing
         try:
             got = speak_batch([(s, [], False) for s in batched])
         finally:
-            del engine.decode
+            del engine.launch
         for k, s in enumerate(batched):
             assert isinstance(got[k], RuntimeError) and "flow failed" in str(got[k])
             assert s.chunks == 1 and s.buffer == before[k] + scripts[k][1]
@@ -454,9 +454,48 @@ def test_lockstep_graphs_replay_the_eager_steps_cuda(tiny_checkpoint):
     assert codes > 0 and graphed.pool.graph_steps > 0 and eager.pool.graph_steps == 0
 
 
-def _side_by_side(one: SpeechModels, other: SpeechModels) -> list[tuple[list, list]]:
-    """SESSIONS' units spoken by sessions of `one` and, alike, of `other`: per unit the
-    two batches' results."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_token2wav_on_its_stream_beside_other_work_equals_it_waited_for_cuda(tiny_checkpoint):
+    """On CUDA a Token2Wav step is launched on the models' own stream and `speak_steps`
+    yields its Landing while it runs: here the test's thread runs kernels of its own on the
+    current stream meanwhile (allocating and freeing memory as a Thinker step would), and
+    the codes and PCM equal the same models' steps run on the current stream and waited
+    for at once, bit for bit."""
+    from pipeline.code2wav.engine import Landing
+    from pipeline.duplex.speech import speak_steps
+
+    side = SpeechModels.from_checkpoint(tiny_checkpoint, "cuda")
+    plain = SpeechModels.from_checkpoint(tiny_checkpoint, "cuda")
+    plain.token2wav_stream = None
+    beside = [0]
+
+    def speak(items):
+        steps = speak_steps(items)
+        while True:
+            try:
+                step = next(steps)
+            except StopIteration as done:
+                return done.value
+            if isinstance(step, Landing) and not step.ready():
+                beside[0] += 1
+                x = torch.randn(1024, 1024, device="cuda")
+                for _ in range(8):
+                    x = torch.tanh(x @ x) + torch.empty_like(x).fill_(float("nan")).nan_to_num()
+                del x
+
+    samples = 0
+    for u, (got, want) in enumerate(_side_by_side(side, plain, speak)):
+        for k, (g_, w) in enumerate(zip(got, want, strict=True)):
+            assert not isinstance(g_, BaseException) and not isinstance(w, BaseException)
+            assert g_.codes == w.codes and np.array_equal(g_.pcm, w.pcm), (u, k)
+            samples += w.pcm.size
+    assert samples > 0 and beside[0] > 0
+
+
+def _side_by_side(one: SpeechModels, other: SpeechModels,
+                  speak=speak_batch) -> list[tuple[list, list]]:
+    """SESSIONS' units spoken by sessions of `one` (through `speak`) and, alike, of `other`
+    (`speak_batch`): per unit the two batches' results."""
     a, b = _sessions(one), _sessions(other)
     width = one.talker.model.cfg.llm_dim
     inputs = [torch.Generator().manual_seed(k) for k in range(len(SESSIONS))]
@@ -466,9 +505,9 @@ def _side_by_side(one: SpeechModels, other: SpeechModels) -> list[tuple[list, li
             spoken = [_spoken(inputs[k], units[u][0], width)
                       for k, (_, _, units) in enumerate(SESSIONS)]
             ends = [units[u][1] for _, _, units in SESSIONS]
-            out.append(tuple(speak_batch([(s, sp, e) for s, sp, e in zip(x, spoken, ends,
-                                                                          strict=True)])
-                             for x in (a, b)))
+            out.append(tuple(run([(s, sp, e) for s, sp, e in zip(x, spoken, ends,
+                                                                  strict=True)])
+                             for x, run in ((a, speak), (b, speak_batch))))
     for s in a + b:
         s.close()
     return out

@@ -62,6 +62,7 @@ VOICE_TEMPLATES = 8  # unpinned voice templates kept (least recently used evicte
 # `warmup` decodes this many throwaway full chunks at each batch size, so the first requests
 # find the graphs captured and the compiled blocks built
 WARMUP_CHUNKS = 4
+POLL_S = 0.0002  # `Landing.wait` with a timeout: how often it asks the GPU
 
 
 def batch_sizes(max_streams: int) -> tuple[int, ...]:
@@ -123,14 +124,79 @@ class _Stream:
 
 def batch_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x's `rows` (ascending): a view when they are consecutive (a step's streams usually
-    share one vocoder shape). Indexing a CUDA tensor with a list copies the list to the
-    device with a blocking copy, which waits for the stream's queued work: the host would
-    wait for the flow's graph to finish before preparing the vocoder, and the GPU for the
-    host."""
+    share one vocoder shape), else a gather through an index copied from pinned memory.
+    Indexing a CUDA tensor with a list copies the list with a blocking copy, which waits
+    for the stream's queued work: the host would wait for the flow's graph to finish before
+    preparing the vocoder, and the GPU for the host."""
     first = rows[0]
     if rows == list(range(first, first + len(rows))):
         return x[first : first + len(rows)]
-    return x[rows]
+    index = torch.tensor(rows, dtype=torch.long)
+    if x.is_cuda:
+        index = index.pin_memory().to(x.device, non_blocking=True)
+    return x.index_select(0, index)
+
+
+class Landing:
+    """A launched Code2Wav step (`Code2WavEngine.launch`): its PCM lands in pinned host
+    memory behind the step's kernels; `ready()` asks without waiting, `result()` waits and
+    returns {id: (pcm, last)} as `decode` does. It holds the tensors the step reads (the
+    streams' states before it) until then."""
+
+    def __init__(self, engine: Code2WavEngine, ids: list[str], last: list[bool],
+                 held: list[StreamState]):
+        self.engine, self.ids, self.last, self.held = engine, ids, last, held
+        self.pieces: list[tuple[list[int], torch.Tensor]] = []
+        self.event: torch.cuda.Event | None = None
+        self.started = 0.0
+        self.out: dict[str, tuple[np.ndarray, bool]] | None = None
+
+    def copy(self, members: list[int], speech: torch.Tensor) -> None:
+        """Rows `members` of the step get `speech` (B, N), copied off the device after the
+        kernels enqueued so far."""
+        speech = speech.float()
+        if speech.is_cuda:
+            host = torch.empty(speech.shape, dtype=speech.dtype, pin_memory=True)
+            host.copy_(speech, non_blocking=True)
+        else:
+            host = speech.clone()
+        self.pieces.append((members, host))
+
+    def record(self) -> None:
+        if self.pieces and self.pieces[0][1].is_pinned():
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def ready(self) -> bool:
+        return self.out is not None or self.event is None or self.event.query()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the step is done on the GPU, or `timeout` seconds (polling); whether
+        it is done."""
+        if timeout is None:
+            if self.event is not None:
+                self.event.synchronize()
+            return True
+        end = time.perf_counter() + timeout
+        while not self.ready():
+            if time.perf_counter() >= end:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    def result(self) -> dict[str, tuple[np.ndarray, bool]]:
+        if self.out is None:
+            if self.event is not None:
+                self.event.synchronize()
+            pcm: dict[int, np.ndarray] = {}
+            for members, host in self.pieces:
+                rows = host.numpy()
+                for j, r in enumerate(members):
+                    pcm[r] = rows[j]
+            self.out = {sid: (pcm[r], self.last[r]) for r, sid in enumerate(self.ids)}
+            self.held = []
+            self.engine._landed(self)
+        return self.out
 
 
 class Code2WavEngine:
@@ -186,6 +252,7 @@ class Code2WavEngine:
         self.pinned: set[str] = set()  # voice keys whose template the LRU never evicts
         self.counters: Counter = Counter()
         self.clock = clock
+        self._pending: Landing | None = None  # the step `launch` left in flight
 
     def _autocast(self):
         """The flow's precision context: CUDA fp16 autocast in the fp16 mode on CUDA, as
@@ -283,6 +350,7 @@ class Code2WavEngine:
         longer than a slot holds."""
         if rid in self.streams:
             raise ValueError(f"stream {rid!r} is already open")
+        self.settle()
         voice = spec
         if voice is None:
             if self.voices is None:
@@ -306,6 +374,7 @@ class Code2WavEngine:
         """Hold `streams` turns at once (more than now): the slot pool grows (its resident
         streams copied), and the flow's graphs, captured over the old pool, are dropped;
         batch sizes up to the new count."""
+        self.settle()
         self.pool.grow(streams)
         self.ecfg = replace(self.ecfg, max_streams=streams)
         self.graph_sizes = batch_sizes(streams)
@@ -326,6 +395,7 @@ class Code2WavEngine:
         s.cursor.push(list(msg.codes), msg.finished)
 
     def abort(self, rid: str) -> None:
+        self.settle()
         s = self.streams.pop(rid, None)
         if s is not None and s.slot is not None:
             self.pool.release(s.slot)
@@ -375,32 +445,61 @@ class Code2WavEngine:
         a turn's start early, as the duplex speech does), any length up to a full window
         when last. Returns {id: (pcm, last)} in the same order; a stream's slot is freed
         after its last window. The code buffers are the caller's (`step`: CodeCursor)."""
+        return self.launch(windows).result()
+
+    def launch(self, windows: dict[str, tuple[list[int], bool]],
+               stream: torch.cuda.Stream | None = None) -> Landing:
+        """`decode` without waiting for the GPU: the step is enqueued (on `stream`, after
+        the work the current stream has queued, when given) and its `Landing` returns the
+        PCM once the GPU is done. The host reads nothing of the GPU on the way, so the
+        caller's thread goes on (the duplex speech lane enqueues Token2Wav on a stream of
+        its own and steps the Thinker meanwhile). Until the landing's `result()` nothing else
+        may touch the engine's tensors: open, abort, grow, warmup and the next launch wait
+        for it first."""
+        self.settle()
         t0 = time.perf_counter()
         ids = list(windows)
-        out = {}
-        for sid, pcm, last in self._slot_step(ids, windows):
-            stream = self.streams[sid]
-            if last:  # nothing of the stream is read again
-                self.pool.release(stream.slot)
-                stream.slot = None
-            out[sid] = (pcm, last)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            landing = self._slot_step(ids, windows)
+        landing.started = t0
+        for sid, last in zip(ids, landing.last, strict=True):
+            if last:  # nothing of the stream is read again (the landing holds its tensors)
+                s = self.streams[sid]
+                self.pool.release(s.slot)
+                s.slot = None
         self.counters["batches"] += 1
         self.counters["chunks"] += len(ids)
         self.counters[f"batch_size_{len(ids)}"] += 1
-        # wall time of decoding (the PCM is on the host by now): busy share = its rate
-        self.counters["busy_ms"] += round((time.perf_counter() - t0) * 1e3, 3)
         for name, runner in (("cfm", self.graphs), ("hift", self.hift_graphs)):
             if runner is not None:
                 for key, total in runner.counts(name).items():  # running totals: set
                     self.counters[key] = total
-        return out
+        self._pending = landing
+        return landing
 
-    def _slot_step(self, ids: list[str], ready: dict) -> list[tuple[str, np.ndarray, bool]]:
-        """One padded flow step for the ready streams, then the vocoder per shape."""
+    def settle(self) -> None:
+        """Wait for the step `launch` left in flight, if any (see `launch`)."""
+        if self._pending is not None:
+            self._pending.result()
+
+    def _landed(self, landing: Landing) -> None:
+        # wall time of decoding, launch to PCM on the host: busy share = its rate
+        self.counters["busy_ms"] += round((time.perf_counter() - landing.started) * 1e3, 3)
+        if self._pending is landing:
+            self._pending = None
+
+    def _slot_step(self, ids: list[str], ready: dict) -> Landing:
+        """One padded flow step for the ready streams, then the vocoder per shape, enqueued;
+        the PCM copied to pinned host memory behind them."""
         streams = [self.streams[i] for i in ids]
         if any(s.slot is None for s in streams):
             raise ValueError("a window for a stream whose last window is decoded")
         rows = [Row(s.slot, *ready[i]) for i, s in zip(ids, streams)]
+        # the states the step reads, held until it lands: their memory may belong to another
+        # stream's allocations (a state opened on the caller's stream)
+        held = [s.state for s in streams]
         # padding rows (the pool's spare slot, speaker zeros) up to a captured batch size
         batch = min(b for b in self.graph_sizes if b >= len(rows))
         plan = self.pool.plan(rows, batch)
@@ -417,7 +516,7 @@ class Code2WavEngine:
             for n in split_sizes(len(members), self.graph_sizes):
                 pieces.append((frames, members[:n]))
                 members = members[n:]
-        voiced = []  # every piece's vocoder enqueued before the first copy to the host
+        landing = Landing(self, list(ids), [r.last for r in rows], held)
         for frames, members in pieces:
             last = rows[members[0]].last
             speech, states = vocode(
@@ -428,14 +527,11 @@ class Code2WavEngine:
                 last,
                 self.crossfade,
             )
-            voiced.append((members, speech, states, last))
-        out = {}
-        for members, speech, states, last in voiced:
-            pcm = speech.float().cpu().numpy()
             for j, r in enumerate(members):
                 streams[r].state = replace(states[j], chunks=states[j].chunks + 1)
-                out[ids[r]] = (ids[r], pcm[j], last)
-        return [out[sid] for sid in ids]
+            landing.copy(members, speech)
+        landing.record()
+        return landing
 
     def _flow_slots(self, plan, spk: torch.Tensor) -> torch.Tensor:
         """mel (B, 80, T) of a planned slot step, through its CUDA graph when there is one (its
@@ -477,6 +573,7 @@ class Code2WavEngine:
         if voice is None and self.voices is None:
             raise ValueError("warmup needs a voice (or a VoiceCache with the default voice)")
         voice = voice or self.voices.default()
+        self.settle()
         self._template(voice)
         if WARMUP_CHUNKS <= 0 or (self.graphs is None and self.hift_graphs is None):
             return

@@ -30,10 +30,13 @@ the units. A unit's way through it:
    of the Code2Wav engine over every session's window, each a slot of its pool
    (`speech._token2wav_steps`).
 
-1 and 2 are the Thinker lane, 3 the speech lane. While both have work they share the GPU's
-time: the lane that has run less since both had work steps next (a Talker step is a few ms,
-a Thinker decode step ~10, a Token2Wav round several times that at many sessions, so
-strict turns would hold one lane to the other's pace).
+1 and 2 are the Thinker lane, 3 the speech lane. While both have work they share the
+thread: the lane that has run less since both had work steps next (a Talker step is a few
+ms, a Thinker decode step ~10, so strict turns would hold one lane to the other's pace). A
+Token2Wav round is launched on a CUDA stream of its own (speech.py `_token2wav_steps`) and
+not waited for: while it runs (a whole flow step over every session's window, the longest
+GPU work of all), the Thinker lane's steps go on the thread's stream beside it, and the
+speech lane resumes once it has landed.
 
 Between two steps nothing of a unit is held in a buffer another forward overwrites (the
 decode graphs' outputs are cloned, kv.py), and every session's state is its own, so a
@@ -67,6 +70,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.code2wav.engine import Landing
 from pipeline.duplex.decoder import decode_batch
 from pipeline.duplex.kv import SessionKV
 from pipeline.duplex.session import DuplexSession, UnitResult
@@ -80,6 +84,11 @@ from pipeline.duplex.thinker import (
 )
 from pipeline.thinker.llm import Qwen3LM
 from pipeline.utils import drain
+
+
+# With only a Token2Wav step in flight, `UnitScheduler.step` waits this long for it and
+# returns: a server's loop then steps its engine, and comes back.
+SPEECH_POLL_S = 0.002
 
 
 @dataclass
@@ -234,8 +243,10 @@ class UnitScheduler:
       speech: it is done with its decision.
 
     While both lanes have work, the one that has spent less time in its steps since then
-    steps next (`clock`), so each gets half the GPU whatever its steps' lengths; a lane
-    alone builds no credit.
+    steps next (`clock`), so each gets half the thread whatever its steps' lengths; a lane
+    alone builds no credit. While the speech lane's Token2Wav round is on the GPU it has no
+    step to take: the Thinker lane steps beside it, and with nothing else to step, `step()`
+    waits for it up to SPEECH_POLL_S and returns (a server's loop steps its engine between).
 
     A new unit's prefill goes ahead of the decoding units' next step, but not twice in a row
     while units decode (arrivals as fast as the steps must not starve them). So a unit's
@@ -256,6 +267,7 @@ class UnitScheduler:
         self._ready: list[_Run] = []  # speak units past the Thinker, for the next speech batch
         self._speaking: list[_Run] = []  # the speech batch in flight
         self._speech: Generator | None = None
+        self._landing: Landing | None = None  # the speech lane's Token2Wav step in flight
         # per session (id): its unit prefilled and not yet out of the Thinker lane, and its
         # unit whose speech is not yet done
         self._in_thinker: dict[int, _Run] = {}
@@ -294,8 +306,15 @@ class UnitScheduler:
                 admitted.append(run)
                 taken.add(id(run.req.session))
         thinker = bool(admitted or self._thinking)
-        speech = self._speech is not None or bool(self._ready)
+        # a Token2Wav step on the GPU (its own stream): the speech lane waits for it, and the
+        # Thinker lane's steps run beside it meanwhile
+        landing = self._landing
+        if landing is not None and landing.ready():
+            landing = self._landing = None
+        speech = (self._speech is not None or bool(self._ready)) and landing is None
         if not (thinker or speech):
+            if landing is not None and landing.wait(SPEECH_POLL_S):
+                self._speech_step()  # nothing else to step: its result, at once
             return
         if not (thinker and speech):
             self._spent = [0.0, 0.0]
@@ -321,8 +340,8 @@ class UnitScheduler:
         runs = self._new + self._held + self._thinking + self._ready + self._speaking
         self._new, self._held, self._thinking, self._ready, self._speaking = [], [], [], [], []
         if self._speech is not None:
-            self._speech.close()
-            self._speech = None
+            self._speech.close()  # a step in flight: its engine waits for it before the next
+            self._speech = self._landing = None
         for run in runs:
             if run.steps is not None:
                 run.steps.close()
@@ -432,12 +451,13 @@ class UnitScheduler:
 
     # -- the speech lane --------------------------------------------------------------
     def _speech_step(self) -> None:
+        self._landing = None
         if self._speech is None:
             self._speaking, self._ready = self._ready, []
             self._speech = DuplexSession.finish_units_steps(
                 [(run.req.session, run.unit) for run in self._speaking])
         try:
-            next(self._speech)
+            self._landing = next(self._speech)  # a Landing while its Token2Wav is in flight
             return
         except StopIteration as done:
             results = done.value

@@ -40,7 +40,8 @@ graph a step on CUDA), so that a step costs one forward, one launch and one host
 all of them. A session draws the codes it draws alone (the decode's row count moves the
 logits in their last bits only: tests/test_duplex_speech_batch.py).
 `speak_steps` is a generator that yields after each GPU step (the prefill, each lockstep
-step, each Token2Wav round) so that a server steps its engine in between
+step, each Token2Wav round, and a round's Landing while it runs) so that a server steps its
+engine in between
 (pipeline/duplex/batch.py); `speak_batch` runs it with nothing in between, and `speak` is a
 batch of one.
 
@@ -51,8 +52,11 @@ last (filled from the voice's template, its vocoder noise from the session's own
 restarted every turn). Each session plans its windows from its code buffer as alone
 (`_windows`), and the windows run in rounds, round k being every session's k-th window (a
 session's windows in order, each on the state its previous one left), each round ONE
-`Code2WavEngine.decode`: every window, of any phase, length or voice, a padded row of one
+Code2WavEngine step: every window, of any phase, length or voice, a padded row of one
 flow step (a CUDA graph per batch size and DiT window on CUDA), then the vocoder per shape.
+On CUDA a round is launched on the models' Token2Wav stream (`Code2WavEngine.launch`) and
+`speak_steps` yields its Landing until the PCM is on the host: a caller steps other work
+meanwhile, whose kernels on its own stream run beside the round's.
 The padded rows move the floats in their last bits only (masked softmax over padded keys,
 as the turn-based engine's: tests/test_code2wav_slots.py bounds that path against the
 plain one, and tests/test_duplex_speech.py holds a session to the reference's PCM). A step
@@ -89,7 +93,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.code2wav.causal_hift import CausalHiFT
-from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from pipeline.code2wav.engine import Code2WavEngine, Code2WavEngineConfig, Landing
 from pipeline.code2wav.flow import Flow
 from pipeline.code2wav.hift import HiFTGenerator
 from pipeline.code2wav.slots import NoFreeSlot
@@ -137,9 +141,14 @@ class SpeechModels:
     token2wav: Code2WavEngine
     terminator_ids: tuple[int, ...] = ()
     pool: TalkerPool = field(init=False)  # the sessions' Talker KV rows
+    # CUDA: the stream Token2Wav's steps run on, beside the Thinker's and the Talker's work
+    # on the thread's current stream (`_token2wav_steps`)
+    token2wav_stream: torch.cuda.Stream | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.pool = TalkerPool(self.talker)
+        device = self.token2wav.device
+        self.token2wav_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
     def flow(self) -> Flow:
@@ -767,12 +776,15 @@ def _token2wav_batch(voicings: list[_Voicing]) -> list[BaseException | None]:
 
 def _token2wav_steps(
     voicings: list[_Voicing],
-) -> Generator[None, None, list[BaseException | None]]:
-    """Decode the windows of every session's unit in rounds, yielding after each: round k
-    takes each session's k-th window (a session's windows run in order, each on the state
-    its previous one left), ONE `Code2WavEngine.decode` step per engine for all of them.
-    Returns per voicing the exception that failed it (its step's), or None; a failed
-    session stops at its last decoded window (its buffer still holds the rest)."""
+) -> Generator[Landing | None, None, list[BaseException | None]]:
+    """Decode the windows of every session's unit in rounds: round k takes each session's
+    k-th window (a session's windows run in order, each on the state its previous one
+    left), ONE `Code2WavEngine` step per engine for all of them, launched on the models'
+    Token2Wav stream (CUDA). While a round's step is on the GPU this yields its `Landing`
+    (the caller steps other work meanwhile: the Thinker's kernels run beside it), and
+    None after each round. Returns per voicing the exception that failed it (its step's),
+    or None; a failed session stops at its last decoded window (its buffer still holds
+    the rest)."""
     errors: list[BaseException | None] = [None] * len(voicings)
     k = 0
     while True:
@@ -789,10 +801,15 @@ def _token2wav_steps(
                 continue
             steps.setdefault(id(speech.models.token2wav), []).append(i)
         for step in steps.values():
-            engine = voicings[step[0]].speech.models.token2wav
+            models = voicings[step[0]].speech.models
             windows = {voicings[i].speech.stream_id: voicings[i].windows[k] for i in step}
             try:
-                pcm = engine.decode({sid: (w.codes, w.last) for sid, w in windows.items()})
+                landing = models.token2wav.launch(
+                    {sid: (w.codes, w.last) for sid, w in windows.items()},
+                    models.token2wav_stream)
+                while not landing.ready():
+                    yield landing
+                pcm = landing.result()
             except Exception as e:  # noqa: BLE001 - every session of the step failed
                 for i in step:
                     errors[i] = e
@@ -802,7 +819,7 @@ def _token2wav_steps(
                 v.pieces.append(pcm[v.speech.stream_id][0])
                 v.speech.buffer = v.windows[k].rest
         k += 1
-        yield
+        yield None
 
 
 @dataclass
