@@ -18,8 +18,8 @@ the units. A unit's way through it:
 2. decode: every unit's `DuplexThinker.unit_steps` side by side: each step appends one
    token to every unit still decoding, in one forward, computes the logits of those that
    want them in one matmul, and draws the next id of every one that asks one in one
-   `decode_batch` (each from its own generator; the host reads the device two or three
-   times a step, not a few times a session); a speak unit's spoken ids are told as they
+   `decode_batch` (each from its own generator; the host reads the device once a step,
+   not a few times a session); a speak unit's spoken ids are told as they
    are drawn (`on_text`, for a server to stream its text). A unit leaves at its own chunk
    terminator, with its decision; its repetition window, generator, turn state and sliding window
    stay its session's own (the steps run on its DuplexThinker, as alone);

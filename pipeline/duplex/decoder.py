@@ -9,7 +9,7 @@ session's generator, in the reference's order, so a seed replays the same tokens
 
 `DuplexDecoder.decode` is that path for one session; `decode_batch` draws the next ids of
 many sessions at once (pipeline.duplex.batch), with the same values, draws and ids as each
-session's `decode`, and two or three host reads in all instead of three or four a session.
+session's `decode`, and one host read in all instead of three or four a session.
 
 A (1, V) softmax over the vocabulary runs on CUDA as one thread block over the whole row (a
 single SM for ~50 us at 151k entries), and a row of a packed (B, V) tensor may sum in another
@@ -151,14 +151,18 @@ def decode_batch(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
                  params: list[DecodeParams]) -> list[int]:
     """`decoders[i].decode(logits[i], params[i])` for every row: the same ids, the same draws
     from each decoder's generator, the same `generated` after. The host reads the device
-    twice (three times when a row has a `listen_top_k`), whatever the row count.
+    once, whatever the row count: every row's whole path is computed before the read, and
+    a row that stops early (chunk_eos, a listen by `listen_top_k`) puts its generator back
+    where the reference leaves it (`_decode_rows`), so the launches of a step's draws go
+    out while the GPU still runs the step.
 
     Ops whose value in a row does not depend on the other rows (elementwise, masks, argmax,
     top-k, sort) run over the stacked rows, one call per group of rows with equal settings;
     softmax and cumsum run per row, as (1, V) calls (CUDA sums one row and several rows in
     different orders) side by side (`rowwise`), and each row draws its noise from its own
     generator (one divide and one argmax for all the rows' draws). Rows that share a
-    generator (or a decoder) draw in rounds, in row order, as they would one after another.
+    generator (or a decoder) draw in rounds, in row order, as they would one after another
+    (a read a round).
     """
     if not len(decoders) == len(logits) == len(params):
         raise ValueError("one logits row and one DecodeParams per decoder")
@@ -186,11 +190,15 @@ def _rounds(decoders: list[DuplexDecoder]) -> list[list[int]]:
 
 def _decode_rows(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
                  params: list[DecodeParams]) -> list[int]:
-    """`decode_batch` over rows with distinct generators."""
+    """`decode_batch` over rows with distinct generators, with one host read: every row's
+    first draw, its `listen_top_k` rank and its filtered draw are computed before any is
+    read, and a row that ends at its first draw (chunk_eos) or answers listen puts its
+    generator back where its first draw left it (the reference draws nothing more then),
+    so the draws each generator makes are the reference's."""
     rows = _stacked(logits)  # decode's clone
     device = rows.device
 
-    # 1. the first draw of every row, read in one go: a row that draws chunk_eos is done
+    # 1. the first draw of every row: a row that draws chunk_eos is done
     firsts: list[torch.Tensor | None] = [None] * len(decoders)
     greedy = [j for j, p in enumerate(params) if p.mode == "greedy"]
     if greedy:
@@ -201,57 +209,75 @@ def _decode_rows(decoders: list[DuplexDecoder], logits: list[torch.Tensor],
         probs = rowwise(_softmax, [rows[j : j + 1] for j in sampling])
         for j, first in zip(sampling, _race([decoders[j] for j in sampling], probs)):
             firsts[j] = first
-    out = torch.cat(firsts).tolist()
-    live = [j for j, d in enumerate(decoders) if out[j] != d.chunk_eos]
-    if not live:
-        return out
-    decs, ps = [decoders[j] for j in live], [params[j] for j in live]
-    x = rows if len(live) == len(rows) else _stacked([rows[j : j + 1] for j in live])
+    # where each sampling row's generator stands after its first draw
+    states = {j: _generator(decoders[j], device).get_state() for j in sampling}
 
-    # 2. the masks and penalties, in decode's order
-    _mask_forbidden(x, decs)
-    _penalize_repeats(x, decs, ps)
+    # 2. the masks and penalties, in decode's order (on every row: rows are independent)
+    x = rows
+    _mask_forbidden(x, decoders)
+    _penalize_repeats(x, decoders, params)
     if TURN_EOS_LENGTH_PENALTY != 1.0:
-        index = (torch.arange(len(decs), device=device), _on([d.turn_eos for d in decs], device))
+        index = (torch.arange(len(decoders), device=device),
+                 _on([d.turn_eos for d in decoders], device))
         v = x[index]
         x[index] = torch.where(v > 0, v / TURN_EOS_LENGTH_PENALTY, v * TURN_EOS_LENGTH_PENALTY)
-    scaled = [(p.listen_prob_scale, j, d.listen_id) for j, (d, p) in enumerate(zip(decs, ps))
-              if p.listen_prob_scale != 1.0]
+    scaled = [(p.listen_prob_scale, j, d.listen_id)
+              for j, (d, p) in enumerate(zip(decoders, params)) if p.listen_prob_scale != 1.0]
     for scale, (r, c) in _by_value(scaled).items():
         x[_on(r, device), _on(c, device)] *= scale
 
-    # 3. listen_top_k: a listen ranked high enough is the answer, with no draw
-    todo = list(range(len(live)))
-    ranked = [j for j, p in enumerate(ps) if p.listen_top_k is not None]
+    # 3. listen_top_k: each ranked row's listen rank
+    ranked = [j for j, p in enumerate(params) if p.listen_top_k is not None]
+    ranks = None
     if ranked:
-        r, c = _on(ranked, device), _on([decs[j].listen_id for j in ranked], device)
-        ranks = (x[r] > x[r, c].unsqueeze(-1)).sum(-1).tolist()
-        for j, rank in zip(ranked, ranks):
-            if rank < ps[j].listen_top_k:
-                out[live[j]] = decs[j].listen_id  # not recorded, as in decode
-                todo.remove(j)
+        r, c = _on(ranked, device), _on([decoders[j].listen_id for j in ranked], device)
+        ranks = (x[r] > x[r, c].unsqueeze(-1)).sum(-1)
 
-    # 4. greedy argmax or the filtered draw, read in one go
+    # 4. greedy argmax or the filtered draw of every row
     picked: dict[int, torch.Tensor] = {}
-    greedy = [j for j in todo if ps[j].mode == "greedy"]
     if greedy:
         picked.update(zip(greedy, torch.argmax(x[_on(greedy, device)], dim=-1).split(1)))
     groups: dict[tuple[float, int, float], list[int]] = {}
-    for j in todo:
-        if ps[j].mode != "greedy":
-            groups.setdefault((ps[j].temperature, ps[j].top_k, ps[j].top_p), []).append(j)
+    for j in sampling:
+        p = params[j]
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(j)
     for (temperature, top_k, top_p), group in groups.items():
         y = aligned_empty(len(group), x)
         torch.div(x[_on(group, device)], temperature, out=y)
         _filter_rows(y, top_k, top_p)
         probs = rowwise(_softmax, [y[k : k + 1] for k in range(len(group))])
-        picked.update(zip(group, _race([decs[j] for j in group], probs)))
-    if picked:
-        order = sorted(picked)
-        for j, token in zip(order, torch.cat([picked[j] for j in order]).tolist()):
-            decs[j]._record(token, ps[j].repetition_window)
-            out[live[j]] = token
+        picked.update(zip(group, _race([decoders[j] for j in group], probs)))
+
+    # the one read: the first draws, the ranks, the picks
+    n = len(decoders)
+    parts = firsts + [picked[j] for j in range(n)] + ([ranks] if ranks is not None else [])
+    read = torch.cat([t.reshape(-1) for t in parts]).tolist()
+    rank = dict(zip(ranked, read[2 * n :]))
+    out = []
+    for j, (d, p) in enumerate(zip(decoders, params)):
+        first, token = read[j], read[n + j]
+        if first == d.chunk_eos:
+            out.append(first)
+        elif j in rank and rank[j] < p.listen_top_k:
+            out.append(d.listen_id)  # not recorded, as in decode
+        else:
+            d._record(token, p.repetition_window)
+            out.append(token)
+            continue
+        if j in states:  # no second draw in the reference: the generator goes back
+            _generator(d, device).set_state(states[j])
+            d.draws -= 1
     return out
+
+
+def _generator(d: DuplexDecoder, device: torch.device) -> torch.Generator:
+    """The generator `d` draws from (None: the device's default one)."""
+    if d.generator is not None:
+        return d.generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None
+                                             else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 def _mask_forbidden(x: torch.Tensor, decoders: list[DuplexDecoder]) -> None:
