@@ -243,8 +243,9 @@ class _FakeUnits:
             return
         self.units.append([sid, audio, on_decided, on_done, 0, force])
 
-    def steps(self):
+    def steps(self, others):
         self.jobs += 1
+        assert others() in (True, False)  # the engine's has_work: its own steps between
         while self.units:
             new = [f"{u[0]}:{u[1]}" for u in self.units if u[4] == 0]
             self.joined.append(new)

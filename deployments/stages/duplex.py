@@ -281,11 +281,12 @@ class DuplexSessions:
         self._scheduler.add(UnitRequest(session, audio, frames, force, slices), decided, done,
                             pieces)
 
-    def steps(self) -> Generator[None, None, None]:
+    def steps(self, others: Callable[[], bool] | None = None) -> Generator[None, None, None]:
         """The scheduler's steps (pipeline.duplex.batch.UnitScheduler), one GPU step a
-        `next()`, until no unit added is left."""
+        `next()`, until no unit added is left; `others()`: whether the engine has steps of
+        its own to take between (UnitScheduler.steps)."""
         if self._scheduler is not None:
-            yield from self._scheduler.steps()
+            yield from self._scheduler.steps(others)
 
     def fail_all(self, e: BaseException) -> None:
         if self._scheduler is not None:
@@ -428,7 +429,7 @@ class UnitBatcher:
         try:
             while self._in_flight:
                 try:
-                    await self._loop.call_steps(lambda e: self._sessions().steps())
+                    await self._loop.call_steps(lambda e: self._sessions().steps(e.has_work))
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # a step failed outside the units' own handling

@@ -86,8 +86,8 @@ from pipeline.thinker.llm import Qwen3LM
 from pipeline.utils import drain
 
 
-# With only a Token2Wav step in flight, `UnitScheduler.step` waits this long for it and
-# returns: a server's loop then steps its engine, and comes back.
+# With only a Token2Wav round in flight and nothing else to step, `UnitScheduler.step`
+# waits this long for it and returns (a server's loop comes back at once).
 SPEECH_POLL_S = 0.002
 
 
@@ -291,14 +291,19 @@ class UnitScheduler:
         return bool(self._new or self._held or self._thinking or self._ready
                     or self._speech is not None)
 
-    def steps(self) -> Generator[None, None, None]:
-        """`step()` until no unit is left; yields after each."""
+    def steps(self, others: Callable[[], bool] | None = None) -> Generator[None, None, None]:
+        """`step()` until no unit is left; yields after each. `others()`: whether the
+        caller has work of its own to step between (a server's engine), which a Token2Wav
+        round in flight then does not wait for."""
         while self.has_work():
-            self.step()
+            self.step(others is not None and others())
             yield
 
     @torch.inference_mode()
-    def step(self) -> None:
+    def step(self, others: bool = False) -> None:
+        """One step of a lane. With only a Token2Wav round in flight, it waits for the round
+        up to SPEECH_POLL_S (not at all when `others`: the caller has its own work to step)
+        and takes the speech lane's next step if it has landed."""
         self._release()
         admitted, taken = [], set(self._in_thinker)  # a session's first unit waiting, if free
         for run in self._new:
@@ -313,8 +318,8 @@ class UnitScheduler:
             landing = self._landing = None
         speech = (self._speech is not None or bool(self._ready)) and landing is None
         if not (thinker or speech):
-            if landing is not None and landing.wait(SPEECH_POLL_S):
-                self._speech_step()  # nothing else to step: its result, at once
+            if landing is not None and landing.wait(0.0 if others else SPEECH_POLL_S):
+                self._speech_step()  # its result, at once
             return
         if not (thinker and speech):
             self._spent = [0.0, 0.0]
