@@ -163,7 +163,8 @@ class Landing:
         self.pieces.append((members, host))
 
     def record(self) -> None:
-        if self.pieces and self.pieces[0][1].is_pinned():
+        """Mark the end of the step's work on the current stream (CUDA)."""
+        if self.engine.device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record()
 
@@ -186,8 +187,7 @@ class Landing:
 
     def result(self) -> dict[str, tuple[np.ndarray, bool]]:
         if self.out is None:
-            if self.event is not None:
-                self.event.synchronize()
+            self.wait()
             pcm: dict[int, np.ndarray] = {}
             for members, host in self.pieces:
                 rows = host.numpy()

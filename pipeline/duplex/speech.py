@@ -885,10 +885,11 @@ def speak_steps(
 
     So each session draws the codes it draws alone: only the decode's row count differs,
     which moves the logits in their last bits (and the PCM by a few LSB: the engine's padded
-    rows). Returns per item its SpeechChunk or the exception that failed it. A failed decode fails every
-    session it stepped; a failed session keeps its turn's Talker KV as its last complete
-    prefill or step left it (a failed forward wrote only past it), and a failed Token2Wav
-    step each of its sessions' Token2Wav state as its last decoded window left it."""
+    rows). Returns per item its SpeechChunk or the exception that failed it. A failed
+    decode fails every session it stepped; a failed session keeps its turn's Talker KV as
+    its last complete prefill or step left it (a failed forward wrote only past it), and a
+    failed Token2Wav step each of its sessions' Token2Wav state as its last decoded window
+    left it."""
     if len({id(speech) for speech, _, _ in items}) != len(items):
         raise ValueError("a session may speak once in a batch")
     out: list[SpeechChunk | BaseException | None] = [None] * len(items)
